@@ -1,0 +1,250 @@
+//! The command line. Every flag can also be set through a `GRANARY_*` environment variable.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+fn size(s: &str) -> Result<u64, String> {
+    granary_common::size::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("invalid duration {s:?} ({e}); use e.g. 500ms, 1s, 2m"))
+}
+
+/// Granary: a cluster-wide caching filesystem for AI training data.
+#[derive(Debug, Parser)]
+#[command(name = "granary", version, about, long_about = None, after_help = "\
+Examples:
+  granary local --ufs ~/datasets --mount /mnt/granary     one process over a folder
+  granary master --data-dir /var/lib/granary --listen 0.0.0.0:19998
+  granary worker --master m1:19998 --listen 0.0.0.0:29999 --cache-dir /nvme/granary --cache-size 500GiB
+  granary fuse --master m1:19998 --mount /mnt/granary
+  granary mount add /datasets/imagenet file:///data/imagenet
+  granary fs ls /datasets
+  granary report")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run master, worker and FUSE mount in one process over a folder or URI.
+    Local(LocalArgs),
+    /// Run a master.
+    Master(MasterArgs),
+    /// Run a caching worker.
+    Worker(WorkerArgs),
+    /// Mount the namespace with FUSE (read-only for now).
+    Fuse(FuseArgs),
+    /// Manage under-store mounts.
+    #[command(subcommand)]
+    Mount(MountCommand),
+    /// Browse the namespace.
+    #[command(subcommand)]
+    Fs(FsCommand),
+    /// Show the cluster: masters, workers, capacity, cache hits and misses.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct MasterAddr {
+    /// Master address (host:port).
+    #[arg(
+        long = "master",
+        env = "GRANARY_MASTER",
+        default_value = "127.0.0.1:19998"
+    )]
+    pub master: String,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct FuseOpts {
+    /// How long the kernel caches file attributes.
+    #[arg(long, env = "GRANARY_ATTR_TIMEOUT", value_parser = duration, default_value = "1s")]
+    pub attr_timeout: Duration,
+    /// How long the kernel caches name lookups.
+    #[arg(long, env = "GRANARY_ENTRY_TIMEOUT", value_parser = duration, default_value = "1s")]
+    pub entry_timeout: Duration,
+    /// Kernel request threads.
+    #[arg(long, env = "GRANARY_FUSE_THREADS", default_value_t = 4)]
+    pub fuse_threads: usize,
+    /// Let users other than the mounting one access the mount.
+    #[arg(long, env = "GRANARY_ALLOW_OTHER")]
+    pub allow_other: bool,
+}
+
+/// Examples:
+///   granary local --ufs ./data --mount /tmp/granary
+///   granary local --ufs /data --mount /mnt/g --cache-dir /nvme/g --cache-size 200GiB --metrics-listen 127.0.0.1:9464
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct LocalArgs {
+    /// Under-store to serve: a local directory or a URI (file:///path).
+    #[arg(long, env = "GRANARY_UFS")]
+    pub ufs: String,
+    /// Where to mount (an existing empty directory).
+    #[arg(long, env = "GRANARY_MOUNT")]
+    pub mount: PathBuf,
+    /// Cache and metadata directory [default: $XDG_CACHE_HOME/granary/local or ~/.cache/granary/local].
+    #[arg(long, env = "GRANARY_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Cache capacity, e.g. 10GiB, 512MiB or plain bytes.
+    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size, default_value = "10GiB")]
+    pub cache_size: u64,
+    /// Serve Prometheus metrics on this address (/metrics).
+    #[arg(long, env = "GRANARY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub fuse: FuseOpts,
+}
+
+/// Examples:
+///   granary master --data-dir /var/lib/granary/master --listen 0.0.0.0:19998
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct MasterArgs {
+    /// Directory for the Raft log and the namespace (RocksDB).
+    #[arg(long, env = "GRANARY_DATA_DIR")]
+    pub data_dir: PathBuf,
+    /// gRPC listen address.
+    #[arg(long, env = "GRANARY_LISTEN", default_value = "127.0.0.1:19998")]
+    pub listen: SocketAddr,
+    /// Serve Prometheus metrics on this address (/metrics).
+    #[arg(long, env = "GRANARY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// A worker silent this long is declared lost.
+    #[arg(long, env = "GRANARY_WORKER_TIMEOUT", value_parser = duration, default_value = "10s")]
+    pub worker_timeout: Duration,
+    /// Block size of files loaded from under-stores.
+    #[arg(long, env = "GRANARY_BLOCK_SIZE", value_parser = size, default_value = "64MiB")]
+    pub block_size: u64,
+}
+
+/// Examples:
+///   granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --cache-dir /nvme/granary --cache-size 500GiB
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub master: MasterAddr,
+    /// gRPC listen address.
+    #[arg(long, env = "GRANARY_LISTEN", default_value = "127.0.0.1:29999")]
+    pub listen: SocketAddr,
+    /// Address clients use to reach this worker [default: the listen address].
+    #[arg(long, env = "GRANARY_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Cache directory (block files and index).
+    #[arg(long, env = "GRANARY_CACHE_DIR")]
+    pub cache_dir: PathBuf,
+    /// Cache capacity, e.g. 10GiB, 512MiB or plain bytes.
+    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size)]
+    pub cache_size: u64,
+    /// Page size: the unit fetched, checksummed and evicted.
+    #[arg(long, env = "GRANARY_PAGE_SIZE", value_parser = size, default_value = "1MiB")]
+    pub page_size: u64,
+    /// Serve Prometheus metrics on this address (/metrics).
+    #[arg(long, env = "GRANARY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Heartbeat interval.
+    #[arg(long, env = "GRANARY_HEARTBEAT_INTERVAL", value_parser = duration, default_value = "1s")]
+    pub heartbeat_interval: Duration,
+}
+
+/// Examples:
+///   granary fuse --master 10.0.0.1:19998 --mount /mnt/granary
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct FuseArgs {
+    #[command(flatten)]
+    pub master: MasterAddr,
+    /// Where to mount (an existing directory).
+    #[arg(long, env = "GRANARY_MOUNT")]
+    pub mount: PathBuf,
+    #[command(flatten)]
+    pub fuse: FuseOpts,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MountCommand {
+    /// Mount an under-store at a Granary path.
+    ///
+    /// Examples:
+    ///   granary mount add /datasets/local file:///data/sets
+    ///   granary mount add /scratch /mnt/nfs/scratch --option read_only=true
+    #[command(verbatim_doc_comment)]
+    Add {
+        /// Granary path (created if missing; must not overlap another mount).
+        path: String,
+        /// Under-store URI, or an absolute local directory.
+        uri: String,
+        /// key=value option (repeatable), e.g. read_only=true.
+        #[arg(long = "option", short = 'o')]
+        options: Vec<String>,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// List mounts (credentials shown as ***).
+    List {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Remove a mount (cached metadata under it is dropped; the under-store is untouched).
+    Remove {
+        path: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FsCommand {
+    /// List a directory.
+    ///
+    /// Example: granary fs ls -l /datasets
+    #[command(verbatim_doc_comment)]
+    Ls {
+        path: String,
+        /// Long format: kind, size, mtime, name.
+        #[arg(short = 'l')]
+        long: bool,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Show an entry's metadata.
+    ///
+    /// Example: granary fs stat /datasets/train/part-0001.tar
+    #[command(verbatim_doc_comment)]
+    Stat {
+        path: String,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Write a file's bytes to stdout (through the cache).
+    ///
+    /// Example: granary fs cat /datasets/labels.csv | head
+    #[command(verbatim_doc_comment)]
+    Cat {
+        path: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub master: MasterAddr,
+}

@@ -1,0 +1,60 @@
+//! The `granary` command: server modes (`master`, `worker`, `fuse`, `local`) and admin
+//! commands. Exit codes: 0 ok, 1 error (one sentence on stderr), 2 usage (from clap).
+
+pub mod admin;
+pub mod args;
+pub mod servers;
+
+use std::process::ExitCode;
+
+use args::{Cli, Command};
+
+/// Runs a parsed command line and maps the outcome to an exit code.
+pub fn main(cli: Cli) -> ExitCode {
+    granary_common::logging::init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("granary")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = rt.block_on(run(cli));
+    // Don't wait for stray tasks (e.g. idle connections) at exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The error and its causes on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    parts.join(": ").replace('\n', " ")
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Local(a) => servers::local(a).await,
+        Command::Master(a) => servers::master(a).await,
+        Command::Worker(a) => servers::worker(a).await,
+        Command::Fuse(a) => servers::fuse(a).await,
+        Command::Mount(c) => admin::mount(c).await,
+        Command::Fs(c) => admin::fs(c).await,
+        Command::Report(a) => admin::report(a).await,
+    }
+}

@@ -1,0 +1,179 @@
+//! Server modes. Each runs until SIGINT/SIGTERM, then shuts down cleanly (FUSE unmounted
+//! first, so no process is left with a dead mount).
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use granary_client::{FileSystem, MasterClient};
+use granary_common::metrics::new_registry;
+use granary_fuse::FuseConfig;
+use granary_master::MasterConfig;
+use granary_worker::WorkerConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::args::{FuseArgs, FuseOpts, LocalArgs, MasterArgs, WorkerArgs};
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
+    let mut c = FuseConfig::new(mount);
+    c.attr_timeout = o.attr_timeout;
+    c.entry_timeout = o.entry_timeout;
+    c.threads = o.fuse_threads;
+    c.allow_other = o.allow_other;
+    c
+}
+
+pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
+    let registry = new_registry();
+    let shutdown = CancellationToken::new();
+    let mut config = MasterConfig::new(a.data_dir, a.listen);
+    config.metrics_listen = a.metrics_listen;
+    config.worker_timeout = a.worker_timeout;
+    config.block_size = a.block_size;
+    let m = granary_master::start(config, registry, shutdown.clone()).await?;
+    eprintln!("granary master listening on {}", m.addr);
+    if let Some(ma) = m.metrics_addr {
+        eprintln!("metrics on http://{ma}/metrics");
+    }
+    shutdown_signal().await;
+    shutdown.cancel();
+    m.done.await.context("master task")??;
+    Ok(())
+}
+
+pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let registry = new_registry();
+    let shutdown = CancellationToken::new();
+    let mut config = WorkerConfig::new(a.master.master, a.listen, a.cache_dir, a.cache_size);
+    config.advertise = a.advertise;
+    config.page_size = a.page_size;
+    config.metrics_listen = a.metrics_listen;
+    config.heartbeat_interval = a.heartbeat_interval;
+    let w = granary_worker::start(config, registry, shutdown.clone()).await?;
+    eprintln!("granary worker {} listening on {}", w.worker_id, w.addr);
+    if let Some(ma) = w.metrics_addr {
+        eprintln!("metrics on http://{ma}/metrics");
+    }
+    shutdown_signal().await;
+    shutdown.cancel();
+    w.done.await.context("worker task")??;
+    Ok(())
+}
+
+async fn serve_mount(client: Arc<FileSystem>, config: FuseConfig) -> anyhow::Result<()> {
+    let session = granary_fuse::mount(client, &config, tokio::runtime::Handle::current())?;
+    eprintln!(
+        "granary mounted at {}; press Ctrl-C to unmount",
+        config.mountpoint.display()
+    );
+    shutdown_signal().await;
+    eprintln!("unmounting {}", config.mountpoint.display());
+    tokio::task::spawn_blocking(move || session.umount_and_join())
+        .await
+        .context("unmount task")?
+        .with_context(|| format!("unmounting {}", config.mountpoint.display()))?;
+    Ok(())
+}
+
+pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
+    let config = fuse_config(a.mount, &a.fuse);
+    granary_fuse::check_mountpoint(&config.mountpoint)?;
+    let client = FileSystem::connect(&a.master.master)?;
+    serve_mount(client, config).await
+}
+
+fn default_local_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("/var/cache"));
+    base.join("granary").join("local")
+}
+
+pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
+    let config = fuse_config(a.mount.clone(), &a.fuse);
+    granary_fuse::check_mountpoint(&config.mountpoint)?;
+    let spec = granary_common::ufs::UfsSpec::new(&a.ufs, Default::default())?;
+    spec.open()?;
+    let dir = a.cache_dir.unwrap_or_else(default_local_dir);
+    let registry = new_registry();
+    let shutdown = CancellationToken::new();
+
+    let mut mc = MasterConfig::new(dir.join("master"), "127.0.0.1:0".parse()?);
+    mc.metrics_listen = None;
+    let m = granary_master::start(mc, registry.clone(), shutdown.clone()).await?;
+    let master_addr = m.addr.to_string();
+
+    let mut wc = WorkerConfig::new(
+        master_addr.clone(),
+        "127.0.0.1:0".parse()?,
+        dir.join("worker"),
+        a.cache_size,
+    );
+    wc.heartbeat_interval = Duration::from_millis(500);
+    let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
+    if let Some(addr) = a.metrics_listen {
+        let bound = granary_common::metrics::serve(addr, registry.clone(), shutdown.clone())
+            .await
+            .with_context(|| format!("serving metrics on {addr}"))?;
+        eprintln!("metrics on http://{bound}/metrics");
+    }
+
+    // The folder is mounted at the namespace root; a previous run over another folder is
+    // replaced.
+    let admin = MasterClient::new(&master_addr)?;
+    let mounts = admin.list_mounts().await?;
+    let already = mounts.len() == 1 && mounts[0].path == "/" && mounts[0].uri == spec.uri;
+    if !already {
+        for mnt in &mounts {
+            admin.remove_mount(&mnt.path).await?;
+        }
+        admin
+            .add_mount("/", &spec.uri, Vec::new())
+            .await
+            .with_context(|| {
+                format!(
+                    "mounting {} at / (use another --cache-dir if this one holds other data)",
+                    spec.uri
+                )
+            })?;
+    }
+    // Give the worker a moment to register so the first reads are cached.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !w.registered.load(Ordering::Relaxed) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if !w.registered.load(Ordering::Relaxed) {
+        bail!("the embedded worker did not register with the embedded master");
+    }
+    eprintln!(
+        "granary local: serving {} (cache {} in {})",
+        spec.uri,
+        granary_common::size::format_size(a.cache_size),
+        dir.display()
+    );
+    let client = FileSystem::connect(&master_addr)?;
+    let served = serve_mount(client, config).await;
+    shutdown.cancel();
+    let _ = w.done.await;
+    let _ = m.done.await;
+    served
+}

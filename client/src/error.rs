@@ -1,0 +1,72 @@
+//! Client errors, converted from gRPC status in one place.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ClientError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("the file changed in the under-store while it was read: {0}")]
+    Stale(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ClientError {
+    pub fn from_status(s: tonic::Status) -> Self {
+        use tonic::Code;
+        let msg = s.message().to_string();
+        match s.code() {
+            Code::NotFound => Self::NotFound(msg),
+            Code::AlreadyExists => Self::AlreadyExists(msg),
+            Code::InvalidArgument | Code::OutOfRange => Self::InvalidArgument(msg),
+            Code::FailedPrecondition => Self::FailedPrecondition(msg),
+            Code::Aborted => Self::Stale(msg),
+            Code::DeadlineExceeded => Self::Timeout(msg),
+            Code::Unavailable | Code::Cancelled | Code::Unknown | Code::ResourceExhausted => {
+                Self::Unavailable(if msg.is_empty() {
+                    "service unavailable".into()
+                } else {
+                    msg
+                })
+            }
+            _ => Self::Internal(msg),
+        }
+    }
+
+    /// Worth trying another replica or source?
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::Unavailable(_) | Self::Timeout(_) | Self::Internal(_)
+        )
+    }
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(s: tonic::Status) -> Self {
+        Self::from_status(s)
+    }
+}
+
+impl From<object_store::Error> for ClientError {
+    fn from(e: object_store::Error) -> Self {
+        match e {
+            object_store::Error::NotFound { .. } => Self::NotFound(e.to_string()),
+            object_store::Error::Precondition { .. } | object_store::Error::NotModified { .. } => {
+                Self::Stale(e.to_string())
+            }
+            _ => Self::Unavailable(format!("under-store read failed: {e}")),
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! The FileSystem API used by the FUSE mount and the CLI: metadata from the master, data from
+//! workers (the block's rendezvous owner first), and straight from the under-store when no
+//! worker can serve.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use granary_common::ufs::{Ufs, UfsSpec};
+use granary_proto as pb;
+use granary_proto::worker_service_client::WorkerServiceClient;
+use object_store::{GetOptions, GetRange, ObjectStore as _};
+use tonic::transport::Channel;
+
+use crate::error::ClientError;
+use crate::master::MasterClient;
+use crate::placement::order_workers;
+
+/// How long the list of live workers is reused before asking the master again.
+const WORKERS_TTL: Duration = Duration::from_secs(2);
+/// How long a worker that failed a read is tried last.
+const SUSPECT_FOR: Duration = Duration::from_secs(10);
+/// Deadline of one block read from a worker.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Default)]
+struct WorkerView {
+    fetched: Option<Instant>,
+    workers: Vec<pb::WorkerInfo>,
+    suspects: HashMap<u64, Instant>,
+    clients: HashMap<String, WorkerServiceClient<Channel>>,
+}
+
+/// Counters of where read bytes came from (for tests and `report`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReadStats {
+    pub worker_bytes: u64,
+    pub direct_ufs_bytes: u64,
+    pub worker_failures: u64,
+}
+
+pub struct FileSystem {
+    pub master: MasterClient,
+    view: Mutex<WorkerView>,
+    ufs: Mutex<HashMap<u64, Ufs>>,
+    stats: Mutex<ReadStats>,
+    pub read_timeout: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl FileSystem {
+    pub fn new(master: MasterClient) -> Arc<Self> {
+        Arc::new(Self {
+            master,
+            view: Mutex::new(WorkerView::default()),
+            ufs: Mutex::new(HashMap::new()),
+            stats: Mutex::new(ReadStats::default()),
+            read_timeout: DEFAULT_READ_TIMEOUT,
+        })
+    }
+
+    pub fn connect(master_addr: &str) -> Result<Arc<Self>, ClientError> {
+        Ok(Self::new(MasterClient::new(master_addr)?))
+    }
+
+    pub fn read_stats(&self) -> ReadStats {
+        *lock(&self.stats)
+    }
+
+    pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
+        self.master
+            .get_status(pb::path_or_id::Target::Path(path.to_string()))
+            .await
+    }
+
+    pub async fn stat_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
+        self.master
+            .get_status(pb::path_or_id::Target::Inode(inode))
+            .await
+    }
+
+    pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
+        self.master.lookup(parent, name).await
+    }
+
+    /// One page of a directory listing, in name order after `after`.
+    pub async fn list_page(
+        &self,
+        target: pb::path_or_id::Target,
+        after: &str,
+        page_size: u32,
+    ) -> Result<(Vec<pb::FileStatus>, String), ClientError> {
+        let r = self
+            .master
+            .list_page(target, after.to_string(), page_size)
+            .await?;
+        Ok((r.entries, r.next_page_token))
+    }
+
+    /// The whole listing of a directory (all pages).
+    pub async fn list(
+        &self,
+        target: pb::path_or_id::Target,
+    ) -> Result<Vec<pb::FileStatus>, ClientError> {
+        let mut out = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (mut entries, next) = self.list_page(target.clone(), &token, 0).await?;
+            out.append(&mut entries);
+            if next.is_empty() {
+                return Ok(out);
+            }
+            token = next;
+        }
+    }
+
+    /// Reads up to `len` bytes at `offset` of a file (short only at end of file).
+    pub async fn read(
+        &self,
+        file: &pb::FileStatus,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, ClientError> {
+        if file.kind != pb::FileKind::File as i32 {
+            return Err(ClientError::InvalidArgument(format!(
+                "{} is not a file",
+                file.path
+            )));
+        }
+        if offset >= file.length || len == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = file.length.min(offset.saturating_add(len));
+        let bs = if file.block_size == 0 {
+            granary_common::DEFAULT_BLOCK_SIZE
+        } else {
+            file.block_size
+        };
+        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        let mut pos = offset;
+        while pos < end {
+            let index = pos / bs;
+            let block_start = index * bs;
+            let in_block = pos - block_start;
+            let n = (bs - in_block).min(end - pos);
+            let data = self
+                .read_block_range(file, index, block_start, in_block, n)
+                .await?;
+            if data.len() as u64 != n {
+                return Err(ClientError::Internal(format!(
+                    "short read of {} at {pos}: wanted {n} bytes, got {}",
+                    file.path,
+                    data.len()
+                )));
+            }
+            out.extend_from_slice(&data);
+            pos += n;
+        }
+        Ok(out.freeze())
+    }
+
+    async fn live_workers(&self) -> Vec<pb::WorkerInfo> {
+        {
+            let v = lock(&self.view);
+            if v.fetched.is_some_and(|t| t.elapsed() < WORKERS_TTL) {
+                return v.workers.clone();
+            }
+        }
+        match self.master.cluster_info().await {
+            Ok(info) => {
+                let live: Vec<pb::WorkerInfo> = info
+                    .workers
+                    .into_iter()
+                    .filter(|w| w.state == "live")
+                    .collect();
+                let mut v = lock(&self.view);
+                v.workers = live.clone();
+                v.fetched = Some(Instant::now());
+                live
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot refresh the worker list; using the last one");
+                lock(&self.view).workers.clone()
+            }
+        }
+    }
+
+    fn worker_client(&self, address: &str) -> Result<WorkerServiceClient<Channel>, ClientError> {
+        let mut v = lock(&self.view);
+        if let Some(c) = v.clients.get(address) {
+            return Ok(c.clone());
+        }
+        let ch = granary_common::grpc::channel(address).map_err(|e| {
+            ClientError::InvalidArgument(format!("bad worker address {address}: {e}"))
+        })?;
+        let c = WorkerServiceClient::new(ch)
+            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+        v.clients.insert(address.to_string(), c.clone());
+        Ok(c)
+    }
+
+    fn descriptor(file: &pb::FileStatus, index: u64) -> Result<pb::BlockDescriptor, ClientError> {
+        let ufs = file.ufs.clone().ok_or_else(|| {
+            ClientError::FailedPrecondition(format!(
+                "{} has no under-store copy to read",
+                file.path
+            ))
+        })?;
+        Ok(pb::BlockDescriptor {
+            id: Some(pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index: index as u32,
+            }),
+            ufs: Some(ufs),
+            fingerprint: file.fingerprint.clone(),
+            file_length: file.length,
+            block_size: file.block_size,
+        })
+    }
+
+    async fn read_block_range(
+        &self,
+        file: &pb::FileStatus,
+        index: u64,
+        block_start: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, ClientError> {
+        let desc = Self::descriptor(file, index)?;
+        let block_id = desc.id.clone().unwrap_or_default();
+        let mut candidates = order_workers(&block_id, &self.live_workers().await);
+        {
+            // Workers that failed recently go last.
+            let v = lock(&self.view);
+            candidates.sort_by_key(|w| {
+                v.suspects
+                    .get(&w.worker_id)
+                    .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
+            });
+        }
+        for w in candidates {
+            match self.read_from_worker(&w.address, &desc, offset, len).await {
+                Ok(data) => {
+                    lock(&self.stats).worker_bytes += data.len() as u64;
+                    return Ok(data);
+                }
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
+                    lock(&self.stats).worker_failures += 1;
+                    lock(&self.view)
+                        .suspects
+                        .insert(w.worker_id, Instant::now());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let data = self.read_direct(file, block_start + offset, len).await?;
+        lock(&self.stats).direct_ufs_bytes += data.len() as u64;
+        Ok(data)
+    }
+
+    async fn read_from_worker(
+        &self,
+        address: &str,
+        desc: &pb::BlockDescriptor,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, ClientError> {
+        let mut client = self.worker_client(address)?;
+        let mut req = tonic::Request::new(pb::ReadBlockRequest {
+            block: Some(desc.clone()),
+            offset,
+            length: len,
+            cache: true,
+        });
+        req.set_timeout(self.read_timeout);
+        let fut = async move {
+            let mut stream = client.read_block(req).await?.into_inner();
+            let mut buf = BytesMut::with_capacity(len as usize);
+            while let Some(chunk) = stream.message().await? {
+                if chunk.offset != offset + buf.len() as u64 {
+                    return Err(ClientError::Internal(format!(
+                        "worker {address} sent a chunk at {} where {} was expected",
+                        chunk.offset,
+                        offset + buf.len() as u64
+                    )));
+                }
+                buf.extend_from_slice(&chunk.data);
+            }
+            Ok::<_, ClientError>(buf.freeze())
+        };
+        match tokio::time::timeout(self.read_timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout(format!(
+                "worker {address} did not finish a read within {:?}",
+                self.read_timeout
+            ))),
+        }
+    }
+
+    async fn ufs_for(&self, mount_id: u64) -> Result<Ufs, ClientError> {
+        if let Some(u) = lock(&self.ufs).get(&mount_id) {
+            return Ok(u.clone());
+        }
+        let access = self.master.mount_access(mount_id).await?;
+        let spec = UfsSpec::new(
+            &access.uri,
+            access
+                .options
+                .into_iter()
+                .map(|o| (o.key, o.value))
+                .collect(),
+        )
+        .map_err(|e| ClientError::Unavailable(e.to_string()))?;
+        let ufs = spec
+            .open()
+            .map_err(|e| ClientError::Unavailable(e.to_string()))?;
+        lock(&self.ufs).insert(mount_id, ufs.clone());
+        Ok(ufs)
+    }
+
+    /// Reads straight from the under-store (no worker could serve), checking the object is
+    /// still the version the namespace knows.
+    pub async fn read_direct(
+        &self,
+        file: &pb::FileStatus,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, ClientError> {
+        let loc = file.ufs.clone().ok_or_else(|| {
+            ClientError::Unavailable(format!(
+                "no worker can serve {} and it has no under-store copy",
+                file.path
+            ))
+        })?;
+        let ufs = self.ufs_for(loc.mount_id).await?;
+        let path = ufs.path_of(&loc.path);
+        let etag = file
+            .fingerprint
+            .as_ref()
+            .map(|f| f.etag.clone())
+            .filter(|e| !e.is_empty());
+        let opts = GetOptions {
+            if_match: etag,
+            range: Some(GetRange::Bounded(offset..offset + len)),
+            ..Default::default()
+        };
+        let fut = async {
+            let r = ufs.store.get_opts(&path, opts).await?;
+            Ok::<_, ClientError>(r.bytes().await?)
+        };
+        match tokio::time::timeout(self.read_timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout(format!(
+                "under-store read of {} timed out after {:?}",
+                file.path, self.read_timeout
+            ))),
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! `granary-client`: the one FileSystem API that the FUSE mount, the CLI and the tests use.
+//!
+//! Metadata goes to the master (with deadlines and retry of idempotent calls while it is
+//! unreachable); data comes from the block's owner worker (rendezvous hashing over live
+//! workers), then any other live worker, and finally straight from the under-store — a read
+//! never fails just because workers are down.
+
+pub mod error;
+pub mod fs;
+pub mod master;
+pub mod placement;
+
+pub use error::ClientError;
+pub use fs::FileSystem;
+pub use master::MasterClient;

@@ -1,0 +1,42 @@
+//! gRPC channel and server settings shared by every hop, tuned for bulk block streams.
+
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+/// Time allowed to establish a connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Default deadline of a metadata RPC.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// HTTP/2 windows sized for 1 MiB chunks in flight.
+pub const STREAM_WINDOW: u32 = 8 * 1024 * 1024;
+pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
+
+/// Normalises `host:port` or a full URI into an `http://` endpoint URI.
+pub fn endpoint_uri(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+/// A lazily connecting channel to `addr` with Granary's transport settings.
+pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(endpoint_uri(addr))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .connect_lazy())
+}
+
+/// A server builder with the matching settings.
+pub fn server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+}

@@ -1,0 +1,100 @@
+//! Granary namespace paths.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum PathError {
+    #[error("invalid path {path:?}: {reason}")]
+    Invalid { path: String, reason: &'static str },
+}
+
+/// Longest accepted path and path component, as on Linux.
+pub const MAX_PATH_LEN: usize = 4096;
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Splits an absolute Granary path into its components, rejecting what the namespace
+/// cannot hold. `/` yields no components.
+pub fn components(path: &str) -> Result<Vec<&str>, PathError> {
+    let invalid = |reason| PathError::Invalid {
+        path: path.to_string(),
+        reason,
+    };
+    if !path.starts_with('/') {
+        return Err(invalid("must be absolute (start with /)"));
+    }
+    if path.len() > MAX_PATH_LEN {
+        return Err(invalid("longer than 4096 bytes"));
+    }
+    let mut out = Vec::new();
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        validate_name(part).map_err(|_| invalid("contains an invalid component"))?;
+        out.push(part);
+    }
+    Ok(out)
+}
+
+/// Checks a single entry name.
+pub fn validate_name(name: &str) -> Result<(), PathError> {
+    let invalid = |reason| PathError::Invalid {
+        path: name.to_string(),
+        reason,
+    };
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(invalid("'.', '..' and empty names are not allowed"));
+    }
+    if name.contains('/') || name.contains('\0') {
+        return Err(invalid("names cannot contain '/' or NUL"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(invalid("name longer than 255 bytes"));
+    }
+    Ok(())
+}
+
+/// Normalises a path: `//a/./b/` becomes `/a/b` (`.` components are dropped, `..` rejected).
+pub fn normalize(path: &str) -> Result<String, PathError> {
+    let cleaned: Vec<&str> = path
+        .split('/')
+        .filter(|p| !p.is_empty() && *p != ".")
+        .collect();
+    let joined = format!("/{}", cleaned.join("/"));
+    let parts = components(if path.starts_with('/') { &joined } else { path })?;
+    Ok(format!("/{}", parts.join("/")))
+}
+
+/// Joins a parent path and a child name.
+pub fn join(parent: &str, name: &str) -> String {
+    if parent == "/" {
+        format!("/{name}")
+    } else {
+        format!("{parent}/{name}")
+    }
+}
+
+/// True when `inner` equals `outer` or lies below it.
+pub fn is_within(inner: &str, outer: &str) -> bool {
+    outer == "/"
+        || inner == outer
+        || (inner.starts_with(outer) && inner.as_bytes().get(outer.len()) == Some(&b'/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalizes() {
+        assert_eq!(normalize("/").unwrap(), "/");
+        assert_eq!(normalize("//a/./b/").unwrap(), "/a/b");
+        assert!(normalize("a/b").is_err());
+        assert!(normalize("/a/../b").is_err());
+    }
+
+    #[test]
+    fn within() {
+        assert!(is_within("/a/b", "/a"));
+        assert!(is_within("/a", "/a"));
+        assert!(!is_within("/ab", "/a"));
+        assert!(is_within("/x", "/"));
+    }
+}

@@ -1,0 +1,16 @@
+//! The one mapping from client errors to errno.
+
+use fuser::Errno;
+use granary_client::ClientError;
+
+pub fn errno(e: &ClientError) -> Errno {
+    match e {
+        ClientError::NotFound(_) => Errno::ENOENT,
+        ClientError::AlreadyExists(_) => Errno::EEXIST,
+        ClientError::InvalidArgument(_) => Errno::EINVAL,
+        ClientError::FailedPrecondition(_) => Errno::EIO,
+        ClientError::Unavailable(_) | ClientError::Internal(_) => Errno::EIO,
+        ClientError::Timeout(_) => Errno::ETIMEDOUT,
+        ClientError::Stale(_) => Errno::ESTALE,
+    }
+}

@@ -1,0 +1,337 @@
+//! The filesystem callbacks.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
+};
+use granary_client::FileSystem;
+use granary_proto as pb;
+
+use crate::error::errno;
+use crate::FuseConfig;
+
+/// Largest read/readahead the kernel is asked to send (1 MiB requests).
+const MAX_IO: u32 = 1024 * 1024;
+
+pub struct GranaryFs {
+    client: Arc<FileSystem>,
+    rt: tokio::runtime::Handle,
+    attr_ttl: Duration,
+    entry_ttl: Duration,
+    uid: u32,
+    gid: u32,
+    next_fh: AtomicU64,
+    files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<(u64, FileType, String)>>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn kind_of(s: &pb::FileStatus) -> FileType {
+    if s.kind == pb::FileKind::Directory as i32 {
+        FileType::Directory
+    } else {
+        FileType::RegularFile
+    }
+}
+
+impl GranaryFs {
+    pub fn new(client: Arc<FileSystem>, config: &FuseConfig, rt: tokio::runtime::Handle) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let (uid, gid) = std::fs::metadata("/proc/self")
+            .map(|m| (m.uid(), m.gid()))
+            .unwrap_or((0, 0));
+        Self {
+            client,
+            rt,
+            attr_ttl: config.attr_timeout,
+            entry_ttl: config.entry_timeout,
+            uid,
+            gid,
+            next_fh: AtomicU64::new(1),
+            files: Arc::new(Mutex::new(HashMap::new())),
+            dirs: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+}
+
+fn attr_of(s: &pb::FileStatus, uid: u32, gid: u32) -> FileAttr {
+    let kind = kind_of(s);
+    let mtime = if s.mtime_ms >= 0 {
+        UNIX_EPOCH + Duration::from_millis(s.mtime_ms as u64)
+    } else {
+        UNIX_EPOCH
+    };
+    let default_perm = if kind == FileType::Directory {
+        0o755
+    } else {
+        0o644
+    };
+    let perm = if s.mode == 0 {
+        default_perm
+    } else {
+        (s.mode & 0o7777) as u16
+    };
+    FileAttr {
+        ino: INodeNo(s.inode),
+        size: s.length,
+        blocks: s.length.div_ceil(512),
+        atime: mtime,
+        mtime,
+        ctime: mtime,
+        crtime: mtime,
+        kind,
+        perm,
+        nlink: if kind == FileType::Directory { 2 } else { 1 },
+        uid,
+        gid,
+        rdev: 0,
+        blksize: MAX_IO,
+        flags: 0,
+    }
+}
+
+impl Filesystem for GranaryFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_readahead(MAX_IO);
+        let _ = config.set_max_write(MAX_IO);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let Some(name) = name.to_str().map(str::to_string) else {
+            reply.error(Errno::ENOENT);
+            return;
+        };
+        let client = self.client.clone();
+        let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        self.rt.spawn(async move {
+            match client.lookup(parent.0, &name).await {
+                Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
+                Err(e) => {
+                    if !matches!(e, granary_client::ClientError::NotFound(_)) {
+                        tracing::warn!(parent = parent.0, %name, error = %e, "lookup failed");
+                    }
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let client = self.client.clone();
+        let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
+        self.rt.spawn(async move {
+            match client.stat_inode(ino.0).await {
+                Ok(s) => reply.attr(&ttl, &attr_of(&s, uid, gid)),
+                Err(e) => {
+                    tracing::warn!(inode = ino.0, error = %e, "getattr failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
+            reply.error(Errno::EROFS);
+            return;
+        }
+        let client = self.client.clone();
+        let files = self.files.clone();
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.rt.spawn(async move {
+            match client.stat_inode(ino.0).await {
+                Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
+                Ok(s) => {
+                    lock(&files).insert(fh, Arc::new(s));
+                    reply.opened(FileHandle(fh), FopenFlags::empty());
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let Some(file) = lock(&self.files).get(&fh.0).cloned() else {
+            reply.error(Errno::EBADF);
+            return;
+        };
+        let client = self.client.clone();
+        self.rt.spawn(async move {
+            match client.read(&file, offset, u64::from(size)).await {
+                Ok(data) => reply.data(&data),
+                Err(e) => {
+                    tracing::error!(inode = ino.0, path = %file.path, offset, size, error = %e, "read failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        lock(&self.files).remove(&fh.0);
+        reply.ok();
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let client = self.client.clone();
+        let dirs = self.dirs.clone();
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.rt.spawn(async move {
+            let dir = match client.stat_inode(ino.0).await {
+                Ok(d) => d,
+                Err(e) => return reply.error(errno(&e)),
+            };
+            if dir.kind != pb::FileKind::Directory as i32 {
+                return reply.error(Errno::ENOTDIR);
+            }
+            match client.list(pb::path_or_id::Target::Inode(ino.0)).await {
+                Ok(entries) => {
+                    let mut v = Vec::with_capacity(entries.len() + 2);
+                    v.push((ino.0, FileType::Directory, ".".to_string()));
+                    v.push((dir.parent.max(1), FileType::Directory, "..".to_string()));
+                    for e in &entries {
+                        v.push((e.inode, kind_of(e), e.name.clone()));
+                    }
+                    lock(&dirs).insert(fh, Arc::new(v));
+                    reply.opened(FileHandle(fh), FopenFlags::empty());
+                }
+                Err(e) => {
+                    tracing::warn!(inode = ino.0, error = %e, "listing failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(entries) = lock(&self.dirs).get(&fh.0).cloned() else {
+            reply.error(Errno::EBADF);
+            return;
+        };
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(*ino), (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        lock(&self.dirs).remove(&fh.0);
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let client = self.client.clone();
+        self.rt.spawn(async move {
+            const BSIZE: u64 = 4096;
+            let (cap, used, files) = match client.master.cluster_info().await {
+                Ok(info) => {
+                    let cap: u64 = info
+                        .workers
+                        .iter()
+                        .filter_map(|w| w.stats.as_ref())
+                        .map(|s| s.capacity_bytes)
+                        .sum();
+                    let used: u64 = info
+                        .workers
+                        .iter()
+                        .filter_map(|w| w.stats.as_ref())
+                        .map(|s| s.used_bytes)
+                        .sum();
+                    (cap, used, info.inode_count)
+                }
+                Err(_) => (0, 0, 0),
+            };
+            let blocks = cap / BSIZE;
+            let free = cap.saturating_sub(used) / BSIZE;
+            reply.statfs(
+                blocks,
+                free,
+                free,
+                files,
+                0,
+                BSIZE as u32,
+                255,
+                BSIZE as u32,
+            );
+        });
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        if mask.contains(fuser::AccessFlags::W_OK) {
+            reply.error(Errno::EROFS);
+        } else {
+            reply.ok();
+        }
+    }
+
+    // Everything that would change the namespace or data: read-only for now.
+    fn setattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        _size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        reply.error(Errno::EROFS);
+    }
+}

@@ -1,0 +1,98 @@
+//! `granary fuse`: a `fuser` filesystem over the client library.
+//!
+//! Every callback hands its work to the tokio runtime and replies from the task, so no
+//! kernel reader thread ever waits on the network; every network wait has a deadline
+//! (client side), so an operation fails with an errno instead of hanging the mount.
+//! Read-only for now: every write attempt gets `EROFS`.
+
+mod error;
+mod fs;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fuser::{Config, MountOption, SessionACL};
+use granary_client::FileSystem;
+use thiserror::Error;
+
+pub use fs::GranaryFs;
+
+#[derive(Debug, Error)]
+pub enum FuseError {
+    #[error("mount point {path} does not exist")]
+    MissingMountPoint { path: String },
+    #[error("mount point {path} is not a directory")]
+    NotADirectory { path: String },
+    #[error("cannot mount on {path}: {source}")]
+    Mount {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct FuseConfig {
+    pub mountpoint: PathBuf,
+    /// How long the kernel may cache attributes.
+    pub attr_timeout: Duration,
+    /// How long the kernel may cache name lookups (and negative lookups).
+    pub entry_timeout: Duration,
+    /// Kernel request reader threads.
+    pub threads: usize,
+    /// Let other users than the mounting one use the mount (`allow_other`).
+    pub allow_other: bool,
+}
+
+impl FuseConfig {
+    pub fn new(mountpoint: PathBuf) -> Self {
+        Self {
+            mountpoint,
+            attr_timeout: Duration::from_secs(1),
+            entry_timeout: Duration::from_secs(1),
+            threads: 4,
+            allow_other: false,
+        }
+    }
+}
+
+/// Checks the mount point before mounting, for a clear error.
+pub fn check_mountpoint(path: &Path) -> Result<(), FuseError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(FuseError::NotADirectory {
+            path: path.display().to_string(),
+        }),
+        Err(_) => Err(FuseError::MissingMountPoint {
+            path: path.display().to_string(),
+        }),
+    }
+}
+
+/// Mounts the namespace at `config.mountpoint` and serves it on background threads until the
+/// returned session is unmounted (`umount_and_join`) or dropped.
+pub fn mount(
+    client: Arc<FileSystem>,
+    config: &FuseConfig,
+    runtime: tokio::runtime::Handle,
+) -> Result<fuser::BackgroundSession, FuseError> {
+    check_mountpoint(&config.mountpoint)?;
+    let fs = GranaryFs::new(client, config, runtime);
+    let mut c = Config::default();
+    c.mount_options = vec![
+        MountOption::FSName("granary".into()),
+        MountOption::Subtype("granary".into()),
+        MountOption::RO,
+        MountOption::NoAtime,
+    ];
+    if config.allow_other {
+        c.acl = SessionACL::All;
+    }
+    c.n_threads = Some(config.threads.max(1));
+    c.clone_fd = true;
+    fuser::spawn_mount(fs, &config.mountpoint, &c).map_err(|source| FuseError::Mount {
+        path: config.mountpoint.display().to_string(),
+        source,
+    })
+}

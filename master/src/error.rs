@@ -1,0 +1,110 @@
+//! The master's error type and its one mapping onto gRPC status codes.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum MasterError {
+    #[error("no such file or directory: {path}")]
+    NotFound { path: String },
+    #[error("already exists: {path}")]
+    AlreadyExists { path: String },
+    #[error("{message}")]
+    InvalidArgument { message: String },
+    #[error("{message}")]
+    FailedPrecondition { message: String },
+    #[error("not a directory: {path}")]
+    NotADirectory { path: String },
+    #[error("directory not empty: {path}")]
+    NotEmpty { path: String },
+    #[error("{path} is in the read-only mount {mount}")]
+    ReadOnly { path: String, mount: String },
+    #[error("this master is not the leader")]
+    NotLeader { leader_hint: Option<String> },
+    #[error("{message}")]
+    Unavailable { message: String },
+    #[error("master storage is corrupt or inconsistent: {message}")]
+    Corrupt { message: String },
+    #[error("storage error: {message}")]
+    Storage { message: String },
+    #[error("the master is shutting down")]
+    ShuttingDown,
+}
+
+impl MasterError {
+    pub fn corrupt(message: impl Into<String>) -> Self {
+        Self::Corrupt {
+            message: message.into(),
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            message: message.into(),
+        }
+    }
+    pub fn precondition(message: impl Into<String>) -> Self {
+        Self::FailedPrecondition {
+            message: message.into(),
+        }
+    }
+    pub fn not_found(path: impl Into<String>) -> Self {
+        Self::NotFound { path: path.into() }
+    }
+}
+
+impl From<rocksdb::Error> for MasterError {
+    fn from(e: rocksdb::Error) -> Self {
+        Self::Storage {
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<granary_common::paths::PathError> for MasterError {
+    fn from(e: granary_common::paths::PathError) -> Self {
+        Self::invalid(e.to_string())
+    }
+}
+
+impl From<granary_common::ufs::UfsError> for MasterError {
+    fn from(e: granary_common::ufs::UfsError) -> Self {
+        use granary_common::ufs::UfsError as U;
+        match e {
+            U::Open { .. } => Self::Unavailable {
+                message: e.to_string(),
+            },
+            _ => Self::invalid(e.to_string()),
+        }
+    }
+}
+
+/// Metadata key carrying the leader's address on a `NotLeader` status.
+pub const LEADER_HINT_KEY: &str = "granary-leader";
+
+impl From<MasterError> for tonic::Status {
+    fn from(e: MasterError) -> Self {
+        use tonic::Code;
+        let code = match &e {
+            MasterError::NotFound { .. } => Code::NotFound,
+            MasterError::AlreadyExists { .. } => Code::AlreadyExists,
+            MasterError::InvalidArgument { .. } => Code::InvalidArgument,
+            MasterError::FailedPrecondition { .. }
+            | MasterError::NotADirectory { .. }
+            | MasterError::NotEmpty { .. }
+            | MasterError::ReadOnly { .. } => Code::FailedPrecondition,
+            MasterError::NotLeader { .. }
+            | MasterError::Unavailable { .. }
+            | MasterError::ShuttingDown => Code::Unavailable,
+            MasterError::Corrupt { .. } | MasterError::Storage { .. } => Code::Internal,
+        };
+        let mut status = tonic::Status::new(code, e.to_string());
+        if let MasterError::NotLeader {
+            leader_hint: Some(hint),
+        } = &e
+        {
+            if let Ok(v) = hint.parse() {
+                status.metadata_mut().insert(LEADER_HINT_KEY, v);
+            }
+        }
+        status
+    }
+}

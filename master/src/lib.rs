@@ -1,0 +1,175 @@
+//! The Granary master: unified namespace, mount table, block locations and worker
+//! membership. Every namespace mutation is a command replicated through raft-rs and applied
+//! to a RocksDB state machine; block locations and worker membership are soft state rebuilt
+//! from worker reports.
+//!
+//! Invariants:
+//! - a mutation is acknowledged only after its log entry is synced and it has been applied;
+//! - the state machine's applied index is written atomically with each apply;
+//! - metadata of mounted under-stores is loaded lazily and a failed listing changes nothing.
+
+pub mod blocks;
+pub mod core;
+pub mod error;
+pub mod metrics;
+pub mod mounts;
+pub mod namespace;
+pub mod raft;
+pub mod service;
+pub mod state;
+pub mod workers;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use granary_common::metrics::SharedRegistry;
+use granary_proto::master_service_server::MasterServiceServer;
+use tokio_util::sync::CancellationToken;
+
+pub use error::MasterError;
+
+/// This master's Raft id in a single-voter group.
+pub const SINGLE_NODE_ID: u64 = 1;
+
+#[derive(Debug, Clone)]
+pub struct MasterConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// Address advertised to clients (defaults to the bound address).
+    pub advertise: Option<String>,
+    pub metrics_listen: Option<SocketAddr>,
+    /// A worker silent this long is declared lost.
+    pub worker_timeout: Duration,
+    /// Interval workers are asked to heartbeat at.
+    pub heartbeat_interval: Duration,
+    /// Block size of files loaded from under-stores.
+    pub block_size: u64,
+}
+
+impl MasterConfig {
+    pub fn new(data_dir: PathBuf, listen: SocketAddr) -> Self {
+        Self {
+            data_dir,
+            listen,
+            advertise: None,
+            metrics_listen: None,
+            worker_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(1),
+            block_size: granary_common::DEFAULT_BLOCK_SIZE,
+        }
+    }
+}
+
+/// A started master.
+pub struct RunningMaster {
+    pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub core: Arc<core::MasterCore>,
+    /// Resolves when the server has stopped (after `shutdown` fires).
+    pub done: tokio::task::JoinHandle<Result<(), MasterError>>,
+}
+
+fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError> {
+    std::fs::create_dir_all(dir).map_err(|e| MasterError::Storage {
+        message: format!("cannot create data directory {}: {e}", dir.display()),
+    })?;
+    let mut opts = rocksdb::Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    rocksdb::DB::open_cf(&opts, dir, [raft::storage::CF_RAFT, state::CF_STATE]).map_err(|e| {
+        MasterError::Storage {
+            message: format!("cannot open master store in {}: {e}", dir.display()),
+        }
+    })
+}
+
+/// Opens the store, starts Raft, binds the gRPC (and metrics) listeners and serves until
+/// `shutdown` is cancelled.
+pub async fn start(
+    config: MasterConfig,
+    registry: SharedRegistry,
+    shutdown: CancellationToken,
+) -> Result<RunningMaster, MasterError> {
+    let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
+    let sm = state::StateMachine::open(db.clone())?;
+    let log = raft::storage::RocksLogStorage::open(db.clone(), &[SINGLE_NODE_ID])?;
+    let (raft_handle, raft_join) = raft::node::start(SINGLE_NODE_ID, log, sm.clone())?;
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| MasterError::Unavailable {
+            message: format!("cannot listen on {}: {e}", config.listen),
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| MasterError::Unavailable {
+            message: e.to_string(),
+        })?;
+    let ufs = Arc::new(mounts::UfsCache::default());
+    let core = Arc::new(core::MasterCore {
+        id: SINGLE_NODE_ID,
+        address: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        ns: namespace::Namespace::new(sm, raft_handle.clone(), ufs, config.block_size),
+        raft: raft_handle.clone(),
+        blocks: blocks::BlockLocations::default(),
+        workers: workers::WorkerRegistry::new(config.worker_timeout),
+        heartbeat_interval: config.heartbeat_interval,
+    });
+
+    let master_metrics = metrics::MasterMetrics::register(&registry);
+    let metrics_addr = match config.metrics_listen {
+        Some(a) => Some(
+            granary_common::metrics::serve(a, registry.clone(), shutdown.clone())
+                .await
+                .map_err(|e| MasterError::Unavailable {
+                    message: format!("cannot serve metrics on {a}: {e}"),
+                })?,
+        ),
+        None => None,
+    };
+
+    // Housekeeping: worker expiry and metrics.
+    {
+        let core = core.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => {
+                        core.sweep();
+                        master_metrics.refresh(&core);
+                    }
+                }
+            }
+        });
+    }
+
+    let svc = MasterServiceServer::new(service::MasterRpc { core: core.clone() })
+        .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let sd = shutdown.clone();
+    let done = tokio::spawn(async move {
+        let served = granary_common::grpc::server()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
+            .await;
+        raft_handle.shutdown();
+        let _ = tokio::task::spawn_blocking(move || raft_join.join()).await;
+        drop(db);
+        served.map_err(|e| MasterError::Unavailable {
+            message: format!("master server failed: {e}"),
+        })
+    });
+    tracing::info!(%addr, data_dir = %config.data_dir.display(), "master serving");
+    Ok(RunningMaster {
+        addr,
+        metrics_addr,
+        core,
+        done,
+    })
+}

@@ -1,0 +1,87 @@
+//! Master metrics (`granary_master_*`), refreshed by the housekeeping loop.
+
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+
+use granary_common::metrics::SharedRegistry;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::core::MasterCore;
+
+#[derive(Clone, Default)]
+pub struct MasterMetrics {
+    inodes: Gauge<i64, AtomicI64>,
+    mounts: Gauge<i64, AtomicI64>,
+    workers_live: Gauge<i64, AtomicI64>,
+    workers_lost: Gauge<i64, AtomicI64>,
+    raft_term: Gauge<i64, AtomicI64>,
+    raft_commit: Gauge<i64, AtomicI64>,
+    raft_applied: Gauge<i64, AtomicI64>,
+    raft_is_leader: Gauge<i64, AtomicI64>,
+}
+
+impl MasterMetrics {
+    pub fn register(registry: &SharedRegistry) -> Self {
+        let m = Self::default();
+        if let Ok(mut r) = registry.lock() {
+            r.register(
+                "granary_master_inodes",
+                "Inodes in the namespace",
+                m.inodes.clone(),
+            );
+            r.register(
+                "granary_master_mounts",
+                "Mounted under-stores",
+                m.mounts.clone(),
+            );
+            r.register(
+                "granary_master_workers_live",
+                "Workers heartbeating",
+                m.workers_live.clone(),
+            );
+            r.register(
+                "granary_master_workers_lost",
+                "Workers that stopped heartbeating",
+                m.workers_lost.clone(),
+            );
+            r.register(
+                "granary_master_raft_term",
+                "Current Raft term",
+                m.raft_term.clone(),
+            );
+            r.register(
+                "granary_master_raft_commit_index",
+                "Raft commit index",
+                m.raft_commit.clone(),
+            );
+            r.register(
+                "granary_master_raft_applied_index",
+                "Raft applied index",
+                m.raft_applied.clone(),
+            );
+            r.register(
+                "granary_master_raft_is_leader",
+                "1 when this master leads",
+                m.raft_is_leader.clone(),
+            );
+        }
+        m
+    }
+
+    pub fn refresh(&self, core: &MasterCore) {
+        if let Ok(n) = core.ns.sm.inode_count() {
+            self.inodes.set(n as i64);
+        }
+        if let Ok(m) = core.ns.sm.mounts() {
+            self.mounts.set(m.len() as i64);
+        }
+        let all = core.workers.all();
+        let live = all.iter().filter(|w| core.workers.is_live(w)).count() as i64;
+        self.workers_live.set(live);
+        self.workers_lost.set(all.len() as i64 - live);
+        let s = &core.raft.status;
+        self.raft_term.set(s.term.load(Relaxed) as i64);
+        self.raft_commit.set(s.commit.load(Relaxed) as i64);
+        self.raft_applied.set(s.applied.load(Relaxed) as i64);
+        self.raft_is_leader.set(i64::from(s.is_leader()));
+    }
+}

@@ -1,0 +1,76 @@
+//! The mount table's runtime side: validating new mounts and keeping opened under-stores.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use granary_common::ufs::{redact, Ufs, UfsSpec};
+use granary_proto as pb;
+
+use crate::error::MasterError;
+use crate::state::{Mount, StateMachine};
+
+/// Opened under-stores, by mount id. Opening is cheap but not free (clients, credentials).
+#[derive(Default)]
+pub struct UfsCache {
+    stores: Mutex<HashMap<u64, (String, Ufs)>>,
+}
+
+impl UfsCache {
+    /// The opened store of `mount`, reopened if the mount's URI changed.
+    pub fn get(&self, mount: &Mount) -> Result<Ufs, MasterError> {
+        let mut map = match self.stores.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if let Some((uri, ufs)) = map.get(&mount.id) {
+            if *uri == mount.spec.uri {
+                return Ok(ufs.clone());
+            }
+        }
+        let ufs = mount.spec.open()?;
+        map.insert(mount.id, (mount.spec.uri.clone(), ufs.clone()));
+        Ok(ufs)
+    }
+
+    pub fn forget(&self, mount_id: u64) {
+        if let Ok(mut map) = self.stores.lock() {
+            map.remove(&mount_id);
+        }
+    }
+}
+
+/// Validates a requested mount before it is proposed: the URI parses, the store opens and a
+/// local directory exists.
+pub fn validate_new(uri: &str, options: &[pb::MountOptionEntry]) -> Result<UfsSpec, MasterError> {
+    if uri.trim().is_empty() {
+        return Err(MasterError::invalid("the under-store URI is empty"));
+    }
+    let mut opts = BTreeMap::new();
+    for o in options {
+        if o.key.is_empty() {
+            return Err(MasterError::invalid("a mount option has an empty key"));
+        }
+        opts.insert(o.key.clone(), o.value.clone());
+    }
+    let spec = UfsSpec::new(uri, opts)?;
+    spec.open()?;
+    Ok(spec)
+}
+
+pub fn mount_info(m: &Mount) -> pb::MountInfo {
+    pb::MountInfo {
+        mount_id: m.id,
+        path: m.path.clone(),
+        uri: m.spec.uri.clone(),
+        options: redact(&m.spec.options)
+            .into_iter()
+            .map(|(key, value)| pb::MountOptionEntry { key, value })
+            .collect(),
+        read_only: m.spec.read_only(),
+    }
+}
+
+pub fn find_mount(sm: &StateMachine, id: u64) -> Result<Mount, MasterError> {
+    sm.mount(id)?
+        .ok_or_else(|| MasterError::not_found(format!("mount {id}")))
+}

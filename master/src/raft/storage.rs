@@ -1,0 +1,388 @@
+//! Raft log, hard state and conf state in RocksDB (column family `raft`).
+//!
+//! Layout: `hs` → HardState, `cs` → ConfState, `snap` → (index, term) of the last compaction
+//! point (0, 0 until snapshots exist), `e` + index (big endian) → Entry.
+//! Every write is synced before `append`/`persist_*` return: Raft acknowledges nothing that
+//! could be lost by kill -9 or a power cut.
+
+use std::sync::{Arc, Mutex};
+
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+use rocksdb::{WriteBatch, WriteOptions, DB};
+
+use crate::error::MasterError;
+
+pub const CF_RAFT: &str = "raft";
+
+const KEY_HARD_STATE: &[u8] = b"hs";
+const KEY_CONF_STATE: &[u8] = b"cs";
+const KEY_SNAPSHOT_POINT: &[u8] = b"snap";
+
+fn entry_key(index: u64) -> [u8; 9] {
+    let mut k = [0u8; 9];
+    k[0] = b'e';
+    k[1..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Bounds {
+    /// Index and term of the entry just before the first stored one.
+    snap_index: u64,
+    snap_term: u64,
+    /// Index of the last stored entry (== snap_index when the log is empty).
+    last_index: u64,
+}
+
+/// RocksDB-backed `raft::Storage`.
+#[derive(Clone)]
+pub struct RocksLogStorage {
+    db: Arc<DB>,
+    bounds: Arc<Mutex<Bounds>>,
+}
+
+fn storage_err(e: impl std::fmt::Display) -> raft::Error {
+    raft::Error::Store(StorageError::Other(e.to_string().into()))
+}
+
+impl RocksLogStorage {
+    /// Opens the log in `db`, reading the log bounds. A brand-new log is initialised with
+    /// `initial_voters` as its configuration.
+    pub fn open(db: Arc<DB>, initial_voters: &[u64]) -> Result<Self, MasterError> {
+        let s = Self {
+            db,
+            bounds: Arc::new(Mutex::new(Bounds::default())),
+        };
+        let (snap_index, snap_term) = match s.get(KEY_SNAPSHOT_POINT)? {
+            Some(v) if v.len() == 16 => (
+                u64::from_be_bytes(v[..8].try_into().unwrap_or_default()),
+                u64::from_be_bytes(v[8..].try_into().unwrap_or_default()),
+            ),
+            Some(_) => return Err(MasterError::corrupt("raft snapshot point has a bad length")),
+            None => (0, 0),
+        };
+        let last_index = s.scan_last_index()?.unwrap_or(snap_index);
+        *s.lock() = Bounds {
+            snap_index,
+            snap_term,
+            last_index,
+        };
+        if s.get(KEY_CONF_STATE)?.is_none() {
+            let mut cs = ConfState::default();
+            cs.set_voters(initial_voters.to_vec());
+            s.put_sync(KEY_CONF_STATE, &encode(&cs)?)?;
+        }
+        Ok(s)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Bounds> {
+        match self.bounds.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn cf(&self) -> Result<&rocksdb::ColumnFamily, MasterError> {
+        self.db
+            .cf_handle(CF_RAFT)
+            .ok_or_else(|| MasterError::corrupt("column family 'raft' is missing"))
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
+        Ok(self.db.get_cf(self.cf()?, key)?)
+    }
+
+    fn put_sync(&self, key: &[u8], value: &[u8]) -> Result<(), MasterError> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        Ok(self.db.put_cf_opt(self.cf()?, key, value, &wo)?)
+    }
+
+    fn scan_last_index(&self) -> Result<Option<u64>, MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek_for_prev(entry_key(u64::MAX));
+        if it.valid() {
+            if let Some(k) = it.key() {
+                if k.len() == 9 && k[0] == b'e' {
+                    let idx = u64::from_be_bytes(k[1..].try_into().unwrap_or_default());
+                    return Ok(Some(idx));
+                }
+            }
+        }
+        it.status()?;
+        Ok(None)
+    }
+
+    pub fn hard_state(&self) -> Result<HardState, MasterError> {
+        match self.get(KEY_HARD_STATE)? {
+            Some(v) => decode(&v),
+            None => Ok(HardState::default()),
+        }
+    }
+
+    pub fn conf_state(&self) -> Result<ConfState, MasterError> {
+        match self.get(KEY_CONF_STATE)? {
+            Some(v) => decode(&v),
+            None => Ok(ConfState::default()),
+        }
+    }
+
+    pub fn last(&self) -> u64 {
+        self.lock().last_index
+    }
+
+    pub fn first(&self) -> u64 {
+        self.lock().snap_index + 1
+    }
+
+    /// Appends entries (truncating any conflicting suffix) and, if given, the hard state, in
+    /// one synced write.
+    pub fn persist(&self, entries: &[Entry], hs: Option<&HardState>) -> Result<(), MasterError> {
+        let cf = self.cf()?;
+        let mut batch = WriteBatch::default();
+        let mut bounds = self.lock();
+        let mut new_last = bounds.last_index;
+        if let Some(first) = entries.first() {
+            if first.index <= bounds.snap_index {
+                return Err(MasterError::corrupt(format!(
+                    "append at index {} is at or before the compaction point {}",
+                    first.index, bounds.snap_index
+                )));
+            }
+            if first.index > bounds.last_index + 1 {
+                return Err(MasterError::corrupt(format!(
+                    "append at index {} leaves a gap after last index {}",
+                    first.index, bounds.last_index
+                )));
+            }
+            // Entries after the new suffix's start are replaced.
+            for idx in first.index..=bounds.last_index {
+                batch.delete_cf(cf, entry_key(idx));
+            }
+            for e in entries {
+                batch.put_cf(cf, entry_key(e.index), encode(e)?);
+            }
+            new_last = entries.last().map(|e| e.index).unwrap_or(new_last);
+        }
+        if let Some(hs) = hs {
+            batch.put_cf(cf, KEY_HARD_STATE, encode(hs)?);
+        }
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db.write_opt(batch, &wo)?;
+        bounds.last_index = new_last;
+        Ok(())
+    }
+
+    /// Persists a new commit index into the hard state.
+    pub fn persist_commit(&self, commit: u64) -> Result<(), MasterError> {
+        let mut hs = self.hard_state()?;
+        if hs.commit != commit {
+            hs.commit = commit;
+            self.persist(&[], Some(&hs))?;
+        }
+        Ok(())
+    }
+
+    /// Checks the invariants Raft relies on and repairs the one benign case (a commit index
+    /// persisted behind an already-applied index). Returns a clear error instead of letting
+    /// raft-rs panic on an inconsistent store.
+    pub fn validate(&self, applied: u64) -> Result<(), MasterError> {
+        let mut hs = self.hard_state()?;
+        let b = *self.lock();
+        if hs.commit > b.last_index {
+            return Err(MasterError::corrupt(format!(
+                "raft hard state commit index {} is beyond the last log index {}",
+                hs.commit, b.last_index
+            )));
+        }
+        if applied > b.last_index {
+            return Err(MasterError::corrupt(format!(
+                "state machine applied index {applied} is beyond the last log index {}",
+                b.last_index
+            )));
+        }
+        if applied < b.snap_index {
+            return Err(MasterError::corrupt(format!(
+                "state machine applied index {applied} is before the log's compaction point {}",
+                b.snap_index
+            )));
+        }
+        if hs.commit < applied {
+            // Applied entries were committed; the commit index write just had not landed.
+            hs.commit = applied;
+            self.persist(&[], Some(&hs))?;
+        }
+        // Every index in (snap_index, last_index] must be present.
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        let mut expected = b.snap_index + 1;
+        it.seek(entry_key(expected));
+        while it.valid() {
+            let Some(k) = it.key() else { break };
+            if k.len() != 9 || k[0] != b'e' {
+                break;
+            }
+            let idx = u64::from_be_bytes(k[1..].try_into().unwrap_or_default());
+            if idx != expected {
+                return Err(MasterError::corrupt(format!(
+                    "raft log has a hole: expected index {expected}, found {idx}"
+                )));
+            }
+            expected += 1;
+            it.next();
+        }
+        it.status()?;
+        if expected != b.last_index + 1 {
+            return Err(MasterError::corrupt(format!(
+                "raft log ends at {} but last index is {}",
+                expected - 1,
+                b.last_index
+            )));
+        }
+        Ok(())
+    }
+
+    fn read_entry(&self, idx: u64) -> raft::Result<Entry> {
+        let cf = self.cf().map_err(storage_err)?;
+        match self.db.get_cf(cf, entry_key(idx)).map_err(storage_err)? {
+            Some(v) => decode(&v).map_err(storage_err),
+            None => Err(raft::Error::Store(StorageError::Unavailable)),
+        }
+    }
+}
+
+fn encode<M: protobuf::Message>(m: &M) -> Result<Vec<u8>, MasterError> {
+    m.write_to_bytes()
+        .map_err(|e| MasterError::corrupt(format!("encoding raft message: {e}")))
+}
+
+fn decode<M: protobuf::Message>(bytes: &[u8]) -> Result<M, MasterError> {
+    M::parse_from_bytes(bytes)
+        .map_err(|e| MasterError::corrupt(format!("decoding raft record: {e}")))
+}
+
+impl Storage for RocksLogStorage {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        Ok(RaftState::new(
+            self.hard_state().map_err(storage_err)?,
+            self.conf_state().map_err(storage_err)?,
+        ))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        let b = *self.lock();
+        if low <= b.snap_index {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > b.last_index + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let mut out = Vec::with_capacity((high - low) as usize);
+        for idx in low..high {
+            out.push(self.read_entry(idx)?);
+        }
+        raft::util::limit_size(&mut out, max_size.into());
+        Ok(out)
+    }
+
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        let b = *self.lock();
+        if idx == b.snap_index {
+            return Ok(b.snap_term);
+        }
+        if idx < b.snap_index {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if idx > b.last_index {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        Ok(self.read_entry(idx)?.term)
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.first())
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last())
+    }
+
+    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        // A single-voter group never sends snapshots; snapshot transfer arrives with
+        // multi-master Raft.
+        Err(raft::Error::Store(
+            StorageError::SnapshotTemporarilyUnavailable,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_db(dir: &std::path::Path) -> Arc<DB> {
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        Arc::new(DB::open_cf(&opts, dir, [CF_RAFT]).unwrap())
+    }
+
+    fn entry(index: u64, term: u64) -> Entry {
+        let mut e = Entry::default();
+        e.index = index;
+        e.term = term;
+        e.data = vec![index as u8].into();
+        e
+    }
+
+    #[test]
+    fn append_truncate_and_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();
+            s.persist(&[entry(1, 1), entry(2, 1), entry(3, 1)], None)
+                .unwrap();
+            // A conflicting suffix from a new term replaces 2..=3.
+            s.persist(&[entry(2, 2)], None).unwrap();
+            assert_eq!(s.last(), 2);
+            assert_eq!(s.term(2).unwrap(), 2);
+            let mut hs = HardState::default();
+            hs.commit = 2;
+            hs.term = 2;
+            s.persist(&[], Some(&hs)).unwrap();
+        }
+        let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();
+        assert_eq!(s.last(), 2);
+        assert_eq!(s.hard_state().unwrap().commit, 2);
+        assert_eq!(s.conf_state().unwrap().voters, vec![1]);
+        s.validate(2).unwrap();
+        assert!(s.validate(3).is_err());
+        let got = s
+            .entries(1, 3, None, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(got.len(), 2);
+    }
+
+    #[test]
+    fn commit_behind_applied_is_repaired() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();
+        s.persist(&[entry(1, 1), entry(2, 1)], None).unwrap();
+        s.validate(2).unwrap();
+        assert_eq!(s.hard_state().unwrap().commit, 2);
+    }
+
+    #[test]
+    fn gap_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();
+        assert!(s.persist(&[entry(5, 1)], None).is_err());
+    }
+}

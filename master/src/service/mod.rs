@@ -1,0 +1,322 @@
+//! Thin tonic handlers: decode, call the core, encode. Errors map to gRPC status in one place
+//! (`impl From<MasterError> for tonic::Status`).
+
+use std::sync::Arc;
+
+use granary_proto as pb;
+use granary_proto::master_service_server::MasterService;
+use tonic::{Request, Response, Status};
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::{to_status, ApplyOutput, Command, Inode};
+
+pub struct MasterRpc {
+    pub core: Arc<MasterCore>,
+}
+
+const DEFAULT_PAGE: usize = 1000;
+const MAX_PAGE: usize = 10_000;
+
+fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
+    Ok(to_status(inode, core.ns.sm.path_of(inode)?))
+}
+
+fn one(core: &MasterCore, out: ApplyOutput) -> Result<Response<pb::GetStatusResponse>, Status> {
+    match out {
+        ApplyOutput::Inode(i) => Ok(Response::new(pb::GetStatusResponse {
+            status: Some(status_of(core, &i)?),
+        })),
+        _ => Err(Status::internal("unexpected apply result")),
+    }
+}
+
+impl MasterRpc {
+    async fn target(&self, t: Option<pb::PathOrId>) -> Result<Inode, MasterError> {
+        match t.and_then(|t| t.target) {
+            Some(pb::path_or_id::Target::Path(p)) => self.core.ns.resolve(&p).await,
+            Some(pb::path_or_id::Target::Inode(id)) => self.core.ns.inode(id),
+            None => Err(MasterError::invalid("a path or inode id is required")),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl MasterService for MasterRpc {
+    async fn get_status(
+        &self,
+        req: Request<pb::GetStatusRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let inode = self.target(req.into_inner().target).await?;
+        Ok(Response::new(pb::GetStatusResponse {
+            status: Some(status_of(&self.core, &inode)?),
+        }))
+    }
+
+    async fn lookup(
+        &self,
+        req: Request<pb::LookupRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let r = req.into_inner();
+        let inode = self.core.ns.lookup(r.parent, &r.name).await?;
+        Ok(Response::new(pb::GetStatusResponse {
+            status: Some(status_of(&self.core, &inode)?),
+        }))
+    }
+
+    async fn list_status(
+        &self,
+        req: Request<pb::ListStatusRequest>,
+    ) -> Result<Response<pb::ListStatusResponse>, Status> {
+        let r = req.into_inner();
+        let dir = self.target(r.target).await?;
+        let limit = match r.page_size as usize {
+            0 => DEFAULT_PAGE,
+            n => n.min(MAX_PAGE),
+        };
+        let after = (!r.page_token.is_empty()).then_some(r.page_token.as_str());
+        let is_dir = dir.kind == crate::state::Kind::Directory;
+        let dir_path = self.core.ns.sm.path_of(&dir).map_err(Status::from)?;
+        let children = self.core.ns.list(dir, after, limit).await?;
+        let next_page_token = if is_dir && children.len() == limit {
+            children.last().map(|c| c.name.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let entries = children
+            .iter()
+            .map(|c| {
+                let p = if is_dir {
+                    granary_common::paths::join(&dir_path, &c.name)
+                } else {
+                    dir_path.clone()
+                };
+                to_status(c, p)
+            })
+            .collect();
+        Ok(Response::new(pb::ListStatusResponse {
+            entries,
+            next_page_token,
+        }))
+    }
+
+    async fn mkdir(
+        &self,
+        req: Request<pb::MkdirRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let r = req.into_inner();
+        let out = self
+            .core
+            .propose(Command::Mkdir {
+                path: r.path,
+                recursive: r.recursive,
+                mode: r.mode,
+                now_ms: granary_common::now_ms(),
+            })
+            .await?;
+        one(&self.core, out)
+    }
+
+    async fn create_file(
+        &self,
+        req: Request<pb::CreateFileRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let r = req.into_inner();
+        let out = self
+            .core
+            .propose(Command::CreateFile {
+                path: r.path,
+                mode: r.mode,
+                block_size: r.block_size,
+                now_ms: granary_common::now_ms(),
+            })
+            .await?;
+        one(&self.core, out)
+    }
+
+    async fn complete_file(
+        &self,
+        req: Request<pb::CompleteFileRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let r = req.into_inner();
+        let out = self
+            .core
+            .propose(Command::CompleteFile {
+                inode: r.inode,
+                length: r.length,
+                fingerprint: r.fingerprint.map(|f| crate::state::Fingerprint {
+                    etag: f.etag,
+                    size: f.size,
+                    mtime_ms: f.mtime_ms,
+                    version_id: f.version_id,
+                }),
+                now_ms: granary_common::now_ms(),
+            })
+            .await?;
+        one(&self.core, out)
+    }
+
+    async fn delete(
+        &self,
+        req: Request<pb::DeleteRequest>,
+    ) -> Result<Response<pb::DeleteResponse>, Status> {
+        let r = req.into_inner();
+        self.core
+            .propose(Command::Delete {
+                path: r.path,
+                recursive: r.recursive,
+            })
+            .await?;
+        Ok(Response::new(pb::DeleteResponse {}))
+    }
+
+    async fn rename(
+        &self,
+        req: Request<pb::RenameRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let r = req.into_inner();
+        let out = self
+            .core
+            .propose(Command::Rename {
+                src: r.src,
+                dst: r.dst,
+                now_ms: granary_common::now_ms(),
+            })
+            .await?;
+        one(&self.core, out)
+    }
+
+    async fn add_mount(
+        &self,
+        req: Request<pb::AddMountRequest>,
+    ) -> Result<Response<pb::AddMountResponse>, Status> {
+        let r = req.into_inner();
+        let mount = self.core.add_mount(&r.path, &r.uri, &r.options).await?;
+        Ok(Response::new(pb::AddMountResponse {
+            mount: Some(crate::mounts::mount_info(&mount)),
+        }))
+    }
+
+    async fn remove_mount(
+        &self,
+        req: Request<pb::RemoveMountRequest>,
+    ) -> Result<Response<pb::RemoveMountResponse>, Status> {
+        let r = req.into_inner();
+        self.core.remove_mount(&r.path).await?;
+        Ok(Response::new(pb::RemoveMountResponse {}))
+    }
+
+    async fn list_mounts(
+        &self,
+        _req: Request<pb::ListMountsRequest>,
+    ) -> Result<Response<pb::ListMountsResponse>, Status> {
+        let mounts = self
+            .core
+            .ns
+            .sm
+            .mounts()?
+            .iter()
+            .map(crate::mounts::mount_info)
+            .collect();
+        Ok(Response::new(pb::ListMountsResponse { mounts }))
+    }
+
+    async fn get_mount_access(
+        &self,
+        req: Request<pb::GetMountAccessRequest>,
+    ) -> Result<Response<pb::GetMountAccessResponse>, Status> {
+        let id = req.into_inner().mount_id;
+        let m = crate::mounts::find_mount(&self.core.ns.sm, id)?;
+        Ok(Response::new(pb::GetMountAccessResponse {
+            mount_id: m.id,
+            uri: m.spec.uri.clone(),
+            options: m
+                .spec
+                .options
+                .iter()
+                .map(|(k, v)| pb::MountOptionEntry {
+                    key: k.clone(),
+                    value: v.clone(),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn get_block_locations(
+        &self,
+        req: Request<pb::GetBlockLocationsRequest>,
+    ) -> Result<Response<pb::GetBlockLocationsResponse>, Status> {
+        let r = req.into_inner();
+        let locations = r
+            .blocks
+            .into_iter()
+            .map(|b| {
+                let workers = self
+                    .core
+                    .blocks
+                    .workers_of(&b)
+                    .into_iter()
+                    .filter_map(|id| self.core.workers.get(id))
+                    .filter(|w| self.core.workers.is_live(w))
+                    .map(|w| pb::WorkerAddress {
+                        worker_id: w.id,
+                        address: w.address,
+                        host: w.host,
+                    })
+                    .collect();
+                pb::BlockLocations {
+                    block: Some(b),
+                    workers,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::GetBlockLocationsResponse { locations }))
+    }
+
+    async fn register_worker(
+        &self,
+        req: Request<pb::RegisterWorkerRequest>,
+    ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let r = req.into_inner();
+        if r.worker_id == 0 || r.address.is_empty() {
+            return Err(Status::invalid_argument(
+                "worker id and address are required to register",
+            ));
+        }
+        self.core.ensure_leader()?;
+        tracing::info!(worker = r.worker_id, address = %r.address, blocks = r.blocks.len(), "worker registered");
+        self.core
+            .workers
+            .register(r.worker_id, r.address, r.host, r.stats.unwrap_or_default());
+        self.core.blocks.replace_worker(r.worker_id, &r.blocks);
+        Ok(Response::new(pb::RegisterWorkerResponse {
+            heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
+        }))
+    }
+
+    async fn worker_heartbeat(
+        &self,
+        req: Request<pb::WorkerHeartbeatRequest>,
+    ) -> Result<Response<pb::WorkerHeartbeatResponse>, Status> {
+        let r = req.into_inner();
+        self.core.ensure_leader()?;
+        if !self.core.workers.heartbeat(r.worker_id, r.stats) {
+            return Ok(Response::new(pb::WorkerHeartbeatResponse {
+                reregister: true,
+            }));
+        }
+        self.core
+            .blocks
+            .update(r.worker_id, &r.added_blocks, &r.removed_blocks);
+        Ok(Response::new(pb::WorkerHeartbeatResponse {
+            reregister: false,
+        }))
+    }
+
+    async fn get_cluster_info(
+        &self,
+        _req: Request<pb::GetClusterInfoRequest>,
+    ) -> Result<Response<pb::GetClusterInfoResponse>, Status> {
+        Ok(Response::new(self.core.cluster_info()?))
+    }
+}

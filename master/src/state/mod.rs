@@ -1,0 +1,888 @@
+//! The replicated state machine: namespace (inode tree), mount table and counters, stored in
+//! RocksDB column family `state`. Applying a command writes its changes and the new applied
+//! index in one atomic batch, so after a crash the state is exactly "all entries up to
+//! `applied`" and Raft re-delivers the rest.
+
+pub mod records;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use granary_common::ids::version_of;
+use granary_common::paths;
+use granary_proto as pb;
+use rocksdb::{WriteBatch, DB};
+
+use crate::error::MasterError;
+pub use records::*;
+
+pub const CF_STATE: &str = "state";
+
+const KEY_APPLIED: &[u8] = b"Mapplied";
+const KEY_NEXT_INODE: &[u8] = b"Mnext_inode";
+const KEY_NEXT_MOUNT: &[u8] = b"Mnext_mount";
+const KEY_INODE_COUNT: &[u8] = b"Minodes";
+
+pub const DEFAULT_DIR_MODE: u32 = 0o755;
+pub const DEFAULT_FILE_MODE: u32 = 0o644;
+
+fn inode_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'i');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
+fn child_prefix(parent: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'c');
+    k.extend_from_slice(&parent.to_be_bytes());
+    k
+}
+
+fn child_key(parent: u64, name: &str) -> Vec<u8> {
+    let mut k = child_prefix(parent);
+    k.extend_from_slice(name.as_bytes());
+    k
+}
+
+fn mount_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'm');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
+fn u64_of(v: &[u8]) -> Result<u64, MasterError> {
+    let arr: [u8; 8] = v
+        .try_into()
+        .map_err(|_| MasterError::corrupt("counter record has a bad length"))?;
+    Ok(u64::from_be_bytes(arr))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<Vec<u8>, MasterError> {
+    serde_json::to_vec(v).map_err(|e| MasterError::corrupt(format!("encoding record: {e}")))
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(v: &[u8]) -> Result<T, MasterError> {
+    serde_json::from_slice(v).map_err(|e| MasterError::corrupt(format!("decoding record: {e}")))
+}
+
+/// Read access to the state, and `apply`.
+#[derive(Clone)]
+pub struct StateMachine {
+    db: Arc<DB>,
+}
+
+impl StateMachine {
+    /// Opens the state in `db`, creating the root directory in a brand-new store.
+    pub fn open(db: Arc<DB>) -> Result<Self, MasterError> {
+        let sm = Self { db };
+        if sm.inode(ROOT_INODE)?.is_none() {
+            let mut txn = Txn::new(&sm);
+            txn.put_inode(&Inode {
+                id: ROOT_INODE,
+                parent: ROOT_INODE,
+                name: String::new(),
+                kind: Kind::Directory,
+                mode: DEFAULT_DIR_MODE,
+                mtime_ms: 0,
+                length: 0,
+                block_size: 0,
+                fingerprint: None,
+                version: 0,
+                mount_id: None,
+                ufs_path: String::new(),
+                is_mount_point: false,
+                children_loaded: true,
+                complete: true,
+            })?;
+            txn.put_u64(KEY_NEXT_INODE, ROOT_INODE + 1);
+            txn.put_u64(KEY_INODE_COUNT, 1);
+            txn.commit()?;
+        }
+        Ok(sm)
+    }
+
+    fn cf(&self) -> Result<&rocksdb::ColumnFamily, MasterError> {
+        self.db
+            .cf_handle(CF_STATE)
+            .ok_or_else(|| MasterError::corrupt("column family 'state' is missing"))
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
+        Ok(self.db.get_cf(self.cf()?, key)?)
+    }
+
+    fn get_u64(&self, key: &[u8]) -> Result<u64, MasterError> {
+        match self.get(key)? {
+            Some(v) => u64_of(&v),
+            None => Ok(0),
+        }
+    }
+
+    pub fn applied_index(&self) -> Result<u64, MasterError> {
+        self.get_u64(KEY_APPLIED)
+    }
+
+    pub fn inode_count(&self) -> Result<u64, MasterError> {
+        self.get_u64(KEY_INODE_COUNT)
+    }
+
+    pub fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
+        self.get(&inode_key(id))?.map(|v| from_json(&v)).transpose()
+    }
+
+    pub fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
+        match self.get(&child_key(parent, name))? {
+            Some(v) => self.inode(u64_of(&v)?),
+            None => Ok(None),
+        }
+    }
+
+    /// Children of `parent` in name order, starting after `after`, at most `limit`.
+    pub fn children(
+        &self,
+        parent: u64,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Inode>, MasterError> {
+        let prefix = child_prefix(parent);
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        match after {
+            Some(name) => {
+                let mut k = child_key(parent, name);
+                k.push(0);
+                it.seek(&k);
+            }
+            None => it.seek(&prefix),
+        }
+        let mut out = Vec::new();
+        while it.valid() && out.len() < limit {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            let id = u64_of(v)?;
+            match self.inode(id)? {
+                Some(inode) => out.push(inode),
+                None => {
+                    return Err(MasterError::corrupt(format!(
+                        "directory {parent} lists inode {id}, which does not exist"
+                    )))
+                }
+            }
+            it.next();
+        }
+        it.status()?;
+        Ok(out)
+    }
+
+    /// Absolute path of an inode, built by walking parents.
+    pub fn path_of(&self, inode: &Inode) -> Result<String, MasterError> {
+        let mut names = Vec::new();
+        let mut cur = inode.clone();
+        let mut guard = 0;
+        while cur.id != ROOT_INODE {
+            names.push(cur.name.clone());
+            cur = self
+                .inode(cur.parent)?
+                .ok_or_else(|| MasterError::corrupt(format!("inode {} has no parent", cur.id)))?;
+            guard += 1;
+            if guard > 4096 {
+                return Err(MasterError::corrupt("parent chain loops"));
+            }
+        }
+        names.reverse();
+        Ok(format!("/{}", names.join("/")))
+    }
+
+    pub fn mounts(&self) -> Result<Vec<Mount>, MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(b"m");
+        let mut out = Vec::new();
+        while it.valid() {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if k.first() != Some(&b'm') {
+                break;
+            }
+            out.push(from_json(v)?);
+            it.next();
+        }
+        it.status()?;
+        Ok(out)
+    }
+
+    pub fn mount(&self, id: u64) -> Result<Option<Mount>, MasterError> {
+        self.get(&mount_key(id))?.map(|v| from_json(&v)).transpose()
+    }
+
+    /// Walks `path` through entries already in the state (no under-store loading).
+    pub fn resolve_loaded(&self, path: &str) -> Result<Option<Inode>, MasterError> {
+        let mut cur = self
+            .inode(ROOT_INODE)?
+            .ok_or_else(|| MasterError::corrupt("root inode is missing"))?;
+        for comp in paths::components(path)? {
+            match self.child(cur.id, comp)? {
+                Some(c) => cur = c,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(cur))
+    }
+
+    /// Applies one committed command at log `index`. Errors are deterministic results (the
+    /// command changed nothing); the applied index advances either way.
+    pub fn apply(&self, index: u64, cmd: &Command) -> Result<ApplyOutput, MasterError> {
+        let mut txn = Txn::new(self);
+        let result = txn.apply(cmd);
+        let mut txn = match result {
+            Ok(_) => txn,
+            Err(_) => Txn::new(self), // discard partial changes
+        };
+        txn.put_u64(KEY_APPLIED, index);
+        txn.commit()?;
+        result
+    }
+
+    /// Marks `index` applied without a command (empty entries, conf changes).
+    pub fn mark_applied(&self, index: u64) -> Result<(), MasterError> {
+        let mut txn = Txn::new(self);
+        txn.put_u64(KEY_APPLIED, index);
+        txn.commit()
+    }
+}
+
+/// A write transaction: reads see its own pending writes.
+struct Txn<'a> {
+    sm: &'a StateMachine,
+    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+}
+
+impl<'a> Txn<'a> {
+    fn new(sm: &'a StateMachine) -> Self {
+        Self {
+            sm,
+            pending: BTreeMap::new(),
+        }
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
+        match self.pending.get(key) {
+            Some(v) => Ok(v.clone()),
+            None => self.sm.get(key),
+        }
+    }
+
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.pending.insert(key, Some(value));
+    }
+
+    fn delete(&mut self, key: Vec<u8>) {
+        self.pending.insert(key, None);
+    }
+
+    fn put_u64(&mut self, key: &[u8], v: u64) {
+        self.put(key.to_vec(), v.to_be_bytes().to_vec());
+    }
+
+    fn get_u64(&self, key: &[u8]) -> Result<u64, MasterError> {
+        match self.get(key)? {
+            Some(v) => u64_of(&v),
+            None => Ok(0),
+        }
+    }
+
+    fn commit(self) -> Result<(), MasterError> {
+        let cf = self.sm.cf()?;
+        let mut batch = WriteBatch::default();
+        for (k, v) in self.pending {
+            match v {
+                Some(v) => batch.put_cf(cf, k, v),
+                None => batch.delete_cf(cf, k),
+            }
+        }
+        Ok(self.sm.db.write(batch)?)
+    }
+
+    fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
+        self.get(&inode_key(id))?.map(|v| from_json(&v)).transpose()
+    }
+
+    fn put_inode(&mut self, inode: &Inode) -> Result<(), MasterError> {
+        let v = to_json(inode)?;
+        self.put(inode_key(inode.id), v);
+        Ok(())
+    }
+
+    fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
+        match self.get(&child_key(parent, name))? {
+            Some(v) => self.inode(u64_of(&v)?),
+            None => Ok(None),
+        }
+    }
+
+    /// Child ids of `parent`, merging the store with pending writes.
+    fn child_ids(&self, parent: u64) -> Result<Vec<u64>, MasterError> {
+        let prefix = child_prefix(parent);
+        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+        let mut it = self.sm.db.raw_iterator_cf(self.sm.cf()?);
+        it.seek(&prefix);
+        while it.valid() {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            merged.insert(k.to_vec(), Some(v.to_vec()));
+            it.next();
+        }
+        it.status()?;
+        for (k, v) in self.pending.range(prefix.clone()..) {
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            merged.insert(k.clone(), v.clone());
+        }
+        merged.into_values().flatten().map(|v| u64_of(&v)).collect()
+    }
+
+    fn alloc_inode(&mut self) -> Result<u64, MasterError> {
+        let id = self.get_u64(KEY_NEXT_INODE)?.max(ROOT_INODE + 1);
+        self.put_u64(KEY_NEXT_INODE, id + 1);
+        let count = self.get_u64(KEY_INODE_COUNT)?;
+        self.put_u64(KEY_INODE_COUNT, count + 1);
+        Ok(id)
+    }
+
+    fn link(&mut self, inode: &Inode) -> Result<(), MasterError> {
+        self.put_inode(inode)?;
+        self.put(
+            child_key(inode.parent, &inode.name),
+            inode.id.to_be_bytes().to_vec(),
+        );
+        Ok(())
+    }
+
+    fn mounts(&self) -> Result<Vec<Mount>, MasterError> {
+        // Mount changes are never batched with other mount changes, so the store is current.
+        self.sm.mounts()
+    }
+
+    fn mount_containing(&self, path: &str) -> Result<Option<Mount>, MasterError> {
+        Ok(self
+            .mounts()?
+            .into_iter()
+            .find(|m| paths::is_within(path, &m.path)))
+    }
+
+    fn refuse_in_mount(&self, path: &str) -> Result<(), MasterError> {
+        if let Some(m) = self.mount_containing(path)? {
+            return Err(MasterError::precondition(format!(
+                "{path} is inside the mount {} ({}); changing mounted under-stores is not supported yet",
+                m.path, m.spec.uri
+            )));
+        }
+        Ok(())
+    }
+
+    fn root(&self) -> Result<Inode, MasterError> {
+        self.inode(ROOT_INODE)?
+            .ok_or_else(|| MasterError::corrupt("root inode is missing"))
+    }
+
+    /// Resolves `path` to an existing inode.
+    fn resolve(&self, path: &str) -> Result<Inode, MasterError> {
+        let mut cur = self.root()?;
+        for comp in paths::components(path)? {
+            if cur.kind != Kind::Directory {
+                return Err(MasterError::NotADirectory {
+                    path: path.to_string(),
+                });
+            }
+            cur = self
+                .child(cur.id, comp)?
+                .ok_or_else(|| MasterError::not_found(path))?;
+        }
+        Ok(cur)
+    }
+
+    fn new_dir(
+        &mut self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        now_ms: i64,
+    ) -> Result<Inode, MasterError> {
+        let inode = Inode {
+            id: self.alloc_inode()?,
+            parent,
+            name: name.to_string(),
+            kind: Kind::Directory,
+            mode,
+            mtime_ms: now_ms,
+            length: 0,
+            block_size: 0,
+            fingerprint: None,
+            version: 0,
+            mount_id: None,
+            ufs_path: String::new(),
+            is_mount_point: false,
+            children_loaded: true,
+            complete: true,
+        };
+        self.link(&inode)?;
+        Ok(inode)
+    }
+
+    /// Creates every missing directory of `comps`; returns the last one.
+    fn mkdirs(&mut self, comps: &[&str], mode: u32, now_ms: i64) -> Result<Inode, MasterError> {
+        let mut cur = self.root()?;
+        let mut walked = String::new();
+        for comp in comps {
+            walked = paths::join(if walked.is_empty() { "/" } else { &walked }, comp);
+            cur = match self.child(cur.id, comp)? {
+                Some(c) if c.kind == Kind::Directory => c,
+                Some(_) => return Err(MasterError::NotADirectory { path: walked }),
+                None => self.new_dir(cur.id, comp, mode, now_ms)?,
+            };
+        }
+        Ok(cur)
+    }
+
+    /// Removes `inode` and everything below it.
+    fn remove_subtree(&mut self, inode: &Inode, unlink: bool) -> Result<(), MasterError> {
+        let mut stack = vec![inode.id];
+        let mut removed = 0u64;
+        while let Some(id) = stack.pop() {
+            for child in self.child_ids(id)? {
+                stack.push(child);
+            }
+            if let Some(node) = self.inode(id)? {
+                self.delete(child_key(node.parent, &node.name));
+            }
+            if id != inode.id || unlink {
+                self.delete(inode_key(id));
+                removed += 1;
+            }
+        }
+        if !unlink {
+            // Keep the inode itself but drop its link-free children keys above.
+            self.put_inode(inode)?;
+            if inode.id != ROOT_INODE {
+                self.put(
+                    child_key(inode.parent, &inode.name),
+                    inode.id.to_be_bytes().to_vec(),
+                );
+            }
+        }
+        let count = self.get_u64(KEY_INODE_COUNT)?;
+        self.put_u64(KEY_INODE_COUNT, count.saturating_sub(removed));
+        Ok(())
+    }
+
+    fn apply(&mut self, cmd: &Command) -> Result<ApplyOutput, MasterError> {
+        match cmd {
+            Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
+            Command::RemoveMount { path } => self.remove_mount(path),
+            Command::LoadDir {
+                dir,
+                mount_id,
+                entries,
+                now_ms,
+                block_size,
+            } => self.load_dir(*dir, *mount_id, entries, *now_ms, *block_size),
+            Command::Mkdir {
+                path,
+                recursive,
+                mode,
+                now_ms,
+            } => self.mkdir(path, *recursive, *mode, *now_ms),
+            Command::CreateFile {
+                path,
+                mode,
+                block_size,
+                now_ms,
+            } => self.create_file(path, *mode, *block_size, *now_ms),
+            Command::CompleteFile {
+                inode,
+                length,
+                fingerprint,
+                now_ms,
+            } => self.complete_file(*inode, *length, fingerprint.clone(), *now_ms),
+            Command::Delete { path, recursive } => self.delete_path(path, *recursive),
+            Command::Rename { src, dst, now_ms } => self.rename(src, dst, *now_ms),
+        }
+    }
+
+    fn add_mount(
+        &mut self,
+        path: &str,
+        spec: &granary_common::ufs::UfsSpec,
+        now_ms: i64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let path = paths::normalize(path)?;
+        for m in self.mounts()? {
+            if m.path == path {
+                return Err(MasterError::AlreadyExists {
+                    path: format!("{path} (already a mount point of {})", m.spec.uri),
+                });
+            }
+            if paths::is_within(&path, &m.path) || paths::is_within(&m.path, &path) {
+                return Err(MasterError::precondition(format!(
+                    "nested mount points are not allowed: {path} overlaps the mount at {}",
+                    m.path
+                )));
+            }
+        }
+        let comps = paths::components(&path)?;
+        let mut target = match comps.split_last() {
+            None => self.root()?,
+            Some((last, parents)) => {
+                let parent = self.mkdirs(parents, DEFAULT_DIR_MODE, now_ms)?;
+                match self.child(parent.id, last)? {
+                    Some(existing) if existing.kind != Kind::Directory => {
+                        return Err(MasterError::AlreadyExists {
+                            path: format!("{path} (a file)"),
+                        })
+                    }
+                    Some(existing) => existing,
+                    None => self.new_dir(parent.id, last, DEFAULT_DIR_MODE, now_ms)?,
+                }
+            }
+        };
+        if !self.child_ids(target.id)?.is_empty() {
+            return Err(MasterError::precondition(format!(
+                "cannot mount on {path}: the directory is not empty"
+            )));
+        }
+        let id = self.get_u64(KEY_NEXT_MOUNT)?.max(1);
+        self.put_u64(KEY_NEXT_MOUNT, id + 1);
+        target.mount_id = Some(id);
+        target.ufs_path = String::new();
+        target.is_mount_point = true;
+        target.children_loaded = false;
+        target.mtime_ms = now_ms;
+        self.put_inode(&target)?;
+        let mount = Mount {
+            id,
+            path,
+            inode: target.id,
+            spec: spec.clone(),
+        };
+        let v = to_json(&mount)?;
+        self.put(mount_key(id), v);
+        Ok(ApplyOutput::Mount(mount))
+    }
+
+    fn remove_mount(&mut self, path: &str) -> Result<ApplyOutput, MasterError> {
+        let path = paths::normalize(path)?;
+        let mount = self
+            .mounts()?
+            .into_iter()
+            .find(|m| m.path == path)
+            .ok_or_else(|| MasterError::NotFound {
+                path: format!("{path} (no mount there)"),
+            })?;
+        let inode = self
+            .inode(mount.inode)?
+            .ok_or_else(|| MasterError::corrupt(format!("mount {path} has no inode")))?;
+        if inode.id == ROOT_INODE {
+            let mut root = inode.clone();
+            root.mount_id = None;
+            root.is_mount_point = false;
+            root.children_loaded = true;
+            self.remove_subtree(&root, false)?;
+        } else {
+            self.remove_subtree(&inode, true)?;
+        }
+        self.delete(mount_key(mount.id));
+        Ok(ApplyOutput::Mount(mount))
+    }
+
+    fn load_dir(
+        &mut self,
+        dir: u64,
+        mount_id: u64,
+        entries: &[UfsEntry],
+        now_ms: i64,
+        block_size: u64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let Some(mut d) = self.inode(dir)? else {
+            // Removed (e.g. unmounted) while the listing was in flight.
+            return Err(MasterError::not_found(format!("inode {dir}")));
+        };
+        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
+            return Err(MasterError::precondition(format!(
+                "inode {dir} is no longer a directory of mount {mount_id}"
+            )));
+        }
+        if d.children_loaded {
+            return Ok(ApplyOutput::Inode(d));
+        }
+        for e in entries {
+            if paths::validate_name(&e.name).is_err() || self.child(dir, &e.name)?.is_some() {
+                continue;
+            }
+            let fp = e.fingerprint.clone();
+            let (length, mtime, version) = match (&e.kind, &fp) {
+                (Kind::File, Some(fp)) => {
+                    let pfp = pb::Fingerprint {
+                        etag: fp.etag.clone(),
+                        size: fp.size,
+                        mtime_ms: fp.mtime_ms,
+                        version_id: fp.version_id.clone(),
+                    };
+                    (fp.size, fp.mtime_ms, version_of(&pfp))
+                }
+                _ => (0, now_ms, 0),
+            };
+            let inode = Inode {
+                id: self.alloc_inode()?,
+                parent: dir,
+                name: e.name.clone(),
+                kind: e.kind,
+                mode: if e.kind == Kind::Directory {
+                    DEFAULT_DIR_MODE
+                } else {
+                    DEFAULT_FILE_MODE
+                },
+                mtime_ms: mtime,
+                length,
+                block_size: if e.kind == Kind::File { block_size } else { 0 },
+                fingerprint: fp,
+                version,
+                mount_id: Some(mount_id),
+                ufs_path: if d.ufs_path.is_empty() {
+                    e.name.clone()
+                } else {
+                    format!("{}/{}", d.ufs_path, e.name)
+                },
+                is_mount_point: false,
+                children_loaded: false,
+                complete: true,
+            };
+            self.link(&inode)?;
+        }
+        d.children_loaded = true;
+        self.put_inode(&d)?;
+        Ok(ApplyOutput::Inode(d))
+    }
+
+    fn mkdir(
+        &mut self,
+        path: &str,
+        recursive: bool,
+        mode: u32,
+        now_ms: i64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let path = paths::normalize(path)?;
+        self.refuse_in_mount(&path)?;
+        let comps = paths::components(&path)?;
+        let Some((last, parents)) = comps.split_last() else {
+            return if recursive {
+                Ok(ApplyOutput::Inode(self.root()?))
+            } else {
+                Err(MasterError::AlreadyExists { path })
+            };
+        };
+        let mode = if mode == 0 {
+            DEFAULT_DIR_MODE
+        } else {
+            mode & 0o7777
+        };
+        let parent = if recursive {
+            self.mkdirs(parents, mode, now_ms)?
+        } else {
+            let parent_path = format!("/{}", parents.join("/"));
+            let p = self.resolve(&parent_path)?;
+            if p.kind != Kind::Directory {
+                return Err(MasterError::NotADirectory { path: parent_path });
+            }
+            p
+        };
+        match self.child(parent.id, last)? {
+            Some(c) if recursive && c.kind == Kind::Directory => Ok(ApplyOutput::Inode(c)),
+            Some(_) => Err(MasterError::AlreadyExists { path }),
+            None => Ok(ApplyOutput::Inode(
+                self.new_dir(parent.id, last, mode, now_ms)?,
+            )),
+        }
+    }
+
+    fn create_file(
+        &mut self,
+        path: &str,
+        mode: u32,
+        block_size: u64,
+        now_ms: i64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let path = paths::normalize(path)?;
+        self.refuse_in_mount(&path)?;
+        let comps = paths::components(&path)?;
+        let Some((last, parents)) = comps.split_last() else {
+            return Err(MasterError::AlreadyExists { path });
+        };
+        let parent_path = format!("/{}", parents.join("/"));
+        let parent = self.resolve(&parent_path)?;
+        if parent.kind != Kind::Directory {
+            return Err(MasterError::NotADirectory { path: parent_path });
+        }
+        if self.child(parent.id, last)?.is_some() {
+            return Err(MasterError::AlreadyExists { path });
+        }
+        let inode = Inode {
+            id: self.alloc_inode()?,
+            parent: parent.id,
+            name: last.to_string(),
+            kind: Kind::File,
+            mode: if mode == 0 {
+                DEFAULT_FILE_MODE
+            } else {
+                mode & 0o7777
+            },
+            mtime_ms: now_ms,
+            length: 0,
+            block_size: if block_size == 0 {
+                granary_common::DEFAULT_BLOCK_SIZE
+            } else {
+                block_size
+            },
+            fingerprint: None,
+            version: 0,
+            mount_id: None,
+            ufs_path: String::new(),
+            is_mount_point: false,
+            children_loaded: true,
+            complete: false,
+        };
+        self.link(&inode)?;
+        Ok(ApplyOutput::Inode(inode))
+    }
+
+    fn complete_file(
+        &mut self,
+        id: u64,
+        length: u64,
+        fp: Option<Fingerprint>,
+        now_ms: i64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let mut inode = self
+            .inode(id)?
+            .ok_or_else(|| MasterError::not_found(format!("inode {id}")))?;
+        if inode.kind != Kind::File {
+            return Err(MasterError::invalid(format!("inode {id} is not a file")));
+        }
+        if inode.complete {
+            return Err(MasterError::precondition(format!(
+                "inode {id} is already complete"
+            )));
+        }
+        inode.length = length;
+        inode.mtime_ms = now_ms;
+        if let Some(fp) = fp {
+            inode.version = version_of(&pb::Fingerprint {
+                etag: fp.etag.clone(),
+                size: fp.size,
+                mtime_ms: fp.mtime_ms,
+                version_id: fp.version_id.clone(),
+            });
+            inode.fingerprint = Some(fp);
+        }
+        inode.complete = true;
+        self.put_inode(&inode)?;
+        Ok(ApplyOutput::Inode(inode))
+    }
+
+    fn delete_path(&mut self, path: &str, recursive: bool) -> Result<ApplyOutput, MasterError> {
+        let path = paths::normalize(path)?;
+        if path == "/" {
+            return Err(MasterError::invalid("the root directory cannot be deleted"));
+        }
+        let inode = self.resolve(&path)?;
+        if inode.is_mount_point {
+            return Err(MasterError::precondition(format!(
+                "{path} is a mount point; use `granary mount remove {path}`"
+            )));
+        }
+        self.refuse_in_mount(&path)?;
+        if inode.kind == Kind::Directory && !recursive && !self.child_ids(inode.id)?.is_empty() {
+            return Err(MasterError::NotEmpty { path });
+        }
+        self.remove_subtree(&inode, true)?;
+        Ok(ApplyOutput::None)
+    }
+
+    fn rename(&mut self, src: &str, dst: &str, now_ms: i64) -> Result<ApplyOutput, MasterError> {
+        let src = paths::normalize(src)?;
+        let dst = paths::normalize(dst)?;
+        if src == "/" || dst == "/" {
+            return Err(MasterError::invalid("the root directory cannot be renamed"));
+        }
+        self.refuse_in_mount(&src)?;
+        self.refuse_in_mount(&dst)?;
+        if paths::is_within(&dst, &src) {
+            return Err(MasterError::invalid(format!(
+                "cannot move {src} into itself ({dst})"
+            )));
+        }
+        let mut inode = self.resolve(&src)?;
+        let dcomps = paths::components(&dst)?;
+        let Some((last, parents)) = dcomps.split_last() else {
+            return Err(MasterError::invalid("bad destination"));
+        };
+        let parent_path = format!("/{}", parents.join("/"));
+        let parent = self.resolve(&parent_path)?;
+        if parent.kind != Kind::Directory {
+            return Err(MasterError::NotADirectory { path: parent_path });
+        }
+        if self.child(parent.id, last)?.is_some() {
+            return Err(MasterError::AlreadyExists { path: dst });
+        }
+        self.delete(child_key(inode.parent, &inode.name));
+        inode.parent = parent.id;
+        inode.name = last.to_string();
+        inode.mtime_ms = now_ms;
+        self.link(&inode)?;
+        Ok(ApplyOutput::Inode(inode))
+    }
+}
+
+/// Converts a stored inode to its wire form.
+pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
+    pb::FileStatus {
+        inode: inode.id,
+        parent: inode.parent,
+        name: inode.name.clone(),
+        path,
+        kind: match inode.kind {
+            Kind::File => pb::FileKind::File as i32,
+            Kind::Directory => pb::FileKind::Directory as i32,
+        },
+        length: inode.length,
+        block_size: inode.block_size,
+        mode: inode.mode,
+        mtime_ms: inode.mtime_ms,
+        fingerprint: inode.fingerprint.as_ref().map(|f| pb::Fingerprint {
+            etag: f.etag.clone(),
+            size: f.size,
+            mtime_ms: f.mtime_ms,
+            version_id: f.version_id.clone(),
+        }),
+        ufs: inode.mount_id.map(|m| pb::UfsLocation {
+            mount_id: m,
+            path: inode.ufs_path.clone(),
+        }),
+        is_mount_point: inode.is_mount_point,
+        complete: inode.complete,
+        version: inode.version,
+    }
+}
+
+#[cfg(test)]
+mod tests;

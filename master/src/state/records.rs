@@ -1,0 +1,139 @@
+//! Records of the replicated state machine, as stored in RocksDB (column family `state`).
+//!
+//! Records are JSON with `#[serde(default)]` on every added field, so a newer master reads
+//! an older store. Commands are the only way the state changes; each carries everything its
+//! apply needs (including the proposer's clock), so apply is deterministic on every replica.
+
+use granary_common::ufs::UfsSpec;
+use serde::{Deserialize, Serialize};
+
+pub const ROOT_INODE: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    File,
+    Directory,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    #[serde(default)]
+    pub etag: String,
+    #[serde(default)]
+    pub size: u64,
+    #[serde(default)]
+    pub mtime_ms: i64,
+    #[serde(default)]
+    pub version_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inode {
+    pub id: u64,
+    pub parent: u64,
+    pub name: String,
+    pub kind: Kind,
+    #[serde(default)]
+    pub mode: u32,
+    #[serde(default)]
+    pub mtime_ms: i64,
+    #[serde(default)]
+    pub length: u64,
+    #[serde(default)]
+    pub block_size: u64,
+    #[serde(default)]
+    pub fingerprint: Option<Fingerprint>,
+    /// Hash of the fingerprint (see `granary_common::ids::version_of`).
+    #[serde(default)]
+    pub version: u64,
+    /// The mount this entry belongs to (None: exists only in Granary).
+    #[serde(default)]
+    pub mount_id: Option<u64>,
+    /// Path relative to the mount root, `/`-separated, empty for the mount point.
+    #[serde(default)]
+    pub ufs_path: String,
+    #[serde(default)]
+    pub is_mount_point: bool,
+    /// For directories in a mount: children were loaded from the under-store.
+    #[serde(default)]
+    pub children_loaded: bool,
+    #[serde(default = "yes")]
+    pub complete: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mount {
+    pub id: u64,
+    pub path: String,
+    pub inode: u64,
+    pub spec: UfsSpec,
+}
+
+/// One entry of an under-store directory listing, as loaded by the leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UfsEntry {
+    pub name: String,
+    pub kind: Kind,
+    #[serde(default)]
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// A state-machine command. Adding a variant or a defaulted field is backwards compatible.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    AddMount {
+        path: String,
+        spec: UfsSpec,
+        now_ms: i64,
+    },
+    RemoveMount {
+        path: String,
+    },
+    /// Records the children of a mounted directory as listed from the under-store.
+    LoadDir {
+        dir: u64,
+        mount_id: u64,
+        entries: Vec<UfsEntry>,
+        now_ms: i64,
+        block_size: u64,
+    },
+    Mkdir {
+        path: String,
+        recursive: bool,
+        mode: u32,
+        now_ms: i64,
+    },
+    CreateFile {
+        path: String,
+        mode: u32,
+        block_size: u64,
+        now_ms: i64,
+    },
+    CompleteFile {
+        inode: u64,
+        length: u64,
+        fingerprint: Option<Fingerprint>,
+        now_ms: i64,
+    },
+    Delete {
+        path: String,
+        recursive: bool,
+    },
+    Rename {
+        src: String,
+        dst: String,
+        now_ms: i64,
+    },
+}
+
+/// What applying a command produced, handed back to the proposer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApplyOutput {
+    None,
+    Inode(Inode),
+    Mount(Mount),
+}

@@ -1,0 +1,272 @@
+use std::collections::BTreeMap;
+
+use granary_common::ufs::UfsSpec;
+
+use super::*;
+
+fn open() -> (tempfile::TempDir, StateMachine) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = rocksdb::Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    let db = Arc::new(DB::open_cf(&opts, dir.path(), [CF_STATE]).unwrap());
+    let sm = StateMachine::open(db).unwrap();
+    (dir, sm)
+}
+
+fn spec(uri: &str) -> UfsSpec {
+    UfsSpec {
+        uri: uri.into(),
+        options: BTreeMap::new(),
+    }
+}
+
+fn file(name: &str, size: u64) -> UfsEntry {
+    UfsEntry {
+        name: name.into(),
+        kind: Kind::File,
+        fingerprint: Some(Fingerprint {
+            etag: format!("etag-{name}"),
+            size,
+            mtime_ms: 1,
+            version_id: String::new(),
+        }),
+    }
+}
+
+#[test]
+fn mounts_refuse_nesting_and_duplicates() {
+    let (_d, sm) = open();
+    let out = sm
+        .apply(
+            1,
+            &Command::AddMount {
+                path: "/data/s3".into(),
+                spec: spec("file:///a"),
+                now_ms: 1,
+            },
+        )
+        .unwrap();
+    let ApplyOutput::Mount(m) = out else { panic!() };
+    assert_eq!(m.path, "/data/s3");
+    // The parent was created as a plain directory.
+    assert!(sm.resolve_loaded("/data").unwrap().is_some());
+    for (i, p) in ["/data/s3/x", "/data", "/"].iter().enumerate() {
+        let err = sm
+            .apply(
+                2 + i as u64,
+                &Command::AddMount {
+                    path: p.to_string(),
+                    spec: spec("file:///b"),
+                    now_ms: 1,
+                },
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, MasterError::FailedPrecondition { .. }),
+            "{p}: {err:?}"
+        );
+    }
+    let err = sm
+        .apply(
+            9,
+            &Command::AddMount {
+                path: "/data/s3".into(),
+                spec: spec("file:///b"),
+                now_ms: 1,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::AlreadyExists { .. }));
+    assert_eq!(sm.mounts().unwrap().len(), 1);
+    assert_eq!(sm.applied_index().unwrap(), 9);
+}
+
+#[test]
+fn load_dir_is_idempotent_and_counts_inodes() {
+    let (_d, sm) = open();
+    let ApplyOutput::Mount(m) = sm
+        .apply(
+            1,
+            &Command::AddMount {
+                path: "/".into(),
+                spec: spec("file:///a"),
+                now_ms: 1,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    let load = Command::LoadDir {
+        dir: ROOT_INODE,
+        mount_id: m.id,
+        entries: vec![
+            file("a", 3),
+            file("b", 0),
+            UfsEntry {
+                name: "sub".into(),
+                kind: Kind::Directory,
+                fingerprint: None,
+            },
+        ],
+        now_ms: 1,
+        block_size: 1 << 20,
+    };
+    sm.apply(2, &load).unwrap();
+    sm.apply(3, &load).unwrap();
+    assert_eq!(sm.inode_count().unwrap(), 4);
+    let a = sm.resolve_loaded("/a").unwrap().unwrap();
+    assert_eq!(a.length, 3);
+    assert_eq!(a.ufs_path, "a");
+    assert_ne!(a.version, 0);
+    let names: Vec<String> = sm
+        .children(ROOT_INODE, None, 10)
+        .unwrap()
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(names, ["a", "b", "sub"]);
+    let page: Vec<String> = sm
+        .children(ROOT_INODE, Some("a"), 1)
+        .unwrap()
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(page, ["b"]);
+    // Removing the root mount empties the namespace but keeps the root.
+    sm.apply(4, &Command::RemoveMount { path: "/".into() })
+        .unwrap();
+    assert_eq!(sm.inode_count().unwrap(), 1);
+    assert!(sm.children(ROOT_INODE, None, 10).unwrap().is_empty());
+    assert!(sm.mounts().unwrap().is_empty());
+}
+
+#[test]
+fn namespace_mutations_outside_mounts() {
+    let (_d, sm) = open();
+    sm.apply(
+        1,
+        &Command::Mkdir {
+            path: "/a/b".into(),
+            recursive: true,
+            mode: 0,
+            now_ms: 1,
+        },
+    )
+    .unwrap();
+    let err = sm
+        .apply(
+            2,
+            &Command::Mkdir {
+                path: "/x/y".into(),
+                recursive: false,
+                mode: 0,
+                now_ms: 1,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::NotFound { .. }));
+    let ApplyOutput::Inode(f) = sm
+        .apply(
+            3,
+            &Command::CreateFile {
+                path: "/a/b/f".into(),
+                mode: 0,
+                block_size: 0,
+                now_ms: 1,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert!(!f.complete);
+    sm.apply(
+        4,
+        &Command::CompleteFile {
+            inode: f.id,
+            length: 10,
+            fingerprint: None,
+            now_ms: 2,
+        },
+    )
+    .unwrap();
+    let err = sm
+        .apply(
+            5,
+            &Command::Delete {
+                path: "/a".into(),
+                recursive: false,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::NotEmpty { .. }));
+    sm.apply(
+        6,
+        &Command::Rename {
+            src: "/a/b".into(),
+            dst: "/c".into(),
+            now_ms: 3,
+        },
+    )
+    .unwrap();
+    assert_eq!(sm.resolve_loaded("/c/f").unwrap().unwrap().length, 10);
+    let err = sm
+        .apply(
+            7,
+            &Command::Rename {
+                src: "/c".into(),
+                dst: "/c/d".into(),
+                now_ms: 3,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::InvalidArgument { .. }));
+    sm.apply(
+        8,
+        &Command::Delete {
+            path: "/c".into(),
+            recursive: true,
+        },
+    )
+    .unwrap();
+    assert!(sm.resolve_loaded("/c").unwrap().is_none());
+    assert_eq!(sm.inode_count().unwrap(), 2); // root + /a
+}
+
+#[test]
+fn writes_inside_mounts_are_refused() {
+    let (_d, sm) = open();
+    sm.apply(
+        1,
+        &Command::AddMount {
+            path: "/m".into(),
+            spec: spec("file:///a"),
+            now_ms: 1,
+        },
+    )
+    .unwrap();
+    let err = sm
+        .apply(
+            2,
+            &Command::Mkdir {
+                path: "/m/x".into(),
+                recursive: true,
+                mode: 0,
+                now_ms: 1,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::FailedPrecondition { .. }));
+    let err = sm
+        .apply(
+            3,
+            &Command::Delete {
+                path: "/m".into(),
+                recursive: true,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MasterError::FailedPrecondition { .. }));
+}

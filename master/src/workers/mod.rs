@@ -1,0 +1,96 @@
+//! Worker membership: soft state kept by the leader from registrations and heartbeats.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use granary_proto as pb;
+
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    pub id: u64,
+    pub address: String,
+    pub host: String,
+    pub stats: pb::WorkerStats,
+    pub last_heartbeat: Instant,
+    /// Marked lost by the expiry sweep; its block locations were dropped.
+    pub lost: bool,
+}
+
+pub struct WorkerRegistry {
+    workers: Mutex<HashMap<u64, WorkerEntry>>,
+    /// A worker silent for this long is lost: not offered to clients, its blocks forgotten.
+    pub timeout: Duration,
+}
+
+impl WorkerRegistry {
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            workers: Mutex::new(HashMap::new()),
+            timeout,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, WorkerEntry>> {
+        match self.workers.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    pub fn register(&self, id: u64, address: String, host: String, stats: pb::WorkerStats) {
+        self.lock().insert(
+            id,
+            WorkerEntry {
+                id,
+                address,
+                host,
+                stats,
+                last_heartbeat: Instant::now(),
+                lost: false,
+            },
+        );
+    }
+
+    /// Records a heartbeat; false when the worker is unknown or was declared lost (it must
+    /// re-register with a full block report).
+    pub fn heartbeat(&self, id: u64, stats: Option<pb::WorkerStats>) -> bool {
+        match self.lock().get_mut(&id) {
+            Some(w) if !w.lost => {
+                w.last_heartbeat = Instant::now();
+                if let Some(s) = stats {
+                    w.stats = s;
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn is_live(&self, w: &WorkerEntry) -> bool {
+        !w.lost && w.last_heartbeat.elapsed() < self.timeout
+    }
+
+    pub fn all(&self) -> Vec<WorkerEntry> {
+        let mut v: Vec<WorkerEntry> = self.lock().values().cloned().collect();
+        v.sort_by_key(|w| w.id);
+        v
+    }
+
+    pub fn get(&self, id: u64) -> Option<WorkerEntry> {
+        self.lock().get(&id).cloned()
+    }
+
+    /// Marks workers silent for longer than the timeout as lost; returns the newly lost ids.
+    pub fn expire(&self) -> Vec<u64> {
+        let mut map = self.lock();
+        let mut lost = Vec::new();
+        for w in map.values_mut() {
+            if !w.lost && w.last_heartbeat.elapsed() >= self.timeout {
+                w.lost = true;
+                lost.push(w.id);
+            }
+        }
+        lost
+    }
+}

@@ -1,0 +1,22 @@
+//! Generates the tonic/prost code from `proto/granary/v1/*.proto` with a vendored protoc,
+//! so building Granary needs no protoc install.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // Only this build script's process sees PROTOC: raft-proto's build needs a 3.x protoc.
+    std::env::set_var("PROTOC", protoc);
+    let files = [
+        "proto/granary/v1/common.proto",
+        "proto/granary/v1/master.proto",
+        "proto/granary/v1/worker.proto",
+    ];
+    for f in &files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .bytes(".")
+        .compile_protos(&files, &["proto"])?;
+    Ok(())
+}

@@ -1,0 +1,14 @@
+//! Granary's wire contract: the `.proto` files under `proto/` and the tonic/prost code
+//! generated from them. Nothing else speaks on the wire.
+
+#![allow(clippy::all, missing_docs)]
+
+/// Version 1 of the wire contract.
+pub mod v1 {
+    tonic::include_proto!("granary.v1");
+}
+
+pub use v1::*;
+
+/// Largest gRPC message Granary sends or accepts (block reads stream 1 MiB chunks).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;

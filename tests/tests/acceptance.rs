@@ -1,0 +1,600 @@
+//! Acceptance tests of the foundation: real `granary` processes on loopback, a real FUSE
+//! mount read by ordinary programs (`sha256sum`, `ls`, `find`, `cat`), real metrics.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+
+/// The dataset of the acceptance criteria, built once per test binary.
+fn dataset() -> &'static (PathBuf, u64) {
+    static DATA: OnceLock<(PathBuf, u64)> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("granary-dataset-")
+            .tempdir()
+            .expect("tempdir")
+            .keep();
+        let mut total = 0;
+        for (name, len) in [
+            ("empty", 0),
+            ("one-byte", 1),
+            ("four-k", 4096),
+            ("one-mib-plus-one", MIB + 1),
+            ("big/130mib.bin", 130 * MIB),
+        ] {
+            random_file(&dir.join(name), len).expect("dataset file");
+            total += len;
+        }
+        for i in 0..2000u64 {
+            let p = dir.join(format!("small/d{:02}/e{}/f{:04}.bin", i % 20, i % 3, i));
+            random_file(&p, 100 * 1024).expect("dataset file");
+            total += 100 * 1024;
+        }
+        (dir, total)
+    })
+}
+
+fn small_dataset(root: &Path) -> (PathBuf, u64) {
+    let dir = root.join("ufs");
+    let files = [("a/x.bin", 3 * MIB + 5), ("a/y.bin", 12345), ("b.bin", MIB)];
+    for (n, l) in files {
+        random_file(&dir.join(n), l).unwrap();
+    }
+    (dir, files.iter().map(|f| f.1).sum())
+}
+
+fn workdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("granary-it-")
+        .tempdir()
+        .unwrap()
+}
+
+fn ufs_reads(workers: &[&Worker]) -> f64 {
+    workers
+        .iter()
+        .map(|w| w.metric("granary_worker_ufs_read_bytes_total"))
+        .sum()
+}
+
+fn hits(workers: &[&Worker]) -> f64 {
+    workers
+        .iter()
+        .map(|w| w.metric("granary_worker_cache_hit_bytes_total"))
+        .sum()
+}
+
+#[test]
+fn two_workers_serve_the_tree_exactly_and_the_second_read_is_all_cache() {
+    let (src, total) = dataset();
+    let root = workdir();
+    let master = Master::start(root.path()).unwrap();
+    let w1 = Worker::start(root.path(), "w1", &master.addr, "2GiB").unwrap();
+    let w2 = Worker::start(root.path(), "w2", &master.addr, "2GiB").unwrap();
+    wait_live_workers(&master.addr, 2).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let mnt = fuse.mountpoint.join("data");
+
+    // Listing and sizes.
+    assert_eq!(
+        sh(&format!("cd '{}' && ls -R .", mnt.display())).unwrap(),
+        sh(&format!("cd '{}' && ls -R .", src.display())).unwrap(),
+        "ls -R differs"
+    );
+    assert_eq!(
+        tree_stats(&mnt).unwrap(),
+        tree_stats(src).unwrap(),
+        "sizes differ"
+    );
+
+    // Bytes.
+    let expected = tree_sums(src).unwrap();
+    assert_eq!(expected.len(), 2005);
+    assert_eq!(
+        tree_sums(&mnt).unwrap(),
+        expected,
+        "first read differs from the source"
+    );
+    let ufs_after_first = ufs_reads(&[&w1, &w2]);
+    assert_eq!(
+        ufs_after_first, *total as f64,
+        "each byte is fetched from the under-store exactly once"
+    );
+    let hits_before = hits(&[&w1, &w2]);
+
+    // Second pass: all from cache.
+    assert_eq!(
+        tree_sums(&mnt).unwrap(),
+        expected,
+        "second read differs from the source"
+    );
+    assert_eq!(
+        ufs_reads(&[&w1, &w2]),
+        ufs_after_first,
+        "second read touched the under-store"
+    );
+    let hit_delta = hits(&[&w1, &w2]) - hits_before;
+    assert!(
+        hit_delta >= *total as f64,
+        "second read hit only {hit_delta} of {total} bytes"
+    );
+    // Both workers took a share (rendezvous placement).
+    assert!(w1.metric("granary_worker_cache_used_bytes") > 0.0);
+    assert!(w2.metric("granary_worker_cache_used_bytes") > 0.0);
+    assert!(metric_at(&master.metrics, "granary_master_inodes") >= 2005.0 + 1.0);
+}
+
+#[test]
+fn cache_quota_is_never_exceeded_and_reads_stay_correct() {
+    let root = workdir();
+    let src = root.path().join("ufs");
+    random_file(&src.join("big.bin"), 40 * MIB).unwrap();
+    for i in 0..20 {
+        random_file(&src.join(format!("s/{i}.bin")), 300 * 1024).unwrap();
+    }
+    let quota = 8 * MIB;
+    let master = Master::start(root.path()).unwrap();
+    let w = Worker::start(root.path(), "w1", &master.addr, &quota.to_string()).unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/d",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let stop = stop.clone();
+        let metrics = w.metrics.clone();
+        let cache = w.cache_dir.clone();
+        std::thread::spawn(move || {
+            let (mut max_metric, mut max_disk, mut samples) = (0f64, 0u64, 0u32);
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(t) = scrape(&metrics) {
+                    if let Some(v) = metric(&t, "granary_worker_cache_used_bytes") {
+                        max_metric = max_metric.max(v);
+                        samples += 1;
+                    }
+                }
+                // Allocated bytes of the block files (sparse files count what they hold).
+                if let Ok(out) = sh(&format!(
+                    "du -s --block-size=1 '{}/blocks'",
+                    cache.display()
+                )) {
+                    if let Some(v) = out.split_whitespace().next().and_then(|v| v.parse().ok()) {
+                        max_disk = max_disk.max(v);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (max_metric, max_disk, samples)
+        })
+    };
+    let mnt = fuse.mountpoint.join("d");
+    let expected = tree_sums(&src).unwrap();
+    for _ in 0..2 {
+        assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (max_metric, max_disk, samples) = sampler.join().unwrap();
+    assert!(samples > 10, "too few samples ({samples})");
+    assert!(
+        max_metric <= quota as f64,
+        "used bytes reached {max_metric} > quota {quota}"
+    );
+    assert!(
+        max_metric > (quota / 2) as f64,
+        "the cache was barely used ({max_metric})"
+    );
+    // Directories and file-system block rounding add a little on disk.
+    assert!(
+        max_disk <= quota + MIB,
+        "block files took {max_disk} bytes on disk > quota {quota}"
+    );
+    assert!(w.metric("granary_worker_evicted_bytes_total") > 0.0);
+    assert!(w.metric("granary_worker_cache_used_bytes") <= quota as f64);
+}
+
+#[test]
+fn master_kill9_restart_keeps_mounts_and_namespace() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let other = root.path().join("other");
+    random_file(&other.join("o.bin"), 777).unwrap();
+    let mut master = Master::start(root.path()).unwrap();
+    let addr = master.addr.clone();
+    let w = Worker::start(root.path(), "w1", &addr, "1GiB").unwrap();
+    wait_live_workers(&addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/other",
+        &other.to_string_lossy(),
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    let listing = granary_ok(&["fs", "ls", "/data/a", "--master", &addr]).unwrap();
+    assert_eq!(listing, "x.bin\ny.bin\n");
+    let mounts_before = granary_ok(&["mount", "list", "--master", &addr]).unwrap();
+    let stat_before =
+        granary_ok(&["fs", "stat", "/data/a/x.bin", "--json", "--master", &addr]).unwrap();
+    let fuse = Fuse::start(root.path(), &addr).unwrap();
+
+    master.proc.kill9().unwrap();
+    let master = Master::start_on(root.path(), &master.data_dir, master.port).unwrap();
+    assert_eq!(master.addr, addr);
+    assert_eq!(
+        granary_ok(&["mount", "list", "--master", &addr]).unwrap(),
+        mounts_before
+    );
+    assert_eq!(
+        granary_ok(&["fs", "stat", "/data/a/x.bin", "--json", "--master", &addr]).unwrap(),
+        stat_before,
+        "namespace entry changed across the restart"
+    );
+    // The worker re-registers; a read through the mount that was up all along works.
+    wait_live_workers(&addr, 1).unwrap();
+    let expected = tree_sums(&src).unwrap();
+    assert_eq!(tree_sums(&fuse.mountpoint.join("data")).unwrap(), expected);
+    assert_eq!(
+        sh(&format!(
+            "sha256sum < '{}'",
+            fuse.mountpoint.join("other/o.bin").display()
+        ))
+        .unwrap(),
+        sh(&format!("sha256sum < '{}'", other.join("o.bin").display())).unwrap()
+    );
+    assert!(w.metric("granary_worker_ufs_read_bytes_total") > 0.0);
+}
+
+#[test]
+fn reads_survive_a_worker_kill9() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    let mut w1 = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
+    let w2 = Worker::start(root.path(), "w2", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 2).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let mnt = fuse.mountpoint.join("data");
+    let expected = tree_sums(&src).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    w1.proc.kill9().unwrap();
+    // Immediately (the master has not noticed yet) and after it declared the worker lost.
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    wait_live_workers(&master.addr, 1).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert!(w2.metric("granary_worker_read_requests_total") > 0.0);
+}
+
+#[test]
+fn restarted_worker_serves_its_cache_without_under_store_reads() {
+    let root = workdir();
+    let (src, total) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    let mut w = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let mnt = fuse.mountpoint.join("data");
+    let expected = tree_sums(&src).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
+    let cache_dir = w.cache_dir.clone();
+    w.proc.kill9().unwrap();
+
+    let w = Worker::start_with(root.path(), "w1-again", &master.addr, "1GiB", &cache_dir).unwrap();
+    assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
+    // Wait until the master lists the restarted worker's new address.
+    poll(
+        "the restarted worker to be listed",
+        Duration::from_secs(30),
+        || {
+            let v = wait_live_workers(&master.addr, 1).ok()?;
+            (v["workers"]
+                .as_array()?
+                .iter()
+                .any(|x| x["address"] == w.addr.as_str() && x["state"] == "live"))
+            .then_some(())
+        },
+    )
+    .unwrap();
+    // Let the FUSE client's worker list refresh past the old address.
+    std::thread::sleep(Duration::from_millis(2100));
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), 0.0);
+    assert!(w.metric("granary_worker_cache_hit_bytes_total") >= total as f64);
+}
+
+#[test]
+fn a_corrupted_cached_page_is_never_served() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    let w = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let file = fuse.mountpoint.join("data/b.bin");
+    let want = sh(&format!("sha256sum < '{}'", src.join("b.bin").display())).unwrap();
+    assert_eq!(
+        sh(&format!("sha256sum < '{}'", file.display())).unwrap(),
+        want
+    );
+    let ufs_before = w.metric("granary_worker_ufs_read_bytes_total");
+
+    // b.bin is one block of one 1 MiB page: flip a byte of its block file.
+    let blocks = sh(&format!(
+        "find '{}/blocks' -type f -size 1M",
+        w.cache_dir.display()
+    ))
+    .unwrap();
+    let block = blocks
+        .lines()
+        .next()
+        .expect("a cached block file")
+        .to_string();
+    let mut bytes = std::fs::read(&block).unwrap();
+    bytes[1000] ^= 0xff;
+    std::fs::write(&block, &bytes).unwrap();
+
+    assert_eq!(
+        sh(&format!("sha256sum < '{}'", file.display())).unwrap(),
+        want
+    );
+    assert_eq!(w.metric("granary_worker_checksum_failures_total"), 1.0);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total") - ufs_before,
+        MIB as f64
+    );
+    // And the refetched page is good again.
+    assert_eq!(
+        sh(&format!("sha256sum < '{}'", file.display())).unwrap(),
+        want
+    );
+    assert_eq!(w.metric("granary_worker_checksum_failures_total"), 1.0);
+}
+
+fn assert_one_sentence_error(out: &std::process::Output, what: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{what}: exit {:?}, stderr {err}",
+        out.status
+    );
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{what}: stderr is not one line: {err}"
+    );
+    assert!(err.starts_with("error: "), "{what}: {err}");
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_changes_nothing() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    let m = master.addr.as_str();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        m,
+    ])
+    .unwrap();
+    let mounts = granary_ok(&["mount", "list", "--json", "--master", m]).unwrap();
+    let inodes = granary_ok(&["report", "--json", "--master", m]).unwrap();
+    let inodes: serde_json::Value = serde_json::from_str(&inodes).unwrap();
+
+    let out = granary(&[
+        "mount",
+        "add",
+        "/missing",
+        "/definitely/not/a/dir",
+        "--master",
+        m,
+    ]);
+    assert_one_sentence_error(&out, "mount add of a missing directory");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/definitely/not/a/dir"));
+
+    let out = granary(&[
+        "mount",
+        "add",
+        "/data/nested",
+        &src.to_string_lossy(),
+        "--master",
+        m,
+    ]);
+    assert_one_sentence_error(&out, "nested mount");
+
+    let out = granary(&["fs", "stat", "/data/nope.bin", "--master", m]);
+    assert_one_sentence_error(&out, "fs stat of a missing path");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/data/nope.bin"));
+
+    let out = granary(&[
+        "worker",
+        "--master",
+        m,
+        "--cache-dir",
+        "/tmp/x",
+        "--cache-size",
+        "12XB",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "malformed size is a usage error"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid size"));
+
+    let missing_mp = root.path().join("no-such-mountpoint");
+    let out = granary(&[
+        "fuse",
+        "--master",
+        m,
+        "--mount",
+        &missing_mp.to_string_lossy(),
+    ]);
+    assert_one_sentence_error(&out, "fuse on a missing mount point");
+    let out = granary(&[
+        "local",
+        "--ufs",
+        &src.to_string_lossy(),
+        "--mount",
+        &missing_mp.to_string_lossy(),
+    ]);
+    assert_one_sentence_error(&out, "local on a missing mount point");
+
+    let out = granary(&["fs", "ls", "/", "--master", "127.0.0.1:1"]);
+    assert_one_sentence_error(&out, "unreachable master");
+
+    assert_eq!(
+        granary_ok(&["mount", "list", "--json", "--master", m]).unwrap(),
+        mounts
+    );
+    let after: serde_json::Value =
+        serde_json::from_str(&granary_ok(&["report", "--json", "--master", m]).unwrap()).unwrap();
+    assert_eq!(
+        after["inodes"], inodes["inodes"],
+        "bad input changed the namespace"
+    );
+    assert_eq!(after["mounts"], 1);
+}
+
+#[test]
+fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let mp = root.path().join("mnt");
+    std::fs::create_dir_all(&mp).unwrap();
+    // The README command, with a private cache dir.
+    let mut p = Proc::spawn(
+        "local",
+        root.path(),
+        &[
+            "local",
+            "--ufs",
+            &src.to_string_lossy(),
+            "--mount",
+            &mp.to_string_lossy(),
+            "--cache-dir",
+            &root.path().join("cache").to_string_lossy(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    )
+    .unwrap();
+    p.wait_for_line("granary mounted at", Duration::from_secs(60))
+        .unwrap();
+    let metrics = p
+        .wait_for_line("metrics on http://", Duration::from_secs(5))
+        .unwrap();
+    let metrics = metrics.trim_end_matches("/metrics").to_string();
+    assert!(is_mounted(&mp));
+    let expected = tree_sums(&src).unwrap();
+    assert_eq!(tree_sums(&mp).unwrap(), expected);
+    assert_eq!(tree_sums(&mp).unwrap(), expected);
+    let text = scrape(&metrics).unwrap();
+    assert!(metric(&text, "granary_worker_cache_hit_bytes_total").unwrap() > 0.0);
+    assert!(metric(&text, "granary_master_inodes").unwrap() >= 6.0);
+
+    assert_eq!(
+        p.stop("INT", Duration::from_secs(20)).unwrap(),
+        Some(0),
+        "log:\n{}",
+        p.log_text()
+    );
+    assert!(!is_mounted(&mp), "still mounted after Ctrl-C");
+
+    // A second run over the same cache dir serves from the cache it kept.
+    let mut p = Proc::spawn(
+        "local2",
+        root.path(),
+        &[
+            "local",
+            "--ufs",
+            &src.to_string_lossy(),
+            "--mount",
+            &mp.to_string_lossy(),
+            "--cache-dir",
+            &root.path().join("cache").to_string_lossy(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    )
+    .unwrap();
+    p.wait_for_line("granary mounted at", Duration::from_secs(60))
+        .unwrap();
+    let metrics = p
+        .wait_for_line("metrics on http://", Duration::from_secs(5))
+        .unwrap();
+    let metrics = metrics.trim_end_matches("/metrics").to_string();
+    assert_eq!(tree_sums(&mp).unwrap(), expected);
+    assert_eq!(
+        metric_at(&metrics, "granary_worker_ufs_read_bytes_total"),
+        0.0
+    );
+    assert_eq!(p.stop("TERM", Duration::from_secs(20)).unwrap(), Some(0));
+    assert!(!is_mounted(&mp));
+}

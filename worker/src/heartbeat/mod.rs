@@ -1,0 +1,113 @@
+//! Registration and heartbeats: a full block report on (re-)registration, deltas after.
+//! Any failure makes the next round register again, so the master's soft state always
+//! converges to what the worker holds (e.g. after a master restart).
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use granary_client::MasterClient;
+use granary_proto as pb;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::WorkerMetrics;
+use crate::store::PageStore;
+
+pub struct Heartbeat {
+    pub master: MasterClient,
+    pub store: Arc<PageStore>,
+    pub metrics: WorkerMetrics,
+    pub worker_id: u64,
+    pub address: String,
+    pub host: String,
+    pub interval: Duration,
+}
+
+impl Heartbeat {
+    fn stats(&self) -> pb::WorkerStats {
+        let m = &self.metrics;
+        pb::WorkerStats {
+            capacity_bytes: self.store.capacity,
+            used_bytes: self.store.used(),
+            cache_hit_bytes: m.cache_hit_bytes.get(),
+            cache_miss_bytes: m.cache_miss_bytes.get(),
+            ufs_read_bytes: m.ufs_read_bytes.get(),
+            ufs_requests: m.ufs_requests.get(),
+            evicted_bytes: m.evicted_bytes.get(),
+            tiers: vec![pb::TierUsage {
+                tier: "ssd".into(),
+                capacity_bytes: self.store.capacity,
+                used_bytes: self.store.used(),
+            }],
+        }
+    }
+
+    async fn register(&self) -> Result<Duration, granary_client::ClientError> {
+        // Deltas are superseded by the full report.
+        self.store.clear_deltas();
+        let r = self
+            .master
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: self.worker_id,
+                address: self.address.clone(),
+                host: self.host.clone(),
+                stats: Some(self.stats()),
+                blocks: self.store.blocks(),
+            })
+            .await?;
+        Ok(Duration::from_millis(r.heartbeat_interval_ms).max(Duration::from_millis(100)))
+    }
+
+    /// Runs until `shutdown`.
+    pub async fn run(
+        self,
+        shutdown: CancellationToken,
+        registered: Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let mut interval = self.interval;
+        let mut need_register = true;
+        let mut logged_failure = false;
+        loop {
+            if need_register {
+                match self.register().await {
+                    Ok(i) => {
+                        interval = i.min(self.interval.max(Duration::from_millis(100)));
+                        need_register = false;
+                        logged_failure = false;
+                        registered.store(true, Relaxed);
+                        tracing::info!(worker = self.worker_id, master = %self.master.address, "registered with the master");
+                    }
+                    Err(e) => {
+                        if !logged_failure {
+                            tracing::warn!(error = %e, "cannot register with the master; retrying");
+                            logged_failure = true;
+                        }
+                    }
+                }
+            } else {
+                let (added, removed) = self.store.take_deltas();
+                match self
+                    .master
+                    .heartbeat(pb::WorkerHeartbeatRequest {
+                        worker_id: self.worker_id,
+                        stats: Some(self.stats()),
+                        added_blocks: added,
+                        removed_blocks: removed,
+                    })
+                    .await
+                {
+                    Ok(r) if r.reregister => need_register = true,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "heartbeat failed; will register again");
+                        need_register = true;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}

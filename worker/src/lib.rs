@@ -1,0 +1,194 @@
+//! The Granary worker: caches pages of blocks on local disk, fills misses read-through from
+//! the under-store (one fetch per page however many readers miss it), serves reads over gRPC,
+//! and reports what it holds to the master.
+//!
+//! Invariants: cached bytes never exceed `--cache-size` (space is reserved before a page is
+//! admitted; a full cache serves without caching); a page failing its CRC32C is never served;
+//! the cache survives a restart (the index is reloaded at start).
+
+pub mod evict;
+pub mod heartbeat;
+pub mod metrics;
+pub mod service;
+pub mod store;
+pub mod ufs_fetch;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use granary_client::MasterClient;
+use granary_common::metrics::SharedRegistry;
+use granary_proto::worker_service_server::WorkerServiceServer;
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("worker server failed: {0}")]
+    Serve(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub master: String,
+    pub listen: SocketAddr,
+    /// Address given to the master for clients to reach (defaults to the bound address).
+    pub advertise: Option<String>,
+    pub cache_dir: PathBuf,
+    pub cache_size: u64,
+    pub page_size: u64,
+    pub metrics_listen: Option<SocketAddr>,
+    pub heartbeat_interval: Duration,
+}
+
+impl WorkerConfig {
+    pub fn new(master: String, listen: SocketAddr, cache_dir: PathBuf, cache_size: u64) -> Self {
+        Self {
+            master,
+            listen,
+            advertise: None,
+            cache_dir,
+            cache_size,
+            page_size: granary_common::DEFAULT_PAGE_SIZE,
+            metrics_listen: None,
+            heartbeat_interval: Duration::from_secs(1),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        if self.page_size == 0 || self.page_size > 64 * 1024 * 1024 {
+            return Err(WorkerError::Config(format!(
+                "page size {} must be between 1 byte and 64 MiB",
+                self.page_size
+            )));
+        }
+        if self.cache_size < self.page_size {
+            return Err(WorkerError::Config(format!(
+                "cache size {} is smaller than one page ({} bytes)",
+                self.cache_size, self.page_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+pub struct RunningWorker {
+    pub addr: SocketAddr,
+    pub worker_id: u64,
+    pub metrics_addr: Option<SocketAddr>,
+    pub store: Arc<store::PageStore>,
+    pub registered: Arc<AtomicBool>,
+    pub done: tokio::task::JoinHandle<Result<(), WorkerError>>,
+}
+
+/// Opens the cache, binds the listeners, starts heartbeating and serves until `shutdown`.
+pub async fn start(
+    config: WorkerConfig,
+    registry: SharedRegistry,
+    shutdown: CancellationToken,
+) -> Result<RunningWorker, WorkerError> {
+    config.validate()?;
+    let metrics = metrics::WorkerMetrics::register(&registry);
+    metrics.cache_capacity_bytes.set(config.cache_size as i64);
+    let worker_id = store::worker_id(&config.cache_dir)?;
+    let store = tokio::task::spawn_blocking({
+        let dir = config.cache_dir.clone();
+        let m = metrics.clone();
+        let (cap, ps) = (config.cache_size, config.page_size);
+        move || store::PageStore::open(&dir, cap, ps, m)
+    })
+    .await
+    .map_err(|e| WorkerError::Config(format!("opening the cache panicked: {e}")))??;
+
+    let master =
+        MasterClient::new(&config.master).map_err(|e| WorkerError::Config(e.to_string()))?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| WorkerError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| WorkerError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let advertise = config.advertise.clone().unwrap_or_else(|| {
+        if addr.ip().is_unspecified() {
+            format!("127.0.0.1:{}", addr.port())
+        } else {
+            addr.to_string()
+        }
+    });
+    let metrics_addr = match config.metrics_listen {
+        Some(a) => Some(
+            granary_common::metrics::serve(a, registry.clone(), shutdown.clone())
+                .await
+                .map_err(|source| WorkerError::Listen { addr: a, source })?,
+        ),
+        None => None,
+    };
+
+    let fetcher = Arc::new(ufs_fetch::Fetcher::new(
+        master.clone(),
+        store.clone(),
+        metrics.clone(),
+    ));
+    let registered = Arc::new(AtomicBool::new(false));
+    let hb = heartbeat::Heartbeat {
+        master,
+        store: store.clone(),
+        metrics: metrics.clone(),
+        worker_id,
+        address: advertise.clone(),
+        host: hostname(),
+        interval: config.heartbeat_interval,
+    };
+    tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
+
+    let svc = WorkerServiceServer::new(service::WorkerRpc {
+        worker_id,
+        fetcher,
+        metrics,
+    })
+    .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let sd = shutdown.clone();
+    let done = tokio::spawn(async move {
+        granary_common::grpc::server()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
+            .await
+            .map_err(|e| WorkerError::Serve(e.to_string()))
+    });
+    tracing::info!(%addr, worker = worker_id, cache_dir = %config.cache_dir.display(), capacity = config.cache_size, "worker serving");
+    Ok(RunningWorker {
+        addr,
+        worker_id,
+        metrics_addr,
+        store,
+        registered,
+        done,
+    })
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}

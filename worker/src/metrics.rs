@@ -1,0 +1,92 @@
+//! Worker metrics (`granary_worker_*`). Counters get the `_total` suffix when rendered.
+
+use std::sync::atomic::{AtomicI64, AtomicU64};
+
+use granary_common::metrics::SharedRegistry;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+
+#[derive(Clone, Default)]
+pub struct WorkerMetrics {
+    pub cache_hit_bytes: Counter<u64, AtomicU64>,
+    pub cache_miss_bytes: Counter<u64, AtomicU64>,
+    pub ufs_read_bytes: Counter<u64, AtomicU64>,
+    pub ufs_requests: Counter<u64, AtomicU64>,
+    pub ufs_errors: Counter<u64, AtomicU64>,
+    pub evicted_bytes: Counter<u64, AtomicU64>,
+    pub checksum_failures: Counter<u64, AtomicU64>,
+    pub uncached_fills: Counter<u64, AtomicU64>,
+    pub read_requests: Counter<u64, AtomicU64>,
+    pub cache_used_bytes: Gauge<i64, AtomicI64>,
+    pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
+    pub cache_pages: Gauge<i64, AtomicI64>,
+}
+
+impl WorkerMetrics {
+    pub fn register(registry: &SharedRegistry) -> Self {
+        let m = Self::default();
+        if let Ok(mut r) = registry.lock() {
+            r.register(
+                "granary_worker_cache_hit_bytes",
+                "Bytes served from the cache",
+                m.cache_hit_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_cache_miss_bytes",
+                "Bytes served that were not cached",
+                m.cache_miss_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_read_bytes",
+                "Bytes read from under-stores",
+                m.ufs_read_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_requests",
+                "Requests sent to under-stores",
+                m.ufs_requests.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_errors",
+                "Failed under-store requests",
+                m.ufs_errors.clone(),
+            );
+            r.register(
+                "granary_worker_evicted_bytes",
+                "Bytes evicted from the cache",
+                m.evicted_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_checksum_failures",
+                "Cached pages that failed their checksum",
+                m.checksum_failures.clone(),
+            );
+            r.register(
+                "granary_worker_uncached_fills",
+                "Pages served without caching (no space could be freed)",
+                m.uncached_fills.clone(),
+            );
+            r.register(
+                "granary_worker_read_requests",
+                "Block read requests",
+                m.read_requests.clone(),
+            );
+            r.register(
+                "granary_worker_cache_used_bytes",
+                "Bytes of cached pages",
+                m.cache_used_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_cache_capacity_bytes",
+                "Cache capacity in bytes",
+                m.cache_capacity_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_cache_pages",
+                "Cached pages",
+                m.cache_pages.clone(),
+            );
+        }
+        m
+    }
+}

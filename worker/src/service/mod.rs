@@ -1,0 +1,179 @@
+//! The worker's gRPC service: streaming block reads and cache info.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use granary_proto as pb;
+use granary_proto::worker_service_server::WorkerService;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::WorkerMetrics;
+use crate::store::block_key;
+use crate::ufs_fetch::{Fetcher, Source};
+
+/// Largest single read request (one block at the default block size).
+pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
+/// Pages of one request fetched concurrently on a miss.
+const PAGE_PARALLELISM: usize = 4;
+
+pub struct WorkerRpc {
+    pub worker_id: u64,
+    pub fetcher: Arc<Fetcher>,
+    pub metrics: WorkerMetrics,
+}
+
+/// Byte geometry of one read request, validated.
+struct Plan {
+    block_start: u64,
+    offset: u64,
+    end: u64,
+}
+
+fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status> {
+    let desc = r
+        .block
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("the block descriptor is missing"))?;
+    let id = desc
+        .id
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument("the block id is missing"))?;
+    if desc.ufs.is_none() {
+        return Err(Status::invalid_argument(
+            "the block has no under-store location",
+        ));
+    }
+    let bs = if desc.block_size == 0 {
+        granary_common::DEFAULT_BLOCK_SIZE
+    } else {
+        desc.block_size
+    };
+    let block_start = u64::from(id.index)
+        .checked_mul(bs)
+        .filter(|s| *s < desc.file_length)
+        .ok_or_else(|| {
+            Status::out_of_range(format!("block {} is past the end of the file", id.index))
+        })?;
+    let block_len = bs.min(desc.file_length - block_start);
+    if r.length == 0 || r.length > MAX_READ_LENGTH {
+        return Err(Status::invalid_argument(format!(
+            "read length {} must be between 1 and {MAX_READ_LENGTH}",
+            r.length
+        )));
+    }
+    let end = r
+        .offset
+        .checked_add(r.length)
+        .filter(|e| *e <= block_len)
+        .ok_or_else(|| {
+            Status::out_of_range(format!(
+                "range {}+{} is outside the block ({block_len} bytes)",
+                r.offset, r.length
+            ))
+        })?;
+    Ok((
+        desc,
+        Plan {
+            block_start,
+            offset: r.offset,
+            end,
+        },
+    ))
+}
+
+type ReadStream = Pin<Box<dyn Stream<Item = Result<pb::ReadBlockResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for WorkerRpc {
+    type ReadBlockStream = ReadStream;
+
+    async fn read_block(
+        &self,
+        req: Request<pb::ReadBlockRequest>,
+    ) -> Result<Response<Self::ReadBlockStream>, Status> {
+        let r = req.into_inner();
+        let ps = self.fetcher.store.page_size;
+        let (desc, p) = plan(&r)?;
+        self.metrics.read_requests.inc();
+        let bkey = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
+        let block_len = {
+            let bs = if desc.block_size == 0 {
+                granary_common::DEFAULT_BLOCK_SIZE
+            } else {
+                desc.block_size
+            };
+            bs.min(desc.file_length - p.block_start)
+        };
+        let first = p.offset / ps;
+        let last = (p.end - 1) / ps;
+        let fetcher = self.fetcher.clone();
+        let metrics = self.metrics.clone();
+        let cache = r.cache;
+        let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
+        tokio::spawn(async move {
+            let desc = &desc;
+            let fetcher = &fetcher;
+            let mut pages = futures::stream::iter(first..=last)
+                .map(|page| async move {
+                    let page_start = page * ps;
+                    let page_len = ps.min(block_len - page_start);
+                    let res = fetcher
+                        .page(
+                            desc,
+                            (bkey, page as u32),
+                            p.block_start + page_start,
+                            page_len,
+                            cache,
+                        )
+                        .await;
+                    (page, res)
+                })
+                .buffered(PAGE_PARALLELISM);
+            while let Some((page, res)) = pages.next().await {
+                let msg = match res {
+                    Ok((data, source)) => {
+                        let page_start = page * ps;
+                        let from = p.offset.max(page_start) - page_start;
+                        let to = p.end.min(page_start + data.len() as u64) - page_start;
+                        let slice = data.slice(from as usize..to as usize);
+                        let n = slice.len() as u64;
+                        let hit = source == Source::Cache;
+                        if hit {
+                            metrics.cache_hit_bytes.inc_by(n);
+                        } else {
+                            metrics.cache_miss_bytes.inc_by(n);
+                        }
+                        Ok(pb::ReadBlockResponse {
+                            data: slice,
+                            offset: page_start + from,
+                            hit,
+                        })
+                    }
+                    Err(e) => Err(Status::from(e)),
+                };
+                let failed = msg.is_err();
+                if tx.send(msg).await.is_err() || failed {
+                    break; // reader went away, or the error was delivered
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_cache_info(
+        &self,
+        _req: Request<pb::GetCacheInfoRequest>,
+    ) -> Result<Response<pb::GetCacheInfoResponse>, Status> {
+        let s = &self.fetcher.store;
+        Ok(Response::new(pb::GetCacheInfoResponse {
+            worker_id: self.worker_id,
+            capacity_bytes: s.capacity,
+            used_bytes: s.used(),
+            page_size: s.page_size,
+            cached_pages: s.page_count(),
+            cached_blocks: s.blocks().len() as u64,
+        }))
+    }
+}

@@ -1,0 +1,487 @@
+//! The page store: cached pages of blocks on local disk.
+//!
+//! Layout under `--cache-dir`:
+//! - `blocks/<xx>/<inode>-<version>-<index>`: one sparse file per cached block; page `p`
+//!   lives at offset `p * page_size`. A block whose pages are all cached is one plain local
+//!   file (what short-circuit reads and FUSE passthrough will serve directly).
+//! - `index/`: a RocksDB with one record per cached page (length + CRC32C), reloaded at start.
+//!
+//! Invariants: the bytes accounted as used (committed pages + reservations of in-flight
+//! fills) never exceed the capacity — space is reserved, evicting first, before a page is
+//! admitted; a page whose bytes fail their checksum is dropped and never served.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use granary_common::ids::{block_name, parse_block_name};
+use granary_proto as pb;
+use rocksdb::DB;
+use thiserror::Error;
+
+use crate::evict::{EvictionPolicy, Lru};
+use crate::metrics::WorkerMetrics;
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("cache directory {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cache index: {0}")]
+    Index(#[from] rocksdb::Error),
+}
+
+/// (inode, version, block index)
+pub type BlockKey = (u64, u64, u32);
+/// (block, page index)
+pub type PageKey = (BlockKey, u32);
+
+pub fn block_key(id: &pb::BlockId) -> BlockKey {
+    (id.inode, id.version, id.index)
+}
+
+pub fn block_id(k: &BlockKey) -> pb::BlockId {
+    pb::BlockId {
+        inode: k.0,
+        version: k.1,
+        index: k.2,
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PageMeta {
+    len: u32,
+    crc: u32,
+}
+
+struct Inner {
+    pages: HashMap<PageKey, PageMeta>,
+    policy: Box<dyn EvictionPolicy<PageKey>>,
+    pages_per_block: HashMap<BlockKey, u32>,
+    used: u64,
+    reserved: u64,
+    /// Block report deltas since the last heartbeat.
+    added: HashSet<BlockKey>,
+    removed: HashSet<BlockKey>,
+}
+
+/// Space reserved for one page being filled. Dropping it without `commit` releases it.
+pub struct Reservation {
+    store: Arc<PageStore>,
+    len: u64,
+    done: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut inner = self.store.lock();
+            inner.reserved -= self.len;
+        }
+    }
+}
+
+pub struct PageStore {
+    dir: PathBuf,
+    pub capacity: u64,
+    pub page_size: u64,
+    index: DB,
+    inner: Mutex<Inner>,
+    metrics: WorkerMetrics,
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> StoreError {
+    StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn index_key(k: &PageKey) -> Vec<u8> {
+    let mut v = Vec::with_capacity(24);
+    v.extend_from_slice(&k.0 .0.to_be_bytes());
+    v.extend_from_slice(&k.0 .1.to_be_bytes());
+    v.extend_from_slice(&k.0 .2.to_be_bytes());
+    v.extend_from_slice(&k.1.to_be_bytes());
+    v
+}
+
+fn parse_index_key(v: &[u8]) -> Option<PageKey> {
+    if v.len() != 24 {
+        return None;
+    }
+    let inode = u64::from_be_bytes(v[0..8].try_into().ok()?);
+    let version = u64::from_be_bytes(v[8..16].try_into().ok()?);
+    let index = u32::from_be_bytes(v[16..20].try_into().ok()?);
+    let page = u32::from_be_bytes(v[20..24].try_into().ok()?);
+    Some(((inode, version, index), page))
+}
+
+impl PageStore {
+    /// Opens (or creates) the store and reloads the index of pages cached before a restart.
+    pub fn open(
+        dir: &Path,
+        capacity: u64,
+        page_size: u64,
+        metrics: WorkerMetrics,
+    ) -> Result<Arc<Self>, StoreError> {
+        std::fs::create_dir_all(dir.join("blocks")).map_err(|e| io_err(dir, e))?;
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        let index = DB::open(&opts, dir.join("index"))?;
+        let store = Arc::new(Self {
+            dir: dir.to_path_buf(),
+            capacity,
+            page_size,
+            index,
+            inner: Mutex::new(Inner {
+                pages: HashMap::new(),
+                policy: Box::new(Lru::default()),
+                pages_per_block: HashMap::new(),
+                used: 0,
+                reserved: 0,
+                added: HashSet::new(),
+                removed: HashSet::new(),
+            }),
+            metrics,
+        });
+        store.reload()?;
+        Ok(store)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    pub fn block_path(&self, b: &BlockKey) -> PathBuf {
+        let name = block_name(&block_id(b));
+        self.dir.join("blocks").join(&name[14..16]).join(name)
+    }
+
+    fn reload(self: &Arc<Self>) -> Result<(), StoreError> {
+        let mut stale = Vec::new();
+        {
+            let mut inner = self.lock();
+            for item in self.index.iterator(rocksdb::IteratorMode::Start) {
+                let (k, v) = item?;
+                let (Some(key), true) = (parse_index_key(&k), v.len() == 8) else {
+                    stale.push(k.to_vec());
+                    continue;
+                };
+                let len = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
+                let crc = u32::from_be_bytes([v[4], v[5], v[6], v[7]]);
+                if !self.block_path(&key.0).exists() {
+                    stale.push(k.to_vec());
+                    continue;
+                }
+                inner.pages.insert(key, PageMeta { len, crc });
+                inner.policy.insert(key);
+                *inner.pages_per_block.entry(key.0).or_default() += 1;
+                inner.used += u64::from(len);
+            }
+        }
+        for k in stale {
+            self.index.delete(k)?;
+        }
+        // A smaller capacity than last time: evict down to it.
+        let victims = {
+            let mut inner = self.lock();
+            let mut v = Vec::new();
+            while inner.used > self.capacity {
+                match Self::evict_one(&mut inner) {
+                    Some(x) => v.push(x),
+                    None => break,
+                }
+            }
+            inner.added.clear();
+            inner.removed.clear();
+            v
+        };
+        self.finish_evictions(victims);
+        let inner = self.lock();
+        self.metrics.cache_used_bytes.set(inner.used as i64);
+        self.metrics.cache_pages.set(inner.pages.len() as i64);
+        tracing::info!(
+            pages = inner.pages.len(),
+            used = inner.used,
+            "cache index reloaded"
+        );
+        Ok(())
+    }
+
+    /// Bytes of committed pages.
+    pub fn used(&self) -> u64 {
+        self.lock().used
+    }
+
+    /// Bytes of committed pages plus in-flight reservations (never above capacity).
+    pub fn used_and_reserved(&self) -> u64 {
+        let i = self.lock();
+        i.used + i.reserved
+    }
+
+    pub fn page_count(&self) -> u64 {
+        self.lock().pages.len() as u64
+    }
+
+    pub fn blocks(&self) -> Vec<pb::BlockId> {
+        self.lock().pages_per_block.keys().map(block_id).collect()
+    }
+
+    /// Takes the block-report deltas accumulated since the last call.
+    pub fn take_deltas(&self) -> (Vec<pb::BlockId>, Vec<pb::BlockId>) {
+        let mut i = self.lock();
+        let added = i.added.drain().map(|k| block_id(&k)).collect();
+        let removed = i.removed.drain().map(|k| block_id(&k)).collect();
+        (added, removed)
+    }
+
+    pub fn clear_deltas(&self) {
+        let mut i = self.lock();
+        i.added.clear();
+        i.removed.clear();
+    }
+
+    /// Reads a cached page; `None` when absent or when it fails its checksum (then it is
+    /// dropped so the caller refetches).
+    pub fn get(self: &Arc<Self>, key: &PageKey) -> Option<Bytes> {
+        let meta = {
+            let mut inner = self.lock();
+            let meta = *inner.pages.get(key)?;
+            inner.policy.touch(key);
+            meta
+        };
+        let path = self.block_path(&key.0);
+        let mut buf = vec![0u8; meta.len as usize];
+        let read = File::open(&path)
+            .and_then(|f| f.read_exact_at(&mut buf, u64::from(key.1) * self.page_size));
+        match read {
+            Ok(()) if crc32c::crc32c(&buf) == meta.crc => Some(Bytes::from(buf)),
+            Ok(()) => {
+                tracing::warn!(block = %block_name(&block_id(&key.0)), page = key.1, "cached page failed its checksum; dropping it");
+                self.metrics.checksum_failures.inc();
+                self.drop_page(key);
+                None
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cached page unreadable; dropping it");
+                self.drop_page(key);
+                None
+            }
+        }
+    }
+
+    /// Removes a page that turned out bad.
+    fn drop_page(self: &Arc<Self>, key: &PageKey) {
+        let removed = {
+            let mut inner = self.lock();
+            match inner.pages.remove(key) {
+                Some(meta) => {
+                    inner.policy.remove(key);
+                    inner.used -= u64::from(meta.len);
+                    Self::unref_block(&mut inner, &key.0);
+                    Some((*key, meta, false))
+                }
+                None => None,
+            }
+        };
+        if let Some(r) = removed {
+            self.finish_evictions(vec![r]);
+        }
+    }
+
+    fn unref_block(inner: &mut Inner, b: &BlockKey) -> bool {
+        let gone = match inner.pages_per_block.get_mut(b) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                inner.pages_per_block.remove(b);
+                true
+            }
+            None => false,
+        };
+        if gone {
+            inner.added.remove(b);
+            inner.removed.insert(*b);
+        }
+        gone
+    }
+
+    /// Pops one victim; returns (key, meta, whether its block became empty).
+    fn evict_one(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
+        let key = inner.policy.pop_victim()?;
+        let meta = inner.pages.remove(&key)?;
+        inner.used -= u64::from(meta.len);
+        let block_gone = Self::unref_block(inner, &key.0);
+        Some((key, meta, block_gone))
+    }
+
+    /// Reserves `len` bytes for a page about to be filled, evicting least-recently-used pages
+    /// as needed. `None` when the space cannot be freed (everything else is in flight): the
+    /// caller serves the page without caching it.
+    pub fn reserve(self: &Arc<Self>, len: u64) -> Option<Reservation> {
+        if len > self.capacity {
+            return None;
+        }
+        let victims = {
+            let mut inner = self.lock();
+            let mut victims = Vec::new();
+            while inner.used + inner.reserved + len > self.capacity {
+                match Self::evict_one(&mut inner) {
+                    Some(v) => victims.push(v),
+                    None => break,
+                }
+            }
+            let fits = inner.used + inner.reserved + len <= self.capacity;
+            if fits {
+                inner.reserved += len;
+            }
+            (victims, fits)
+        };
+        let (victims, fits) = victims;
+        self.finish_evictions(victims);
+        fits.then(|| Reservation {
+            store: self.clone(),
+            len,
+            done: false,
+        })
+    }
+
+    /// Releases the disk space and index records of evicted pages.
+    fn finish_evictions(&self, victims: Vec<(PageKey, PageMeta, bool)>) {
+        for (key, meta, block_gone) in victims {
+            self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
+            if let Err(e) = self.index.delete(index_key(&key)) {
+                tracing::error!(error = %e, "cannot delete a page from the cache index");
+            }
+            let path = self.block_path(&key.0);
+            if block_gone {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot remove block file");
+                    }
+                }
+            } else if let Ok(f) = OpenOptions::new().write(true).open(&path) {
+                let off = (u64::from(key.1) * self.page_size) as i64;
+                use std::os::fd::AsRawFd;
+                let res = nix::fcntl::fallocate(
+                    f.as_raw_fd(),
+                    nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                        | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+                    off,
+                    i64::from(meta.len),
+                );
+                if let Err(e) = res {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot punch out an evicted page");
+                }
+            }
+        }
+        let inner = self.lock();
+        self.metrics.cache_used_bytes.set(inner.used as i64);
+        self.metrics.cache_pages.set(inner.pages.len() as i64);
+    }
+
+    /// Writes a filled page into its reservation and indexes it.
+    pub fn commit(
+        self: &Arc<Self>,
+        mut r: Reservation,
+        key: PageKey,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        debug_assert!(data.len() as u64 <= r.len);
+        let path = self.block_path(&key.0);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        }
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err(&path, e))?;
+        f.write_all_at(data, u64::from(key.1) * self.page_size)
+            .map_err(|e| io_err(&path, e))?;
+        let meta = PageMeta {
+            len: data.len() as u32,
+            crc: crc32c::crc32c(data),
+        };
+        let mut v = Vec::with_capacity(8);
+        v.extend_from_slice(&meta.len.to_be_bytes());
+        v.extend_from_slice(&meta.crc.to_be_bytes());
+        self.index.put(index_key(&key), v)?;
+        let mut inner = self.lock();
+        inner.reserved -= r.len;
+        r.done = true;
+        if let Some(old) = inner.pages.insert(key, meta) {
+            // A concurrent fill of the same page won; keep one accounting entry.
+            inner.used -= u64::from(old.len);
+            inner.policy.touch(&key);
+        } else {
+            inner.policy.insert(key);
+            let n = inner.pages_per_block.entry(key.0).or_default();
+            *n += 1;
+            if *n == 1 {
+                inner.removed.remove(&key.0);
+                inner.added.insert(key.0);
+            }
+        }
+        inner.used += u64::from(meta.len);
+        self.metrics.cache_used_bytes.set(inner.used as i64);
+        self.metrics.cache_pages.set(inner.pages.len() as i64);
+        Ok(())
+    }
+}
+
+/// Reads the worker's persistent id from `dir/worker-id`, creating it on first start.
+pub fn worker_id(dir: &Path) -> Result<u64, StoreError> {
+    let path = dir.join("worker-id");
+    match std::fs::read_to_string(&path) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|v| *v != 0)
+            .ok_or_else(|| {
+                io_err(
+                    &path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "worker-id is not a positive integer",
+                    ),
+                )
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let id = loop {
+                let v: u64 = rand::random::<u64>() >> 1;
+                if v != 0 {
+                    break v;
+                }
+            };
+            std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+            let tmp = dir.join("worker-id.tmp");
+            std::fs::write(&tmp, format!("{id}\n")).map_err(|e| io_err(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| io_err(&path, e))?;
+            Ok(id)
+        }
+        Err(e) => Err(io_err(&path, e)),
+    }
+}
+
+/// Parses a block file name back into its key (for tools and tests).
+pub fn parse_block_file(name: &str) -> Option<BlockKey> {
+    parse_block_name(name).map(|b| block_key(&b))
+}
+
+#[cfg(test)]
+mod tests;

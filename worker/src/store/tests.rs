@@ -1,0 +1,90 @@
+use super::*;
+
+fn open(dir: &Path, cap: u64) -> Arc<PageStore> {
+    PageStore::open(dir, cap, 4096, WorkerMetrics::default()).unwrap()
+}
+
+fn key(block: u32, page: u32) -> PageKey {
+    ((7, 9, block), page)
+}
+
+fn fill(s: &Arc<PageStore>, k: PageKey, byte: u8) -> bool {
+    match s.reserve(4096) {
+        Some(r) => {
+            s.commit(r, k, &[byte; 4096]).unwrap();
+            true
+        }
+        None => false,
+    }
+}
+
+#[test]
+fn never_exceeds_capacity_and_evicts_lru() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 3 * 4096);
+    for p in 0..3 {
+        assert!(fill(&s, key(0, p), p as u8));
+    }
+    assert!(s.get(&key(0, 0)).is_some()); // page 0 becomes most recent
+    assert!(fill(&s, key(0, 3), 3));
+    assert_eq!(s.used(), 3 * 4096);
+    assert!(s.get(&key(0, 1)).is_none(), "LRU page 1 should be gone");
+    assert_eq!(s.get(&key(0, 0)).unwrap()[0], 0);
+    assert_eq!(s.get(&key(0, 3)).unwrap()[0], 3);
+}
+
+#[test]
+fn reservations_count_against_capacity() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 2 * 4096);
+    let r1 = s.reserve(4096).unwrap();
+    let r2 = s.reserve(4096).unwrap();
+    assert!(s.reserve(4096).is_none(), "both slots are in flight");
+    assert_eq!(s.used_and_reserved(), 2 * 4096);
+    drop(r1);
+    s.commit(r2, key(1, 0), &[1; 4096]).unwrap();
+    assert_eq!(s.used_and_reserved(), 4096);
+}
+
+#[test]
+fn corrupt_page_is_dropped() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 8 * 4096);
+    assert!(fill(&s, key(2, 1), 0xaa));
+    let path = s.block_path(&key(2, 1).0);
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[0x55], 4096 + 17).unwrap();
+    assert!(s.get(&key(2, 1)).is_none());
+    assert_eq!(s.used(), 0);
+}
+
+#[test]
+fn survives_reopen_and_reports_blocks() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let s = open(d.path(), 8 * 4096);
+        assert!(fill(&s, key(3, 0), 1));
+        assert!(fill(&s, key(4, 2), 2));
+        let (added, removed) = s.take_deltas();
+        assert_eq!(added.len(), 2);
+        assert!(removed.is_empty());
+    }
+    let s = open(d.path(), 8 * 4096);
+    assert_eq!(s.used(), 2 * 4096);
+    assert_eq!(s.get(&key(4, 2)).unwrap()[0], 2);
+    let mut blocks: Vec<u32> = s.blocks().iter().map(|b| b.index).collect();
+    blocks.sort();
+    assert_eq!(blocks, [3, 4]);
+    // Reopen with a smaller capacity evicts down to it.
+    drop(s);
+    let s = open(d.path(), 4096);
+    assert_eq!(s.used(), 4096);
+}
+
+#[test]
+fn worker_id_is_persistent() {
+    let d = tempfile::tempdir().unwrap();
+    let a = worker_id(d.path()).unwrap();
+    assert_eq!(a, worker_id(d.path()).unwrap());
+    assert_ne!(a, 0);
+}

@@ -1,0 +1,211 @@
+//! Read-through fills: ranged GETs from the under-store, one fetch per page however many
+//! readers miss it at once (single-flight), verified against the file's fingerprint.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use granary_client::MasterClient;
+use granary_common::ufs::{Ufs, UfsSpec};
+use granary_proto as pb;
+use object_store::{GetOptions, GetRange, ObjectStore as _};
+use tokio::sync::OnceCell;
+
+use crate::metrics::WorkerMetrics;
+use crate::store::{PageKey, PageStore};
+
+/// Deadline of one under-store GET.
+pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FetchError {
+    #[error("the file changed in the under-store (fingerprint mismatch): {0}")]
+    Changed(String),
+    #[error("not found in the under-store: {0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl From<FetchError> for tonic::Status {
+    fn from(e: FetchError) -> Self {
+        match &e {
+            FetchError::Changed(_) => tonic::Status::aborted(e.to_string()),
+            FetchError::NotFound(_) => tonic::Status::not_found(e.to_string()),
+            FetchError::Unavailable(_) => tonic::Status::unavailable(e.to_string()),
+        }
+    }
+}
+
+type Flight = Arc<OnceCell<Result<Bytes, FetchError>>>;
+
+pub struct Fetcher {
+    master: MasterClient,
+    stores: Mutex<HashMap<u64, Ufs>>,
+    inflight: Mutex<HashMap<PageKey, Flight>>,
+    pub store: Arc<PageStore>,
+    metrics: WorkerMetrics,
+}
+
+/// Where a served page came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Cache,
+    UnderStore,
+}
+
+impl Fetcher {
+    pub fn new(master: MasterClient, store: Arc<PageStore>, metrics: WorkerMetrics) -> Self {
+        Self {
+            master,
+            stores: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
+            store,
+            metrics,
+        }
+    }
+
+    async fn ufs(&self, mount_id: u64) -> Result<Ufs, FetchError> {
+        if let Some(u) = self
+            .stores
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&mount_id).cloned())
+        {
+            return Ok(u);
+        }
+        let access = self.master.mount_access(mount_id).await.map_err(|e| {
+            FetchError::Unavailable(format!("cannot get mount {mount_id} from the master: {e}"))
+        })?;
+        let spec = UfsSpec::new(
+            &access.uri,
+            access
+                .options
+                .into_iter()
+                .map(|o| (o.key, o.value))
+                .collect(),
+        )
+        .map_err(|e| FetchError::Unavailable(e.to_string()))?;
+        let ufs = spec
+            .open()
+            .map_err(|e| FetchError::Unavailable(e.to_string()))?;
+        if let Ok(mut m) = self.stores.lock() {
+            m.insert(mount_id, ufs.clone());
+        }
+        Ok(ufs)
+    }
+
+    /// Returns page `key` of the block described by `desc`: from the cache, or fetched once
+    /// from the under-store and (if `cache`) admitted.
+    pub async fn page(
+        &self,
+        desc: &pb::BlockDescriptor,
+        key: PageKey,
+        file_offset: u64,
+        len: u64,
+        cache: bool,
+    ) -> Result<(Bytes, Source), FetchError> {
+        if let Some(b) = self.store.get(&key) {
+            return Ok((b, Source::Cache));
+        }
+        let flight = {
+            let mut m = match self.inflight.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            m.entry(key).or_default().clone()
+        };
+        let result = flight
+            .get_or_init(|| async {
+                // Filled while we queued for the flight?
+                if let Some(b) = self.store.get(&key) {
+                    return Ok(b);
+                }
+                let data = self.fetch(desc, file_offset, len).await?;
+                if cache {
+                    match self.store.reserve(data.len() as u64) {
+                        Some(r) => {
+                            if let Err(e) = self.store.commit(r, key, &data) {
+                                tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
+                            }
+                        }
+                        None => {
+                            self.metrics.uncached_fills.inc();
+                        }
+                    }
+                }
+                Ok(data)
+            })
+            .await
+            .clone();
+        if let Ok(mut m) = self.inflight.lock() {
+            if m.get(&key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
+                m.remove(&key);
+            }
+        }
+        result.map(|b| (b, Source::UnderStore))
+    }
+
+    async fn fetch(
+        &self,
+        desc: &pb::BlockDescriptor,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, FetchError> {
+        let loc = desc
+            .ufs
+            .as_ref()
+            .ok_or_else(|| FetchError::Unavailable("block has no under-store location".into()))?;
+        let ufs = self.ufs(loc.mount_id).await?;
+        let path = ufs.path_of(&loc.path);
+        let etag = desc
+            .fingerprint
+            .as_ref()
+            .map(|f| f.etag.clone())
+            .filter(|e| !e.is_empty());
+        let opts = GetOptions {
+            if_match: etag,
+            range: Some(GetRange::Bounded(offset..offset + len)),
+            ..Default::default()
+        };
+        self.metrics.ufs_requests.inc();
+        let fut = async {
+            let r = ufs.store.get_opts(&path, opts).await?;
+            r.bytes().await
+        };
+        let res = tokio::time::timeout(UFS_TIMEOUT, fut).await;
+        let data = match res {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                self.metrics.ufs_errors.inc();
+                return Err(match e {
+                    object_store::Error::Precondition { .. } => {
+                        FetchError::Changed(loc.path.clone())
+                    }
+                    object_store::Error::NotFound { .. } => FetchError::NotFound(loc.path.clone()),
+                    e => FetchError::Unavailable(format!(
+                        "under-store read of {} failed: {e}",
+                        loc.path
+                    )),
+                });
+            }
+            Err(_) => {
+                self.metrics.ufs_errors.inc();
+                return Err(FetchError::Unavailable(format!(
+                    "under-store read of {} timed out after {UFS_TIMEOUT:?}",
+                    loc.path
+                )));
+            }
+        };
+        self.metrics.ufs_read_bytes.inc_by(data.len() as u64);
+        if data.len() as u64 != len {
+            return Err(FetchError::Changed(format!(
+                "{}: expected {len} bytes at {offset}, the under-store returned {}",
+                loc.path,
+                data.len()
+            )));
+        }
+        Ok(data)
+    }
+}
