@@ -40,3 +40,11 @@ pub fn server() -> tonic::transport::Server {
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
 }
+
+/// Accepted connections of a bound listener, with Nagle off (a server given its own
+/// listener does not apply `Server::tcp_nodelay`; small replies would wait ~40 ms for ACKs).
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)))
+}

@@ -50,12 +50,23 @@ pub fn parse_block_name(name: &str) -> Option<BlockId> {
 /// Rendezvous (highest-random-weight) score of `worker` for `block`: the live worker with the
 /// highest score owns the block. Adding or removing a worker moves only its own share.
 pub fn rendezvous_score(block: &BlockId, worker_id: u64) -> u64 {
-    stable_hash(&[
+    // FNV's low-entropy inputs (small ids) need a finaliser to spread evenly.
+    mix64(stable_hash(&[
         &block.inode.to_le_bytes(),
         &block.version.to_le_bytes(),
         &block.index.to_le_bytes(),
         &worker_id.to_le_bytes(),
-    ])
+    ]))
+}
+
+/// The 64-bit finaliser of MurmurHash3: every input bit affects every output bit.
+pub fn mix64(mut h: u64) -> u64 {
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^= h >> 33;
+    h
 }
 
 #[cfg(test)]

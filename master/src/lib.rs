@@ -151,7 +151,7 @@ pub async fn start(
     let svc = MasterServiceServer::new(service::MasterRpc { core: core.clone() })
         .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
         let served = granary_common::grpc::server()

@@ -167,7 +167,7 @@ pub async fn start(
     })
     .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
         granary_common::grpc::server()
