@@ -236,7 +236,7 @@ impl FileSystem {
         len: u64,
     ) -> Result<Bytes, ClientError> {
         let desc = Self::descriptor(file, index)?;
-        let block_id = desc.id.clone().unwrap_or_default();
+        let block_id = desc.id.unwrap_or_default();
         let mut candidates = order_workers(&block_id, &self.live_workers().await);
         {
             // Workers that failed recently go last.

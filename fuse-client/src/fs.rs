@@ -17,6 +17,9 @@ use granary_proto as pb;
 use crate::error::errno;
 use crate::FuseConfig;
 
+/// One entry of an open directory's snapshot: inode, type, name.
+type DirEntry = (u64, FileType, String);
+
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
 const MAX_IO: u32 = 1024 * 1024;
 
@@ -29,7 +32,7 @@ pub struct GranaryFs {
     gid: u32,
     next_fh: AtomicU64,
     files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
-    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<(u64, FileType, String)>>>>>,
+    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

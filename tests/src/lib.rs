@@ -425,3 +425,13 @@ pub fn wait_live_workers(master: &str, n: usize) -> Result<serde_json::Value> {
         },
     )
 }
+
+/// Unmounts `0` on drop if something left it mounted (e.g. a killed daemon after a failed
+/// assertion), so a failing test never leaves a dead mount behind.
+pub struct UnmountOnDrop(pub PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        force_unmount(&self.0);
+    }
+}

@@ -14,11 +14,18 @@ const MIB: u64 = 1024 * 1024;
 fn dataset() -> &'static (PathBuf, u64) {
     static DATA: OnceLock<(PathBuf, u64)> = OnceLock::new();
     DATA.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("granary-dataset-")
-            .tempdir()
-            .expect("tempdir")
-            .keep();
+        // Kept under cargo's per-target temp dir and reused by later runs (330 MiB); the
+        // marker beside it records the total once the tree is complete.
+        let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        let dir = base.join("acceptance-dataset-v1");
+        let marker = base.join("acceptance-dataset-v1.total");
+        if let Some(total) = std::fs::read_to_string(&marker)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            return (dir, total);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
         let mut total = 0;
         for (name, len) in [
             ("empty", 0),
@@ -35,6 +42,7 @@ fn dataset() -> &'static (PathBuf, u64) {
             random_file(&p, 100 * 1024).expect("dataset file");
             total += 100 * 1024;
         }
+        std::fs::write(&marker, total.to_string()).expect("dataset marker");
         (dir, total)
     })
 }
@@ -535,6 +543,7 @@ fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
     let (src, _) = small_dataset(root.path());
     let mp = root.path().join("mnt");
     std::fs::create_dir_all(&mp).unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
     // The README command, with a private cache dir.
     let mut p = Proc::spawn(
         "local",
