@@ -237,30 +237,43 @@ impl FileSystem {
     ) -> Result<Bytes, ClientError> {
         let desc = Self::descriptor(file, index)?;
         let block_id = desc.id.unwrap_or_default();
-        let mut candidates = order_workers(&block_id, &self.live_workers().await);
-        {
-            // Workers that failed recently go last.
-            let v = lock(&self.view);
-            candidates.sort_by_key(|w| {
-                v.suspects
-                    .get(&w.worker_id)
-                    .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
-            });
-        }
-        for w in candidates {
-            match self.read_from_worker(&w.address, &desc, offset, len).await {
-                Ok(data) => {
-                    lock(&self.stats).worker_bytes += data.len() as u64;
-                    return Ok(data);
+        // Two rounds: the cached worker list, then (if every worker in it failed) a fresh
+        // list from the master, which may know a restarted worker's new address.
+        let mut tried: Vec<String> = Vec::new();
+        for round in 0..2 {
+            if round == 1 {
+                if tried.is_empty() {
+                    break;
                 }
-                Err(e) if e.is_retryable() => {
-                    tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
-                    lock(&self.stats).worker_failures += 1;
-                    lock(&self.view)
-                        .suspects
-                        .insert(w.worker_id, Instant::now());
+                lock(&self.view).fetched = None;
+            }
+            let mut candidates = order_workers(&block_id, &self.live_workers().await);
+            candidates.retain(|w| !tried.contains(&w.address));
+            {
+                // Workers that failed recently go last.
+                let v = lock(&self.view);
+                candidates.sort_by_key(|w| {
+                    v.suspects
+                        .get(&w.worker_id)
+                        .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
+                });
+            }
+            for w in candidates {
+                match self.read_from_worker(&w.address, &desc, offset, len).await {
+                    Ok(data) => {
+                        lock(&self.stats).worker_bytes += data.len() as u64;
+                        return Ok(data);
+                    }
+                    Err(e) if e.is_retryable() => {
+                        tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
+                        lock(&self.stats).worker_failures += 1;
+                        lock(&self.view)
+                            .suspects
+                            .insert(w.worker_id, Instant::now());
+                        tried.push(w.address.clone());
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
             }
         }
         let data = self.read_direct(file, block_start + offset, len).await?;

@@ -295,7 +295,7 @@ fn reads_survive_a_worker_kill9() {
     let (src, _) = small_dataset(root.path());
     let master = Master::start(root.path()).unwrap();
     let mut w1 = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
-    let w2 = Worker::start(root.path(), "w2", &master.addr, "1GiB").unwrap();
+    let mut w2 = Worker::start(root.path(), "w2", &master.addr, "1GiB").unwrap();
     wait_live_workers(&master.addr, 2).unwrap();
     granary_ok(&[
         "mount",
@@ -316,6 +316,11 @@ fn reads_survive_a_worker_kill9() {
     wait_live_workers(&master.addr, 1).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
     assert!(w2.metric("granary_worker_read_requests_total") > 0.0);
+    // With no worker left, the client reads the under-store directly.
+    w2.proc.kill9().unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    wait_live_workers(&master.addr, 0).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
 }
 
 #[test]
@@ -361,8 +366,8 @@ fn restarted_worker_serves_its_cache_without_under_store_reads() {
         },
     )
     .unwrap();
-    // Let the FUSE client's worker list refresh past the old address.
-    std::thread::sleep(Duration::from_millis(2100));
+    // The mount's cached worker list still names the old address: the client must find the
+    // new one through the master rather than fall back to the under-store.
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
     assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), 0.0);
     assert!(w.metric("granary_worker_cache_hit_bytes_total") >= total as f64);
@@ -619,4 +624,84 @@ fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
     );
     assert_eq!(p.stop("TERM", Duration::from_secs(20)).unwrap(), Some(0));
     assert!(!is_mounted(&mp));
+}
+
+#[test]
+fn a_changed_under_store_object_is_refused_not_mixed() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    let w = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    // Load the metadata (fingerprints), then change the object behind Granary's back.
+    sh(&format!(
+        "ls -l '{}'",
+        fuse.mountpoint.join("data").display()
+    ))
+    .unwrap();
+    random_file(&src.join("b.bin"), MIB).unwrap();
+    let out = std::process::Command::new("cat")
+        .arg(fuse.mountpoint.join("data/b.bin"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a changed object was served");
+    assert!(
+        out.stdout.is_empty(),
+        "bytes of a changed object were served"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Stale file handle"),
+        "expected ESTALE, got: {err}"
+    );
+    assert_eq!(
+        w.metric("granary_worker_cache_used_bytes"),
+        0.0,
+        "a changed object was cached"
+    );
+}
+
+#[test]
+fn writes_through_the_mount_get_erofs() {
+    let root = workdir();
+    let (src, _) = small_dataset(root.path());
+    let master = Master::start(root.path()).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let d = fuse.mountpoint.join("data");
+    for cmd in [
+        format!("echo x > '{}/new.txt'", d.display()),
+        format!("echo x >> '{}/b.bin'", d.display()),
+        format!("truncate -s 0 '{}/b.bin'", d.display()),
+        format!("mkdir '{}/newdir'", d.display()),
+        format!("rm '{}/b.bin'", d.display()),
+        format!("mv '{}/b.bin' '{}/c.bin'", d.display(), d.display()),
+    ] {
+        let err = sh(&cmd).expect_err(&cmd).to_string();
+        assert!(err.contains("Read-only file system"), "{cmd}: {err}");
+    }
+    // Nothing changed, in Granary or in the under-store.
+    assert_eq!(tree_sums(&d).unwrap(), tree_sums(&src).unwrap());
+    assert_eq!(
+        granary_ok(&["fs", "ls", "/data", "--master", &master.addr]).unwrap(),
+        "a\nb.bin\n"
+    );
 }

@@ -335,11 +335,12 @@ mod tests {
     }
 
     fn entry(index: u64, term: u64) -> Entry {
-        let mut e = Entry::default();
-        e.index = index;
-        e.term = term;
-        e.data = vec![index as u8].into();
-        e
+        Entry {
+            index,
+            term,
+            data: vec![index as u8].into(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -353,9 +354,11 @@ mod tests {
             s.persist(&[entry(2, 2)], None).unwrap();
             assert_eq!(s.last(), 2);
             assert_eq!(s.term(2).unwrap(), 2);
-            let mut hs = HardState::default();
-            hs.commit = 2;
-            hs.term = 2;
+            let hs = HardState {
+                commit: 2,
+                term: 2,
+                ..Default::default()
+            };
             s.persist(&[], Some(&hs)).unwrap();
         }
         let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();

@@ -885,4 +885,6 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
 }
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;

@@ -1,0 +1,187 @@
+//! Property test: the namespace state machine against a reference model (a map of paths).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use granary_common::paths::is_within;
+use proptest::prelude::*;
+use rocksdb::DB;
+
+use super::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Mkdir(String, bool),
+    Create(String),
+    Delete(String, bool),
+    Rename(String, String),
+}
+
+fn path() -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(vec!["a", "b", "c"]), 0..4)
+        .prop_map(|v| format!("/{}", v.join("/")))
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (path(), any::<bool>()).prop_map(|(p, r)| Op::Mkdir(p, r)),
+        path().prop_map(Op::Create),
+        (path(), any::<bool>()).prop_map(|(p, r)| Op::Delete(p, r)),
+        (path(), path()).prop_map(|(a, b)| Op::Rename(a, b)),
+    ]
+}
+
+/// The model: every path below the root and whether it is a directory.
+#[derive(Default, Debug)]
+struct Model(BTreeMap<String, bool>);
+
+fn parent(p: &str) -> String {
+    match p.rfind('/') {
+        Some(0) => "/".into(),
+        Some(i) => p[..i].into(),
+        None => "/".into(),
+    }
+}
+
+impl Model {
+    fn is_dir(&self, p: &str) -> Option<bool> {
+        if p == "/" {
+            Some(true)
+        } else {
+            self.0.get(p).copied()
+        }
+    }
+
+    fn has_children(&self, p: &str) -> bool {
+        self.0.keys().any(|k| k != p && is_within(k, p))
+    }
+
+    /// Every proper ancestor of `p` (from the root down), excluding "/".
+    fn ancestors(p: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut cur = parent(p);
+        while cur != "/" {
+            out.push(cur.clone());
+            cur = parent(&cur);
+        }
+        out.reverse();
+        out
+    }
+
+    fn apply(&mut self, op: &Op) -> bool {
+        match op {
+            Op::Mkdir(p, rec) => {
+                if p == "/" {
+                    return *rec;
+                }
+                if *rec {
+                    let anc = Self::ancestors(p);
+                    if anc.iter().any(|a| self.is_dir(a) == Some(false)) {
+                        return false;
+                    }
+                    match self.is_dir(p) {
+                        Some(true) => true,
+                        Some(false) => false,
+                        None => {
+                            for a in anc {
+                                self.0.insert(a, true);
+                            }
+                            self.0.insert(p.clone(), true);
+                            true
+                        }
+                    }
+                } else {
+                    if self.is_dir(&parent(p)) != Some(true) || self.is_dir(p).is_some() {
+                        return false;
+                    }
+                    self.0.insert(p.clone(), true);
+                    true
+                }
+            }
+            Op::Create(p) => {
+                if p == "/" || self.is_dir(&parent(p)) != Some(true) || self.is_dir(p).is_some() {
+                    return false;
+                }
+                self.0.insert(p.clone(), false);
+                true
+            }
+            Op::Delete(p, rec) => {
+                if p == "/" || self.is_dir(p).is_none() {
+                    return false;
+                }
+                if self.is_dir(p) == Some(true) && !rec && self.has_children(p) {
+                    return false;
+                }
+                self.0.retain(|k, _| !is_within(k, p));
+                true
+            }
+            Op::Rename(src, dst) => {
+                if src == "/" || dst == "/" || is_within(dst, src) {
+                    return false;
+                }
+                if self.is_dir(src).is_none()
+                    || self.is_dir(&parent(dst)) != Some(true)
+                    || self.is_dir(dst).is_some()
+                {
+                    return false;
+                }
+                let moved: Vec<(String, bool)> = self
+                    .0
+                    .iter()
+                    .filter(|(k, _)| is_within(k, src))
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
+                for (k, v) in moved {
+                    self.0.remove(&k);
+                    self.0.insert(format!("{dst}{}", &k[src.len()..]), v);
+                }
+                true
+            }
+        }
+    }
+}
+
+fn snapshot(sm: &StateMachine) -> BTreeMap<String, bool> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(ROOT_INODE, "/".to_string())];
+    while let Some((id, p)) = stack.pop() {
+        for c in sm.children(id, None, usize::MAX).unwrap() {
+            let cp = granary_common::paths::join(&p, &c.name);
+            let is_dir = c.kind == Kind::Directory;
+            if is_dir {
+                stack.push((c.id, cp.clone()));
+            }
+            out.insert(cp, is_dir);
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn namespace_matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        let db = Arc::new(DB::open_cf(&opts, dir.path(), [CF_STATE]).unwrap());
+        let sm = StateMachine::open(db).unwrap();
+        let mut model = Model::default();
+        for (i, op) in ops.iter().enumerate() {
+            let cmd = match op {
+                Op::Mkdir(p, r) => Command::Mkdir { path: p.clone(), recursive: *r, mode: 0, now_ms: 1 },
+                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1 },
+                Op::Delete(p, r) => Command::Delete { path: p.clone(), recursive: *r },
+                Op::Rename(a, b) => Command::Rename { src: a.clone(), dst: b.clone(), now_ms: 1 },
+            };
+            let got = sm.apply(i as u64 + 1, &cmd).is_ok();
+            let want = model.apply(op);
+            prop_assert_eq!(got, want, "op {:?} disagreed (sm ok = {})", op, got);
+            prop_assert_eq!(snapshot(&sm), model.0.clone(), "state after {:?}", op);
+            prop_assert_eq!(sm.inode_count().unwrap(), model.0.len() as u64 + 1);
+            prop_assert_eq!(sm.applied_index().unwrap(), i as u64 + 1);
+        }
+    }
+}
