@@ -34,12 +34,24 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run master, worker and FUSE mount in one process over a folder or URI.
+    #[command(
+        after_help = "Examples:\n  granary local --ufs ./data --mount /tmp/granary\n  granary local --ufs /data --mount /mnt/g --cache-dir /nvme/g --cache-size 200GiB --metrics-listen 127.0.0.1:9464"
+    )]
     Local(LocalArgs),
     /// Run a master.
+    #[command(
+        after_help = "Example:\n  granary master --data-dir /var/lib/granary/master --listen 0.0.0.0:19998 --metrics-listen 0.0.0.0:9464"
+    )]
     Master(MasterArgs),
     /// Run a caching worker.
+    #[command(
+        after_help = "Example:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB"
+    )]
     Worker(WorkerArgs),
     /// Mount the namespace with FUSE (read-only for now).
+    #[command(
+        after_help = "Example:\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/granary"
+    )]
     Fuse(FuseArgs),
     /// Manage under-store mounts.
     #[command(subcommand)]
@@ -48,6 +60,7 @@ pub enum Command {
     #[command(subcommand)]
     Fs(FsCommand),
     /// Show the cluster: masters, workers, capacity, cache hits and misses.
+    #[command(after_help = "Examples:\n  granary report\n  granary report --json | jq .hit_ratio")]
     Report(ReportArgs),
 }
 
@@ -78,11 +91,7 @@ pub struct FuseOpts {
     pub allow_other: bool,
 }
 
-/// Examples:
-///   granary local --ufs ./data --mount /tmp/granary
-///   granary local --ufs /data --mount /mnt/g --cache-dir /nvme/g --cache-size 200GiB --metrics-listen 127.0.0.1:9464
 #[derive(Debug, Args)]
-#[command(verbatim_doc_comment)]
 pub struct LocalArgs {
     /// Under-store to serve: a local directory or a URI (file:///path).
     #[arg(long, env = "GRANARY_UFS")]
@@ -103,10 +112,7 @@ pub struct LocalArgs {
     pub fuse: FuseOpts,
 }
 
-/// Examples:
-///   granary master --data-dir /var/lib/granary/master --listen 0.0.0.0:19998
 #[derive(Debug, Args)]
-#[command(verbatim_doc_comment)]
 pub struct MasterArgs {
     /// Directory for the Raft log and the namespace (RocksDB).
     #[arg(long, env = "GRANARY_DATA_DIR")]
@@ -125,10 +131,7 @@ pub struct MasterArgs {
     pub block_size: u64,
 }
 
-/// Examples:
-///   granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --cache-dir /nvme/granary --cache-size 500GiB
 #[derive(Debug, Args)]
-#[command(verbatim_doc_comment)]
 pub struct WorkerArgs {
     #[command(flatten)]
     pub master: MasterAddr,
@@ -155,10 +158,7 @@ pub struct WorkerArgs {
     pub heartbeat_interval: Duration,
 }
 
-/// Examples:
-///   granary fuse --master 10.0.0.1:19998 --mount /mnt/granary
 #[derive(Debug, Args)]
-#[command(verbatim_doc_comment)]
 pub struct FuseArgs {
     #[command(flatten)]
     pub master: MasterAddr,

@@ -7,14 +7,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use granary_common::ufs::{Ufs, UfsSpec};
 use granary_proto as pb;
 use granary_proto::worker_service_client::WorkerServiceClient;
-use object_store::{GetOptions, GetRange, ObjectStore as _};
 use tonic::transport::Channel;
 
 use crate::error::ClientError;
 use crate::master::MasterClient;
+use crate::mounts::MountStores;
 use crate::placement::order_workers;
 
 /// How long the list of live workers is reused before asking the master again.
@@ -43,7 +42,7 @@ pub struct ReadStats {
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
-    ufs: Mutex<HashMap<u64, Ufs>>,
+    ufs: MountStores,
     stats: Mutex<ReadStats>,
     pub read_timeout: Duration,
 }
@@ -60,7 +59,7 @@ impl FileSystem {
         Arc::new(Self {
             master,
             view: Mutex::new(WorkerView::default()),
-            ufs: Mutex::new(HashMap::new()),
+            ufs: MountStores::default(),
             stats: Mutex::new(ReadStats::default()),
             read_timeout: DEFAULT_READ_TIMEOUT,
         })
@@ -320,27 +319,6 @@ impl FileSystem {
         }
     }
 
-    async fn ufs_for(&self, mount_id: u64) -> Result<Ufs, ClientError> {
-        if let Some(u) = lock(&self.ufs).get(&mount_id) {
-            return Ok(u.clone());
-        }
-        let access = self.master.mount_access(mount_id).await?;
-        let spec = UfsSpec::new(
-            &access.uri,
-            access
-                .options
-                .into_iter()
-                .map(|o| (o.key, o.value))
-                .collect(),
-        )
-        .map_err(|e| ClientError::Unavailable(e.to_string()))?;
-        let ufs = spec
-            .open()
-            .map_err(|e| ClientError::Unavailable(e.to_string()))?;
-        lock(&self.ufs).insert(mount_id, ufs.clone());
-        Ok(ufs)
-    }
-
     /// Reads straight from the under-store (no worker could serve), checking the object is
     /// still the version the namespace knows.
     pub async fn read_direct(
@@ -355,21 +333,13 @@ impl FileSystem {
                 file.path
             ))
         })?;
-        let ufs = self.ufs_for(loc.mount_id).await?;
-        let path = ufs.path_of(&loc.path);
-        let etag = file
-            .fingerprint
-            .as_ref()
-            .map(|f| f.etag.clone())
-            .filter(|e| !e.is_empty());
-        let opts = GetOptions {
-            if_match: etag,
-            range: Some(GetRange::Bounded(offset..offset + len)),
-            ..Default::default()
-        };
+        let ufs = self.ufs.get(&self.master, loc.mount_id).await?;
+        let etag = file.fingerprint.as_ref().map(|f| f.etag.clone());
         let fut = async {
-            let r = ufs.store.get_opts(&path, opts).await?;
-            Ok::<_, ClientError>(r.bytes().await?)
+            Ok::<_, ClientError>(
+                ufs.read_range(&loc.path, etag, offset..offset + len)
+                    .await?,
+            )
         };
         match tokio::time::timeout(self.read_timeout, fut).await {
             Ok(r) => r,

@@ -8,6 +8,7 @@
 pub mod error;
 pub mod fs;
 pub mod master;
+pub mod mounts;
 pub mod placement;
 
 pub use error::ClientError;

@@ -52,6 +52,26 @@ pub struct Ufs {
 }
 
 impl Ufs {
+    /// Reads `range` of the object at `rel`, failing with `Precondition` if its ETag is no
+    /// longer `etag` (so bytes of two versions are never mixed).
+    pub async fn read_range(
+        &self,
+        rel: &str,
+        etag: Option<String>,
+        range: std::ops::Range<u64>,
+    ) -> Result<bytes::Bytes, object_store::Error> {
+        let opts = object_store::GetOptions {
+            if_match: etag.filter(|e| !e.is_empty()),
+            range: Some(object_store::GetRange::Bounded(range)),
+            ..Default::default()
+        };
+        self.store
+            .get_opts(&self.path_of(rel), opts)
+            .await?
+            .bytes()
+            .await
+    }
+
     /// The store path of `rel` (a `/`-separated path relative to the mount root).
     pub fn path_of(&self, rel: &str) -> StorePath {
         let mut p = self.prefix.clone();

@@ -435,3 +435,40 @@ impl Drop for UnmountOnDrop {
         force_unmount(&self.0);
     }
 }
+
+/// The usual acceptance setup: a master, `n` workers, `src` mounted at `/data` and a FUSE
+/// mount of the namespace. Fields drop in order, so the mount goes first.
+pub struct Cluster {
+    pub fuse: Fuse,
+    pub workers: Vec<Worker>,
+    pub master: Master,
+}
+
+impl Cluster {
+    pub fn start(root: &Path, n: usize, cache_size: &str, src: &Path) -> Result<Self> {
+        let master = Master::start(root)?;
+        let workers = (1..=n)
+            .map(|i| Worker::start(root, &format!("w{i}"), &master.addr, cache_size))
+            .collect::<Result<Vec<_>>>()?;
+        wait_live_workers(&master.addr, n)?;
+        granary_ok(&[
+            "mount",
+            "add",
+            "/data",
+            &src.to_string_lossy(),
+            "--master",
+            &master.addr,
+        ])?;
+        let fuse = Fuse::start(root, &master.addr)?;
+        Ok(Self {
+            fuse,
+            workers,
+            master,
+        })
+    }
+
+    /// Where `/data` appears in the FUSE mount.
+    pub fn data(&self) -> PathBuf {
+        self.fuse.mountpoint.join("data")
+    }
+}

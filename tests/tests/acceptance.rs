@@ -293,33 +293,20 @@ fn master_kill9_restart_keeps_mounts_and_namespace() {
 fn reads_survive_a_worker_kill9() {
     let root = workdir();
     let (src, _) = small_dataset(root.path());
-    let master = Master::start(root.path()).unwrap();
-    let mut w1 = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
-    let mut w2 = Worker::start(root.path(), "w2", &master.addr, "1GiB").unwrap();
-    wait_live_workers(&master.addr, 2).unwrap();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src.to_string_lossy(),
-        "--master",
-        &master.addr,
-    ])
-    .unwrap();
-    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
-    let mnt = fuse.mountpoint.join("data");
+    let mut c = Cluster::start(root.path(), 2, "1GiB", &src).unwrap();
+    let mnt = c.data();
     let expected = tree_sums(&src).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
-    w1.proc.kill9().unwrap();
+    c.workers[0].proc.kill9().unwrap();
     // Immediately (the master has not noticed yet) and after it declared the worker lost.
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
-    wait_live_workers(&master.addr, 1).unwrap();
+    wait_live_workers(&c.master.addr, 1).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
-    assert!(w2.metric("granary_worker_read_requests_total") > 0.0);
+    assert!(c.workers[1].metric("granary_worker_read_requests_total") > 0.0);
     // With no worker left, the client reads the under-store directly.
-    w2.proc.kill9().unwrap();
+    c.workers[1].proc.kill9().unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
-    wait_live_workers(&master.addr, 0).unwrap();
+    wait_live_workers(&c.master.addr, 0).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
 }
 
@@ -377,20 +364,9 @@ fn restarted_worker_serves_its_cache_without_under_store_reads() {
 fn a_corrupted_cached_page_is_never_served() {
     let root = workdir();
     let (src, _) = small_dataset(root.path());
-    let master = Master::start(root.path()).unwrap();
-    let w = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src.to_string_lossy(),
-        "--master",
-        &master.addr,
-    ])
-    .unwrap();
-    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
-    let file = fuse.mountpoint.join("data/b.bin");
+    let c = Cluster::start(root.path(), 1, "1GiB", &src).unwrap();
+    let w = &c.workers[0];
+    let file = c.data().join("b.bin");
     let want = sh(&format!("sha256sum < '{}'", src.join("b.bin").display())).unwrap();
     assert_eq!(
         sh(&format!("sha256sum < '{}'", file.display())).unwrap(),
@@ -398,9 +374,9 @@ fn a_corrupted_cached_page_is_never_served() {
     );
     let ufs_before = w.metric("granary_worker_ufs_read_bytes_total");
 
-    // b.bin is one block of one 1 MiB page: flip a byte of its block file.
+    // b.bin is the only 1 MiB file (one block of one page): flip a byte of its block file.
     let blocks = sh(&format!(
-        "find '{}/blocks' -type f -size 1M",
+        "find '{}/blocks' -type f -size 1048576c",
         w.cache_dir.display()
     ))
     .unwrap();
@@ -630,28 +606,13 @@ fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
 fn a_changed_under_store_object_is_refused_not_mixed() {
     let root = workdir();
     let (src, _) = small_dataset(root.path());
-    let master = Master::start(root.path()).unwrap();
-    let w = Worker::start(root.path(), "w1", &master.addr, "1GiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src.to_string_lossy(),
-        "--master",
-        &master.addr,
-    ])
-    .unwrap();
-    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let c = Cluster::start(root.path(), 1, "1GiB", &src).unwrap();
+    let w = &c.workers[0];
     // Load the metadata (fingerprints), then change the object behind Granary's back.
-    sh(&format!(
-        "ls -l '{}'",
-        fuse.mountpoint.join("data").display()
-    ))
-    .unwrap();
+    sh(&format!("ls -l '{}'", c.data().display())).unwrap();
     random_file(&src.join("b.bin"), MIB).unwrap();
     let out = std::process::Command::new("cat")
-        .arg(fuse.mountpoint.join("data/b.bin"))
+        .arg(c.data().join("b.bin"))
         .output()
         .unwrap();
     assert!(!out.status.success(), "a changed object was served");

@@ -80,23 +80,13 @@ impl StateMachine {
         let sm = Self { db };
         if sm.inode(ROOT_INODE)?.is_none() {
             let mut txn = Txn::new(&sm);
-            txn.put_inode(&Inode {
-                id: ROOT_INODE,
-                parent: ROOT_INODE,
-                name: String::new(),
-                kind: Kind::Directory,
-                mode: DEFAULT_DIR_MODE,
-                mtime_ms: 0,
-                length: 0,
-                block_size: 0,
-                fingerprint: None,
-                version: 0,
-                mount_id: None,
-                ufs_path: String::new(),
-                is_mount_point: false,
-                children_loaded: true,
-                complete: true,
-            })?;
+            txn.put_inode(&Inode::directory(
+                ROOT_INODE,
+                ROOT_INODE,
+                "",
+                DEFAULT_DIR_MODE,
+                0,
+            ))?;
             txn.put_u64(KEY_NEXT_INODE, ROOT_INODE + 1);
             txn.put_u64(KEY_INODE_COUNT, 1);
             txn.commit()?;
@@ -419,23 +409,7 @@ impl<'a> Txn<'a> {
         mode: u32,
         now_ms: i64,
     ) -> Result<Inode, MasterError> {
-        let inode = Inode {
-            id: self.alloc_inode()?,
-            parent,
-            name: name.to_string(),
-            kind: Kind::Directory,
-            mode,
-            mtime_ms: now_ms,
-            length: 0,
-            block_size: 0,
-            fingerprint: None,
-            version: 0,
-            mount_id: None,
-            ufs_path: String::new(),
-            is_mount_point: false,
-            children_loaded: true,
-            complete: true,
-        };
+        let inode = Inode::directory(self.alloc_inode()?, parent, name, mode, now_ms);
         self.link(&inode)?;
         Ok(inode)
     }

@@ -65,6 +65,29 @@ fn yes() -> bool {
     true
 }
 
+impl Inode {
+    /// A directory that exists only in Granary (not loaded from an under-store).
+    pub fn directory(id: u64, parent: u64, name: &str, mode: u32, mtime_ms: i64) -> Self {
+        Self {
+            id,
+            parent,
+            name: name.to_string(),
+            kind: Kind::Directory,
+            mode,
+            mtime_ms,
+            length: 0,
+            block_size: 0,
+            fingerprint: None,
+            version: 0,
+            mount_id: None,
+            ufs_path: String::new(),
+            is_mount_point: false,
+            children_loaded: true,
+            complete: true,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mount {
     pub id: u64,

@@ -6,10 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use granary_client::mounts::MountStores;
 use granary_client::MasterClient;
-use granary_common::ufs::{Ufs, UfsSpec};
 use granary_proto as pb;
-use object_store::{GetOptions, GetRange, ObjectStore as _};
 use tokio::sync::OnceCell;
 
 use crate::metrics::WorkerMetrics;
@@ -42,7 +41,7 @@ type Flight = Arc<OnceCell<Result<Bytes, FetchError>>>;
 
 pub struct Fetcher {
     master: MasterClient,
-    stores: Mutex<HashMap<u64, Ufs>>,
+    stores: MountStores,
     inflight: Mutex<HashMap<PageKey, Flight>>,
     pub store: Arc<PageStore>,
     metrics: WorkerMetrics,
@@ -59,41 +58,11 @@ impl Fetcher {
     pub fn new(master: MasterClient, store: Arc<PageStore>, metrics: WorkerMetrics) -> Self {
         Self {
             master,
-            stores: Mutex::new(HashMap::new()),
+            stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
             store,
             metrics,
         }
-    }
-
-    async fn ufs(&self, mount_id: u64) -> Result<Ufs, FetchError> {
-        if let Some(u) = self
-            .stores
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&mount_id).cloned())
-        {
-            return Ok(u);
-        }
-        let access = self.master.mount_access(mount_id).await.map_err(|e| {
-            FetchError::Unavailable(format!("cannot get mount {mount_id} from the master: {e}"))
-        })?;
-        let spec = UfsSpec::new(
-            &access.uri,
-            access
-                .options
-                .into_iter()
-                .map(|o| (o.key, o.value))
-                .collect(),
-        )
-        .map_err(|e| FetchError::Unavailable(e.to_string()))?;
-        let ufs = spec
-            .open()
-            .map_err(|e| FetchError::Unavailable(e.to_string()))?;
-        if let Ok(mut m) = self.stores.lock() {
-            m.insert(mount_id, ufs.clone());
-        }
-        Ok(ufs)
     }
 
     /// Returns page `key` of the block described by `desc`: from the cache, or fetched once
@@ -157,23 +126,14 @@ impl Fetcher {
             .ufs
             .as_ref()
             .ok_or_else(|| FetchError::Unavailable("block has no under-store location".into()))?;
-        let ufs = self.ufs(loc.mount_id).await?;
-        let path = ufs.path_of(&loc.path);
-        let etag = desc
-            .fingerprint
-            .as_ref()
-            .map(|f| f.etag.clone())
-            .filter(|e| !e.is_empty());
-        let opts = GetOptions {
-            if_match: etag,
-            range: Some(GetRange::Bounded(offset..offset + len)),
-            ..Default::default()
-        };
+        let ufs = self
+            .stores
+            .get(&self.master, loc.mount_id)
+            .await
+            .map_err(|e| FetchError::Unavailable(e.to_string()))?;
+        let etag = desc.fingerprint.as_ref().map(|f| f.etag.clone());
         self.metrics.ufs_requests.inc();
-        let fut = async {
-            let r = ufs.store.get_opts(&path, opts).await?;
-            r.bytes().await
-        };
+        let fut = ufs.read_range(&loc.path, etag, offset..offset + len);
         let res = tokio::time::timeout(UFS_TIMEOUT, fut).await;
         let data = match res {
             Ok(Ok(b)) => b,

@@ -1,0 +1,42 @@
+//! Opened under-stores of mounts, fetched from the master once per mount (workers and the
+//! direct-read fallback of clients share this).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use granary_common::ufs::{Ufs, UfsSpec};
+
+use crate::error::ClientError;
+use crate::master::MasterClient;
+
+#[derive(Default)]
+pub struct MountStores {
+    stores: Mutex<HashMap<u64, Ufs>>,
+}
+
+impl MountStores {
+    /// The opened store of mount `mount_id`, asking the master for its access on first use.
+    pub async fn get(&self, master: &MasterClient, mount_id: u64) -> Result<Ufs, ClientError> {
+        if let Some(u) = self
+            .stores
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&mount_id).cloned())
+        {
+            return Ok(u);
+        }
+        let access = master.mount_access(mount_id).await?;
+        let options = access
+            .options
+            .into_iter()
+            .map(|o| (o.key, o.value))
+            .collect();
+        let open = UfsSpec::new(&access.uri, options).and_then(|spec| spec.open());
+        let ufs = open
+            .map_err(|e| ClientError::Unavailable(format!("cannot open mount {mount_id}: {e}")))?;
+        if let Ok(mut m) = self.stores.lock() {
+            m.insert(mount_id, ufs.clone());
+        }
+        Ok(ufs)
+    }
+}
