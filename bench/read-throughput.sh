@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Sequential read throughput through `granary local`, against the physical limit measured in
+# the same run (reading the same file straight from the local disk / page cache).
+#
+#   bench/read-throughput.sh [SIZE_MIB]        (default 1024; needs root for FUSE)
+#
+# Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints MB/s and ratios.
+set -euo pipefail
+size_mib="${1:-1024}"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+work="$(mktemp -d /tmp/granary-bench-XXXXXX)"
+pid=""
+cleanup() {
+  [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+mkdir -p "$work/ufs" "$work/mnt"
+head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/data.bin"
+
+mbps() { # bytes seconds
+  python3 -c "print(f'{$1 / $2 / 1e6:.0f}')"
+}
+timed_read() { # file -> seconds
+  local t0 t1
+  t0=$(date +%s.%N); cat "$1" > /dev/null; t1=$(date +%s.%N)
+  python3 -c "print($t1 - $t0)"
+}
+bytes=$((size_mib * 1024 * 1024))
+raw=$(timed_read "$work/ufs/data.bin")   # page-cache warm after head -c wrote it
+
+GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
+  --cache-size "$((size_mib * 2))MiB" > "$work/local.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
+mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
+
+cold=$(timed_read "$work/mnt/data.bin")
+warm=$(timed_read "$work/mnt/data.bin")
+cmp -s "$work/ufs/data.bin" "$work/mnt/data.bin" || { echo "bytes differ!"; exit 1; }
+
+echo "binary:            $bin"
+echo "file:              ${size_mib} MiB"
+echo "raw read (limit):  $(mbps $bytes $raw) MB/s"
+echo "granary cold:      $(mbps $bytes $cold) MB/s  ($(python3 -c "print(f'{$raw / $cold:.2f}')")x of raw)"
+echo "granary warm:      $(mbps $bytes $warm) MB/s  ($(python3 -c "print(f'{$raw / $warm:.2f}')")x of raw)"
