@@ -111,7 +111,16 @@ fn default_local_dir() -> PathBuf {
 pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     let config = fuse_config(a.mount.clone(), &a.fuse);
     granary_fuse::check_mountpoint(&config.mountpoint)?;
-    let spec = granary_common::ufs::UfsSpec::new(&a.ufs, Default::default())?;
+    // A local folder may be given relative to the current directory.
+    let ufs = if a.ufs.contains("://") {
+        a.ufs.clone()
+    } else {
+        std::fs::canonicalize(&a.ufs)
+            .with_context(|| format!("under-store directory {}", a.ufs))?
+            .to_string_lossy()
+            .into_owned()
+    };
+    let spec = granary_common::ufs::UfsSpec::new(&ufs, Default::default())?;
     spec.open()?;
     let dir = a.cache_dir.unwrap_or_else(default_local_dir);
     let registry = new_registry();

@@ -120,6 +120,11 @@ impl UfsSpec {
     pub fn new(uri: &str, options: BTreeMap<String, String>) -> Result<Self, UfsError> {
         let uri = if uri.starts_with('/') {
             format!("file://{}", uri.trim_end_matches('/'))
+        } else if !uri.contains("://") {
+            return Err(UfsError::InvalidUri {
+                uri: uri.to_string(),
+                reason: "give an absolute local directory or a URI such as file:///data or s3://bucket/prefix".into(),
+            });
         } else {
             uri.to_string()
         };
@@ -242,6 +247,18 @@ mod tests {
             spec.open(),
             Err(UfsError::MissingDirectory { .. })
         ));
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        assert!(matches!(
+            UfsSpec::new("data/sets", BTreeMap::new()),
+            Err(UfsError::InvalidUri { .. })
+        ));
+        assert_eq!(
+            UfsSpec::new("/data/", BTreeMap::new()).unwrap().uri,
+            "file:///data"
+        );
     }
 
     #[test]

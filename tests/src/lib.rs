@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 /// The `granary` binary under test: `$GRANARY_BIN`, or the one cargo built next to this test.
+///
+/// `cargo test` does not rebuild another package's binary: run the suite through
+/// `scripts/test`, which builds the workspace first, or `cargo build` before `cargo test`.
 pub fn granary_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("GRANARY_BIN") {
         return PathBuf::from(p);

@@ -464,6 +464,9 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     ]);
     assert_one_sentence_error(&out, "nested mount");
 
+    let out = granary(&["mount", "add", "/rel", "relative/dir", "--master", m]);
+    assert_one_sentence_error(&out, "mount add of a relative path");
+
     let out = granary(&["fs", "stat", "/data/nope.bin", "--master", m]);
     assert_one_sentence_error(&out, "fs stat of a missing path");
     assert!(String::from_utf8_lossy(&out.stderr).contains("/data/nope.bin"));

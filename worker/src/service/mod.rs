@@ -177,3 +177,57 @@ impl WorkerService for WorkerRpc {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(index: u32, file_length: u64, offset: u64, length: u64) -> pb::ReadBlockRequest {
+        pb::ReadBlockRequest {
+            block: Some(pb::BlockDescriptor {
+                id: Some(pb::BlockId {
+                    inode: 2,
+                    version: 3,
+                    index,
+                }),
+                ufs: Some(pb::UfsLocation {
+                    mount_id: 1,
+                    path: "f".into(),
+                }),
+                fingerprint: None,
+                file_length,
+                block_size: 4096,
+            }),
+            offset,
+            length,
+            cache: true,
+        }
+    }
+
+    #[test]
+    fn valid_ranges_are_planned() {
+        let (_, p) = plan(&req(1, 10_000, 100, 50)).unwrap();
+        assert_eq!((p.block_start, p.offset, p.end), (4096, 100, 150));
+        // The last, short block: 10_000 - 8192 = 1808 bytes.
+        assert!(plan(&req(2, 10_000, 0, 1808)).is_ok());
+    }
+
+    #[test]
+    fn hostile_ranges_are_refused() {
+        use tonic::Code;
+        let code = |r: pb::ReadBlockRequest| plan(&r).err().map(|s| s.code());
+        assert_eq!(code(req(2, 10_000, 0, 1809)), Some(Code::OutOfRange));
+        assert_eq!(code(req(3, 10_000, 0, 1)), Some(Code::OutOfRange));
+        assert_eq!(code(req(0, 10_000, 0, 0)), Some(Code::InvalidArgument));
+        assert_eq!(code(req(0, 10_000, u64::MAX, 2)), Some(Code::OutOfRange));
+        assert_eq!(code(req(u32::MAX, 10_000, 0, 1)), Some(Code::OutOfRange));
+        let mut r = req(0, 10, 0, 1);
+        r.block = None;
+        assert_eq!(code(r), Some(Code::InvalidArgument));
+        let mut r = req(0, 10, 0, 1);
+        if let Some(b) = r.block.as_mut() {
+            b.ufs = None;
+        }
+        assert_eq!(code(r), Some(Code::InvalidArgument));
+    }
+}
