@@ -352,7 +352,17 @@ fn restarted_worker_serves_its_cache_without_under_store_reads() {
             .then_some(())
         },
     )
-    .unwrap();
+    .unwrap_or_else(|e| {
+        // Seen once under full-suite load; keep what is needed to diagnose it.
+        panic!(
+            "{e:#}\nreport: {}\nrestarted worker log:\n{}\nmaster log:\n{}",
+            String::from_utf8_lossy(
+                &granary(&["report", "--json", "--master", &master.addr]).stdout
+            ),
+            w.proc.log_text(),
+            master.proc.log_text()
+        )
+    });
     // The mount's cached worker list still names the old address: the client must find the
     // new one through the master rather than fall back to the under-store.
     assert_eq!(tree_sums(&mnt).unwrap(), expected);

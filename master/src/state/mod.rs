@@ -605,15 +605,7 @@ impl<'a> Txn<'a> {
             }
             let fp = e.fingerprint.clone();
             let (length, mtime, version) = match (&e.kind, &fp) {
-                (Kind::File, Some(fp)) => {
-                    let pfp = pb::Fingerprint {
-                        etag: fp.etag.clone(),
-                        size: fp.size,
-                        mtime_ms: fp.mtime_ms,
-                        version_id: fp.version_id.clone(),
-                    };
-                    (fp.size, fp.mtime_ms, version_of(&pfp))
-                }
+                (Kind::File, Some(fp)) => (fp.size, fp.mtime_ms, version_of(&fp.to_proto())),
                 _ => (0, now_ms, 0),
             };
             let inode = Inode {
@@ -760,12 +752,7 @@ impl<'a> Txn<'a> {
         inode.length = length;
         inode.mtime_ms = now_ms;
         if let Some(fp) = fp {
-            inode.version = version_of(&pb::Fingerprint {
-                etag: fp.etag.clone(),
-                size: fp.size,
-                mtime_ms: fp.mtime_ms,
-                version_id: fp.version_id.clone(),
-            });
+            inode.version = version_of(&fp.to_proto());
             inode.fingerprint = Some(fp);
         }
         inode.complete = true;
@@ -842,12 +829,7 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
         block_size: inode.block_size,
         mode: inode.mode,
         mtime_ms: inode.mtime_ms,
-        fingerprint: inode.fingerprint.as_ref().map(|f| pb::Fingerprint {
-            etag: f.etag.clone(),
-            size: f.size,
-            mtime_ms: f.mtime_ms,
-            version_id: f.version_id.clone(),
-        }),
+        fingerprint: inode.fingerprint.as_ref().map(Fingerprint::to_proto),
         ufs: inode.mount_id.map(|m| pb::UfsLocation {
             mount_id: m,
             path: inode.ufs_path.clone(),

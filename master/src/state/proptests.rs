@@ -1,11 +1,8 @@
 //! Property test: the namespace state machine against a reference model (a map of paths).
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-
 use granary_common::paths::is_within;
 use proptest::prelude::*;
-use rocksdb::DB;
+use std::collections::BTreeMap;
 
 use super::*;
 
@@ -162,12 +159,7 @@ proptest! {
 
     #[test]
     fn namespace_matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
-        let dir = tempfile::tempdir().unwrap();
-        let mut opts = rocksdb::Options::default();
-        opts.create_if_missing(true);
-        opts.create_missing_column_families(true);
-        let db = Arc::new(DB::open_cf(&opts, dir.path(), [CF_STATE]).unwrap());
-        let sm = StateMachine::open(db).unwrap();
+        let (_dir, sm) = super::tests::open();
         let mut model = Model::default();
         for (i, op) in ops.iter().enumerate() {
             let cmd = match op {

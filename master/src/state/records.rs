@@ -27,6 +27,18 @@ pub struct Fingerprint {
     pub version_id: String,
 }
 
+impl Fingerprint {
+    /// The wire form (also the input of `granary_common::ids::version_of`).
+    pub fn to_proto(&self) -> granary_proto::Fingerprint {
+        granary_proto::Fingerprint {
+            etag: self.etag.clone(),
+            size: self.size,
+            mtime_ms: self.mtime_ms,
+            version_id: self.version_id.clone(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Inode {
     pub id: u64,

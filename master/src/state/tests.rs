@@ -4,7 +4,7 @@ use granary_common::ufs::UfsSpec;
 
 use super::*;
 
-fn open() -> (tempfile::TempDir, StateMachine) {
+pub(super) fn open() -> (tempfile::TempDir, StateMachine) {
     let dir = tempfile::tempdir().unwrap();
     let mut opts = rocksdb::Options::default();
     opts.create_if_missing(true);
