@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/granary/v1/common.proto",
         "proto/granary/v1/master.proto",
         "proto/granary/v1/worker.proto",
+        "proto/granary/v1/raft.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");

@@ -9,10 +9,10 @@ use granary_common::size::format_size;
 use granary_proto as pb;
 use serde_json::json;
 
-use crate::args::{FsCommand, MasterAddr, MountCommand, ReportArgs};
+use crate::args::{BenchCommand, FsCommand, MasterAction, MasterAddr, MountCommand, ReportArgs};
 
-/// Admin commands fail fast when the master is down.
-const ADMIN_RETRY: Duration = Duration::from_secs(3);
+/// Admin commands retry long enough to ride out a leader election, then fail.
+const ADMIN_RETRY: Duration = Duration::from_secs(8);
 
 fn master(addr: &MasterAddr) -> anyhow::Result<MasterClient> {
     Ok(MasterClient::new(&addr.master)?.with_retry_window(ADMIN_RETRY))
@@ -119,15 +119,27 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
 
 pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
     match cmd {
+        FsCommand::Mkdir {
+            path,
+            parents,
+            master: addr,
+        } => {
+            let s = master(&addr)?
+                .mkdir(&path, parents, 0o755)
+                .await
+                .with_context(|| format!("cannot create the directory {path}"))?;
+            println!("{}", s.path);
+        }
         FsCommand::Ls {
             path,
             long,
+            stale,
             json,
             master: addr,
         } => {
             let client = FileSystem::new(master(&addr)?);
             let entries = client
-                .list(pb::path_or_id::Target::Path(path.clone()))
+                .list_with(pb::path_or_id::Target::Path(path.clone()), stale)
                 .await
                 .with_context(|| format!("cannot list {path}"))?;
             let mut out = std::io::stdout().lock();
@@ -224,7 +236,7 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
 }
 
 pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
-    let info = master(&a.master)?.cluster_info().await?;
+    let info = master(&a.master)?.cluster_info(false).await?;
     let stats: Vec<pb::WorkerStats> = info
         .workers
         .iter()
@@ -308,5 +320,196 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         ratio * 100.0,
         format_size(ufs)
     );
+    Ok(())
+}
+
+fn master_json(m: &pb::MasterInfo) -> serde_json::Value {
+    json!({
+        "id": m.id, "address": m.address, "role": m.role, "term": m.term,
+        "commit_index": m.commit_index, "applied_index": m.applied_index,
+    })
+}
+
+fn print_masters(masters: &[pb::MasterInfo], as_json: bool) -> anyhow::Result<()> {
+    if as_json {
+        let v: Vec<_> = masters.iter().map(master_json).collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}",
+        "ID", "ADDRESS", "ROLE", "TERM", "COMMIT", "APPLIED"
+    );
+    for m in masters {
+        println!(
+            "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}",
+            m.id, m.address, m.role, m.term, m.commit_index, m.applied_index
+        );
+    }
+    Ok(())
+}
+
+/// `granary master list|add|remove`.
+pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
+    match action {
+        MasterAction::List { json, master: addr } => {
+            let info = master(&addr)?
+                .cluster_info(true)
+                .await
+                .context("cannot list the masters")?;
+            print_masters(&info.masters, json)
+        }
+        MasterAction::Add {
+            id,
+            address,
+            master: addr,
+        } => {
+            let masters = master(&addr)?
+                .add_master(id, &address)
+                .await
+                .with_context(|| format!("cannot add master {id} at {address}"))?;
+            eprintln!("added master {id} at {address}");
+            print_masters(&masters, false)
+        }
+        MasterAction::Remove { id, master: addr } => {
+            let masters = master(&addr)?
+                .remove_master(id)
+                .await
+                .with_context(|| format!("cannot remove master {id}"))?;
+            eprintln!("removed master {id}");
+            print_masters(&masters, false)
+        }
+    }
+}
+
+/// `granary bench metadata`: creates/s and stats/s against a running cluster.
+pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
+    let BenchCommand::Metadata {
+        dir,
+        duration,
+        ops,
+        concurrency,
+        ack_log,
+        json,
+        master: addr,
+    } = cmd;
+    let client = MasterClient::new(&addr.master)?;
+    client
+        .mkdir(&dir, true, 0o755)
+        .await
+        .with_context(|| format!("cannot create {dir}"))?;
+    let ack = match &ack_log {
+        Some(p) => Some(std::sync::Arc::new(std::sync::Mutex::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open {}", p.display()))?,
+        ))),
+        None => None,
+    };
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let limit = ops.unwrap_or(u64::MAX);
+    let start = std::time::Instant::now();
+    let deadline = start + duration;
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency.max(1) {
+        let (client, dir, next, ack) = (client.clone(), dir.clone(), next.clone(), ack.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut made, mut errors) = (Vec::new(), 0u64);
+            let mut acked_at = Vec::new();
+            loop {
+                if std::time::Instant::now() >= deadline {
+                    break;
+                }
+                let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if n >= limit {
+                    break;
+                }
+                let path = granary_common::paths::join(&dir, &format!("d{n}"));
+                match client.mkdir(&path, false, 0o755).await {
+                    Ok(_) => {
+                        acked_at.push(std::time::Instant::now());
+                        if let Some(f) = &ack {
+                            if let Ok(mut f) = f.lock() {
+                                let _ = writeln!(f, "{path}").and_then(|_| f.flush());
+                            }
+                        }
+                        made.push(path);
+                    }
+                    Err(e) => {
+                        errors += 1;
+                        tracing::warn!(%path, error = %e, "create failed");
+                    }
+                }
+            }
+            (made, errors, acked_at)
+        }));
+    }
+    let (mut made, mut errors, mut acked_at) = (Vec::new(), 0u64, Vec::new());
+    for t in tasks {
+        let (m, e, a) = t.await?;
+        made.extend(m);
+        errors += e;
+        acked_at.extend(a);
+    }
+    let create_secs = start.elapsed().as_secs_f64();
+    acked_at.sort();
+    let mut last = start;
+    let mut max_gap = std::time::Duration::ZERO;
+    for t in &acked_at {
+        max_gap = max_gap.max(t.duration_since(last));
+        last = *t;
+    }
+    // Stats, spread over the same number of callers.
+    let stat_start = std::time::Instant::now();
+    let made = std::sync::Arc::new(made);
+    let mut tasks = Vec::new();
+    let workers = concurrency.max(1);
+    for w in 0..workers {
+        let (client, made) = (client.clone(), made.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0u64;
+            for p in made.iter().skip(w).step_by(workers) {
+                if client
+                    .get_status(pb::path_or_id::Target::Path(p.clone()))
+                    .await
+                    .is_ok()
+                {
+                    ok += 1;
+                }
+            }
+            ok
+        }));
+    }
+    let mut stats = 0u64;
+    for t in tasks {
+        stats += t.await?;
+    }
+    let stat_secs = stat_start.elapsed().as_secs_f64();
+    let per_s = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let v = json!({
+        "creates": made.len(),
+        "create_errors": errors,
+        "creates_per_s": per_s(made.len() as u64, create_secs),
+        "stats": stats,
+        "stats_per_s": per_s(stats, stat_secs),
+        "max_create_gap_ms": max_gap.as_millis() as u64,
+        "concurrency": workers,
+    });
+    if json {
+        println!("{v}");
+    } else {
+        println!(
+            "{} creates in {:.1}s ({:.0}/s, {} failed), {} stats ({:.0}/s), longest pause between creates {} ms",
+            made.len(),
+            create_secs,
+            per_s(made.len() as u64, create_secs),
+            errors,
+            stats,
+            per_s(stats, stat_secs),
+            max_gap.as_millis()
+        );
+    }
     Ok(())
 }

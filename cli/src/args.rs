@@ -21,6 +21,8 @@ fn duration(s: &str) -> Result<Duration, String> {
 Examples:
   granary local --ufs ~/datasets --mount /mnt/granary     one process over a folder
   granary master --data-dir /var/lib/granary --listen 0.0.0.0:19998
+  granary master --id 1 --peers 1=m1:19998,2=m2:19998,3=m3:19998 --data-dir /var/lib/granary --listen 0.0.0.0:19998
+  granary master list --master m1:19998,m2:19998,m3:19998
   granary worker --master m1:19998 --listen 0.0.0.0:29999 --cache-dir /nvme/granary --cache-size 500GiB
   granary fuse --master m1:19998 --mount /mnt/granary
   granary mount add /datasets/imagenet file:///data/imagenet
@@ -38,11 +40,16 @@ pub enum Command {
         after_help = "Examples:\n  granary local --ufs ./data --mount /tmp/granary\n  granary local --ufs /data --mount /mnt/g --cache-dir /nvme/g --cache-size 200GiB --metrics-listen 127.0.0.1:9464"
     )]
     Local(LocalArgs),
-    /// Run a master.
+    /// Run a master, or manage the master group (list, add, remove).
     #[command(
-        after_help = "Example:\n  granary master --data-dir /var/lib/granary/master --listen 0.0.0.0:19998 --metrics-listen 0.0.0.0:9464"
+        args_conflicts_with_subcommands = true,
+        subcommand_negates_reqs = true,
+        after_help = "Examples:\n  granary master --data-dir /var/lib/granary/master --listen 0.0.0.0:19998 --metrics-listen 0.0.0.0:9464\n  granary master --id 2 --peers 1=10.0.0.1:19998,2=10.0.0.2:19998,3=10.0.0.3:19998 \\\n      --data-dir /var/lib/granary/master --listen 0.0.0.0:19998\n  granary master list --master 10.0.0.1:19998,10.0.0.2:19998,10.0.0.3:19998\n  granary master add 4 10.0.0.4:19998 --master 10.0.0.1:19998"
     )]
     Master(MasterArgs),
+    /// Benchmarks against a running cluster.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Run a caching worker.
     #[command(
         after_help = "Example:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB"
@@ -66,7 +73,7 @@ pub enum Command {
 
 #[derive(Debug, Args, Clone)]
 pub struct MasterAddr {
-    /// Master address (host:port).
+    /// Master address (host:port), or all masters of the group separated by commas.
     #[arg(
         long = "master",
         env = "GRANARY_MASTER",
@@ -112,11 +119,49 @@ pub struct LocalArgs {
     pub fuse: FuseOpts,
 }
 
+fn peers(s: &str) -> Result<std::collections::BTreeMap<u64, String>, String> {
+    let mut out = std::collections::BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (id, addr) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not ID=HOST:PORT"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("{id:?} in {part:?} is not a master id (1, 2, ...)"))?;
+        if id == 0 {
+            return Err("master ids start at 1".into());
+        }
+        let addr = addr.trim();
+        if !addr.contains(':') {
+            return Err(format!("{addr:?} in {part:?} is not HOST:PORT"));
+        }
+        if out.insert(id, addr.to_string()).is_some() {
+            return Err(format!("master id {id} is listed twice"));
+        }
+    }
+    Ok(out)
+}
+
 #[derive(Debug, Args)]
 pub struct MasterArgs {
+    #[command(subcommand)]
+    pub action: Option<MasterAction>,
     /// Directory for the Raft log and the namespace (RocksDB).
-    #[arg(long, env = "GRANARY_DATA_DIR")]
-    pub data_dir: PathBuf,
+    #[arg(long, env = "GRANARY_DATA_DIR", required = true)]
+    pub data_dir: Option<PathBuf>,
+    /// This master's id in the group (1, 2, ...).
+    #[arg(long, env = "GRANARY_MASTER_ID", default_value_t = 1)]
+    pub id: u64,
+    /// Members of the group: ID=HOST:PORT,... including this one. Omit for a single master.
+    #[arg(long, env = "GRANARY_PEERS", value_parser = peers)]
+    pub peers: Option<std::collections::BTreeMap<u64, String>>,
+    /// Start outside the group and wait for `granary master add ID ADDR`.
+    #[arg(long, env = "GRANARY_JOIN")]
+    pub join: bool,
+    /// Snapshot the namespace and compact the Raft log every this many applied entries.
+    #[arg(long, env = "GRANARY_SNAPSHOT_ENTRIES", default_value_t = granary_master::DEFAULT_SNAPSHOT_ENTRIES)]
+    pub snapshot_entries: u64,
     /// gRPC listen address.
     #[arg(long, env = "GRANARY_LISTEN", default_value = "127.0.0.1:19998")]
     pub listen: SocketAddr,
@@ -129,6 +174,70 @@ pub struct MasterArgs {
     /// Block size of files loaded from under-stores.
     #[arg(long, env = "GRANARY_BLOCK_SIZE", value_parser = size, default_value = "64MiB")]
     pub block_size: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MasterAction {
+    /// Show the masters: id, address, role, term, commit and applied index.
+    ///
+    /// Example: granary master list --master m1:19998,m2:19998,m3:19998
+    #[command(verbatim_doc_comment)]
+    List {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Add a master to the group. Start it first with --join and the same --peers plus itself.
+    ///
+    /// Example: granary master add 4 10.0.0.4:19998 --master m1:19998
+    #[command(verbatim_doc_comment)]
+    Add {
+        /// The new master's id (unused in the group).
+        id: u64,
+        /// Its address (host:port), as other masters and clients reach it.
+        address: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Remove a master from the group (leadership moves away first if it leads).
+    ///
+    /// Example: granary master remove 4 --master m1:19998
+    #[command(verbatim_doc_comment)]
+    Remove {
+        id: u64,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Metadata throughput: mkdir under DIR as fast as possible, then stat what was made.
+    ///
+    /// Example: granary bench metadata --dir /bench --duration 10s --concurrency 8 --json
+    #[command(verbatim_doc_comment)]
+    Metadata {
+        /// Directory to create entries in (created if missing).
+        #[arg(long, default_value = "/bench")]
+        dir: String,
+        /// Stop creating after this long.
+        #[arg(long, value_parser = duration, default_value = "10s")]
+        duration: Duration,
+        /// Stop creating after this many entries.
+        #[arg(long)]
+        ops: Option<u64>,
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        /// Append each acknowledged path to this file (one per line, flushed at once).
+        #[arg(long)]
+        ack_log: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -214,8 +323,23 @@ pub enum FsCommand {
         /// Long format: kind, size, mtime, name.
         #[arg(short = 'l')]
         long: bool,
+        /// Read the first given master's own state, even if it is a follower (may lag).
+        #[arg(long)]
+        stale: bool,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Create a directory.
+    ///
+    /// Example: granary fs mkdir -p /scratch/run-42/checkpoints
+    #[command(verbatim_doc_comment)]
+    Mkdir {
+        path: String,
+        /// Create missing parents; an existing directory is not an error.
+        #[arg(short = 'p', long)]
+        parents: bool,
         #[command(flatten)]
         master: MasterAddr,
     },

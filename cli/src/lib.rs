@@ -50,7 +50,11 @@ fn one_line(e: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Local(a) => servers::local(a).await,
-        Command::Master(a) => servers::master(a).await,
+        Command::Master(a) => match a.action {
+            Some(action) => admin::masters(action).await,
+            None => servers::master(a).await,
+        },
+        Command::Bench(c) => admin::bench(c).await,
         Command::Worker(a) => servers::worker(a).await,
         Command::Fuse(a) => servers::fuse(a).await,
         Command::Mount(c) => admin::mount(c).await,

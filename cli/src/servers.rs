@@ -44,7 +44,14 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
 pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
-    let mut config = MasterConfig::new(a.data_dir, a.listen);
+    let data_dir = a
+        .data_dir
+        .ok_or_else(|| anyhow::anyhow!("--data-dir is required to run a master"))?;
+    let mut config = MasterConfig::new(data_dir, a.listen);
+    config.id = a.id;
+    config.peers = a.peers.unwrap_or_default();
+    config.join = a.join;
+    config.snapshot_entries = a.snapshot_entries;
     config.metrics_listen = a.metrics_listen;
     config.worker_timeout = a.worker_timeout;
     config.block_size = a.block_size;

@@ -98,7 +98,7 @@ impl FileSystem {
     ) -> Result<(Vec<pb::FileStatus>, String), ClientError> {
         let r = self
             .master
-            .list_page(target, after.to_string(), page_size)
+            .list_page(target, after.to_string(), page_size, false)
             .await?;
         Ok((r.entries, r.next_page_token))
     }
@@ -108,10 +108,24 @@ impl FileSystem {
         &self,
         target: pb::path_or_id::Target,
     ) -> Result<Vec<pb::FileStatus>, ClientError> {
+        self.list_with(target, false).await
+    }
+
+    /// The whole listing; `stale` reads the first configured master's own applied state
+    /// instead of the leader's (diagnostics: compare replicas).
+    pub async fn list_with(
+        &self,
+        target: pb::path_or_id::Target,
+        stale: bool,
+    ) -> Result<Vec<pb::FileStatus>, ClientError> {
         let mut out = Vec::new();
         let mut token = String::new();
         loop {
-            let (mut entries, next) = self.list_page(target.clone(), &token, 0).await?;
+            let r = self
+                .master
+                .list_page(target.clone(), token.clone(), 0, stale)
+                .await?;
+            let (mut entries, next) = (r.entries, r.next_page_token);
             out.append(&mut entries);
             if next.is_empty() {
                 return Ok(out);
@@ -172,7 +186,7 @@ impl FileSystem {
                 return v.workers.clone();
             }
         }
-        match self.master.cluster_info().await {
+        match self.master.cluster_info(false).await {
             Ok(info) => {
                 let live: Vec<pb::WorkerInfo> = info
                     .workers

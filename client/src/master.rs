@@ -1,6 +1,9 @@
-//! Client of the master service: deadlines, and retries of idempotent calls while the
-//! master is unreachable (restarting, electing).
+//! Client of the master group: finds the leader among the configured masters, follows
+//! `NotLeader` hints, and retries with a deadline. Mutations carry a request id chosen once
+//! per call, so a retry after a leader change never applies twice.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use granary_common::grpc;
@@ -10,36 +13,117 @@ use tonic::transport::Channel;
 
 use crate::error::ClientError;
 
-/// How long idempotent calls keep retrying an unreachable master.
+/// How long calls keep retrying while no leader answers.
 pub const DEFAULT_RETRY_WINDOW: Duration = Duration::from_secs(20);
+/// Deadline of one attempt at one master (a stopped master must not stall a caller longer).
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Metadata key carrying the leader's address on a `NotLeader` status (set by the master).
+pub const LEADER_HINT_KEY: &str = "granary-leader";
+
+struct Endpoint {
+    address: String,
+    client: MasterServiceClient<Channel>,
+}
+
+fn endpoint(address: &str) -> Result<Endpoint, ClientError> {
+    let channel = grpc::channel(address).map_err(|e| {
+        ClientError::InvalidArgument(format!("invalid master address {address:?}: {e}"))
+    })?;
+    Ok(Endpoint {
+        address: address.to_string(),
+        client: MasterServiceClient::new(channel)
+            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),
+    })
+}
 
 #[derive(Clone)]
 pub struct MasterClient {
-    client: MasterServiceClient<Channel>,
+    endpoints: Arc<RwLock<Vec<Endpoint>>>,
+    current: Arc<AtomicUsize>,
+    /// The configured masters, comma-separated (for messages).
     pub address: String,
     pub rpc_timeout: Duration,
     pub retry_window: Duration,
 }
 
 impl MasterClient {
-    pub fn new(address: &str) -> Result<Self, ClientError> {
-        let channel = grpc::channel(address).map_err(|e| {
-            ClientError::InvalidArgument(format!("invalid master address {address:?}: {e}"))
-        })?;
+    /// `addresses`: one `host:port`, or several separated by commas.
+    pub fn new(addresses: &str) -> Result<Self, ClientError> {
+        let list: Vec<&str> = addresses
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .collect();
+        if list.is_empty() {
+            return Err(ClientError::InvalidArgument(
+                "no master address given".into(),
+            ));
+        }
+        let endpoints = list
+            .iter()
+            .map(|a| endpoint(a))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            client: MasterServiceClient::new(channel)
-                .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),
-            address: address.to_string(),
-            rpc_timeout: grpc::RPC_TIMEOUT,
+            endpoints: Arc::new(RwLock::new(endpoints)),
+            current: Arc::default(),
+            address: list.join(","),
+            rpc_timeout: ATTEMPT_TIMEOUT,
             retry_window: DEFAULT_RETRY_WINDOW,
         })
     }
 
-    /// Sets how long idempotent calls retry an unreachable master (0 = no retry).
+    /// Sets how long calls retry while no leader answers (0 = one attempt).
     pub fn with_retry_window(mut self, window: Duration) -> Self {
         self.retry_window = window;
         self
+    }
+
+    /// The master calls currently go to.
+    pub fn current_address(&self) -> String {
+        self.pick().0
+    }
+
+    fn pick(&self) -> (String, MasterServiceClient<Channel>, usize) {
+        let eps = match self.endpoints.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let i = self.current.load(Ordering::Relaxed) % eps.len().max(1);
+        let e = &eps[i];
+        (e.address.clone(), e.client.clone(), i)
+    }
+
+    /// Points calls at `address` (a leader hint), adding it if it is not configured.
+    fn follow(&self, address: &str) {
+        let mut eps = match self.endpoints.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let i = match eps.iter().position(|e| e.address == address) {
+            Some(i) => i,
+            None => match endpoint(address) {
+                Ok(e) => {
+                    eps.push(e);
+                    eps.len() - 1
+                }
+                Err(_) => return,
+            },
+        };
+        self.current.store(i, Ordering::Relaxed);
+    }
+
+    fn rotate(&self, from: usize) {
+        let n = match self.endpoints.read() {
+            Ok(g) => g.len(),
+            Err(p) => p.into_inner().len(),
+        };
+        let _ = self.current.compare_exchange(
+            from,
+            (from + 1) % n.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
     }
 
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
@@ -48,56 +132,77 @@ impl MasterClient {
         r
     }
 
-    /// Runs an idempotent call, retrying transport failures with backoff within the window.
-    async fn idempotent<T, F, Fut>(&self, mut call: F) -> Result<T, ClientError>
+    /// Runs a call against the leader, following hints and trying the other masters while
+    /// they are unreachable or electing, until `window` has passed.
+    async fn call_within<T, F, Fut>(&self, window: Duration, mut call: F) -> Result<T, ClientError>
     where
         F: FnMut(MasterServiceClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let start = tokio::time::Instant::now();
-        let mut backoff = Duration::from_millis(50);
+        let mut backoff = Duration::from_millis(20);
         loop {
-            let attempt = tokio::time::timeout(self.rpc_timeout, call(self.client.clone())).await;
-            let err = match attempt {
+            let (address, client, idx) = self.pick();
+            let attempt = tokio::time::timeout(self.rpc_timeout, call(client)).await;
+            let (err, hint) = match attempt {
                 Ok(Ok(resp)) => return Ok(resp.into_inner()),
-                Ok(Err(status)) => ClientError::from_status(status),
-                Err(_) => ClientError::Timeout(format!(
-                    "master {} did not answer within {:?}",
-                    self.address, self.rpc_timeout
-                )),
+                Ok(Err(status)) => {
+                    let hint = status
+                        .metadata()
+                        .get(LEADER_HINT_KEY)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
+                    (ClientError::from_status(status), hint)
+                }
+                Err(_) => (
+                    ClientError::Timeout(format!(
+                        "master {address} did not answer within {:?}",
+                        self.rpc_timeout
+                    )),
+                    None,
+                ),
             };
-            let retry = matches!(err, ClientError::Unavailable(_));
-            if !retry || start.elapsed() + backoff > self.retry_window {
+            let retry = matches!(err, ClientError::Unavailable(_) | ClientError::Timeout(_));
+            if !retry {
+                return Err(err);
+            }
+            let redirected = match hint {
+                Some(h) if h != address => {
+                    self.follow(&h);
+                    true
+                }
+                _ => {
+                    self.rotate(idx);
+                    false
+                }
+            };
+            if start.elapsed() + backoff > window {
                 return Err(match err {
                     ClientError::Unavailable(m) => ClientError::Unavailable(format!(
-                        "master {} is unavailable: {m}",
+                        "no master of {} answered as leader: {m}",
                         self.address
                     )),
                     e => e,
                 });
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            if !redirected {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
         }
     }
 
-    async fn once<T, Fut>(&self, fut: Fut) -> Result<T, ClientError>
+    async fn call<T, F, Fut>(&self, call: F) -> Result<T, ClientError>
     where
+        F: FnMut(MasterServiceClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        match tokio::time::timeout(self.rpc_timeout, fut).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(match ClientError::from_status(s) {
-                ClientError::Unavailable(m) => {
-                    ClientError::Unavailable(format!("master {} is unavailable: {m}", self.address))
-                }
-                e => e,
-            }),
-            Err(_) => Err(ClientError::Timeout(format!(
-                "master {} did not answer within {:?}",
-                self.address, self.rpc_timeout
-            ))),
-        }
+        self.call_within(self.retry_window, call).await
+    }
+
+    /// A fresh id for one logical mutation (kept across its retries).
+    fn request_id() -> u64 {
+        rand::random::<u64>() | 1
     }
 
     pub async fn get_status(
@@ -105,11 +210,12 @@ impl MasterClient {
         target: pb::path_or_id::Target,
     ) -> Result<pb::FileStatus, ClientError> {
         let r = self
-            .idempotent(|mut c| {
+            .call(|mut c| {
                 let req = self.request(pb::GetStatusRequest {
                     target: Some(pb::PathOrId {
                         target: Some(target.clone()),
                     }),
+                    allow_stale: false,
                 });
                 async move { c.get_status(req).await }
             })
@@ -120,7 +226,7 @@ impl MasterClient {
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
         let r = self
-            .idempotent(|mut c| {
+            .call(|mut c| {
                 let req = self.request(pb::LookupRequest {
                     parent,
                     name: name.to_string(),
@@ -132,23 +238,57 @@ impl MasterClient {
             .ok_or_else(|| ClientError::Internal("master returned no status".into()))
     }
 
+    /// One page of a directory listing. `stale`: read the first configured master's own
+    /// state without involving the leader (diagnostics).
     pub async fn list_page(
         &self,
         target: pb::path_or_id::Target,
         page_token: String,
         page_size: u32,
+        stale: bool,
     ) -> Result<pb::ListStatusResponse, ClientError> {
-        self.idempotent(|mut c| {
+        let make = |c: MasterServiceClient<Channel>| {
             let req = self.request(pb::ListStatusRequest {
                 target: Some(pb::PathOrId {
                     target: Some(target.clone()),
                 }),
                 page_token: page_token.clone(),
                 page_size,
+                allow_stale: stale,
             });
+            let mut c = c;
             async move { c.list_status(req).await }
-        })
-        .await
+        };
+        if stale {
+            let (_, client, _) = self.pick();
+            return make(client)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(ClientError::from_status);
+        }
+        self.call(make).await
+    }
+
+    pub async fn mkdir(
+        &self,
+        path: &str,
+        recursive: bool,
+        mode: u32,
+    ) -> Result<pb::FileStatus, ClientError> {
+        let request_id = Self::request_id();
+        let r = self
+            .call(|mut c| {
+                let req = self.request(pb::MkdirRequest {
+                    path: path.to_string(),
+                    recursive,
+                    mode,
+                    request_id,
+                });
+                async move { c.mkdir(req).await }
+            })
+            .await?;
+        r.status
+            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
     }
 
     pub async fn add_mount(
@@ -157,30 +297,38 @@ impl MasterClient {
         uri: &str,
         options: Vec<pb::MountOptionEntry>,
     ) -> Result<pb::MountInfo, ClientError> {
-        let mut c = self.client.clone();
-        let req = self.request(pb::AddMountRequest {
-            path: path.to_string(),
-            uri: uri.to_string(),
-            options,
-            request_id: 0,
-        });
-        let r = self.once(c.add_mount(req)).await?;
+        let request_id = Self::request_id();
+        let r = self
+            .call(|mut c| {
+                let req = self.request(pb::AddMountRequest {
+                    path: path.to_string(),
+                    uri: uri.to_string(),
+                    options: options.clone(),
+                    request_id,
+                });
+                async move { c.add_mount(req).await }
+            })
+            .await?;
         r.mount
             .ok_or_else(|| ClientError::Internal("master returned no mount".into()))
     }
 
     pub async fn remove_mount(&self, path: &str) -> Result<(), ClientError> {
-        let mut c = self.client.clone();
-        let req = self.request(pb::RemoveMountRequest {
-            path: path.to_string(),
-            request_id: 0,
-        });
-        self.once(c.remove_mount(req)).await.map(|_| ())
+        let request_id = Self::request_id();
+        self.call(|mut c| {
+            let req = self.request(pb::RemoveMountRequest {
+                path: path.to_string(),
+                request_id,
+            });
+            async move { c.remove_mount(req).await }
+        })
+        .await
+        .map(|_| ())
     }
 
     pub async fn list_mounts(&self) -> Result<Vec<pb::MountInfo>, ClientError> {
         let r = self
-            .idempotent(|mut c| {
+            .call(|mut c| {
                 let req = self.request(pb::ListMountsRequest {});
                 async move { c.list_mounts(req).await }
             })
@@ -192,34 +340,73 @@ impl MasterClient {
         &self,
         mount_id: u64,
     ) -> Result<pb::GetMountAccessResponse, ClientError> {
-        self.idempotent(|mut c| {
+        self.call(|mut c| {
             let req = self.request(pb::GetMountAccessRequest { mount_id });
             async move { c.get_mount_access(req).await }
         })
         .await
     }
 
-    pub async fn cluster_info(&self) -> Result<pb::GetClusterInfoResponse, ClientError> {
-        self.idempotent(|mut c| {
-            let req = self.request(pb::GetClusterInfoRequest {});
+    /// The cluster as the leader sees it. `any_master`: the first master that answers,
+    /// leader or not (to inspect a group without quorum; no workers then).
+    pub async fn cluster_info(
+        &self,
+        any_master: bool,
+    ) -> Result<pb::GetClusterInfoResponse, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::GetClusterInfoRequest {
+                allow_stale: any_master,
+            });
             async move { c.get_cluster_info(req).await }
         })
         .await
     }
 
+    pub async fn add_master(
+        &self,
+        id: u64,
+        address: &str,
+    ) -> Result<Vec<pb::MasterInfo>, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::AddMasterRequest {
+                id,
+                address: address.to_string(),
+            });
+            async move { c.add_master(req).await }
+        })
+        .await
+        .map(|r| r.masters)
+    }
+
+    pub async fn remove_master(&self, id: u64) -> Result<Vec<pb::MasterInfo>, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::RemoveMasterRequest { id });
+            async move { c.remove_master(req).await }
+        })
+        .await
+        .map(|r| r.masters)
+    }
+
+    /// Worker registration: a short window, so a worker moves on to the new leader quickly.
     pub async fn register_worker(
         &self,
         req: pb::RegisterWorkerRequest,
     ) -> Result<pb::RegisterWorkerResponse, ClientError> {
-        let mut c = self.client.clone();
-        self.once(c.register_worker(self.request(req))).await
+        self.call_within(Duration::from_secs(3), |mut c| {
+            let r = self.request(req.clone());
+            async move { c.register_worker(r).await }
+        })
+        .await
     }
 
     pub async fn heartbeat(
         &self,
         req: pb::WorkerHeartbeatRequest,
     ) -> Result<pb::WorkerHeartbeatResponse, ClientError> {
-        let mut c = self.client.clone();
-        self.once(c.worker_heartbeat(self.request(req))).await
+        self.call_within(Duration::from_secs(3), |mut c| {
+            let r = self.request(req.clone());
+            async move { c.worker_heartbeat(r).await }
+        })
+        .await
     }
 }

@@ -275,7 +275,7 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         self.rt.spawn(async move {
             const BSIZE: u64 = 4096;
-            let (cap, used, files) = match client.master.cluster_info().await {
+            let (cap, used, files) = match client.master.cluster_info(false).await {
                 Ok(info) => {
                     let cap: u64 = info
                         .workers

@@ -23,16 +23,71 @@ pub struct MasterCore {
 }
 
 impl MasterCore {
+    /// Fails with `NotLeader` (and the leader's address) unless this master leads. Worker
+    /// membership and block locations live on the leader only; when it starts a new term it
+    /// forgets what it knew before, so workers re-register with full reports.
     pub fn ensure_leader(&self) -> Result<(), MasterError> {
-        if self.raft.status.is_leader() {
-            Ok(())
-        } else {
-            Err(MasterError::NotLeader { leader_hint: None })
+        if !self.raft.status.is_leader() {
+            return Err(self.raft.not_leader());
         }
+        let term = self
+            .raft
+            .status
+            .term
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if self.workers.begin_term(term) {
+            self.blocks.clear();
+        }
+        Ok(())
+    }
+
+    /// Linearizable reads: confirms leadership with a quorum and waits until everything
+    /// committed before the read is applied here (ReadIndex).
+    pub async fn read_barrier(&self) -> Result<(), MasterError> {
+        self.raft.read_barrier().await
+    }
+
+    /// Proposes a client mutation under its request id (0 = none).
+    pub async fn propose_request(
+        &self,
+        cmd: Command,
+        request_id: u64,
+    ) -> Result<ApplyOutput, MasterError> {
+        self.raft.propose_request(&cmd, request_id).await
     }
 
     pub async fn propose(&self, cmd: Command) -> Result<ApplyOutput, MasterError> {
         self.raft.propose(&cmd).await
+    }
+
+    /// Adds a master to the group (a Raft configuration change).
+    pub async fn add_master(&self, id: u64, address: &str) -> Result<(), MasterError> {
+        if id == 0 {
+            return Err(MasterError::invalid("master ids start at 1"));
+        }
+        let address = address.trim();
+        if address.is_empty() || !address.contains(':') {
+            return Err(MasterError::invalid(format!(
+                "invalid master address {address:?}: expected host:port"
+            )));
+        }
+        let mut cc = raft::eraftpb::ConfChange::default();
+        cc.set_change_type(raft::eraftpb::ConfChangeType::AddNode);
+        cc.node_id = id;
+        cc.context = address.as_bytes().to_vec().into();
+        self.raft.change_members(cc).await?;
+        tracing::info!(id, address, "master added to the group");
+        Ok(())
+    }
+
+    /// Removes a master from the group.
+    pub async fn remove_master(&self, id: u64) -> Result<(), MasterError> {
+        let mut cc = raft::eraftpb::ConfChange::default();
+        cc.set_change_type(raft::eraftpb::ConfChangeType::RemoveNode);
+        cc.node_id = id;
+        self.raft.change_members(cc).await?;
+        tracing::info!(id, "master removed from the group");
+        Ok(())
     }
 
     pub async fn add_mount(
@@ -40,15 +95,19 @@ impl MasterCore {
         path: &str,
         uri: &str,
         options: &[pb::MountOptionEntry],
+        request_id: u64,
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
         let spec = validate_new(uri, options)?;
         match self
-            .propose(Command::AddMount {
-                path,
-                spec,
-                now_ms: granary_common::now_ms(),
-            })
+            .propose_request(
+                Command::AddMount {
+                    path,
+                    spec,
+                    now_ms: granary_common::now_ms(),
+                },
+                request_id,
+            )
             .await?
         {
             ApplyOutput::Mount(m) => {
@@ -59,9 +118,12 @@ impl MasterCore {
         }
     }
 
-    pub async fn remove_mount(&self, path: &str) -> Result<Mount, MasterError> {
+    pub async fn remove_mount(&self, path: &str, request_id: u64) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
-        match self.propose(Command::RemoveMount { path }).await? {
+        match self
+            .propose_request(Command::RemoveMount { path }, request_id)
+            .await?
+        {
             ApplyOutput::Mount(m) => {
                 self.ns.ufs.forget(m.id);
                 tracing::info!(path = %m.path, id = m.id, "mount removed");
@@ -71,12 +133,19 @@ impl MasterCore {
         }
     }
 
-    pub fn cluster_info(&self) -> Result<pb::GetClusterInfoResponse, MasterError> {
+    /// The cluster as this master sees it. Workers are known to the leader only.
+    pub async fn cluster_info(&self) -> Result<pb::GetClusterInfoResponse, MasterError> {
         let s = &self.raft.status;
         use std::sync::atomic::Ordering::Relaxed;
-        let workers = self
-            .workers
-            .all()
+        if s.is_leader() {
+            self.ensure_leader()?;
+        }
+        let known = if s.is_leader() {
+            self.workers.all()
+        } else {
+            Vec::new()
+        };
+        let workers = known
             .into_iter()
             .map(|w| pb::WorkerInfo {
                 worker_id: w.id,
@@ -95,14 +164,7 @@ impl MasterCore {
             .collect();
         Ok(pb::GetClusterInfoResponse {
             workers,
-            masters: vec![pb::MasterInfo {
-                id: self.id,
-                address: self.address.clone(),
-                role: s.role_name().to_string(),
-                term: s.term.load(Relaxed),
-                commit_index: s.commit.load(Relaxed),
-                applied_index: s.applied.load(Relaxed),
-            }],
+            masters: crate::raft::service::group_status(&self.raft, &self.address).await,
             leader_id: s.leader_id.load(Relaxed),
             inode_count: self.ns.sm.inode_count()?,
             mount_count: self.ns.sm.mounts()?.len() as u64,

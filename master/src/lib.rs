@@ -33,6 +33,9 @@ pub use error::MasterError;
 /// This master's Raft id in a single-voter group.
 pub const SINGLE_NODE_ID: u64 = 1;
 
+/// Default number of applied entries between snapshots.
+pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
+
 #[derive(Debug, Clone)]
 pub struct MasterConfig {
     pub data_dir: PathBuf,
@@ -46,6 +49,15 @@ pub struct MasterConfig {
     pub heartbeat_interval: Duration,
     /// Block size of files loaded from under-stores.
     pub block_size: u64,
+    /// This master's Raft id.
+    pub id: u64,
+    /// Members of the initial group (id → address, this master included). Empty: a group of
+    /// one.
+    pub peers: std::collections::BTreeMap<u64, String>,
+    /// Start outside the group and wait to be added (`granary master add`).
+    pub join: bool,
+    /// Snapshot the state and compact the log after this many applied entries.
+    pub snapshot_entries: u64,
 }
 
 impl MasterConfig {
@@ -58,6 +70,10 @@ impl MasterConfig {
             worker_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
             block_size: granary_common::DEFAULT_BLOCK_SIZE,
+            id: SINGLE_NODE_ID,
+            peers: Default::default(),
+            join: false,
+            snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
         }
     }
 }
@@ -92,11 +108,15 @@ pub async fn start(
     registry: SharedRegistry,
     shutdown: CancellationToken,
 ) -> Result<RunningMaster, MasterError> {
-    let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
-    let sm = state::StateMachine::open(db.clone())?;
-    let log = raft::storage::RocksLogStorage::open(db.clone(), &[SINGLE_NODE_ID])?;
-    let (raft_handle, raft_join) = raft::node::start(SINGLE_NODE_ID, log, sm.clone())?;
-
+    if config.id == 0 {
+        return Err(MasterError::invalid("master ids start at 1"));
+    }
+    if !config.peers.is_empty() && !config.peers.contains_key(&config.id) {
+        return Err(MasterError::invalid(format!(
+            "--peers must list this master's own id {} with its address",
+            config.id
+        )));
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| MasterError::Unavailable {
@@ -107,10 +127,55 @@ pub async fn start(
         .map_err(|e| MasterError::Unavailable {
             message: e.to_string(),
         })?;
+    let address = config
+        .advertise
+        .clone()
+        .or_else(|| config.peers.get(&config.id).cloned())
+        .unwrap_or_else(|| addr.to_string());
+
+    let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
+    let sm = state::StateMachine::open(db.clone())?;
+    let initial_voters: Vec<u64> = if config.join {
+        Vec::new()
+    } else if config.peers.is_empty() {
+        vec![config.id]
+    } else {
+        config.peers.keys().copied().collect()
+    };
+    let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters)?;
+    let mut peer_map = config.peers.clone();
+    for (id, a) in log.addresses()? {
+        peer_map.entry(id).or_insert(a);
+    }
+    peer_map.entry(config.id).or_insert_with(|| address.clone());
+    let peers: raft::transport::Peers = Arc::new(std::sync::RwLock::new(peer_map));
+    let snapshots = raft::snapshot::SnapshotDir::open(config.data_dir.join("snapshots"))?;
+    let chan = raft::node::channel();
+    let transport = raft::transport::GrpcTransport::new(
+        config.id,
+        tokio::runtime::Handle::current(),
+        peers.clone(),
+        raft::node::feedback_fn(&chan.0),
+        snapshots.clone(),
+    );
+    let (raft_handle, raft_join) = raft::node::start(
+        raft::node::NodeConfig {
+            id: config.id,
+            snapshot_entries: config.snapshot_entries.max(1),
+            snapshots: snapshots.clone(),
+            keep_entries: (config.snapshot_entries / 4).min(10_000),
+        },
+        log,
+        sm.clone(),
+        peers,
+        Box::new(transport),
+        chan,
+    )?;
+
     let ufs = Arc::new(mounts::UfsCache::default());
     let core = Arc::new(core::MasterCore {
-        id: SINGLE_NODE_ID,
-        address: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        id: config.id,
+        address: address.clone(),
         ns: namespace::Namespace::new(sm, raft_handle.clone(), ufs, config.block_size),
         raft: raft_handle.clone(),
         blocks: blocks::BlockLocations::default(),
@@ -151,11 +216,20 @@ pub async fn start(
     let svc = MasterServiceServer::new(service::MasterRpc { core: core.clone() })
         .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    let raft_svc =
+        granary_proto::raft_service_server::RaftServiceServer::new(raft::service::RaftRpc {
+            raft: raft_handle.clone(),
+            snapshots,
+            address,
+        })
+        .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
         let served = granary_common::grpc::server()
             .add_service(svc)
+            .add_service(raft_svc)
             .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
             .await;
         raft_handle.shutdown();
@@ -165,7 +239,7 @@ pub async fn start(
             message: format!("master server failed: {e}"),
         })
     });
-    tracing::info!(%addr, data_dir = %config.data_dir.display(), "master serving");
+    tracing::info!(%addr, id = config.id, data_dir = %config.data_dir.display(), "master serving");
     Ok(RunningMaster {
         addr,
         metrics_addr,

@@ -2,7 +2,7 @@
 //! real FUSE file systems, scrapes real `/metrics`, and cleans up what it started (by PID)
 //! and mounted, even when a test fails.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -473,5 +473,639 @@ impl Cluster {
     /// Where `/data` appears in the FUSE mount.
     pub fn data(&self) -> PathBuf {
         self.fuse.mountpoint.join("data")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-master (Raft) harness.
+// ---------------------------------------------------------------------------------------------
+
+/// How many lines of the file at `path` contain `marker` (0 if it cannot be read).
+pub fn count_in_log(path: &Path, marker: &str) -> usize {
+    std::fs::read_to_string(path)
+        .map(|t| t.lines().filter(|l| l.contains(marker)).count())
+        .unwrap_or(0)
+}
+
+/// The last `n` lines of the file at `path`.
+pub fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The acknowledged paths in an ack log written by `granary bench metadata --ack-log`, one
+/// per line; a trailing line without its newline (being written) is ignored.
+pub fn read_acks(path: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = match text.rfind('\n') {
+        Some(i) => &text[..i],
+        None => "",
+    };
+    complete
+        .lines()
+        .map(|l| l.trim_end_matches('\r'))
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The names (last path components) of acknowledged paths, checking each is `dir/<name>`.
+pub fn ack_names(acks: &BTreeSet<String>, dir: &str) -> BTreeSet<String> {
+    let prefix = format!("{}/", dir.trim_end_matches('/'));
+    acks.iter()
+        .map(|p| {
+            let name = p
+                .strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("acknowledged path {p:?} is not under {dir}"));
+            assert!(
+                !name.is_empty() && !name.contains('/'),
+                "acknowledged path {p:?} is not a child of {dir}"
+            );
+            name.to_string()
+        })
+        .collect()
+}
+
+/// The number at the start of `w` (ignoring what follows, e.g. colour codes).
+fn leading_number(w: &str) -> Option<u64> {
+    let d: String = w.chars().take_while(char::is_ascii_digit).collect();
+    d.parse().ok()
+}
+
+/// One member of a [`MasterGroup`].
+pub struct MasterMember {
+    pub id: u64,
+    pub port: u16,
+    pub addr: String,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    /// The `--peers` list it is started with.
+    pub peers: String,
+    /// Started with `--join` (a member added to a running group).
+    pub joining: bool,
+    /// `None` while stopped.
+    pub proc: Option<Proc>,
+}
+
+/// A static group of `granary master` processes on loopback, members `1..=n`.
+pub struct MasterGroup {
+    pub root: PathBuf,
+    pub snapshot_entries: u64,
+    pub members: Vec<MasterMember>,
+}
+
+const LISTENING: &str = "granary master listening on";
+
+impl MasterGroup {
+    /// Starts members `1..=n` (`master-{i}.log`, data in `master-{i}-data`) and waits until
+    /// each one serves (a leader need not be elected yet).
+    pub fn start(root: &Path, n: usize, snapshot_entries: u64) -> Result<Self> {
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < n {
+            let p = free_port();
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+        let peers = ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{}=127.0.0.1:{p}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let members = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &port)| {
+                let id = i as u64 + 1;
+                MasterMember {
+                    id,
+                    port,
+                    addr: format!("127.0.0.1:{port}"),
+                    data_dir: root.join(format!("master-{id}-data")),
+                    log: root.join(format!("master-{id}.log")),
+                    peers: peers.clone(),
+                    joining: false,
+                    proc: None,
+                }
+            })
+            .collect();
+        let mut g = Self {
+            root: root.to_path_buf(),
+            snapshot_entries,
+            members,
+        };
+        // Spawn them all first: a member may wait for its peers before it serves.
+        for i in 0..n {
+            let p = g.spawn_member(i)?;
+            g.members[i].proc = Some(p);
+        }
+        for i in 0..n {
+            let m = &mut g.members[i];
+            m.proc
+                .as_mut()
+                .expect("just spawned")
+                .wait_for_line(LISTENING, Duration::from_secs(60))?;
+        }
+        Ok(g)
+    }
+
+    fn idx(&self, id: u64) -> usize {
+        self.members
+            .iter()
+            .position(|m| m.id == id)
+            .unwrap_or_else(|| panic!("no master with id {id}"))
+    }
+
+    pub fn member(&self, id: u64) -> &MasterMember {
+        &self.members[self.idx(id)]
+    }
+
+    fn spawn_member(&self, i: usize) -> Result<Proc> {
+        let m = &self.members[i];
+        let id = m.id.to_string();
+        let data = m.data_dir.to_string_lossy().to_string();
+        let snap = self.snapshot_entries.to_string();
+        let mut args: Vec<&str> = vec![
+            "master",
+            "--id",
+            &id,
+            "--peers",
+            &m.peers,
+            "--data-dir",
+            &data,
+            "--listen",
+            &m.addr,
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--worker-timeout",
+            "3s",
+            "--snapshot-entries",
+            &snap,
+        ];
+        if m.joining {
+            args.push("--join");
+        }
+        Proc::spawn(&format!("master-{}", m.id), &self.root, &args)
+    }
+
+    /// Every member's address, comma-separated (stopped members included).
+    pub fn addrs(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| m.addr.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn addr(&self, id: u64) -> String {
+        self.member(id).addr.clone()
+    }
+
+    /// Ids of the members whose process is (supposed to be) running.
+    pub fn running_ids(&self) -> Vec<u64> {
+        self.members
+            .iter()
+            .filter(|m| m.proc.is_some())
+            .map(|m| m.id)
+            .collect()
+    }
+
+    /// Is member `id`'s process alive (not exited)?
+    pub fn is_running(&mut self, id: u64) -> bool {
+        let i = self.idx(id);
+        match self.members[i].proc.as_mut() {
+            Some(p) => matches!(p.child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// The full log of member `id` (all its lives).
+    pub fn log_text(&self, id: u64) -> String {
+        std::fs::read_to_string(&self.member(id).log).unwrap_or_default()
+    }
+
+    /// The last lines of every member's log, for assertion messages.
+    pub fn logs(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| {
+                format!(
+                    "==== master-{} log (tail) ====\n{}\n",
+                    m.id,
+                    log_tail(&m.log, 80)
+                )
+            })
+            .collect()
+    }
+
+    /// `granary master list --json --master VIA`.
+    pub fn list(&self, via: &str) -> Result<Vec<serde_json::Value>> {
+        let out = granary_ok(&["master", "list", "--json", "--master", via])?;
+        let v: Vec<serde_json::Value> = serde_json::from_str(&out)
+            .with_context(|| format!("master list --json printed {out:?}"))?;
+        Ok(v)
+    }
+
+    /// Member `id`'s own entry in its own view of the group.
+    pub fn self_entry(&self, id: u64) -> Result<serde_json::Value> {
+        let v = self.list(&self.addr(id))?;
+        v.into_iter()
+            .find(|e| e["id"].as_u64() == Some(id))
+            .with_context(|| format!("master {id} does not list itself"))
+    }
+
+    /// The leader's entry once the group (asked through every address) names exactly one.
+    pub fn leader_entry(&self, timeout: Duration) -> Result<serde_json::Value> {
+        let addrs = self.addrs();
+        let mut last = String::new();
+        poll("a single leader", timeout, || {
+            let v = match self.list(&addrs) {
+                Ok(v) => v,
+                Err(e) => {
+                    last = format!("{e:#}");
+                    return None;
+                }
+            };
+            last = serde_json::to_string(&v).unwrap_or_default();
+            let leaders: Vec<&serde_json::Value> =
+                v.iter().filter(|e| e["role"] == "leader").collect();
+            (leaders.len() == 1).then(|| leaders[0].clone())
+        })
+        .with_context(|| format!("last master list: {last}\n{}", self.logs()))
+    }
+
+    /// Waits until exactly one member is leader; returns its id.
+    pub fn wait_leader(&self, timeout: Duration) -> Result<u64> {
+        let e = self.leader_entry(timeout)?;
+        e["id"].as_u64().context("leader entry without an id")
+    }
+
+    /// The leader's commit index now.
+    pub fn leader_commit(&self, timeout: Duration) -> Result<u64> {
+        let e = self.leader_entry(timeout)?;
+        e["commit_index"]
+            .as_u64()
+            .with_context(|| format!("leader entry without commit_index: {e}"))
+    }
+
+    /// Waits until member `id` (asked directly) has applied the leader's commit index as
+    /// measured at the start of the call.
+    pub fn wait_member_caught_up(&self, id: u64, timeout: Duration) -> Result<()> {
+        let target = self.leader_commit(timeout)?;
+        let mut last = String::new();
+        poll(
+            &format!("master {id} to apply index {target}"),
+            timeout,
+            || match self.self_entry(id) {
+                Ok(e) => {
+                    last = e.to_string();
+                    (e["applied_index"].as_u64()? >= target).then_some(())
+                }
+                Err(e) => {
+                    last = format!("{e:#}");
+                    None
+                }
+            },
+        )
+        .with_context(|| format!("last self entry of master {id}: {last}\n{}", self.logs()))
+    }
+
+    /// Waits until every running member (asked directly) has applied the leader's commit
+    /// index as measured at the start of the call, all are in the same term, and all that
+    /// name a leader name the same one.
+    pub fn wait_caught_up(&self, timeout: Duration) -> Result<()> {
+        let target = self.leader_commit(timeout)?;
+        let ids = self.running_ids();
+        let mut last = String::new();
+        poll(
+            &format!("masters {ids:?} to apply index {target} and agree"),
+            timeout,
+            || {
+                let mut terms = BTreeSet::new();
+                let mut leaders = BTreeSet::new();
+                let mut views = Vec::new();
+                let mut ok = true;
+                for &id in &ids {
+                    let v = match self.list(&self.addr(id)) {
+                        Ok(v) => v,
+                        Err(e) => {
+                            last = format!("master {id}: {e:#}");
+                            return None;
+                        }
+                    };
+                    views.push(format!("master {id}: {}", serde_json::to_string(&v).ok()?));
+                    let me = v.iter().find(|e| e["id"].as_u64() == Some(id))?;
+                    if me["applied_index"].as_u64()? < target {
+                        ok = false;
+                    }
+                    terms.insert(me["term"].as_u64()?);
+                    for e in v.iter().filter(|e| e["role"] == "leader") {
+                        leaders.insert(e["id"].as_u64()?);
+                    }
+                }
+                last = views.join("\n");
+                (ok && terms.len() == 1 && leaders.len() == 1).then_some(())
+            },
+        )
+        .with_context(|| format!("last views:\n{last}\n{}", self.logs()))
+    }
+
+    /// SIGKILLs member `id` and waits for it to die.
+    pub fn kill9(&mut self, id: u64) -> Result<()> {
+        let i = self.idx(id);
+        let mut p = self.members[i]
+            .proc
+            .take()
+            .with_context(|| format!("master {id} is not running"))?;
+        p.kill9()
+    }
+
+    /// SIGTERMs member `id` and waits for it to exit (SIGKILL after 20 s).
+    pub fn stop(&mut self, id: u64) -> Result<()> {
+        let i = self.idx(id);
+        let mut p = self.members[i]
+            .proc
+            .take()
+            .with_context(|| format!("master {id} is not running"))?;
+        if p.stop("TERM", Duration::from_secs(20)).is_err() {
+            p.kill9()?;
+        }
+        Ok(())
+    }
+
+    /// Sends `sig` (e.g. "STOP", "CONT") to member `id`.
+    pub fn signal(&self, id: u64, sig: &str) -> Result<()> {
+        self.member(id)
+            .proc
+            .as_ref()
+            .with_context(|| format!("master {id} is not running"))?
+            .signal(sig)
+    }
+
+    /// Removes the data directory of stopped member `id`.
+    pub fn wipe(&mut self, id: u64) -> Result<()> {
+        let m = self.member(id);
+        if m.proc.is_some() {
+            bail!("master {id} is running; stop it before wiping its data");
+        }
+        match std::fs::remove_dir_all(&m.data_dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("removing {}", m.data_dir.display())),
+        }
+    }
+
+    /// Starts stopped member `id` again with the same arguments (appending to its log) and
+    /// waits until this new life prints that it listens.
+    pub fn restart(&mut self, id: u64) -> Result<()> {
+        let i = self.idx(id);
+        if self.members[i].proc.is_some() {
+            bail!("master {id} is already running");
+        }
+        let log = self.members[i].log.clone();
+        let before = count_in_log(&log, LISTENING);
+        let p = self.spawn_member(i)?;
+        self.members[i].proc = Some(p);
+        let proc = self.members[i].proc.as_mut().expect("just spawned");
+        let res = poll(
+            &format!("restarted master {id} to listen"),
+            Duration::from_secs(60),
+            || {
+                if let Ok(Some(st)) = proc.child.try_wait() {
+                    return Some(Err(anyhow::anyhow!(
+                        "restarted master {id} exited with {st}"
+                    )));
+                }
+                (count_in_log(&log, LISTENING) > before).then_some(Ok(()))
+            },
+        );
+        match res {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) | Err(e) => Err(e.context(format!("log:\n{}", log_tail(&log, 200)))),
+        }
+    }
+
+    /// Starts a new member `id` (the next id) with `--join`, its `--peers` listing every
+    /// member and itself; it serves but is not part of the group until `master add`.
+    pub fn start_joining(&mut self, id: u64) -> Result<()> {
+        if self.members.iter().any(|m| m.id == id) {
+            bail!("master {id} already exists");
+        }
+        let port = loop {
+            let p = free_port();
+            if !self.members.iter().any(|m| m.port == p) {
+                break p;
+            }
+        };
+        let addr = format!("127.0.0.1:{port}");
+        let mut peers: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("{}={}", m.id, m.addr))
+            .collect();
+        peers.push(format!("{id}={addr}"));
+        self.members.push(MasterMember {
+            id,
+            port,
+            addr,
+            data_dir: self.root.join(format!("master-{id}-data")),
+            log: self.root.join(format!("master-{id}.log")),
+            peers: peers.join(","),
+            joining: true,
+            proc: None,
+        });
+        let i = self.members.len() - 1;
+        let mut p = self.spawn_member(i)?;
+        p.wait_for_line(LISTENING, Duration::from_secs(60))?;
+        self.members[i].proc = Some(p);
+        Ok(())
+    }
+
+    /// The names in directory `path` as member `id` alone has applied them
+    /// (`fs ls --stale --json`).
+    pub fn stale_ls(&self, id: u64, path: &str) -> Result<BTreeSet<String>> {
+        let addr = self.addr(id);
+        let out = granary_ok(&["fs", "ls", path, "--json", "--master", &addr, "--stale"])?;
+        let v: Vec<serde_json::Value> =
+            serde_json::from_str(&out).with_context(|| format!("fs ls --json printed {out:?}"))?;
+        v.iter()
+            .map(|e| {
+                e["name"]
+                    .as_str()
+                    .map(str::to_string)
+                    .with_context(|| format!("entry without a name: {e}"))
+            })
+            .collect()
+    }
+
+    /// Term → ids of the members that logged `raft: node {id} became leader at term {term}`
+    /// in that term (over every life of every member).
+    pub fn leader_terms(&self) -> Result<BTreeMap<u64, BTreeSet<u64>>> {
+        const MARK: &str = "raft: node ";
+        let mut terms: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+        for m in &self.members {
+            let text = std::fs::read_to_string(&m.log)
+                .with_context(|| format!("reading {}", m.log.display()))?;
+            for line in text.lines() {
+                let Some(i) = line.find(MARK) else { continue };
+                let rest = &line[i + MARK.len()..];
+                if !rest.contains(" became leader at term ") {
+                    continue;
+                }
+                let words: Vec<&str> = rest.split_whitespace().collect();
+                // "{id} became leader at term {term}"
+                let (Some(id), Some(term)) = (
+                    words.first().copied().and_then(leading_number),
+                    words.get(5).copied().and_then(leading_number),
+                ) else {
+                    bail!("unparsable leader line in {}: {line}", m.log.display());
+                };
+                if id != m.id {
+                    bail!("master-{}.log says node {id} became leader: {line}", m.id);
+                }
+                terms.entry(term).or_default().insert(id);
+            }
+        }
+        Ok(terms)
+    }
+
+    /// Asserts that some leader was elected and no term ever had two leaders; returns the
+    /// term → leader map.
+    pub fn assert_one_leader_per_term(&self) -> BTreeMap<u64, BTreeSet<u64>> {
+        let terms = self
+            .leader_terms()
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", self.logs()));
+        assert!(
+            !terms.is_empty(),
+            "no leader was ever logged\n{}",
+            self.logs()
+        );
+        for (term, ids) in &terms {
+            assert_eq!(
+                ids.len(),
+                1,
+                "term {term} had leaders {ids:?} (all terms: {terms:?})\n{}",
+                self.logs()
+            );
+        }
+        terms
+    }
+}
+
+/// A `granary bench metadata` run in the background: stdout (its JSON) goes to `<name>.out`,
+/// stderr to `<name>.log`, acknowledged paths to `<name>.acks`. Killed on drop.
+pub struct Bench {
+    pub proc: Proc,
+    pub out: PathBuf,
+    pub acks: PathBuf,
+}
+
+impl Bench {
+    /// `granary bench metadata --master MASTER --dir DIR --ack-log <name>.acks --json EXTRA..`
+    pub fn spawn(root: &Path, name: &str, master: &str, dir: &str, extra: &[&str]) -> Result<Self> {
+        std::fs::create_dir_all(root)?;
+        let log = root.join(format!("{name}.log"));
+        let out = root.join(format!("{name}.out"));
+        let acks = root.join(format!("{name}.acks"));
+        let ack_arg = acks.to_string_lossy().to_string();
+        let mut args: Vec<&str> = vec![
+            "bench",
+            "metadata",
+            "--master",
+            master,
+            "--dir",
+            dir,
+            "--ack-log",
+            &ack_arg,
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let err = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let stdout = std::fs::File::create(&out)?;
+        let child = Command::new(granary_bin())
+            .args(&args)
+            .env("GRANARY_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("spawning {} {args:?}", granary_bin().display()))?;
+        Ok(Self {
+            proc: Proc {
+                name: name.to_string(),
+                child,
+                log,
+            },
+            out,
+            acks,
+        })
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.proc.child.try_wait(), Ok(None))
+    }
+
+    /// The paths acknowledged so far.
+    pub fn acked(&self) -> BTreeSet<String> {
+        read_acks(&self.acks)
+    }
+
+    pub fn ack_count(&self) -> usize {
+        self.acked().len()
+    }
+
+    /// Waits until at least `n` paths are acknowledged; fails early if the bench exits.
+    pub fn wait_acks(&mut self, n: usize, timeout: Duration) -> Result<usize> {
+        let acks = self.acks.clone();
+        let res = poll(&format!("{n} acknowledged creates"), timeout, || {
+            let c = read_acks(&acks).len();
+            if c >= n {
+                return Some(Ok(c));
+            }
+            if let Ok(Some(st)) = self.proc.child.try_wait() {
+                return Some(Err(anyhow::anyhow!(
+                    "the bench exited ({st}) after {c} acknowledged creates"
+                )));
+            }
+            None
+        });
+        match res {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) | Err(e) => Err(e.context(format!(
+                "{} acks; bench log:\n{}",
+                self.ack_count(),
+                log_tail(&self.proc.log, 100)
+            ))),
+        }
+    }
+
+    /// Waits for the bench to exit 0 and returns the JSON object it printed.
+    pub fn wait(&mut self, timeout: Duration) -> Result<serde_json::Value> {
+        let st = poll("the bench to exit", timeout, || {
+            self.proc.child.try_wait().ok().flatten()
+        })
+        .with_context(|| format!("bench log:\n{}", log_tail(&self.proc.log, 100)))?;
+        let out = std::fs::read_to_string(&self.out)?;
+        if !st.success() {
+            bail!(
+                "the bench failed ({st}); stdout: {out}\nlog:\n{}",
+                log_tail(&self.proc.log, 100)
+            );
+        }
+        serde_json::from_str(out.trim())
+            .with_context(|| format!("bench stdout is not one JSON object: {out:?}"))
+    }
+
+    /// SIGKILLs the bench (acknowledged lines are already flushed).
+    pub fn kill9(&mut self) -> Result<()> {
+        if let Ok(None) = self.proc.child.try_wait() {
+            self.proc.kill9()?;
+        }
+        Ok(())
     }
 }

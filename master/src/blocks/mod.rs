@@ -31,6 +31,11 @@ impl BlockLocations {
         }
     }
 
+    /// Forgets every location (a new leader rebuilds them from fresh worker reports).
+    pub fn clear(&self) {
+        *self.lock() = Inner::default();
+    }
+
     /// Replaces everything known about `worker` with a full report.
     pub fn replace_worker(&self, worker: u64, blocks: &[BlockId]) {
         let mut inner = self.lock();

@@ -1,5 +1,9 @@
-//! Raft: the RocksDB log storage and the node's ready loop.
+//! Raft: the RocksDB log storage, state-machine snapshots, the gRPC transport between
+//! masters and the node's ready loop.
 
 pub mod logger;
 pub mod node;
+pub mod service;
+pub mod snapshot;
 pub mod storage;
+pub mod transport;

@@ -1,44 +1,74 @@
 //! The Raft node: one raft-rs `RawNode` driven by a dedicated thread in the canonical
-//! ready-loop order (send, apply committed, persist entries + hard state, send persisted
-//! messages, advance, persist commit, apply light-ready commits, advance apply).
+//! ready-loop order (send, install snapshot, apply committed, persist entries + hard state,
+//! send persisted messages, advance, persist commit, apply light-ready commits, advance
+//! apply).
 //!
 //! RocksDB writes are blocking and synced; doing them on a plain thread keeps them off the
-//! tokio runtime. Proposers talk to the thread through a channel and await a oneshot that
-//! resolves when their command has been applied.
+//! tokio runtime. Proposers, readers and the transport talk to the thread through a channel;
+//! callers await a oneshot that resolves when their command has been applied (or their read
+//! index confirmed and applied).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use raft::eraftpb::{Entry, EntryType, Message};
-use raft::{RawNode, StateRole};
+use raft::eraftpb::{
+    ConfChange, ConfChangeType, Entry, EntryType, Message, Snapshot, SnapshotMetadata,
+};
+use raft::{RawNode, SnapshotStatus, StateRole};
+use rocksdb::WriteBatch;
 use tokio::sync::oneshot;
 
+use super::snapshot::{self, SnapshotDir};
 use super::storage::RocksLogStorage;
+use super::transport::{peer_address, Feedback, Peers, Transport};
 use crate::error::MasterError;
-use crate::state::{ApplyOutput, Command, StateMachine};
+use crate::state::{ApplyOutput, Command, Proposal, StateMachine};
 
-/// Raft tick period; election timeout is 10 ticks.
+/// Raft tick period; election timeout is 10 ticks (randomised up to 20), heartbeats every 2.
 pub const TICK: Duration = Duration::from_millis(100);
+const ELECTION_TICKS: usize = 10;
 
 type Reply = oneshot::Sender<Result<ApplyOutput, MasterError>>;
+type ReadReply = oneshot::Sender<Result<(), MasterError>>;
 
-enum Msg {
-    Propose { data: Vec<u8>, reply: Reply },
+pub enum Msg {
+    Propose {
+        data: Vec<u8>,
+        reply: Reply,
+    },
+    ConfChange {
+        cc: ConfChange,
+        reply: Reply,
+    },
+    ReadIndex {
+        reply: ReadReply,
+    },
+    Raft(Box<Message>),
+    Feedback(Feedback),
+    SnapshotBuilt {
+        meta: Box<SnapshotMetadata>,
+        result: Result<u64, MasterError>,
+    },
     Shutdown,
 }
 
 /// Observable Raft status, updated by the node thread.
 #[derive(Debug, Default)]
 pub struct RaftStatus {
+    pub id: u64,
     pub term: AtomicU64,
     pub commit: AtomicU64,
     pub applied: AtomicU64,
     pub leader_id: AtomicU64,
+    pub last_index: AtomicU64,
+    pub snapshot_index: AtomicU64,
     /// 0 follower, 1 candidate, 2 leader, 3 pre-candidate.
     pub role: AtomicU64,
+    /// Voters of the current configuration.
+    pub voters: Mutex<Vec<u64>>,
 }
 
 impl RaftStatus {
@@ -53,6 +83,12 @@ impl RaftStatus {
     pub fn is_leader(&self) -> bool {
         self.role.load(Ordering::Relaxed) == 2
     }
+    pub fn voters(&self) -> Vec<u64> {
+        match self.voters.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
 }
 
 /// Handle to the node thread.
@@ -60,18 +96,76 @@ impl RaftStatus {
 pub struct RaftHandle {
     tx: mpsc::Sender<Msg>,
     pub status: Arc<RaftStatus>,
+    pub peers: Peers,
 }
+
+/// How long a caller waits for its command to apply before giving up (the command may
+/// still apply; request ids make the retry safe).
+const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl RaftHandle {
     /// Proposes `cmd` and waits until it is applied (or rejected).
     pub async fn propose(&self, cmd: &Command) -> Result<ApplyOutput, MasterError> {
-        let data = serde_json::to_vec(cmd)
+        self.propose_request(cmd, 0).await
+    }
+
+    /// Proposes `cmd` under a client request id: a retry with the same id returns the first
+    /// outcome instead of applying twice.
+    pub async fn propose_request(
+        &self,
+        cmd: &Command,
+        request_id: u64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let proposal = Proposal {
+            request_id,
+            at_ms: granary_common::now_ms(),
+            cmd: cmd.clone(),
+        };
+        let data = serde_json::to_vec(&proposal)
             .map_err(|e| MasterError::corrupt(format!("encoding command: {e}")))?;
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Msg::Propose { data, reply })
-            .map_err(|_| MasterError::ShuttingDown)?;
-        rx.await.map_err(|_| MasterError::ShuttingDown)?
+        self.send(Msg::Propose { data, reply })?;
+        self.wait(rx).await?
+    }
+
+    /// Waits until this master has applied everything committed before the call, as
+    /// confirmed by a quorum (ReadIndex). Only the leader answers.
+    pub async fn read_barrier(&self) -> Result<(), MasterError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::ReadIndex { reply })?;
+        self.wait(rx).await?
+    }
+
+    pub async fn change_members(&self, cc: ConfChange) -> Result<ApplyOutput, MasterError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::ConfChange { cc, reply })?;
+        self.wait(rx).await?
+    }
+
+    /// Hands a message received from a peer to the node.
+    pub fn step(&self, m: Message) -> Result<(), MasterError> {
+        self.send(Msg::Raft(Box::new(m)))
+    }
+
+    fn send(&self, m: Msg) -> Result<(), MasterError> {
+        self.tx.send(m).map_err(|_| MasterError::ShuttingDown)
+    }
+
+    async fn wait<T>(&self, rx: oneshot::Receiver<T>) -> Result<T, MasterError> {
+        match tokio::time::timeout(PROPOSE_TIMEOUT, rx).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(_)) => Err(MasterError::ShuttingDown),
+            Err(_) => Err(MasterError::Unavailable {
+                message: format!(
+                    "the master group did not confirm within {PROPOSE_TIMEOUT:?} (no quorum?)"
+                ),
+            }),
+        }
+    }
+
+    /// `NotLeader` with the leader's address when known.
+    pub fn not_leader(&self) -> MasterError {
+        not_leader(&self.status, &self.peers)
     }
 
     pub fn shutdown(&self) {
@@ -79,17 +173,55 @@ impl RaftHandle {
     }
 }
 
-/// Starts the node thread for a single-voter group with id `id`.
+fn not_leader(status: &RaftStatus, peers: &Peers) -> MasterError {
+    let leader = status.leader_id.load(Ordering::Relaxed);
+    MasterError::NotLeader {
+        leader_hint: (leader != 0 && leader != status.id)
+            .then(|| peer_address(peers, leader))
+            .flatten(),
+    }
+}
+
+/// Static settings of a node.
+pub struct NodeConfig {
+    pub id: u64,
+    /// Take a snapshot and compact the log after this many applied entries.
+    pub snapshot_entries: u64,
+    pub snapshots: SnapshotDir,
+    /// Entries kept behind a snapshot so briefly lagging followers need no snapshot.
+    pub keep_entries: u64,
+}
+
+/// The channel a node listens on; created first so the transport can report back into it.
+pub fn channel() -> (mpsc::Sender<Msg>, mpsc::Receiver<Msg>) {
+    mpsc::channel()
+}
+
+/// Feedback callback for a transport, posting into the node's channel.
+pub fn feedback_fn(tx: &mpsc::Sender<Msg>) -> super::transport::FeedbackFn {
+    let tx = Mutex::new(tx.clone());
+    Arc::new(move |f| {
+        if let Ok(tx) = tx.lock() {
+            let _ = tx.send(Msg::Feedback(f));
+        }
+    })
+}
+
+/// Starts the node thread.
 pub fn start(
-    id: u64,
+    config: NodeConfig,
     storage: RocksLogStorage,
     sm: StateMachine,
+    peers: Peers,
+    transport: Box<dyn Transport>,
+    (tx, rx): (mpsc::Sender<Msg>, mpsc::Receiver<Msg>),
 ) -> Result<(RaftHandle, std::thread::JoinHandle<()>), MasterError> {
+    let id = config.id;
     let applied = sm.applied_index()?;
     storage.validate(applied)?;
-    let config = raft::Config {
+    let raft_config = raft::Config {
         id,
-        election_tick: 10,
+        election_tick: ELECTION_TICKS,
         heartbeat_tick: 2,
         applied,
         max_size_per_msg: 4 * 1024 * 1024,
@@ -98,45 +230,76 @@ pub fn start(
         pre_vote: true,
         ..Default::default()
     };
-    config
+    raft_config
         .validate()
         .map_err(|e| MasterError::corrupt(format!("raft config: {e}")))?;
-    let mut node = RawNode::new(&config, storage.clone(), &super::logger::logger())
+    let mut node = RawNode::new(&raft_config, storage.clone(), &super::logger::logger())
         .map_err(|e| MasterError::corrupt(format!("starting raft: {e}")))?;
     let voters = storage.conf_state()?.voters;
+    let fresh = storage.hard_state()?.term == 0
+        && storage.last() == 0
+        && storage.snapshot_meta()?.is_none();
     if voters == [id] {
         // Sole voter: no need to wait out an election timeout.
         node.campaign()
             .map_err(|e| MasterError::corrupt(format!("campaign: {e}")))?;
     }
-    let status = Arc::new(RaftStatus::default());
+    // A member starting with an empty store may be one whose data was lost, and may have
+    // voted in the current term before: it neither votes nor campaigns until any election
+    // that could have been running has timed out, so it can never vote twice in a term.
+    let quiet_until =
+        (fresh && voters != [id]).then(|| Instant::now() + TICK * (2 * ELECTION_TICKS as u32));
+    let status = Arc::new(RaftStatus {
+        id,
+        ..Default::default()
+    });
     status.applied.store(applied, Ordering::Relaxed);
-    let (tx, rx) = mpsc::channel();
+    let last_snapshot = storage.snapshot_meta()?.map(|m| m.index).unwrap_or(0);
     let mut driver = Driver {
         node,
         storage,
         sm,
         status: status.clone(),
+        peers: peers.clone(),
+        transport,
+        self_tx: tx.clone(),
         pending: HashMap::new(),
-        nonce: rand_nonce(),
+        reads: HashMap::new(),
+        deferred_reads: Vec::new(),
+        confirmed_reads: Vec::new(),
+        nonce: rand::random(),
         next_seq: 1,
+        config,
+        last_snapshot,
+        building_snapshot: false,
+        was_leader_in: None,
+        quiet_until,
+        warned_lost_log: false,
+        snapshot_requested_at: None,
     };
     driver.publish_status();
     let join = std::thread::Builder::new()
         .name("granary-raft".into())
-        .spawn(move || driver.run(rx))
+        .spawn(move || {
+            // A master whose Raft loop died must not linger as a zombie that answers RPCs:
+            // exit so the supervisor restarts it (storage is consistent after any crash).
+            let id = driver.config.id;
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver.run(rx))) {
+                Ok(true) => {}
+                Ok(false) => {
+                    eprintln!("raft: node {id} stopped after a storage failure; exiting");
+                    std::process::exit(70);
+                }
+                Err(_) => {
+                    eprintln!("raft: node {id} crashed; exiting");
+                    std::process::exit(70);
+                }
+            }
+        })
         .map_err(|e| MasterError::Storage {
             message: format!("spawning the raft thread: {e}"),
         })?;
-    Ok((RaftHandle { tx, status }, join))
-}
-
-fn rand_nonce() -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    granary_common::ids::stable_hash(&[&t.to_le_bytes(), &std::process::id().to_le_bytes()])
+    Ok((RaftHandle { tx, status, peers }, join))
 }
 
 struct Driver {
@@ -144,52 +307,190 @@ struct Driver {
     storage: RocksLogStorage,
     sm: StateMachine,
     status: Arc<RaftStatus>,
+    peers: Peers,
+    transport: Box<dyn Transport>,
+    self_tx: mpsc::Sender<Msg>,
     /// Proposals awaiting apply, keyed by (process nonce, sequence) carried as entry context,
     /// so entries re-delivered after a restart never match a new proposal.
     pending: HashMap<(u64, u64), Reply>,
+    /// Read requests awaiting quorum confirmation, by request context.
+    reads: HashMap<Vec<u8>, ReadReply>,
+    /// Reads held until a new leader has committed in its term.
+    deferred_reads: Vec<ReadReply>,
+    /// Confirmed reads waiting for the apply index to reach theirs.
+    confirmed_reads: Vec<(u64, ReadReply)>,
     nonce: u64,
     next_seq: u64,
+    config: NodeConfig,
+    last_snapshot: u64,
+    building_snapshot: bool,
+    /// The term this node last led, to notice leadership changes.
+    was_leader_in: Option<u64>,
+    /// Until then this (fresh) member neither votes nor campaigns.
+    quiet_until: Option<Instant>,
+    warned_lost_log: bool,
+    snapshot_requested_at: Option<Instant>,
 }
 
 impl Driver {
-    fn run(&mut self, rx: mpsc::Receiver<Msg>) {
+    /// Runs until shutdown (true) or a storage failure (false).
+    fn run(&mut self, rx: mpsc::Receiver<Msg>) -> bool {
         let mut last_tick = Instant::now();
-        loop {
+        let mut clean = true;
+        'outer: loop {
             let wait = TICK.saturating_sub(last_tick.elapsed());
-            match rx.recv_timeout(wait) {
-                Ok(Msg::Propose { data, reply }) => self.propose(data, reply),
-                Ok(Msg::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => {}
+            let first = match rx.recv_timeout(wait) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            // Drain what else is queued so one ready round covers a burst.
+            let mut next = first;
+            let mut handled = 0;
+            while let Some(m) = next.take() {
+                if let Msg::Shutdown = m {
+                    break 'outer;
+                }
+                self.handle(m);
+                handled += 1;
+                if handled >= 1024 {
+                    break;
+                }
+                next = rx.try_recv().ok();
             }
             if last_tick.elapsed() >= TICK {
-                self.node.tick();
+                if !self.quiet() {
+                    self.node.tick();
+                }
                 last_tick = Instant::now();
             }
+            self.retry_deferred_reads();
             if let Err(e) = self.on_ready() {
                 // Storage failed: stop serving rather than risk acknowledging lost writes.
                 tracing::error!(error = %e, "raft storage failure; the master stops applying");
+                eprintln!("raft: node {} stopped: {e}", self.config.id);
                 for (_, reply) in self.pending.drain() {
                     let _ = reply.send(Err(e.clone()));
                 }
+                clean = false;
                 break;
             }
+            self.on_role();
+            self.maybe_snapshot();
             self.publish_status();
         }
         for (_, reply) in self.pending.drain() {
             let _ = reply.send(Err(MasterError::ShuttingDown));
         }
+        for (_, reply) in self.reads.drain() {
+            let _ = reply.send(Err(MasterError::ShuttingDown));
+        }
+        clean
     }
 
-    fn propose(&mut self, data: Vec<u8>, reply: Reply) {
-        if self.node.raft.state != StateRole::Leader {
-            let _ = reply.send(Err(MasterError::NotLeader { leader_hint: None }));
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Propose { data, reply } => self.propose(data, reply),
+            Msg::ConfChange { cc, reply } => self.propose_conf_change(cc, reply),
+            Msg::ReadIndex { reply } => self.read_index(reply),
+            Msg::Raft(m) => self.step(*m),
+            Msg::Feedback(Feedback::Unreachable(to)) => self.node.report_unreachable(to),
+            Msg::Feedback(Feedback::Snapshot { to, ok }) => self.node.report_snapshot(
+                to,
+                if ok {
+                    SnapshotStatus::Finish
+                } else {
+                    SnapshotStatus::Failure
+                },
+            ),
+            Msg::SnapshotBuilt { meta, result } => self.snapshot_built(*meta, result),
+            Msg::Shutdown => {}
+        }
+    }
+
+    fn not_leader(&self) -> MasterError {
+        not_leader(&self.status, &self.peers)
+    }
+
+    fn quiet(&mut self) -> bool {
+        match self.quiet_until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                self.quiet_until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn step(&mut self, mut m: Message) {
+        use raft::eraftpb::MessageType as T;
+        let mut lost_log_at = None;
+        if matches!(m.get_msg_type(), T::MsgRequestVote | T::MsgRequestPreVote) && self.quiet() {
+            tracing::debug!(from = m.from, "vote request ignored while starting fresh");
             return;
         }
+        if m.get_msg_type() == T::MsgHeartbeat {
+            // The leader sends min(what it believes we hold, its commit). If this member lost
+            // its data (a wiped directory), that belief is stale and raft-rs would panic on a
+            // commit beyond our log; everything we do hold came from this leader's appends,
+            // so committing up to our last index is safe, and the leader repairs the rest.
+            let last = self.node.raft.raft_log.last_index();
+            if m.commit > last {
+                if !self.warned_lost_log {
+                    tracing::warn!(
+                        leader = m.from,
+                        leader_commit = m.commit,
+                        last,
+                        "the leader believes this master holds entries it does not (was its data directory lost?); catching up"
+                    );
+                    self.warned_lost_log = true;
+                }
+                lost_log_at = Some((m.from, m.commit));
+                m.commit = last;
+            }
+        }
+        if let Err(e) = self.node.step(m) {
+            tracing::debug!(error = %e, "raft message ignored");
+        }
+        if let Some((leader, believed)) = lost_log_at {
+            // Tell the leader: a rejection that asks for a snapshot, which it honours
+            // whatever state it keeps for us (raft-rs' own request_snapshot refuses here).
+            let due = self
+                .snapshot_requested_at
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(2));
+            if due && self.node.raft.leader_id == leader {
+                self.snapshot_requested_at = Some(Instant::now());
+                let last = self.node.raft.raft_log.last_index();
+                let mut r = Message::default();
+                r.set_msg_type(T::MsgAppendResponse);
+                r.from = self.config.id;
+                r.to = leader;
+                r.term = self.node.raft.term;
+                r.reject = true;
+                r.index = believed;
+                r.reject_hint = last;
+                r.request_snapshot = believed;
+                self.transport.send(vec![r]);
+            }
+        }
+    }
+
+    fn next_key(&mut self) -> ((u64, u64), Vec<u8>) {
         let key = (self.nonce, self.next_seq);
         self.next_seq += 1;
         let mut ctx = Vec::with_capacity(16);
         ctx.extend_from_slice(&key.0.to_be_bytes());
         ctx.extend_from_slice(&key.1.to_be_bytes());
+        (key, ctx)
+    }
+
+    fn propose(&mut self, data: Vec<u8>, reply: Reply) {
+        if self.node.raft.state != StateRole::Leader {
+            let _ = reply.send(Err(self.not_leader()));
+            return;
+        }
+        let (key, ctx) = self.next_key();
         match self.node.propose(ctx, data) {
             Ok(()) => {
                 self.pending.insert(key, reply);
@@ -202,6 +503,112 @@ impl Driver {
         }
     }
 
+    fn propose_conf_change(&mut self, cc: ConfChange, reply: Reply) {
+        if self.node.raft.state != StateRole::Leader {
+            let _ = reply.send(Err(self.not_leader()));
+            return;
+        }
+        if self.node.raft.has_pending_conf() {
+            let _ = reply.send(Err(MasterError::precondition(
+                "another membership change is still being applied; retry when it is done",
+            )));
+            return;
+        }
+        let voters = self.status.voters();
+        match cc.get_change_type() {
+            ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
+                if voters.contains(&cc.node_id) {
+                    let _ = reply.send(Err(MasterError::AlreadyExists {
+                        path: format!("master {} (already a member)", cc.node_id),
+                    }));
+                    return;
+                }
+                // A new member must start from a snapshot, never replay the log from index
+                // 1 (which predates the initial configuration).
+                if self.storage.first() <= 1 {
+                    if let Err(e) = self.snapshot_now() {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                }
+            }
+            ConfChangeType::RemoveNode => {
+                if !voters.contains(&cc.node_id) {
+                    let _ = reply.send(Err(MasterError::not_found(format!(
+                        "master {} (not a member)",
+                        cc.node_id
+                    ))));
+                    return;
+                }
+                if voters.len() <= 1 {
+                    let _ = reply.send(Err(MasterError::precondition(
+                        "cannot remove the last master of the group",
+                    )));
+                    return;
+                }
+                if cc.node_id == self.config.id {
+                    // Hand leadership to the most caught-up follower first; the caller
+                    // retries against the new leader, which removes this one.
+                    let best = self
+                        .node
+                        .raft
+                        .prs()
+                        .iter()
+                        .filter(|(id, _)| **id != self.config.id && voters.contains(id))
+                        .max_by_key(|(_, pr)| pr.matched)
+                        .map(|(id, _)| *id);
+                    if let Some(to) = best {
+                        self.node.transfer_leader(to);
+                    }
+                    let _ = reply.send(Err(MasterError::Unavailable {
+                        message: format!(
+                            "master {} is the leader; leadership is moving to {} before it is removed, retry",
+                            cc.node_id,
+                            best.unwrap_or(0)
+                        ),
+                    }));
+                    return;
+                }
+            }
+        }
+        let (key, ctx) = self.next_key();
+        match self.node.propose_conf_change(ctx, cc) {
+            Ok(()) => {
+                self.pending.insert(key, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(MasterError::Unavailable {
+                    message: format!("membership change dropped: {e}"),
+                }));
+            }
+        }
+    }
+
+    fn read_index(&mut self, reply: ReadReply) {
+        if self.node.raft.state != StateRole::Leader {
+            let _ = reply.send(Err(self.not_leader()));
+            return;
+        }
+        if !self.node.raft.commit_to_current_term() {
+            // raft-rs drops read requests until a new leader has committed an entry of its
+            // own term; hold them until then.
+            self.deferred_reads.push(reply);
+            return;
+        }
+        let (_, ctx) = self.next_key();
+        self.node.read_index(ctx.clone());
+        self.reads.insert(ctx, reply);
+    }
+
+    fn retry_deferred_reads(&mut self) {
+        if self.deferred_reads.is_empty() || !self.node.raft.commit_to_current_term() {
+            return;
+        }
+        for reply in std::mem::take(&mut self.deferred_reads) {
+            self.read_index(reply);
+        }
+    }
+
     fn publish_status(&self) {
         let r = &self.node.raft;
         self.status.term.store(r.term, Ordering::Relaxed);
@@ -209,6 +616,12 @@ impl Driver {
             .commit
             .store(r.raft_log.committed, Ordering::Relaxed);
         self.status.leader_id.store(r.leader_id, Ordering::Relaxed);
+        self.status
+            .last_index
+            .store(self.storage.last(), Ordering::Relaxed);
+        self.status
+            .snapshot_index
+            .store(self.last_snapshot, Ordering::Relaxed);
         let role = match r.state {
             StateRole::Follower => 0,
             StateRole::Candidate => 1,
@@ -216,11 +629,53 @@ impl Driver {
             StateRole::PreCandidate => 3,
         };
         self.status.role.store(role, Ordering::Relaxed);
+        let voters: Vec<u64> = r.prs().conf().voters().ids().iter().collect();
+        if let Ok(mut g) = self.status.voters.lock() {
+            if *g != voters {
+                let mut v = voters;
+                v.sort_unstable();
+                *g = v;
+            }
+        }
     }
 
-    fn send(&self, _msgs: Vec<Message>) {
-        // Single-voter group: there is nobody to send to. The multi-master transport plugs in
-        // here.
+    /// Notices leadership changes: logs them (one line per term, for operators and the
+    /// chaos checker) and fails what only the old leader could have completed.
+    fn on_role(&mut self) {
+        let r = &self.node.raft;
+        let leading = r.state == StateRole::Leader;
+        match (self.was_leader_in, leading) {
+            (None, true) | (Some(_), true) if self.was_leader_in != Some(r.term) => {
+                eprintln!(
+                    "raft: node {} became leader at term {}",
+                    self.config.id, r.term
+                );
+                tracing::info!(term = r.term, "this master is now the leader");
+                self.was_leader_in = Some(r.term);
+            }
+            (Some(term), false) => {
+                tracing::info!(
+                    term,
+                    new_term = r.term,
+                    leader = r.leader_id,
+                    "this master is no longer the leader"
+                );
+                self.was_leader_in = None;
+                let err = MasterError::Unavailable {
+                    message: "leadership changed before the request was confirmed; retry".into(),
+                };
+                for (_, reply) in self.pending.drain() {
+                    let _ = reply.send(Err(err.clone()));
+                }
+                for (_, reply) in self.reads.drain() {
+                    let _ = reply.send(Err(err.clone()));
+                }
+                for reply in self.deferred_reads.drain(..) {
+                    let _ = reply.send(Err(err.clone()));
+                }
+            }
+            _ => {}
+        }
     }
 
     fn on_ready(&mut self) -> Result<(), MasterError> {
@@ -228,56 +683,288 @@ impl Driver {
             return Ok(());
         }
         let mut ready = self.node.ready();
-        self.send(ready.take_messages());
+        self.transport.send(ready.take_messages());
         if !ready.snapshot().is_empty() {
-            return Err(MasterError::corrupt(
-                "received a snapshot, which a single-voter group never sends",
-            ));
+            self.install_snapshot(ready.snapshot())?;
+        }
+        for rs in ready.take_read_states() {
+            if let Some(reply) = self.reads.remove(&rs.request_ctx) {
+                self.confirmed_reads.push((rs.index, reply));
+            }
         }
         self.apply(ready.take_committed_entries())?;
         self.storage.persist(ready.entries(), ready.hs())?;
-        self.send(ready.take_persisted_messages());
+        self.transport.send(ready.take_persisted_messages());
         let mut light = self.node.advance(ready);
         if let Some(commit) = light.commit_index() {
             self.storage.persist_commit(commit)?;
         }
-        self.send(light.take_messages());
+        self.transport.send(light.take_messages());
         self.apply(light.take_committed_entries())?;
         self.node.advance_apply();
+        self.release_reads();
         Ok(())
+    }
+
+    fn release_reads(&mut self) {
+        if self.confirmed_reads.is_empty() {
+            return;
+        }
+        let applied = self.status.applied.load(Ordering::Relaxed);
+        let mut i = 0;
+        while i < self.confirmed_reads.len() {
+            if self.confirmed_reads[i].0 <= applied {
+                let (_, reply) = self.confirmed_reads.swap_remove(i);
+                let _ = reply.send(Ok(()));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn reply_to(&mut self, context: &[u8], result: Result<ApplyOutput, MasterError>) {
+        if context.len() == 16 {
+            let nonce = u64::from_be_bytes(context[..8].try_into().unwrap_or_default());
+            let seq = u64::from_be_bytes(context[8..].try_into().unwrap_or_default());
+            if let Some(reply) = self.pending.remove(&(nonce, seq)) {
+                let _ = reply.send(result);
+            }
+        }
     }
 
     fn apply(&mut self, entries: Vec<Entry>) -> Result<(), MasterError> {
         for entry in entries {
             let index = entry.index;
-            if entry.get_entry_type() != EntryType::EntryNormal || entry.data.is_empty() {
-                self.sm.mark_applied(index)?;
-            } else {
-                let result = match serde_json::from_slice::<Command>(&entry.data) {
-                    Ok(cmd) => self.sm.apply(index, &cmd),
-                    Err(e) => {
-                        // A command this version cannot decode: record it applied (so the
-                        // log moves on) and surface the problem loudly.
-                        tracing::error!(index, error = %e, "undecodable raft command skipped");
-                        self.sm.mark_applied(index)?;
-                        Err(MasterError::corrupt(format!("undecodable command: {e}")))
-                    }
-                };
-                // Storage failures while applying are fatal; command errors are results.
-                if let Err(MasterError::Storage { .. }) = &result {
-                    return result.map(|_| ());
+            match entry.get_entry_type() {
+                EntryType::EntryConfChange => self.apply_conf_change(&entry)?,
+                EntryType::EntryConfChangeV2 => {
+                    // Granary proposes only simple (v1) changes.
+                    tracing::error!(index, "unexpected joint configuration change skipped");
+                    self.sm.mark_applied(index)?;
                 }
-                if entry.context.len() == 16 {
-                    let nonce =
-                        u64::from_be_bytes(entry.context[..8].try_into().unwrap_or_default());
-                    let seq = u64::from_be_bytes(entry.context[8..].try_into().unwrap_or_default());
-                    if let Some(reply) = self.pending.remove(&(nonce, seq)) {
-                        let _ = reply.send(result);
+                EntryType::EntryNormal if entry.data.is_empty() => self.sm.mark_applied(index)?,
+                EntryType::EntryNormal => {
+                    let result = match Proposal::decode(&entry.data) {
+                        Ok(p) => self.sm.apply_request(index, &p),
+                        Err(e) => {
+                            // A command this version cannot decode: record it applied (so
+                            // the log moves on) and surface the problem loudly.
+                            tracing::error!(index, error = %e, "undecodable raft command skipped");
+                            self.sm.mark_applied(index)?;
+                            Err(MasterError::corrupt(format!("undecodable command: {e}")))
+                        }
+                    };
+                    // Storage failures while applying are fatal; command errors are results.
+                    if let Err(MasterError::Storage { .. }) = &result {
+                        return result.map(|_| ());
                     }
+                    self.reply_to(&entry.context, result);
                 }
             }
             self.status.applied.store(index, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    fn apply_conf_change(&mut self, entry: &Entry) -> Result<(), MasterError> {
+        use protobuf::Message as _;
+        let index = entry.index;
+        let cc = match ConfChange::parse_from_bytes(&entry.data) {
+            Ok(cc) => cc,
+            Err(e) => {
+                tracing::error!(index, error = %e, "undecodable membership change skipped");
+                self.sm.mark_applied(index)?;
+                return Ok(());
+            }
+        };
+        let cs = match self.node.apply_conf_change(&cc) {
+            Ok(cs) => cs,
+            Err(e) => {
+                tracing::error!(index, error = %e, "membership change rejected");
+                self.sm.mark_applied(index)?;
+                self.reply_to(
+                    &entry.context,
+                    Err(MasterError::precondition(format!(
+                        "membership change rejected: {e}"
+                    ))),
+                );
+                return Ok(());
+            }
+        };
+        let address = String::from_utf8_lossy(&cc.context).into_owned();
+        let adds = matches!(
+            cc.get_change_type(),
+            ConfChangeType::AddNode | ConfChangeType::AddLearnerNode
+        ) && !address.is_empty();
+        let mut batch = WriteBatch::default();
+        self.storage.conf_state_into(
+            &cs,
+            adds.then_some((cc.node_id, address.as_str())),
+            &mut batch,
+        )?;
+        self.sm.mark_applied_with(index, batch)?;
+        if adds {
+            self.transport.set_address(cc.node_id, &address);
+        }
+        tracing::info!(
+            index,
+            change = ?cc.get_change_type(),
+            node = cc.node_id,
+            voters = ?cs.voters,
+            "master group configuration changed"
+        );
+        eprintln!(
+            "raft: node {} applied membership change {:?} {} -> voters {:?}",
+            self.config.id,
+            cc.get_change_type(),
+            cc.node_id,
+            cs.voters
+        );
+        self.reply_to(&entry.context, Ok(ApplyOutput::None));
+        Ok(())
+    }
+
+    fn install_snapshot(&mut self, snap: &Snapshot) -> Result<(), MasterError> {
+        let meta = snap.get_metadata().clone();
+        let path = self.config.snapshots.path_for(meta.index, meta.term);
+        let db = self.storage.db().clone();
+        let mut batch = WriteBatch::default();
+        snapshot::load_into(&db, &path, &mut batch)?;
+        self.storage.install_snapshot_into(&meta, &mut batch)?;
+        let mut wo = rocksdb::WriteOptions::default();
+        wo.set_sync(true);
+        db.write_opt(batch, &wo)?;
+        self.storage.snapshot_installed(&meta);
+        self.status.applied.store(meta.index, Ordering::Relaxed);
+        self.last_snapshot = meta.index;
+        self.config.snapshots.prune(meta.index);
+        // Addresses of members added after the initial configuration travel inside the
+        // snapshot's conf state only by id; keep whatever we know.
+        for (id, addr) in self.storage.addresses().unwrap_or_default() {
+            self.transport.set_address(id, &addr);
+        }
+        tracing::info!(
+            index = meta.index,
+            term = meta.term,
+            "installed a snapshot from the leader"
+        );
+        eprintln!(
+            "raft: node {} installed snapshot at index {}",
+            self.config.id, meta.index
+        );
+        Ok(())
+    }
+
+    fn snapshot_meta_now(&self) -> Result<SnapshotMetadata, MasterError> {
+        let index = self.status.applied.load(Ordering::Relaxed);
+        let term = self
+            .storage
+            .term_of(index)
+            .map_err(|e| MasterError::Storage {
+                message: format!("term of applied index {index}: {e}"),
+            })?;
+        let mut meta = SnapshotMetadata {
+            index,
+            term,
+            ..Default::default()
+        };
+        meta.set_conf_state(self.storage.conf_state()?);
+        Ok(meta)
+    }
+
+    /// Starts a snapshot when enough entries were applied since the last one (or raft-rs
+    /// asked for a newer one to send).
+    fn maybe_snapshot(&mut self) {
+        let applied = self.status.applied.load(Ordering::Relaxed);
+        let wanted = self.storage.take_snapshot_wanted();
+        if self.building_snapshot || applied <= self.last_snapshot {
+            return;
+        }
+        if !wanted && applied - self.last_snapshot < self.config.snapshot_entries {
+            return;
+        }
+        let meta = match self.snapshot_meta_now() {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a snapshot");
+                return;
+            }
+        };
+        let cp = self.config.snapshots.checkpoint_path(meta.index);
+        if let Err(e) = snapshot::checkpoint(self.storage.db(), &cp) {
+            tracing::error!(error = %e, "cannot start a snapshot");
+            return;
+        }
+        self.building_snapshot = true;
+        let dir = self.config.snapshots.clone();
+        let tx = self.self_tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("granary-snapshot".into())
+            .spawn(move || {
+                let result = snapshot::write_from_checkpoint(
+                    &cp,
+                    &dir.temp_path(meta.index, meta.term),
+                    &dir.path_for(meta.index, meta.term),
+                );
+                let _ = tx.send(Msg::SnapshotBuilt {
+                    meta: Box::new(meta),
+                    result,
+                });
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot spawn the snapshot thread");
+            self.building_snapshot = false;
+        }
+    }
+
+    /// Takes a snapshot synchronously (used once, before the first member is added).
+    fn snapshot_now(&mut self) -> Result<(), MasterError> {
+        let meta = self.snapshot_meta_now()?;
+        let dir = &self.config.snapshots;
+        let cp = dir.checkpoint_path(meta.index);
+        snapshot::checkpoint(self.storage.db(), &cp)?;
+        let result = snapshot::write_from_checkpoint(
+            &cp,
+            &dir.temp_path(meta.index, meta.term),
+            &dir.path_for(meta.index, meta.term),
+        );
+        self.finish_snapshot(meta, result, true)
+    }
+
+    fn snapshot_built(&mut self, meta: SnapshotMetadata, result: Result<u64, MasterError>) {
+        self.building_snapshot = false;
+        if let Err(e) = self.finish_snapshot(meta, result, false) {
+            tracing::error!(error = %e, "snapshot failed");
+        }
+    }
+
+    fn finish_snapshot(
+        &mut self,
+        meta: SnapshotMetadata,
+        result: Result<u64, MasterError>,
+        compact_fully: bool,
+    ) -> Result<(), MasterError> {
+        let bytes = result?;
+        if meta.index <= self.last_snapshot {
+            // A newer snapshot was installed meanwhile.
+            let _ = std::fs::remove_file(self.config.snapshots.path_for(meta.index, meta.term));
+            return Ok(());
+        }
+        let keep = if compact_fully {
+            0
+        } else {
+            self.config.keep_entries
+        };
+        let compact_to = meta.index.saturating_sub(keep).max(1);
+        self.storage.snapshot_written(&meta, compact_to)?;
+        self.last_snapshot = meta.index;
+        self.config.snapshots.prune(meta.index);
+        tracing::info!(
+            index = meta.index,
+            bytes,
+            compacted_to = compact_to,
+            "snapshot taken; log compacted"
+        );
         Ok(())
     }
 }

@@ -1,13 +1,15 @@
 //! Raft log, hard state and conf state in RocksDB (column family `raft`).
 //!
 //! Layout: `hs` → HardState, `cs` → ConfState, `snap` → (index, term) of the last compaction
-//! point (0, 0 until snapshots exist), `e` + index (big endian) → Entry.
+//! point (0, 0 until the log is first compacted), `sm` → metadata of the newest local
+//! state-machine snapshot file, `a` + id → a member's address, `e` + index (big endian) →
+//! Entry.
 //! Every write is synced before `append`/`persist_*` return: Raft acknowledges nothing that
 //! could be lost by kill -9 or a power cut.
 
 use std::sync::{Arc, Mutex};
 
-use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use rocksdb::{WriteBatch, WriteOptions, DB};
 
@@ -18,6 +20,14 @@ pub const CF_RAFT: &str = "raft";
 const KEY_HARD_STATE: &[u8] = b"hs";
 const KEY_CONF_STATE: &[u8] = b"cs";
 const KEY_SNAPSHOT_POINT: &[u8] = b"snap";
+const KEY_SNAPSHOT_META: &[u8] = b"sm";
+
+fn addr_key(id: u64) -> [u8; 9] {
+    let mut k = [0u8; 9];
+    k[0] = b'a';
+    k[1..].copy_from_slice(&id.to_be_bytes());
+    k
+}
 
 fn entry_key(index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -40,6 +50,8 @@ struct Bounds {
 pub struct RocksLogStorage {
     db: Arc<DB>,
     bounds: Arc<Mutex<Bounds>>,
+    /// Set when raft-rs asked for a snapshot newer than the one on disk.
+    snapshot_wanted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn storage_err(e: impl std::fmt::Display) -> raft::Error {
@@ -53,6 +65,7 @@ impl RocksLogStorage {
         let s = Self {
             db,
             bounds: Arc::new(Mutex::new(Bounds::default())),
+            snapshot_wanted: Arc::default(),
         };
         let (snap_index, snap_term) = match s.get(KEY_SNAPSHOT_POINT)? {
             Some(v) if v.len() == 16 => (
@@ -74,6 +87,123 @@ impl RocksLogStorage {
             s.put_sync(KEY_CONF_STATE, &encode(&cs)?)?;
         }
         Ok(s)
+    }
+
+    pub fn db(&self) -> &Arc<DB> {
+        &self.db
+    }
+
+    /// Metadata of the newest local snapshot file, if any.
+    pub fn snapshot_meta(&self) -> Result<Option<SnapshotMetadata>, MasterError> {
+        self.get(KEY_SNAPSHOT_META)?.map(|v| decode(&v)).transpose()
+    }
+
+    /// Takes the "raft-rs wants a newer snapshot" flag.
+    pub fn take_snapshot_wanted(&self) -> bool {
+        self.snapshot_wanted
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records a freshly written local snapshot and compacts the log up to `compact_to`
+    /// (which must not pass the snapshot), in one synced write.
+    pub fn snapshot_written(
+        &self,
+        meta: &SnapshotMetadata,
+        compact_to: u64,
+    ) -> Result<(), MasterError> {
+        let cf = self.cf()?;
+        let mut batch = WriteBatch::default();
+        batch.put_cf(cf, KEY_SNAPSHOT_META, encode(meta)?);
+        let mut bounds = self.lock();
+        let compact_to = compact_to.min(meta.index).min(bounds.last_index);
+        if compact_to > bounds.snap_index {
+            let term = self
+                .read_entry(compact_to)
+                .map_err(|e| MasterError::Storage {
+                    message: format!("reading the term of index {compact_to}: {e}"),
+                })?
+                .term;
+            batch.delete_range_cf(cf, entry_key(bounds.snap_index), entry_key(compact_to + 1));
+            batch.put_cf(cf, KEY_SNAPSHOT_POINT, point(compact_to, term));
+            let mut wo = WriteOptions::default();
+            wo.set_sync(true);
+            self.db.write_opt(batch, &wo)?;
+            bounds.snap_index = compact_to;
+            bounds.snap_term = term;
+        } else {
+            let mut wo = WriteOptions::default();
+            wo.set_sync(true);
+            self.db.write_opt(batch, &wo)?;
+        }
+        Ok(())
+    }
+
+    /// Adds to `batch` the log side of installing a snapshot received from the leader: the
+    /// log is emptied, the compaction point and configuration come from the snapshot, and
+    /// the commit index moves up to it. Call `snapshot_installed` after the batch is written.
+    pub fn install_snapshot_into(
+        &self,
+        meta: &SnapshotMetadata,
+        batch: &mut WriteBatch,
+    ) -> Result<(), MasterError> {
+        let cf = self.cf()?;
+        let bounds = *self.lock();
+        batch.delete_range_cf(
+            cf,
+            entry_key(0),
+            entry_key(bounds.last_index.max(meta.index) + 1),
+        );
+        batch.put_cf(cf, KEY_SNAPSHOT_POINT, point(meta.index, meta.term));
+        batch.put_cf(cf, KEY_SNAPSHOT_META, encode(meta)?);
+        batch.put_cf(cf, KEY_CONF_STATE, encode(meta.get_conf_state())?);
+        let mut hs = self.hard_state()?;
+        hs.commit = hs.commit.max(meta.index);
+        hs.term = hs.term.max(meta.term);
+        batch.put_cf(cf, KEY_HARD_STATE, encode(&hs)?);
+        Ok(())
+    }
+
+    pub fn snapshot_installed(&self, meta: &SnapshotMetadata) {
+        *self.lock() = Bounds {
+            snap_index: meta.index,
+            snap_term: meta.term,
+            last_index: meta.index,
+        };
+    }
+
+    /// Adds to `batch` a new configuration (and a new member's address).
+    pub fn conf_state_into(
+        &self,
+        cs: &ConfState,
+        address: Option<(u64, &str)>,
+        batch: &mut WriteBatch,
+    ) -> Result<(), MasterError> {
+        let cf = self.cf()?;
+        batch.put_cf(cf, KEY_CONF_STATE, encode(cs)?);
+        if let Some((id, addr)) = address {
+            batch.put_cf(cf, addr_key(id), addr.as_bytes());
+        }
+        Ok(())
+    }
+
+    /// Member addresses learnt from configuration changes.
+    pub fn addresses(&self) -> Result<Vec<(u64, String)>, MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(addr_key(0));
+        let mut out = Vec::new();
+        while it.valid() {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if k.len() != 9 || k[0] != b'a' {
+                break;
+            }
+            let id = u64::from_be_bytes(k[1..].try_into().unwrap_or_default());
+            out.push((id, String::from_utf8_lossy(v).into_owned()));
+            it.next();
+        }
+        it.status()?;
+        Ok(out)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Bounds> {
@@ -126,6 +256,11 @@ impl RocksLogStorage {
             Some(v) => decode(&v),
             None => Ok(ConfState::default()),
         }
+    }
+
+    /// Term of the entry at `idx` (the compaction point's term for `idx == first - 1`).
+    pub fn term_of(&self, idx: u64) -> raft::Result<u64> {
+        Storage::term(self, idx)
     }
 
     pub fn last(&self) -> u64 {
@@ -209,6 +344,25 @@ impl RocksLogStorage {
                 b.snap_index
             )));
         }
+        if let Some(meta) = self.snapshot_meta()? {
+            if meta.index < b.snap_index {
+                return Err(MasterError::corrupt(format!(
+                    "the newest snapshot (index {}) is older than the log's compaction point {}",
+                    meta.index, b.snap_index
+                )));
+            }
+            if meta.index > applied {
+                return Err(MasterError::corrupt(format!(
+                    "the newest snapshot (index {}) is ahead of the applied index {applied}",
+                    meta.index
+                )));
+            }
+        } else if b.snap_index > 0 {
+            return Err(MasterError::corrupt(format!(
+                "the log is compacted up to {} but no snapshot is recorded",
+                b.snap_index
+            )));
+        }
         if hs.commit < applied {
             // Applied entries were committed; the commit index write just had not landed.
             hs.commit = applied;
@@ -252,12 +406,19 @@ impl RocksLogStorage {
     }
 }
 
-fn encode<M: protobuf::Message>(m: &M) -> Result<Vec<u8>, MasterError> {
+fn point(index: u64, term: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16);
+    v.extend_from_slice(&index.to_be_bytes());
+    v.extend_from_slice(&term.to_be_bytes());
+    v
+}
+
+pub(crate) fn encode<M: protobuf::Message>(m: &M) -> Result<Vec<u8>, MasterError> {
     m.write_to_bytes()
         .map_err(|e| MasterError::corrupt(format!("encoding raft message: {e}")))
 }
 
-fn decode<M: protobuf::Message>(bytes: &[u8]) -> Result<M, MasterError> {
+pub(crate) fn decode<M: protobuf::Message>(bytes: &[u8]) -> Result<M, MasterError> {
     M::parse_from_bytes(bytes)
         .map_err(|e| MasterError::corrupt(format!("decoding raft record: {e}")))
 }
@@ -314,12 +475,23 @@ impl Storage for RocksLogStorage {
         Ok(self.last())
     }
 
-    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // A single-voter group never sends snapshots; snapshot transfer arrives with
-        // multi-master Raft.
-        Err(raft::Error::Store(
-            StorageError::SnapshotTemporarilyUnavailable,
-        ))
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        // The snapshot's bytes live in a file the transport streams; the message carries
+        // only the metadata.
+        match self.snapshot_meta().map_err(storage_err)? {
+            Some(meta) if meta.index >= request_index && meta.index >= self.first() - 1 => {
+                let mut snap = Snapshot::default();
+                snap.set_metadata(meta);
+                Ok(snap)
+            }
+            _ => {
+                self.snapshot_wanted
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(raft::Error::Store(
+                    StorageError::SnapshotTemporarilyUnavailable,
+                ))
+            }
+        }
     }
 }
 

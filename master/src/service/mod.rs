@@ -47,7 +47,11 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let inode = self.target(req.into_inner().target).await?;
+        let r = req.into_inner();
+        if !r.allow_stale {
+            self.core.read_barrier().await?;
+        }
+        let inode = self.target(r.target).await?;
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_of(&self.core, &inode)?),
         }))
@@ -58,6 +62,7 @@ impl MasterService for MasterRpc {
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let r = req.into_inner();
+        self.core.read_barrier().await?;
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_of(&self.core, &inode)?),
@@ -69,6 +74,9 @@ impl MasterService for MasterRpc {
         req: Request<pb::ListStatusRequest>,
     ) -> Result<Response<pb::ListStatusResponse>, Status> {
         let r = req.into_inner();
+        if !r.allow_stale {
+            self.core.read_barrier().await?;
+        }
         let dir = self.target(r.target).await?;
         let limit = match r.page_size as usize {
             0 => DEFAULT_PAGE,
@@ -107,12 +115,15 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         let out = self
             .core
-            .propose(Command::Mkdir {
-                path: r.path,
-                recursive: r.recursive,
-                mode: r.mode,
-                now_ms: granary_common::now_ms(),
-            })
+            .propose_request(
+                Command::Mkdir {
+                    path: r.path,
+                    recursive: r.recursive,
+                    mode: r.mode,
+                    now_ms: granary_common::now_ms(),
+                },
+                r.request_id,
+            )
             .await?;
         one(&self.core, out)
     }
@@ -124,12 +135,15 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         let out = self
             .core
-            .propose(Command::CreateFile {
-                path: r.path,
-                mode: r.mode,
-                block_size: r.block_size,
-                now_ms: granary_common::now_ms(),
-            })
+            .propose_request(
+                Command::CreateFile {
+                    path: r.path,
+                    mode: r.mode,
+                    block_size: r.block_size,
+                    now_ms: granary_common::now_ms(),
+                },
+                r.request_id,
+            )
             .await?;
         one(&self.core, out)
     }
@@ -141,17 +155,20 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         let out = self
             .core
-            .propose(Command::CompleteFile {
-                inode: r.inode,
-                length: r.length,
-                fingerprint: r.fingerprint.map(|f| crate::state::Fingerprint {
-                    etag: f.etag,
-                    size: f.size,
-                    mtime_ms: f.mtime_ms,
-                    version_id: f.version_id,
-                }),
-                now_ms: granary_common::now_ms(),
-            })
+            .propose_request(
+                Command::CompleteFile {
+                    inode: r.inode,
+                    length: r.length,
+                    fingerprint: r.fingerprint.map(|f| crate::state::Fingerprint {
+                        etag: f.etag,
+                        size: f.size,
+                        mtime_ms: f.mtime_ms,
+                        version_id: f.version_id,
+                    }),
+                    now_ms: granary_common::now_ms(),
+                },
+                r.request_id,
+            )
             .await?;
         one(&self.core, out)
     }
@@ -162,10 +179,13 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::DeleteResponse>, Status> {
         let r = req.into_inner();
         self.core
-            .propose(Command::Delete {
-                path: r.path,
-                recursive: r.recursive,
-            })
+            .propose_request(
+                Command::Delete {
+                    path: r.path,
+                    recursive: r.recursive,
+                },
+                r.request_id,
+            )
             .await?;
         Ok(Response::new(pb::DeleteResponse {}))
     }
@@ -177,11 +197,14 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         let out = self
             .core
-            .propose(Command::Rename {
-                src: r.src,
-                dst: r.dst,
-                now_ms: granary_common::now_ms(),
-            })
+            .propose_request(
+                Command::Rename {
+                    src: r.src,
+                    dst: r.dst,
+                    now_ms: granary_common::now_ms(),
+                },
+                r.request_id,
+            )
             .await?;
         one(&self.core, out)
     }
@@ -191,7 +214,10 @@ impl MasterService for MasterRpc {
         req: Request<pb::AddMountRequest>,
     ) -> Result<Response<pb::AddMountResponse>, Status> {
         let r = req.into_inner();
-        let mount = self.core.add_mount(&r.path, &r.uri, &r.options).await?;
+        let mount = self
+            .core
+            .add_mount(&r.path, &r.uri, &r.options, r.request_id)
+            .await?;
         Ok(Response::new(pb::AddMountResponse {
             mount: Some(crate::mounts::mount_info(&mount)),
         }))
@@ -202,7 +228,7 @@ impl MasterService for MasterRpc {
         req: Request<pb::RemoveMountRequest>,
     ) -> Result<Response<pb::RemoveMountResponse>, Status> {
         let r = req.into_inner();
-        self.core.remove_mount(&r.path).await?;
+        self.core.remove_mount(&r.path, r.request_id).await?;
         Ok(Response::new(pb::RemoveMountResponse {}))
     }
 
@@ -210,6 +236,7 @@ impl MasterService for MasterRpc {
         &self,
         _req: Request<pb::ListMountsRequest>,
     ) -> Result<Response<pb::ListMountsResponse>, Status> {
+        self.core.read_barrier().await?;
         let mounts = self
             .core
             .ns
@@ -226,6 +253,7 @@ impl MasterService for MasterRpc {
         req: Request<pb::GetMountAccessRequest>,
     ) -> Result<Response<pb::GetMountAccessResponse>, Status> {
         let id = req.into_inner().mount_id;
+        self.core.read_barrier().await?;
         let m = crate::mounts::find_mount(&self.core.ns.sm, id)?;
         Ok(Response::new(pb::GetMountAccessResponse {
             mount_id: m.id,
@@ -247,6 +275,7 @@ impl MasterService for MasterRpc {
         req: Request<pb::GetBlockLocationsRequest>,
     ) -> Result<Response<pb::GetBlockLocationsResponse>, Status> {
         let r = req.into_inner();
+        self.core.ensure_leader()?;
         let locations = r
             .blocks
             .into_iter()
@@ -315,8 +344,33 @@ impl MasterService for MasterRpc {
 
     async fn get_cluster_info(
         &self,
-        _req: Request<pb::GetClusterInfoRequest>,
+        req: Request<pb::GetClusterInfoRequest>,
     ) -> Result<Response<pb::GetClusterInfoResponse>, Status> {
-        Ok(Response::new(self.core.cluster_info()?))
+        if !req.into_inner().allow_stale {
+            self.core.ensure_leader()?;
+        }
+        Ok(Response::new(self.core.cluster_info().await?))
+    }
+
+    async fn add_master(
+        &self,
+        req: Request<pb::AddMasterRequest>,
+    ) -> Result<Response<pb::ChangeMastersResponse>, Status> {
+        let r = req.into_inner();
+        self.core.add_master(r.id, &r.address).await?;
+        Ok(Response::new(pb::ChangeMastersResponse {
+            masters: crate::raft::service::group_status(&self.core.raft, &self.core.address).await,
+        }))
+    }
+
+    async fn remove_master(
+        &self,
+        req: Request<pb::RemoveMasterRequest>,
+    ) -> Result<Response<pb::ChangeMastersResponse>, Status> {
+        let r = req.into_inner();
+        self.core.remove_master(r.id).await?;
+        Ok(Response::new(pb::ChangeMastersResponse {
+            masters: crate::raft::service::group_status(&self.core.raft, &self.core.address).await,
+        }))
     }
 }

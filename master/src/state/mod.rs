@@ -23,6 +23,27 @@ const KEY_NEXT_INODE: &[u8] = b"Mnext_inode";
 const KEY_NEXT_MOUNT: &[u8] = b"Mnext_mount";
 const KEY_INODE_COUNT: &[u8] = b"Minodes";
 
+/// How long the outcome of a request id is remembered for retries.
+pub const REQUEST_RETENTION_MS: i64 = 15 * 60 * 1000;
+/// At most this many expired outcomes are dropped per applied request (keeps applies cheap).
+const REQUEST_PRUNE_BATCH: usize = 16;
+
+fn request_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'q');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
+/// Age index of remembered outcomes: `Q` + at_ms + id.
+fn request_age_key(at_ms: i64, id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(17);
+    k.push(b'Q');
+    k.extend_from_slice(&(at_ms.max(0) as u64).to_be_bytes());
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
 pub const DEFAULT_DIR_MODE: u32 = 0o755;
 pub const DEFAULT_FILE_MODE: u32 = 0o644;
 
@@ -239,11 +260,65 @@ impl StateMachine {
         result
     }
 
+    /// Applies a proposal: a request id seen before returns its first outcome and changes
+    /// nothing, so a client retrying after a leader change never applies twice.
+    pub fn apply_request(&self, index: u64, p: &Proposal) -> Result<ApplyOutput, MasterError> {
+        if p.request_id == 0 {
+            return self.apply(index, &p.cmd);
+        }
+        if let Some(v) = self.get(&request_key(p.request_id))? {
+            let outcome: RequestOutcome = from_json(&v)?;
+            self.mark_applied(index)?;
+            return outcome.result;
+        }
+        let mut txn = Txn::new(self);
+        let result = txn.apply(&p.cmd);
+        let mut txn = match result {
+            Ok(_) => txn,
+            Err(_) => Txn::new(self),
+        };
+        let outcome = RequestOutcome {
+            at_ms: p.at_ms,
+            result: result.clone(),
+        };
+        txn.put(request_key(p.request_id), to_json(&outcome)?);
+        txn.put(request_age_key(p.at_ms, p.request_id), Vec::new());
+        // Forget outcomes older than the retention (deterministic: uses the entry's clock).
+        let horizon = request_age_key(p.at_ms - REQUEST_RETENTION_MS, 0);
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(b"Q");
+        let mut pruned = 0;
+        while it.valid() && pruned < REQUEST_PRUNE_BATCH {
+            let Some(k) = it.key() else { break };
+            if k.first() != Some(&b'Q') || k >= horizon.as_slice() || k.len() != 17 {
+                break;
+            }
+            let id = u64::from_be_bytes(k[9..].try_into().unwrap_or_default());
+            txn.delete(k.to_vec());
+            txn.delete(request_key(id));
+            pruned += 1;
+            it.next();
+        }
+        it.status()?;
+        txn.put_u64(KEY_APPLIED, index);
+        txn.commit()?;
+        result
+    }
+
     /// Marks `index` applied without a command (empty entries, conf changes).
     pub fn mark_applied(&self, index: u64) -> Result<(), MasterError> {
         let mut txn = Txn::new(self);
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()
+    }
+
+    /// Marks `index` applied together with the writes already in `batch` (one atomic,
+    /// synced write), e.g. a configuration change of the Raft log.
+    pub fn mark_applied_with(&self, index: u64, mut batch: WriteBatch) -> Result<(), MasterError> {
+        batch.put_cf(self.cf()?, KEY_APPLIED, index.to_be_bytes());
+        let mut wo = rocksdb::WriteOptions::default();
+        wo.set_sync(true);
+        Ok(self.db.write_opt(batch, &wo)?)
     }
 }
 

@@ -166,9 +166,40 @@ pub enum Command {
 }
 
 /// What applying a command produced, handed back to the proposer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ApplyOutput {
     None,
     Inode(Inode),
     Mount(Mount),
+}
+
+/// What a Raft log entry carries: a command, the client's request id (0 = none) and the
+/// leader's clock when it was proposed (used to expire remembered request outcomes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Proposal {
+    #[serde(default)]
+    pub request_id: u64,
+    #[serde(default)]
+    pub at_ms: i64,
+    pub cmd: Command,
+}
+
+impl Proposal {
+    /// Decodes an entry; entries written before request ids existed hold a bare command.
+    pub fn decode(data: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice::<Self>(data).or_else(|_| {
+            serde_json::from_slice::<Command>(data).map(|cmd| Self {
+                request_id: 0,
+                at_ms: 0,
+                cmd,
+            })
+        })
+    }
+}
+
+/// The remembered outcome of a request id.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RequestOutcome {
+    pub at_ms: i64,
+    pub result: Result<ApplyOutput, crate::error::MasterError>,
 }

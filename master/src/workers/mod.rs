@@ -19,6 +19,8 @@ pub struct WorkerEntry {
 
 pub struct WorkerRegistry {
     workers: Mutex<HashMap<u64, WorkerEntry>>,
+    /// The leader term this registry was built in.
+    term: Mutex<u64>,
     /// A worker silent for this long is lost: not offered to clients, its blocks forgotten.
     pub timeout: Duration,
 }
@@ -27,6 +29,7 @@ impl WorkerRegistry {
     pub fn new(timeout: Duration) -> Self {
         Self {
             workers: Mutex::new(HashMap::new()),
+            term: Mutex::new(0),
             timeout,
         }
     }
@@ -36,6 +39,22 @@ impl WorkerRegistry {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    /// Starts over when this master leads a new term: what it knew from an earlier term
+    /// may be stale, so every worker must re-register with a full report. True when the
+    /// registry was cleared (the caller clears block locations too).
+    pub fn begin_term(&self, term: u64) -> bool {
+        let mut t = match self.term.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if *t == term {
+            return false;
+        }
+        *t = term;
+        self.lock().clear();
+        true
     }
 
     pub fn register(&self, id: u64, address: String, host: String, stats: pb::WorkerStats) {

@@ -1,0 +1,175 @@
+//! The receiving side of the master-to-master transport (`granary.v1.RaftService`).
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use granary_proto as pb;
+use granary_proto::raft_service_server::RaftService;
+use protobuf::Message as _;
+use raft::eraftpb::{Message, MessageType};
+use tokio::io::AsyncWriteExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::node::{RaftHandle, RaftStatus};
+use super::snapshot::{self, SnapshotDir};
+
+pub struct RaftRpc {
+    pub raft: RaftHandle,
+    pub snapshots: SnapshotDir,
+    pub address: String,
+}
+
+/// This member's own view, as `MasterInfo`.
+pub fn member_info(status: &RaftStatus, address: &str) -> pb::MasterInfo {
+    pb::MasterInfo {
+        id: status.id,
+        address: address.to_string(),
+        role: status.role_name().to_string(),
+        term: status.term.load(Relaxed),
+        commit_index: status.commit.load(Relaxed),
+        applied_index: status.applied.load(Relaxed),
+    }
+}
+
+fn decode(bytes: &[u8]) -> Result<Message, Status> {
+    Message::parse_from_bytes(bytes)
+        .map_err(|e| Status::invalid_argument(format!("undecodable raft message: {e}")))
+}
+
+#[tonic::async_trait]
+impl RaftService for RaftRpc {
+    async fn send(&self, req: Request<pb::RaftBatch>) -> Result<Response<pb::RaftAck>, Status> {
+        let batch = req.into_inner();
+        if batch.to != self.raft.status.id {
+            return Err(Status::failed_precondition(format!(
+                "this is master {}, not {}: check the --peers addresses",
+                self.raft.status.id, batch.to
+            )));
+        }
+        for m in &batch.messages {
+            let m = decode(m)?;
+            if m.get_msg_type() == MessageType::MsgSnapshot {
+                return Err(Status::invalid_argument(
+                    "snapshots travel through InstallSnapshot",
+                ));
+            }
+            self.raft.step(m).map_err(Status::from)?;
+        }
+        Ok(Response::new(pb::RaftAck {}))
+    }
+
+    async fn install_snapshot(
+        &self,
+        req: Request<Streaming<pb::SnapshotChunk>>,
+    ) -> Result<Response<pb::RaftAck>, Status> {
+        let mut stream = req.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
+        let m = decode(&first.message)?;
+        if m.get_msg_type() != MessageType::MsgSnapshot || m.to != self.raft.status.id {
+            return Err(Status::invalid_argument(
+                "the first chunk must carry a snapshot message for this master",
+            ));
+        }
+        let meta = m.get_snapshot().get_metadata().clone();
+        let tmp = self.snapshots.temp_path(meta.index, meta.term);
+        let fin = self.snapshots.path_for(meta.index, meta.term);
+        let io = |e: std::io::Error| Status::internal(format!("writing the snapshot: {e}"));
+        let mut file = tokio::fs::File::create(&tmp).await.map_err(io)?;
+        let mut crc = 0u32;
+        let mut total = 0u64;
+        let mut chunk = first;
+        let result: Result<(), Status> = async {
+            loop {
+                crc = crc32c::crc32c_append(crc, &chunk.data);
+                total += chunk.data.len() as u64;
+                file.write_all(&chunk.data).await.map_err(io)?;
+                if chunk.last {
+                    if chunk.crc32c != crc || chunk.total_bytes != total {
+                        return Err(Status::data_loss(format!(
+                            "snapshot transfer corrupted: {total} bytes, crc {crc:#x}, expected {} bytes, crc {:#x}",
+                            chunk.total_bytes, chunk.crc32c
+                        )));
+                    }
+                    break;
+                }
+                chunk = stream
+                    .message()
+                    .await?
+                    .ok_or_else(|| Status::aborted("snapshot stream ended early"))?;
+            }
+            file.sync_all().await.map_err(io)?;
+            Ok(())
+        }
+        .await;
+        drop(file);
+        if let Err(e) = result {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            return Err(e);
+        }
+        let checked = tmp.clone();
+        tokio::task::spawn_blocking(move || snapshot::verify(&checked))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                Status::data_loss(e.to_string())
+            })?;
+        tokio::fs::rename(&tmp, &fin).await.map_err(io)?;
+        snapshot::sync_dir(&fin);
+        tracing::info!(
+            index = meta.index,
+            term = meta.term,
+            bytes = total,
+            from = m.from,
+            "snapshot received"
+        );
+        self.raft.step(m).map_err(Status::from)?;
+        Ok(Response::new(pb::RaftAck {}))
+    }
+
+    async fn member_status(
+        &self,
+        _req: Request<pb::MemberStatusRequest>,
+    ) -> Result<Response<pb::MasterInfo>, Status> {
+        Ok(Response::new(member_info(&self.raft.status, &self.address)))
+    }
+}
+
+/// Asks every member for its own status (unreachable ones are reported as such).
+pub async fn group_status(raft: &RaftHandle, self_address: &str) -> Vec<pb::MasterInfo> {
+    let voters = raft.status.voters();
+    let mut out = Vec::with_capacity(voters.len());
+    let mut asks = Vec::new();
+    for id in voters {
+        if id == raft.status.id {
+            out.push(member_info(&raft.status, self_address));
+            continue;
+        }
+        let addr = super::transport::peer_address(&raft.peers, id).unwrap_or_default();
+        asks.push(async move {
+            let info = async {
+                let ch = granary_common::grpc::channel(&addr).ok()?;
+                let mut c = granary_proto::raft_service_client::RaftServiceClient::new(ch);
+                let mut req = Request::new(pb::MemberStatusRequest {});
+                req.set_timeout(std::time::Duration::from_millis(800));
+                tokio::time::timeout(std::time::Duration::from_secs(1), c.member_status(req))
+                    .await
+                    .ok()?
+                    .ok()
+                    .map(|r| r.into_inner())
+            }
+            .await;
+            info.unwrap_or(pb::MasterInfo {
+                id,
+                address: addr,
+                role: "unreachable".into(),
+                ..Default::default()
+            })
+        });
+    }
+    out.extend(futures::future::join_all(asks).await);
+    out.sort_by_key(|m| m.id);
+    out
+}

@@ -1,0 +1,280 @@
+//! Carrying Raft messages between masters over gRPC (`granary.v1.RaftService`).
+//!
+//! Each peer gets one sender task fed by a bounded queue: messages are batched, encoded as
+//! raft-rs protobuf bytes and sent in order. A failed send reports the peer unreachable to
+//! Raft (which then probes instead of streaming) and drops the batch — Raft retransmits.
+//! `MsgSnapshot` is special: the snapshot file it names is streamed in 1 MiB chunks by a
+//! separate task, and the outcome is reported back with `report_snapshot`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use granary_proto as pb;
+use granary_proto::raft_service_client::RaftServiceClient;
+use protobuf::Message as _;
+use raft::eraftpb::{Message, MessageType};
+use tonic::transport::Channel;
+
+use super::snapshot::SnapshotDir;
+
+/// Member id → address, shared by the transport, the node and the service (leader hints).
+pub type Peers = Arc<RwLock<BTreeMap<u64, String>>>;
+
+pub fn peer_address(peers: &Peers, id: u64) -> Option<String> {
+    match peers.read() {
+        Ok(g) => g.get(&id).cloned(),
+        Err(p) => p.into_inner().get(&id).cloned(),
+    }
+}
+
+/// What the transport tells the Raft node about deliveries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feedback {
+    Unreachable(u64),
+    Snapshot { to: u64, ok: bool },
+}
+
+pub type FeedbackFn = Arc<dyn Fn(Feedback) + Send + Sync>;
+
+/// How the Raft node sends messages. Implementations must not block.
+pub trait Transport: Send + 'static {
+    fn send(&mut self, msgs: Vec<Message>);
+    /// A member's address changed or became known.
+    fn set_address(&mut self, id: u64, addr: &str);
+}
+
+const QUEUE: usize = 4096;
+const BATCH: usize = 256;
+const SEND_TIMEOUT: Duration = Duration::from_secs(3);
+const SNAPSHOT_CHUNK: usize = 1 << 20;
+
+pub struct GrpcTransport {
+    self_id: u64,
+    rt: tokio::runtime::Handle,
+    peers: Peers,
+    queues: HashMap<u64, tokio::sync::mpsc::Sender<Message>>,
+    feedback: FeedbackFn,
+    snapshots: SnapshotDir,
+}
+
+impl GrpcTransport {
+    pub fn new(
+        self_id: u64,
+        rt: tokio::runtime::Handle,
+        peers: Peers,
+        feedback: FeedbackFn,
+        snapshots: SnapshotDir,
+    ) -> Self {
+        Self {
+            self_id,
+            rt,
+            peers,
+            queues: HashMap::new(),
+            feedback,
+            snapshots,
+        }
+    }
+
+    fn queue(&mut self, to: u64) -> Option<&tokio::sync::mpsc::Sender<Message>> {
+        if !self.queues.contains_key(&to) {
+            let addr = peer_address(&self.peers, to)?;
+            // Channels need the runtime's reactor; this runs on the Raft thread.
+            let _rt = self.rt.enter();
+            let client = match granary_common::grpc::channel(&addr) {
+                Ok(ch) => RaftServiceClient::new(ch)
+                    .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),
+                Err(e) => {
+                    tracing::error!(peer = to, %addr, error = %e, "invalid master address");
+                    return None;
+                }
+            };
+            let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
+            let sender = PeerSender {
+                from: self.self_id,
+                to,
+                client,
+                feedback: self.feedback.clone(),
+                snapshots: self.snapshots.clone(),
+                snapshot_busy: Arc::default(),
+            };
+            self.rt.spawn(sender.run(rx));
+            self.queues.insert(to, tx);
+        }
+        self.queues.get(&to)
+    }
+}
+
+impl Transport for GrpcTransport {
+    fn send(&mut self, msgs: Vec<Message>) {
+        for m in msgs {
+            let to = m.to;
+            let feedback = self.feedback.clone();
+            match self.queue(to) {
+                Some(q) => {
+                    if q.try_send(m).is_err() {
+                        feedback(Feedback::Unreachable(to));
+                    }
+                }
+                None => {
+                    tracing::debug!(peer = to, "no address for raft peer; message dropped");
+                    feedback(Feedback::Unreachable(to));
+                }
+            }
+        }
+    }
+
+    fn set_address(&mut self, id: u64, addr: &str) {
+        if let Ok(mut g) = self.peers.write() {
+            if g.get(&id).map(String::as_str) != Some(addr) {
+                g.insert(id, addr.to_string());
+                // Dropping the queue ends the old sender task; the next send starts a new one.
+                self.queues.remove(&id);
+            }
+        }
+    }
+}
+
+struct PeerSender {
+    from: u64,
+    to: u64,
+    client: RaftServiceClient<Channel>,
+    feedback: FeedbackFn,
+    snapshots: SnapshotDir,
+    snapshot_busy: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PeerSender {
+    async fn run(self, mut rx: tokio::sync::mpsc::Receiver<Message>) {
+        let mut reported = false;
+        while let Some(first) = rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < BATCH {
+                match rx.try_recv() {
+                    Ok(m) => batch.push(m),
+                    Err(_) => break,
+                }
+            }
+            let mut messages = Vec::with_capacity(batch.len());
+            for m in batch {
+                if m.get_msg_type() == MessageType::MsgSnapshot {
+                    self.spawn_snapshot(m);
+                    continue;
+                }
+                match m.write_to_bytes() {
+                    Ok(b) => messages.push(bytes::Bytes::from(b)),
+                    Err(e) => tracing::error!(error = %e, "encoding a raft message"),
+                }
+            }
+            if messages.is_empty() {
+                continue;
+            }
+            let mut req = tonic::Request::new(pb::RaftBatch {
+                from: self.from,
+                to: self.to,
+                messages,
+            });
+            req.set_timeout(SEND_TIMEOUT);
+            let mut client = self.client.clone();
+            match tokio::time::timeout(SEND_TIMEOUT, client.send(req)).await {
+                Ok(Ok(_)) => reported = false,
+                Ok(Err(e)) => {
+                    if !reported {
+                        tracing::debug!(peer = self.to, error = %e.message(), "raft send failed");
+                        reported = true;
+                    }
+                    (self.feedback)(Feedback::Unreachable(self.to));
+                }
+                Err(_) => (self.feedback)(Feedback::Unreachable(self.to)),
+            }
+        }
+    }
+
+    fn spawn_snapshot(&self, m: Message) {
+        use std::sync::atomic::Ordering;
+        if self.snapshot_busy.swap(true, Ordering::AcqRel) {
+            // One transfer at a time per peer; Raft asks again after the failure report.
+            (self.feedback)(Feedback::Snapshot {
+                to: self.to,
+                ok: false,
+            });
+            return;
+        }
+        let client = self.client.clone();
+        let feedback = self.feedback.clone();
+        let snapshots = self.snapshots.clone();
+        let busy = self.snapshot_busy.clone();
+        let to = self.to;
+        tokio::spawn(async move {
+            let meta = m.get_snapshot().get_metadata().clone();
+            let result = send_snapshot(client, &snapshots, m).await;
+            match &result {
+                Ok(bytes) => tracing::info!(peer = to, index = meta.index, bytes, "snapshot sent"),
+                Err(e) => {
+                    tracing::warn!(peer = to, index = meta.index, error = %e, "snapshot transfer failed")
+                }
+            }
+            busy.store(false, Ordering::Release);
+            feedback(Feedback::Snapshot {
+                to,
+                ok: result.is_ok(),
+            });
+        });
+    }
+}
+
+async fn send_snapshot(
+    mut client: RaftServiceClient<Channel>,
+    snapshots: &SnapshotDir,
+    m: Message,
+) -> Result<u64, String> {
+    let meta = m.get_snapshot().get_metadata();
+    let path = snapshots.path_for(meta.index, meta.term);
+    let message = m.write_to_bytes().map_err(|e| e.to_string())?;
+    let total = std::fs::metadata(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
+    let (tx, rx) = tokio::sync::mpsc::channel::<pb::SnapshotChunk>(4);
+    let reader = tokio::task::spawn_blocking(move || -> Result<(), String> {
+        use std::io::Read;
+        let mut f = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut crc = 0u32;
+        let mut first = Some(message);
+        let mut sent = 0u64;
+        loop {
+            let mut buf = vec![0u8; SNAPSHOT_CHUNK];
+            let mut n = 0;
+            while n < buf.len() {
+                match f.read(&mut buf[n..]) {
+                    Ok(0) => break,
+                    Ok(k) => n += k,
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            buf.truncate(n);
+            crc = crc32c::crc32c_append(crc, &buf);
+            sent += n as u64;
+            let last = n == 0 || sent >= total;
+            let chunk = pb::SnapshotChunk {
+                message: first.take().map(bytes::Bytes::from).unwrap_or_default(),
+                data: bytes::Bytes::from(buf),
+                last,
+                crc32c: if last { crc } else { 0 },
+                total_bytes: total,
+            };
+            if tx.blocking_send(chunk).is_err() {
+                return Err("the transfer was aborted".into());
+            }
+            if last {
+                return Ok(());
+            }
+        }
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let res = client.install_snapshot(stream).await;
+    let read = reader.await.map_err(|e| e.to_string())?;
+    res.map_err(|e| e.message().to_string())?;
+    read?;
+    Ok(total)
+}

@@ -1,0 +1,484 @@
+//! Acceptance tests of multi-master (Raft) high availability: real `granary master` groups on
+//! loopback, killed with SIGKILL, paused with SIGSTOP, wiped, grown and shrunk, while a
+//! `granary bench metadata` process writes and logs every acknowledged create. No
+//! acknowledged write may be lost, every member must converge on the same namespace, and no
+//! term may ever have two leaders.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use granary_tests::*;
+use rand::{Rng, SeedableRng};
+
+const MIB: u64 = 1024 * 1024;
+
+/// A fresh directory for one test (under /tmp: mount points must be real paths, and the
+/// target dir may sit behind a symlink).
+fn workdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("granary-ha-")
+        .tempdir()
+        .unwrap()
+}
+
+/// A few files of 1-3 MiB and some small ones.
+fn dataset(root: &Path) -> PathBuf {
+    let dir = root.join("ufs");
+    for (name, len) in [
+        ("a/x.bin", 3 * MIB + 5),
+        ("a/y.bin", 12345),
+        ("b.bin", MIB),
+        ("c/big.bin", 2 * MIB + 7),
+        ("c/d/one.bin", 1),
+        ("empty", 0),
+    ] {
+        random_file(&dir.join(name), len).unwrap();
+    }
+    for i in 0..10 {
+        random_file(&dir.join(format!("small/s{i}.bin")), 100 + i * 37).unwrap();
+    }
+    dir
+}
+
+fn mkdir_p(addrs: &str, path: &str) {
+    granary_ok(&["fs", "mkdir", path, "-p", "--master", addrs]).unwrap();
+}
+
+/// Asserts that every running member of `g` lists every name of `want` under `dir` and that
+/// all of them list exactly the same names; returns those names.
+fn assert_members_hold(g: &MasterGroup, dir: &str, want: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut listings: Vec<(u64, BTreeSet<String>)> = Vec::new();
+    for id in g.running_ids() {
+        let names = g
+            .stale_ls(id, dir)
+            .unwrap_or_else(|e| panic!("stale ls {dir} on master {id}: {e:#}\n{}", g.logs()));
+        let missing: Vec<&String> = want.difference(&names).take(10).collect();
+        assert!(
+            missing.is_empty(),
+            "master {id} lost {} acknowledged creates under {dir} (of {}), e.g. {missing:?}\n{}",
+            want.difference(&names).count(),
+            want.len(),
+            g.logs()
+        );
+        listings.push((id, names));
+    }
+    let (fid, fnames) = listings.first().expect("no running master").clone();
+    for (id, names) in &listings[1..] {
+        let only_first: Vec<&String> = fnames.difference(names).take(10).collect();
+        let only_this: Vec<&String> = names.difference(&fnames).take(10).collect();
+        assert!(
+            fnames == *names,
+            "masters {fid} and {id} differ under {dir}: only on {fid}: {only_first:?}, \
+             only on {id}: {only_this:?}\n{}",
+            g.logs()
+        );
+    }
+    fnames
+}
+
+fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("bench output has no integer {key:?}: {v}"))
+}
+
+#[test]
+fn leader_kill9_during_a_create_loop_loses_no_acknowledged_write() {
+    let root = workdir();
+    let root = root.path();
+    let src = dataset(root);
+    let mut g = MasterGroup::start(root, 3, 1000).unwrap();
+    let addrs = g.addrs();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    let _w1 = Worker::start(root, "w1", &addrs, "1GiB").unwrap();
+    let _w2 = Worker::start(root, "w2", &addrs, "1GiB").unwrap();
+    wait_live_workers(&addrs, 2).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--master",
+        &addrs,
+    ])
+    .unwrap();
+    let fuse = Fuse::start(root, &addrs).unwrap();
+    let mnt = fuse.mountpoint.join("data");
+    let expected = tree_sums(&src).unwrap();
+    assert_eq!(expected.len(), 16);
+    assert_eq!(tree_sums(&mnt).unwrap(), expected, "first read differs");
+
+    mkdir_p(&addrs, "/loop");
+    let mut bench = Bench::spawn(root, "bench", &addrs, "/loop", &["--duration", "20s"]).unwrap();
+    bench.wait_acks(50, Duration::from_secs(30)).unwrap();
+
+    let leader = g.wait_leader(Duration::from_secs(10)).unwrap();
+    let killed_at = Instant::now();
+    g.kill9(leader).unwrap();
+    let at_kill = bench.ack_count();
+
+    // Watch the ack log closely for the first acknowledgement after the kill.
+    let watcher = {
+        let acks = bench.acks.clone();
+        std::thread::spawn(move || -> Option<Duration> {
+            let deadline = killed_at + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if read_acks(&acks).len() > at_kill {
+                    return Some(killed_at.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            None
+        })
+    };
+    // Reads through the mount keep working while the group fails over.
+    let mut reads = 0;
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let got = tree_sums(&mnt)
+            .unwrap_or_else(|e| panic!("reading the mount during failover: {e:#}\n{}", g.logs()));
+        assert_eq!(got, expected, "read {reads} during failover differs");
+        reads += 1;
+        let n = bench.ack_count();
+        if n >= at_kill + 50 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} creates acknowledged in 40 s after killing leader {leader}\nbench log:\n{}\n{}",
+            n.saturating_sub(at_kill),
+            log_tail(&bench.proc.log, 100),
+            g.logs()
+        );
+        assert!(
+            bench.is_running(),
+            "the bench exited {} creates after the kill\nbench log:\n{}\n{}",
+            n.saturating_sub(at_kill),
+            log_tail(&bench.proc.log, 100),
+            g.logs()
+        );
+    }
+    // Some other member became leader after the kill (read before the killed one returns).
+    let terms = g.leader_terms().unwrap();
+    let killed_term = terms
+        .iter()
+        .filter(|(_, ids)| ids.contains(&leader))
+        .map(|(t, _)| *t)
+        .max()
+        .unwrap_or_else(|| panic!("master {leader} never logged becoming leader: {terms:?}"));
+    assert!(
+        terms
+            .range(killed_term + 1..)
+            .any(|(_, ids)| !ids.contains(&leader)),
+        "no other member logged becoming leader after {leader} was killed: {terms:?}\n{}",
+        g.logs()
+    );
+    let failover = watcher
+        .join()
+        .unwrap()
+        .expect("no create acknowledged after the kill (watcher)");
+    eprintln!(
+        "failover: first acknowledged write {} ms after kill ({reads} tree reads meanwhile)",
+        failover.as_millis()
+    );
+    assert!(
+        failover < Duration::from_secs(15),
+        "failover took {failover:?}\n{}",
+        g.logs()
+    );
+
+    let out = bench.wait(Duration::from_secs(60)).unwrap();
+    eprintln!("bench: {out}");
+    let acked = bench.acked();
+    assert_eq!(
+        json_u64(&out, "creates") as usize,
+        acked.len(),
+        "the bench's count of creates differs from its ack log"
+    );
+    assert!(
+        json_u64(&out, "max_create_gap_ms") < 15_000,
+        "longest pause between acknowledgements: {out}"
+    );
+    let names = ack_names(&acked, "/loop");
+
+    g.restart(leader).unwrap();
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert_eq!(g.running_ids().len(), 3);
+    let held = assert_members_hold(&g, "/loop", &names);
+    assert!(held.len() >= names.len());
+
+    // The workers re-registered with the new leader; the mount still reads right.
+    wait_live_workers(&addrs, 2).unwrap();
+    assert_eq!(
+        tree_sums(&mnt).unwrap(),
+        expected,
+        "read after restart differs"
+    );
+
+    g.assert_one_leader_per_term();
+}
+
+#[test]
+fn a_wiped_follower_catches_up_through_a_snapshot() {
+    let root = workdir();
+    let root = root.path();
+    let mut g = MasterGroup::start(root, 3, 100).unwrap();
+    let addrs = g.addrs();
+    let leader = g.wait_leader(Duration::from_secs(30)).unwrap();
+    mkdir_p(&addrs, "/s");
+    let mut bench = Bench::spawn(
+        root,
+        "bench",
+        &addrs,
+        "/s",
+        &["--ops", "600", "--duration", "120s"],
+    )
+    .unwrap();
+    let out = bench.wait(Duration::from_secs(120)).unwrap();
+    assert_eq!(json_u64(&out, "creates"), 600, "{out}");
+    assert_eq!(json_u64(&out, "create_errors"), 0, "{out}");
+    let names = ack_names(&bench.acked(), "/s");
+    assert_eq!(names.len(), 600);
+
+    let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|&i| i != leader).collect();
+    let (f, other) = (followers[0], followers[1]);
+    let marker = format!("raft: node {f} installed snapshot at index");
+    let snapshots_before = count_in_log(&g.member(f).log, &marker);
+    g.kill9(f).unwrap();
+    g.wipe(f).unwrap();
+    assert!(!g.member(f).data_dir.exists());
+    g.restart(f).unwrap();
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert!(
+        count_in_log(&g.member(f).log, &marker) > snapshots_before,
+        "wiped master {f} caught up without installing a snapshot\n{}",
+        g.logs()
+    );
+    let leader = g.wait_leader(Duration::from_secs(10)).unwrap();
+    let on_leader = g.stale_ls(leader, "/s").unwrap();
+    assert_eq!(
+        on_leader, names,
+        "the leader's /s differs from the acknowledged creates"
+    );
+    assert_eq!(
+        g.stale_ls(f, "/s").unwrap(),
+        on_leader,
+        "wiped master {f} differs from leader {leader}\n{}",
+        g.logs()
+    );
+
+    // A plain kill -9 and restart of the other follower, with writes while it is down.
+    g.kill9(other).unwrap();
+    mkdir_p(&addrs, "/s2");
+    let mut bench2 = Bench::spawn(
+        root,
+        "bench2",
+        &addrs,
+        "/s2",
+        &["--ops", "150", "--duration", "120s"],
+    )
+    .unwrap();
+    let out2 = bench2.wait(Duration::from_secs(120)).unwrap();
+    assert_eq!(json_u64(&out2, "creates"), 150, "{out2}");
+    let names2 = ack_names(&bench2.acked(), "/s2");
+    assert_eq!(names2.len(), 150);
+    g.restart(other).unwrap();
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert_eq!(assert_members_hold(&g, "/s", &names), names);
+    assert_eq!(assert_members_hold(&g, "/s2", &names2), names2);
+}
+
+#[test]
+fn a_paused_follower_catches_up_after_many_snapshots() {
+    let root = workdir();
+    let root = root.path();
+    let mut g = MasterGroup::start(root, 3, 100).unwrap();
+    let addrs = g.addrs();
+    let leader = g.wait_leader(Duration::from_secs(30)).unwrap();
+    mkdir_p(&addrs, "/p");
+    g.wait_caught_up(Duration::from_secs(30)).unwrap();
+    let f = [1, 2, 3].into_iter().find(|&i| i != leader).unwrap();
+
+    g.signal(f, "STOP").unwrap();
+    let mut bench = Bench::spawn(
+        root,
+        "bench",
+        &addrs,
+        "/p",
+        &["--ops", "800", "--duration", "120s"],
+    )
+    .unwrap();
+    let out = bench.wait(Duration::from_secs(120));
+    // Resume it before any assertion can fail, so it is never left stopped.
+    g.signal(f, "CONT").unwrap();
+    let out = out.unwrap();
+    assert_eq!(json_u64(&out, "creates"), 800, "{out}");
+    assert_eq!(json_u64(&out, "create_errors"), 0, "{out}");
+    let names = ack_names(&bench.acked(), "/p");
+    assert_eq!(names.len(), 800);
+
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert_eq!(assert_members_hold(&g, "/p", &names), names);
+    assert!(
+        g.is_running(f),
+        "resumed master {f} exited\n{}",
+        log_tail(&g.member(f).log, 200)
+    );
+}
+
+#[test]
+fn random_crash_restart_rounds_lose_no_acknowledged_write() {
+    let seed: u64 = match std::env::var("GRANARY_CHAOS_SEED") {
+        Ok(s) => s.trim().parse().expect("GRANARY_CHAOS_SEED is not a u64"),
+        Err(_) => rand::random(),
+    };
+    eprintln!("chaos seed: {seed} (rerun with GRANARY_CHAOS_SEED={seed})");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+
+    let root = workdir();
+    let root = root.path();
+    let mut g = MasterGroup::start(root, 3, 150).unwrap();
+    let addrs = g.addrs();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    mkdir_p(&addrs, "/r");
+    // Longer than the rounds need; it is killed after them.
+    let mut bench = Bench::spawn(root, "bench", &addrs, "/r", &["--duration", "120s"]).unwrap();
+    bench.wait_acks(20, Duration::from_secs(30)).unwrap();
+
+    for round in 1..=6 {
+        let victim: u64 = rng.gen_range(1..=3);
+        let before = bench.ack_count();
+        eprintln!("round {round}: kill -9 master {victim} ({before} creates acknowledged)");
+        g.kill9(victim).unwrap();
+        // Two of three keep making progress.
+        bench
+            .wait_acks(before + 20, Duration::from_secs(30))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "round {round} (seed {seed}), master {victim} down: {e:#}\n{}",
+                    g.logs()
+                )
+            });
+        g.restart(victim).unwrap();
+        g.wait_member_caught_up(victim, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("round {round} (seed {seed}): {e:#}"));
+    }
+    assert!(
+        bench.is_running(),
+        "the bench ended before the rounds did\nbench log:\n{}",
+        log_tail(&bench.proc.log, 100)
+    );
+    bench.kill9().unwrap();
+    let names = ack_names(&bench.acked(), "/r");
+    assert!(
+        names.len() >= 140,
+        "only {} creates acknowledged",
+        names.len()
+    );
+
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert_eq!(g.running_ids().len(), 3);
+    assert_members_hold(&g, "/r", &names);
+    g.assert_one_leader_per_term();
+}
+
+#[test]
+fn membership_grows_to_four_and_back_to_three_under_writes() {
+    let root = workdir();
+    let root = root.path();
+    let mut g = MasterGroup::start(root, 3, 1000).unwrap();
+    let addrs3 = g.addrs();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    mkdir_p(&addrs3, "/m");
+    let mut bench = Bench::spawn(root, "bench", &addrs3, "/m", &["--duration", "60s"]).unwrap();
+    bench.wait_acks(20, Duration::from_secs(30)).unwrap();
+
+    g.start_joining(4).unwrap();
+    let addr4 = g.addr(4);
+    let addrs = g.addrs();
+    granary_ok(&["master", "add", "4", &addr4, "--master", &addrs3])
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));
+    let ids_of = |v: &[serde_json::Value]| -> BTreeSet<u64> {
+        v.iter().filter_map(|e| e["id"].as_u64()).collect()
+    };
+    let mut last = String::new();
+    poll(
+        "master 4 to be listed as a follower",
+        Duration::from_secs(60),
+        || {
+            let v = g.list(&addrs).ok()?;
+            last = serde_json::to_string(&v).ok()?;
+            let four = v.iter().find(|e| e["id"].as_u64() == Some(4))?;
+            (ids_of(&v) == BTreeSet::from([1, 2, 3, 4])
+                && four["address"] == addr4.as_str()
+                && four["role"] == "follower")
+                .then_some(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nlast list: {last}\n{}", g.logs()));
+    g.wait_member_caught_up(4, Duration::from_secs(60)).unwrap();
+    assert!(
+        bench.is_running(),
+        "the bench ended before master 4 caught up"
+    );
+
+    // Adding an id that is already a member fails cleanly and changes nothing.
+    let members = |v: &[serde_json::Value]| -> BTreeSet<(u64, String)> {
+        v.iter()
+            .map(|e| {
+                (
+                    e["id"].as_u64().unwrap(),
+                    e["address"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let before = members(&g.list(&addrs).unwrap());
+    let dup_addr = format!("127.0.0.1:{}", free_port());
+    let out = granary(&["master", "add", "2", &dup_addr, "--master", &addrs]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "duplicate add: {:?}, stderr {err}",
+        out.status
+    );
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "stderr is not one line: {err}"
+    );
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(
+        members(&g.list(&addrs).unwrap()),
+        before,
+        "a refused add changed the group"
+    );
+
+    granary_ok(&["master", "remove", "4", "--master", &addrs])
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));
+    poll(
+        "master 4 to leave the group",
+        Duration::from_secs(60),
+        || {
+            let v = g.list(&addrs3).ok()?;
+            last = serde_json::to_string(&v).ok()?;
+            (v.len() == 3 && ids_of(&v) == BTreeSet::from([1, 2, 3])).then_some(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nlast list: {last}\n{}", g.logs()));
+    g.stop(4).unwrap();
+    // Writes go on with the three.
+    let n = bench.ack_count();
+    bench
+        .wait_acks(n + 20, Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));
+    bench.kill9().unwrap();
+    let names = ack_names(&bench.acked(), "/m");
+
+    g.wait_caught_up(Duration::from_secs(60)).unwrap();
+    assert_eq!(g.running_ids(), vec![1, 2, 3]);
+    assert_members_hold(&g, "/m", &names);
+    g.assert_one_leader_per_term();
+}
