@@ -29,6 +29,10 @@ Examples:
   granary fs ls /datasets
   granary report")]
 pub struct Cli {
+    /// TOML file with defaults for the flags ([master], [worker], [fuse], [local] tables;
+    /// top-level keys apply to every command). Command line and GRANARY_* variables win.
+    #[arg(long, global = true, env = "GRANARY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -76,6 +80,7 @@ pub struct MasterAddr {
     /// Master address (host:port), or all masters of the group separated by commas.
     #[arg(
         long = "master",
+        visible_alias = "masters",
         env = "GRANARY_MASTER",
         default_value = "127.0.0.1:19998"
     )]

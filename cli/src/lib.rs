@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod args;
+pub mod config;
 pub mod servers;
 
 use std::process::ExitCode;

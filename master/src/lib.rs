@@ -87,7 +87,7 @@ pub struct RunningMaster {
     pub done: tokio::task::JoinHandle<Result<(), MasterError>>,
 }
 
-fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError> {
+pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError> {
     std::fs::create_dir_all(dir).map_err(|e| MasterError::Storage {
         message: format!("cannot create data directory {}: {e}", dir.display()),
     })?;

@@ -776,8 +776,15 @@ impl MasterGroup {
     /// index as measured at the start of the call, all are in the same term, and all that
     /// name a leader name the same one.
     pub fn wait_caught_up(&self, timeout: Duration) -> Result<()> {
-        let target = self.leader_commit(timeout)?;
+        // A new leader's commit index can lag what the old one applied and acknowledged;
+        // the highest applied index of any member bounds every acknowledged write.
         let ids = self.running_ids();
+        let mut target = self.leader_commit(timeout)?;
+        for &id in &ids {
+            if let Ok(e) = self.self_entry(id) {
+                target = target.max(e["applied_index"].as_u64().unwrap_or(0));
+            }
+        }
         let mut last = String::new();
         poll(
             &format!("masters {ids:?} to apply index {target} and agree"),

@@ -679,3 +679,45 @@ fn writes_through_the_mount_get_erofs() {
         "a\nb.bin\n"
     );
 }
+
+#[test]
+fn a_config_file_sets_flags_and_the_command_line_wins() {
+    let root = workdir();
+    let port = free_port();
+    let data = root.path().join("cfg-master");
+    let cfg = root.path().join("granary.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "masters = \"127.0.0.1:{port}\"\n[master]\ndata-dir = \"{}\"\nlisten = \"127.0.0.1:1\"\nworker_timeout = \"3s\"\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let c = cfg.to_string_lossy().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    // --listen on the command line overrides the file's.
+    let mut m = Proc::spawn(
+        "cfg-master",
+        root.path(),
+        &["--config", &c, "master", "--listen", &listen],
+    )
+    .unwrap();
+    let addr = m
+        .wait_for_line("granary master listening on", Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(addr, listen);
+    assert!(data.join("meta").is_dir(), "data-dir from the file unused");
+    // Client commands take the master list from the top-level key.
+    let out = granary(&["fs", "mkdir", "/from-config", "--config", &c]);
+    assert!(out.status.success(), "{out:?}");
+    let ls = granary_ok(&["fs", "ls", "/", "--master", &addr]).unwrap();
+    assert_eq!(ls, "from-config\n");
+    // An unknown setting is a usage error naming it; nothing starts.
+    std::fs::write(&cfg, "[master]\ndata-dirr = \"/x\"\n").unwrap();
+    let out = granary(&["master", "--config", &c]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown setting \"data-dirr\""), "{err}");
+    m.stop("TERM", Duration::from_secs(10)).unwrap();
+}

@@ -7,3 +7,6 @@ pub mod service;
 pub mod snapshot;
 pub mod storage;
 pub mod transport;
+
+#[cfg(test)]
+mod tests;

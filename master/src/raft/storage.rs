@@ -555,6 +555,80 @@ mod tests {
     }
 
     #[test]
+    fn compaction_behind_a_snapshot_survives_reopen_and_is_validated() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = |index, term| SnapshotMetadata {
+            index,
+            term,
+            ..Default::default()
+        };
+        {
+            let s = RocksLogStorage::open(open_db(dir.path()), &[1, 2, 3]).unwrap();
+            let entries: Vec<Entry> = (1..=10)
+                .map(|i| entry(i, if i < 6 { 1 } else { 2 }))
+                .collect();
+            s.persist(&entries, None).unwrap();
+            s.snapshot_written(&meta(8, 2), 6).unwrap();
+            assert_eq!(s.first(), 7);
+            assert_eq!(s.term(6).unwrap(), 2);
+            assert!(matches!(
+                s.entries(5, 8, None, GetEntriesContext::empty(false)),
+                Err(raft::Error::Store(StorageError::Compacted))
+            ));
+            // raft-rs gets the snapshot's metadata to send.
+            assert_eq!(s.snapshot(0, 2).unwrap().get_metadata().index, 8);
+            // A request for a newer one is refused and remembered.
+            assert!(s.snapshot(9, 2).is_err());
+            assert!(s.take_snapshot_wanted());
+        }
+        let s = RocksLogStorage::open(open_db(dir.path()), &[1, 2, 3]).unwrap();
+        assert_eq!((s.first(), s.last()), (7, 10));
+        s.validate(9).unwrap();
+        let e = s.validate(7).unwrap_err().to_string();
+        assert!(e.contains("ahead of the applied index 7"), "{e}");
+        let e = s.validate(5).unwrap_err().to_string();
+        assert!(e.contains("before the log's compaction point 6"), "{e}");
+    }
+
+    #[test]
+    fn an_installed_snapshot_replaces_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open_db(dir.path());
+        let s = RocksLogStorage::open(db.clone(), &[1, 2, 3]).unwrap();
+        s.persist(&[entry(1, 1), entry(2, 1)], None).unwrap();
+        let mut meta = SnapshotMetadata {
+            index: 50,
+            term: 3,
+            ..Default::default()
+        };
+        meta.mut_conf_state().set_voters(vec![1, 2, 3, 4]);
+        let mut batch = WriteBatch::default();
+        s.install_snapshot_into(&meta, &mut batch).unwrap();
+        db.write(batch).unwrap();
+        s.snapshot_installed(&meta);
+        assert_eq!((s.first(), s.last()), (51, 50));
+        assert_eq!(s.term(50).unwrap(), 3);
+        assert_eq!(s.hard_state().unwrap().commit, 50);
+        assert_eq!(s.conf_state().unwrap().voters, vec![1, 2, 3, 4]);
+        s.validate(50).unwrap();
+        let again = RocksLogStorage::open(db, &[1]).unwrap();
+        assert_eq!((again.first(), again.last()), (51, 50));
+    }
+
+    #[test]
+    fn a_compacted_log_without_a_snapshot_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open_db(dir.path());
+        let s = RocksLogStorage::open(db.clone(), &[1]).unwrap();
+        s.persist(&[entry(1, 1), entry(2, 1), entry(3, 1)], None)
+            .unwrap();
+        s.put_sync(KEY_SNAPSHOT_POINT, &point(2, 1)).unwrap();
+        let s = RocksLogStorage::open(db, &[1]).unwrap();
+        let e = s.validate(3).unwrap_err().to_string();
+        assert!(e.contains("no snapshot is recorded"), "{e}");
+    }
+
+    #[test]
     fn gap_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let s = RocksLogStorage::open(open_db(dir.path()), &[1]).unwrap();

@@ -270,3 +270,68 @@ fn writes_inside_mounts_are_refused() {
         .unwrap_err();
     assert!(matches!(err, MasterError::FailedPrecondition { .. }));
 }
+
+fn mkdir_cmd(path: &str) -> Command {
+    Command::Mkdir {
+        path: path.into(),
+        recursive: false,
+        mode: 0o755,
+        now_ms: 5,
+    }
+}
+
+#[test]
+fn a_retried_request_returns_its_first_outcome_and_applies_once() {
+    let (_d, sm) = open();
+    let p = |rid, path: &str| Proposal {
+        request_id: rid,
+        at_ms: 1_000_000,
+        cmd: mkdir_cmd(path),
+    };
+    let first = sm.apply_request(1, &p(42, "/a")).unwrap();
+    let count = sm.inode_count().unwrap();
+    // The retry (e.g. after a leader change) succeeds with the same inode, changing nothing.
+    assert_eq!(sm.apply_request(2, &p(42, "/a")).unwrap(), first);
+    assert_eq!(sm.inode_count().unwrap(), count);
+    assert_eq!(sm.applied_index().unwrap(), 2);
+    // Without the id, the same command is a second, failing mkdir.
+    assert!(matches!(
+        sm.apply_request(3, &p(0, "/a")),
+        Err(MasterError::AlreadyExists { .. })
+    ));
+    // A remembered failure stays the answer even once the command could succeed.
+    let err = sm.apply_request(4, &p(7, "/x/y")).unwrap_err();
+    assert!(matches!(err, MasterError::NotFound { .. }));
+    sm.apply_request(5, &p(8, "/x")).unwrap();
+    assert_eq!(sm.apply_request(6, &p(7, "/x/y")).unwrap_err(), err);
+    assert!(sm.resolve_loaded("/x/y").unwrap().is_none());
+}
+
+#[test]
+fn remembered_outcomes_expire_after_the_retention() {
+    let (_d, sm) = open();
+    let at = |ms| Proposal {
+        request_id: 0,
+        at_ms: ms,
+        cmd: mkdir_cmd("/unused"),
+    };
+    let mut old = at(1_000);
+    old.request_id = 11;
+    old.cmd = mkdir_cmd("/old");
+    sm.apply_request(1, &old).unwrap();
+    assert!(sm.get(&request_key(11)).unwrap().is_some());
+    let mut later = at(1_000 + REQUEST_RETENTION_MS + 1);
+    later.request_id = 12;
+    later.cmd = mkdir_cmd("/new");
+    sm.apply_request(2, &later).unwrap();
+    assert!(sm.get(&request_key(11)).unwrap().is_none(), "not pruned");
+    assert!(sm.get(&request_key(12)).unwrap().is_some());
+}
+
+#[test]
+fn entries_from_before_request_ids_still_decode() {
+    let bare = serde_json::to_vec(&mkdir_cmd("/a")).unwrap();
+    let p = Proposal::decode(&bare).unwrap();
+    assert_eq!(p.request_id, 0);
+    assert_eq!(p.cmd, mkdir_cmd("/a"));
+}

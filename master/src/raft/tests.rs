@@ -1,0 +1,481 @@
+//! The Raft driver against an in-memory network that drops, delays and partitions messages.
+//! Real RocksDB stores in temp dirs, real snapshot files; only the wire is simulated.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use raft::eraftpb::{Message, MessageType};
+use rand::{Rng, SeedableRng};
+
+use super::node::{self, Msg, NodeConfig, RaftHandle};
+use super::snapshot::SnapshotDir;
+use super::storage::RocksLogStorage;
+use super::transport::{Feedback, Transport};
+use crate::error::MasterError;
+use crate::state::{Command, StateMachine};
+
+#[derive(Default)]
+struct Rules {
+    drop_rate: f64,
+    max_delay_ms: u64,
+    /// Nodes cut off from everyone.
+    isolated: HashSet<u64>,
+}
+
+type Due = Reverse<(Instant, u64, u64, Vec<u8>)>;
+
+/// The simulated wire: per-node inboxes, loss/delay/partition rules and a delivery thread.
+struct Net {
+    inboxes: Mutex<HashMap<u64, mpsc::Sender<Msg>>>,
+    snapshots: Mutex<HashMap<u64, SnapshotDir>>,
+    rules: Mutex<Rules>,
+    queue: Mutex<BinaryHeap<Due>>,
+    seq: std::sync::atomic::AtomicU64,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Net {
+    fn new() -> Arc<Self> {
+        let net = Arc::new(Self {
+            inboxes: Mutex::default(),
+            snapshots: Mutex::default(),
+            rules: Mutex::default(),
+            queue: Mutex::default(),
+            seq: Default::default(),
+            stop: Default::default(),
+        });
+        let pump = net.clone();
+        std::thread::spawn(move || {
+            use protobuf::Message as _;
+            while !pump.stop.load(Relaxed) {
+                let now = Instant::now();
+                let mut due = Vec::new();
+                {
+                    let mut q = pump.queue.lock().unwrap();
+                    while q.peek().is_some_and(|Reverse((t, ..))| *t <= now) {
+                        due.push(q.pop().unwrap().0);
+                    }
+                }
+                for (_, _, to, bytes) in due {
+                    let m = Message::parse_from_bytes(&bytes).unwrap();
+                    pump.deliver(to, m);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        net
+    }
+
+    fn blocked(&self, from: u64, to: u64) -> bool {
+        let r = self.rules.lock().unwrap();
+        r.isolated.contains(&from) || r.isolated.contains(&to)
+    }
+
+    fn deliver(&self, to: u64, m: Message) {
+        if self.blocked(m.from, to) {
+            return;
+        }
+        if let Some(tx) = self.inboxes.lock().unwrap().get(&to) {
+            let _ = tx.send(Msg::Raft(Box::new(m)));
+        }
+    }
+
+    fn feedback(&self, to_node: u64, f: Feedback) {
+        if let Some(tx) = self.inboxes.lock().unwrap().get(&to_node) {
+            let _ = tx.send(Msg::Feedback(f));
+        }
+    }
+
+    fn set_rules(&self, f: impl FnOnce(&mut Rules)) {
+        f(&mut self.rules.lock().unwrap());
+    }
+}
+
+struct MemTransport {
+    from: u64,
+    net: Arc<Net>,
+    rng: rand::rngs::StdRng,
+}
+
+impl Transport for MemTransport {
+    fn send(&mut self, msgs: Vec<Message>) {
+        use protobuf::Message as _;
+        for m in msgs {
+            let to = m.to;
+            let (drop_rate, max_delay) = {
+                let r = self.net.rules.lock().unwrap();
+                (r.drop_rate, r.max_delay_ms)
+            };
+            let snapshot = m.get_msg_type() == MessageType::MsgSnapshot;
+            if self.net.blocked(self.from, to) || self.rng.gen_bool(drop_rate) {
+                let f = if snapshot {
+                    Feedback::Snapshot { to, ok: false }
+                } else {
+                    Feedback::Unreachable(to)
+                };
+                self.net.feedback(self.from, f);
+                continue;
+            }
+            if snapshot {
+                // The file travels first, as over gRPC.
+                let meta = m.get_snapshot().get_metadata();
+                let dirs = self.net.snapshots.lock().unwrap();
+                let ok = match (dirs.get(&self.from), dirs.get(&to)) {
+                    (Some(a), Some(b)) => std::fs::copy(
+                        a.path_for(meta.index, meta.term),
+                        b.path_for(meta.index, meta.term),
+                    )
+                    .is_ok(),
+                    _ => false,
+                };
+                drop(dirs);
+                if ok {
+                    self.net.deliver(to, m);
+                }
+                self.net.feedback(self.from, Feedback::Snapshot { to, ok });
+                continue;
+            }
+            let delay = if max_delay == 0 {
+                0
+            } else {
+                self.rng.gen_range(0..=max_delay)
+            };
+            let seq = self.net.seq.fetch_add(1, Relaxed);
+            self.net.queue.lock().unwrap().push(Reverse((
+                Instant::now() + Duration::from_millis(delay),
+                seq,
+                to,
+                m.write_to_bytes().unwrap(),
+            )));
+        }
+    }
+
+    fn set_address(&mut self, _id: u64, _addr: &str) {}
+}
+
+struct TestNode {
+    handle: RaftHandle,
+    sm: StateMachine,
+    join: Option<std::thread::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+struct Group {
+    net: Arc<Net>,
+    nodes: BTreeMap<u64, TestNode>,
+    /// term → ids seen leading it (sampled).
+    leaders: Arc<Mutex<BTreeMap<u64, BTreeSet<u64>>>>,
+    sampling: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Group {
+    fn start(n: u64, snapshot_entries: u64, seed: u64) -> Self {
+        let net = Net::new();
+        let voters: Vec<u64> = (1..=n).collect();
+        let mut nodes = BTreeMap::new();
+        for id in 1..=n {
+            let dir = tempfile::tempdir().unwrap();
+            let db = Arc::new(crate::open_db(&dir.path().join("meta")).unwrap());
+            let sm = StateMachine::open(db.clone()).unwrap();
+            let log = RocksLogStorage::open(db, &voters).unwrap();
+            let snaps = SnapshotDir::open(dir.path().join("snapshots")).unwrap();
+            let chan = node::channel();
+            net.inboxes.lock().unwrap().insert(id, chan.0.clone());
+            net.snapshots.lock().unwrap().insert(id, snaps.clone());
+            let transport = MemTransport {
+                from: id,
+                net: net.clone(),
+                rng: rand::rngs::StdRng::seed_from_u64(seed ^ id),
+            };
+            let (handle, join) = node::start(
+                NodeConfig {
+                    id,
+                    snapshot_entries,
+                    snapshots: snaps,
+                    keep_entries: snapshot_entries / 4,
+                },
+                log,
+                sm.clone(),
+                Arc::default(),
+                Box::new(transport),
+                chan,
+            )
+            .unwrap();
+            nodes.insert(
+                id,
+                TestNode {
+                    handle,
+                    sm,
+                    join: Some(join),
+                    _dir: dir,
+                },
+            );
+        }
+        let g = Self {
+            net,
+            nodes,
+            leaders: Arc::default(),
+            sampling: Arc::new(true.into()),
+        };
+        let statuses: Vec<_> = g.nodes.values().map(|n| n.handle.status.clone()).collect();
+        let (leaders, sampling) = (g.leaders.clone(), g.sampling.clone());
+        std::thread::spawn(move || {
+            while sampling.load(Relaxed) {
+                for s in &statuses {
+                    if s.is_leader() {
+                        let term = s.term.load(Relaxed);
+                        leaders
+                            .lock()
+                            .unwrap()
+                            .entry(term)
+                            .or_default()
+                            .insert(s.id);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        g
+    }
+
+    fn leader(&self) -> Option<u64> {
+        self.nodes
+            .values()
+            .filter(|n| n.handle.status.is_leader())
+            .filter(|n| {
+                !self
+                    .net
+                    .rules
+                    .lock()
+                    .unwrap()
+                    .isolated
+                    .contains(&n.handle.status.id)
+            })
+            .max_by_key(|n| n.handle.status.term.load(Relaxed))
+            .map(|n| n.handle.status.id)
+    }
+
+    fn wait_leader(&self, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.leader() {
+                return l;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no leader elected within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Creates `path` through whichever node leads, retrying with one request id; true when
+    /// acknowledged.
+    async fn mkdir(&self, path: &str, timeout: Duration) -> bool {
+        let rid = rand::random::<u64>() | 1;
+        let cmd = Command::Mkdir {
+            path: path.to_string(),
+            recursive: false,
+            mode: 0o755,
+            now_ms: 0,
+        };
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            let Some(l) = self.leader() else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let h = &self.nodes[&l].handle;
+            match tokio::time::timeout(Duration::from_secs(2), h.propose_request(&cmd, rid)).await {
+                Ok(Ok(_)) => return true,
+                Ok(Err(MasterError::NotLeader { .. } | MasterError::Unavailable { .. }))
+                | Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Ok(Err(e)) => panic!("mkdir {path}: {e}"),
+            }
+        }
+        false
+    }
+
+    fn names(&self, id: u64, dir: &str) -> BTreeSet<String> {
+        let sm = &self.nodes[&id].sm;
+        match sm.resolve_loaded(dir).unwrap() {
+            Some(d) => sm
+                .children(d.id, None, usize::MAX)
+                .unwrap()
+                .into_iter()
+                .map(|i| i.name)
+                .collect(),
+            None => BTreeSet::new(),
+        }
+    }
+
+    /// Waits until every node has applied the same index, at least the highest index any
+    /// node had applied when called (every acknowledged write is at or below it; a new
+    /// leader's own commit index may still lag behind it).
+    fn wait_converged(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let target = self
+            .nodes
+            .values()
+            .map(|n| n.handle.status.applied.load(Relaxed))
+            .max()
+            .unwrap_or(0);
+        loop {
+            let applied: Vec<u64> = self
+                .nodes
+                .values()
+                .map(|n| n.handle.status.applied.load(Relaxed))
+                .collect();
+            let commit = target;
+            if applied.iter().all(|a| *a == applied[0] && *a >= commit) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nodes did not converge: applied {applied:?}, leader commit {commit}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn assert_one_leader_per_term(&self) {
+        for (term, ids) in self.leaders.lock().unwrap().iter() {
+            assert!(ids.len() <= 1, "term {term} had leaders {ids:?}");
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.sampling.store(false, Relaxed);
+        for n in self.nodes.values_mut() {
+            n.handle.shutdown();
+            if let Some(j) = n.join.take() {
+                let _ = j.join();
+            }
+        }
+        self.net.stop.store(true, Relaxed);
+    }
+}
+
+fn seed() -> u64 {
+    let s = std::env::var("GRANARY_RAFT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("raft test seed {s} (rerun with GRANARY_RAFT_SEED={s})");
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lossy_slow_network_loses_no_acknowledged_write() {
+    let g = Group::start(3, 1_000_000, seed());
+    g.net.set_rules(|r| {
+        r.drop_rate = 0.2;
+        r.max_delay_ms = 30;
+    });
+    g.wait_leader(Duration::from_secs(30));
+    assert!(g.mkdir("/w", Duration::from_secs(30)).await);
+    let mut acked = BTreeSet::new();
+    for i in 0..60 {
+        if g.mkdir(&format!("/w/d{i}"), Duration::from_secs(30)).await {
+            acked.insert(format!("d{i}"));
+        }
+    }
+    assert_eq!(acked.len(), 60, "every create is acknowledged eventually");
+    g.net.set_rules(|r| *r = Rules::default());
+    g.wait_converged(Duration::from_secs(30));
+    for id in 1..=3 {
+        assert_eq!(g.names(id, "/w"), acked, "node {id}");
+    }
+    g.assert_one_leader_per_term();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_leader_acknowledges_nothing_and_rejoins() {
+    let g = Group::start(3, 1_000_000, seed());
+    let old = g.wait_leader(Duration::from_secs(30));
+    assert!(g.mkdir("/p", Duration::from_secs(10)).await);
+    g.net.set_rules(|r| {
+        r.isolated.insert(old);
+    });
+    // The cut-off leader cannot commit: its proposal is never acknowledged.
+    let h = g.nodes[&old].handle.clone();
+    let lost = tokio::time::timeout(
+        Duration::from_secs(3),
+        h.propose_request(
+            &Command::Mkdir {
+                path: "/p/orphan".into(),
+                recursive: false,
+                mode: 0o755,
+                now_ms: 0,
+            },
+            7,
+        ),
+    )
+    .await;
+    assert!(
+        !matches!(lost, Ok(Ok(_))),
+        "an isolated leader acknowledged a write"
+    );
+    // The majority elects another leader and keeps accepting writes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new = loop {
+        if let Some(l) = g.leader().filter(|l| *l != old) {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "no new leader");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_ne!(new, old);
+    for i in 0..20 {
+        assert!(g.mkdir(&format!("/p/n{i}"), Duration::from_secs(10)).await);
+    }
+    g.net.set_rules(|r| r.isolated.clear());
+    g.wait_converged(Duration::from_secs(30));
+    let want: BTreeSet<String> = (0..20).map(|i| format!("n{i}")).collect();
+    for id in 1..=3 {
+        assert_eq!(g.names(id, "/p"), want, "node {id} (orphan must be gone)");
+    }
+    assert!(!g.nodes[&old].handle.status.is_leader() || g.leader() == Some(old));
+    g.assert_one_leader_per_term();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_follower_catches_up_from_a_snapshot() {
+    let g = Group::start(3, 20, seed());
+    let leader = g.wait_leader(Duration::from_secs(30));
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    assert!(g.mkdir("/s", Duration::from_secs(10)).await);
+    g.net.set_rules(|r| {
+        r.isolated.insert(follower);
+    });
+    for i in 0..100 {
+        assert!(g.mkdir(&format!("/s/e{i}"), Duration::from_secs(10)).await);
+    }
+    // The leader has compacted past what the follower holds.
+    let lead = &g.nodes[&g.leader().unwrap()].handle.status;
+    assert!(lead.snapshot_index.load(Relaxed) > 20, "no snapshot taken");
+    g.net.set_rules(|r| {
+        r.isolated.clear();
+        r.max_delay_ms = 5;
+    });
+    g.wait_converged(Duration::from_secs(30));
+    let want: BTreeSet<String> = (0..100).map(|i| format!("e{i}")).collect();
+    for id in 1..=3 {
+        assert_eq!(g.names(id, "/s"), want, "node {id}");
+    }
+    assert!(
+        g.nodes[&follower]
+            .handle
+            .status
+            .snapshot_index
+            .load(Relaxed)
+            > 0,
+        "the follower caught up without installing a snapshot"
+    );
+    g.assert_one_leader_per_term();
+}
