@@ -141,6 +141,7 @@ impl MasterClient {
     {
         let start = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(20);
+        let mut redirects = 0u32;
         loop {
             let (address, client, idx) = self.pick();
             let attempt = tokio::time::timeout(self.rpc_timeout, call(client)).await;
@@ -185,7 +186,10 @@ impl MasterClient {
                     e => e,
                 });
             }
-            if !redirected {
+            // Follow a fresh hint at once, but never spin: masters that point at each
+            // other (mid-election) get the backoff too.
+            redirects = if redirected { redirects + 1 } else { 0 };
+            if !redirected || redirects > 2 {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }

@@ -49,6 +49,11 @@ impl MasterError {
     pub fn not_found(path: impl Into<String>) -> Self {
         Self::NotFound { path: path.into() }
     }
+    /// A failure of this master's own storage (not a deterministic outcome of a command):
+    /// applying must stop rather than record it.
+    pub fn is_local_failure(&self) -> bool {
+        matches!(self, Self::Storage { .. } | Self::Corrupt { .. })
+    }
 }
 
 impl From<rocksdb::Error> for MasterError {

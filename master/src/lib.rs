@@ -144,7 +144,7 @@ pub async fn start(
     };
     let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters)?;
     let mut peer_map = config.peers.clone();
-    for (id, a) in log.addresses()? {
+    for (id, a) in sm.member_addresses()? {
         peer_map.entry(id).or_insert(a);
     }
     peer_map.entry(config.id).or_insert_with(|| address.clone());

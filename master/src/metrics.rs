@@ -17,6 +17,10 @@ pub struct MasterMetrics {
     raft_commit: Gauge<i64, AtomicI64>,
     raft_applied: Gauge<i64, AtomicI64>,
     raft_is_leader: Gauge<i64, AtomicI64>,
+    raft_leader_id: Gauge<i64, AtomicI64>,
+    raft_last_index: Gauge<i64, AtomicI64>,
+    raft_snapshot_index: Gauge<i64, AtomicI64>,
+    raft_voters: Gauge<i64, AtomicI64>,
 }
 
 impl MasterMetrics {
@@ -63,6 +67,26 @@ impl MasterMetrics {
                 "1 when this master leads",
                 m.raft_is_leader.clone(),
             );
+            r.register(
+                "granary_master_raft_leader_id",
+                "Id of the master this one follows (0 when no leader is known)",
+                m.raft_leader_id.clone(),
+            );
+            r.register(
+                "granary_master_raft_last_index",
+                "Index of the last entry in this master's Raft log",
+                m.raft_last_index.clone(),
+            );
+            r.register(
+                "granary_master_raft_snapshot_index",
+                "Applied index of this master's newest state snapshot (the log is compacted behind it)",
+                m.raft_snapshot_index.clone(),
+            );
+            r.register(
+                "granary_master_raft_voters",
+                "Voting members in the current configuration",
+                m.raft_voters.clone(),
+            );
         }
         m
     }
@@ -83,5 +107,10 @@ impl MasterMetrics {
         self.raft_commit.set(s.commit.load(Relaxed) as i64);
         self.raft_applied.set(s.applied.load(Relaxed) as i64);
         self.raft_is_leader.set(i64::from(s.is_leader()));
+        self.raft_leader_id.set(s.leader_id.load(Relaxed) as i64);
+        self.raft_last_index.set(s.last_index.load(Relaxed) as i64);
+        self.raft_snapshot_index
+            .set(s.snapshot_index.load(Relaxed) as i64);
+        self.raft_voters.set(s.voters().len() as i64);
     }
 }

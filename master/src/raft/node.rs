@@ -433,9 +433,9 @@ impl Driver {
         if m.get_msg_type() == T::MsgHeartbeat {
             // The leader sends min(what it believes we hold, its commit). If this member lost
             // its data (a wiped directory), that belief is stale and raft-rs would panic on a
-            // commit beyond our log; everything we do hold came from this leader's appends,
-            // so committing up to our last index is safe, and the leader repairs the rest.
+            // commit beyond our log; keep our commit index and ask for a snapshot.
             let last = self.node.raft.raft_log.last_index();
+            let committed = self.node.raft.raft_log.committed;
             if m.commit > last {
                 if !self.warned_lost_log {
                     tracing::warn!(
@@ -447,7 +447,10 @@ impl Driver {
                     self.warned_lost_log = true;
                 }
                 lost_log_at = Some((m.from, m.commit));
-                m.commit = last;
+                // Not our last index: a tail we hold may not be the leader's (it could come
+                // from a stale leader); our own commit index is safe and avoids raft-rs'
+                // panic on a commit beyond the log.
+                m.commit = committed;
             }
         }
         if let Err(e) = self.node.step(m) {
@@ -745,7 +748,17 @@ impl Driver {
                 EntryType::EntryNormal if entry.data.is_empty() => self.sm.mark_applied(index)?,
                 EntryType::EntryNormal => {
                     let result = match Proposal::decode(&entry.data) {
-                        Ok(p) => self.sm.apply_request(index, &p),
+                        Ok(p) => {
+                            let r = self.sm.apply_request(index, &p);
+                            // Failures of this replica's storage are fatal (nothing was
+                            // recorded as applied); command errors are results.
+                            if let Err(e) = &r {
+                                if e.is_local_failure() {
+                                    return Err(e.clone());
+                                }
+                            }
+                            r
+                        }
                         Err(e) => {
                             // A command this version cannot decode: record it applied (so
                             // the log moves on) and surface the problem loudly.
@@ -754,10 +767,9 @@ impl Driver {
                             Err(MasterError::corrupt(format!("undecodable command: {e}")))
                         }
                     };
-                    // Storage failures while applying are fatal; command errors are results.
-                    if let Err(MasterError::Storage { .. }) = &result {
-                        return result.map(|_| ());
-                    }
+                    // Published before the reply: whoever saw the acknowledgement sees an
+                    // applied index that covers it.
+                    self.status.applied.store(index, Ordering::Relaxed);
                     self.reply_to(&entry.context, result);
                 }
             }
@@ -797,12 +809,13 @@ impl Driver {
             ConfChangeType::AddNode | ConfChangeType::AddLearnerNode
         ) && !address.is_empty();
         let mut batch = WriteBatch::default();
-        self.storage.conf_state_into(
-            &cs,
-            adds.then_some((cc.node_id, address.as_str())),
-            &mut batch,
-        )?;
+        self.storage.conf_state_into(&cs, &mut batch)?;
+        if adds {
+            self.sm
+                .member_address_into(cc.node_id, &address, &mut batch)?;
+        }
         self.sm.mark_applied_with(index, batch)?;
+        self.status.applied.store(index, Ordering::Relaxed);
         if adds {
             self.transport.set_address(cc.node_id, &address);
         }
@@ -838,9 +851,8 @@ impl Driver {
         self.status.applied.store(meta.index, Ordering::Relaxed);
         self.last_snapshot = meta.index;
         self.config.snapshots.prune(meta.index);
-        // Addresses of members added after the initial configuration travel inside the
-        // snapshot's conf state only by id; keep whatever we know.
-        for (id, addr) in self.storage.addresses().unwrap_or_default() {
+        // Addresses of members added after the initial configuration travel in the state.
+        for (id, addr) in self.sm.member_addresses().unwrap_or_default() {
             self.transport.set_address(id, &addr);
         }
         tracing::info!(

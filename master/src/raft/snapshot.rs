@@ -53,10 +53,12 @@ impl SnapshotDir {
         self.dir.join(format!("snap-{index:020}-{term:020}.bin"))
     }
 
+    /// A temporary file of its own for each writer (two transfers of one snapshot may
+    /// overlap, e.g. from an old and a new leader).
     pub fn temp_path(&self, index: u64, term: u64) -> PathBuf {
         self.dir.join(format!(
-            "snap-{index:020}-{term:020}.{}.tmp",
-            std::process::id()
+            "snap-{index:020}-{term:020}.{:016x}.tmp",
+            rand::random::<u64>()
         ))
     }
 
@@ -64,13 +66,18 @@ impl SnapshotDir {
         self.dir.join(format!("checkpoint-{index:020}"))
     }
 
-    /// Removes every snapshot file except the one for `keep_index`.
+    /// Removes the snapshot files older than `keep_index` (newer ones may be a transfer
+    /// just received and not installed yet).
     pub fn prune(&self, keep_index: u64) {
-        let keep = format!("snap-{keep_index:020}-");
         if let Ok(rd) = std::fs::read_dir(&self.dir) {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.starts_with("snap-") && name.ends_with(".bin") && !name.starts_with(&keep) {
+                let index = name
+                    .strip_prefix("snap-")
+                    .filter(|_| name.ends_with(".bin"))
+                    .and_then(|rest| rest.get(..20))
+                    .and_then(|i| i.parse::<u64>().ok());
+                if index.is_some_and(|i| i < keep_index) {
                     let _ = std::fs::remove_file(e.path());
                 }
             }

@@ -2,8 +2,8 @@
 //!
 //! Layout: `hs` → HardState, `cs` → ConfState, `snap` → (index, term) of the last compaction
 //! point (0, 0 until the log is first compacted), `sm` → metadata of the newest local
-//! state-machine snapshot file, `a` + id → a member's address, `e` + index (big endian) →
-//! Entry.
+//! state-machine snapshot file, `e` + index (big endian) → Entry. (Member addresses live in
+//! the state machine, so they travel with snapshots.)
 //! Every write is synced before `append`/`persist_*` return: Raft acknowledges nothing that
 //! could be lost by kill -9 or a power cut.
 
@@ -21,13 +21,6 @@ const KEY_HARD_STATE: &[u8] = b"hs";
 const KEY_CONF_STATE: &[u8] = b"cs";
 const KEY_SNAPSHOT_POINT: &[u8] = b"snap";
 const KEY_SNAPSHOT_META: &[u8] = b"sm";
-
-fn addr_key(id: u64) -> [u8; 9] {
-    let mut k = [0u8; 9];
-    k[0] = b'a';
-    k[1..].copy_from_slice(&id.to_be_bytes());
-    k
-}
 
 fn entry_key(index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -171,39 +164,14 @@ impl RocksLogStorage {
         };
     }
 
-    /// Adds to `batch` a new configuration (and a new member's address).
+    /// Adds to `batch` a new configuration.
     pub fn conf_state_into(
         &self,
         cs: &ConfState,
-        address: Option<(u64, &str)>,
         batch: &mut WriteBatch,
     ) -> Result<(), MasterError> {
-        let cf = self.cf()?;
-        batch.put_cf(cf, KEY_CONF_STATE, encode(cs)?);
-        if let Some((id, addr)) = address {
-            batch.put_cf(cf, addr_key(id), addr.as_bytes());
-        }
+        batch.put_cf(self.cf()?, KEY_CONF_STATE, encode(cs)?);
         Ok(())
-    }
-
-    /// Member addresses learnt from configuration changes.
-    pub fn addresses(&self) -> Result<Vec<(u64, String)>, MasterError> {
-        let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(addr_key(0));
-        let mut out = Vec::new();
-        while it.valid() {
-            let (Some(k), Some(v)) = (it.key(), it.value()) else {
-                break;
-            };
-            if k.len() != 9 || k[0] != b'a' {
-                break;
-            }
-            let id = u64::from_be_bytes(k[1..].try_into().unwrap_or_default());
-            out.push((id, String::from_utf8_lossy(v).into_owned()));
-            it.next();
-        }
-        it.status()?;
-        Ok(out)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Bounds> {
@@ -274,6 +242,18 @@ impl RocksLogStorage {
     /// Appends entries (truncating any conflicting suffix) and, if given, the hard state, in
     /// one synced write.
     pub fn persist(&self, entries: &[Entry], hs: Option<&HardState>) -> Result<(), MasterError> {
+        self.write_log(entries, hs, true)
+    }
+
+    fn write_log(
+        &self,
+        entries: &[Entry],
+        hs: Option<&HardState>,
+        sync: bool,
+    ) -> Result<(), MasterError> {
+        if entries.is_empty() && hs.is_none() {
+            return Ok(());
+        }
         let cf = self.cf()?;
         let mut batch = WriteBatch::default();
         let mut bounds = self.lock();
@@ -304,18 +284,20 @@ impl RocksLogStorage {
             batch.put_cf(cf, KEY_HARD_STATE, encode(hs)?);
         }
         let mut wo = WriteOptions::default();
-        wo.set_sync(true);
+        wo.set_sync(sync);
         self.db.write_opt(batch, &wo)?;
         bounds.last_index = new_last;
         Ok(())
     }
 
-    /// Persists a new commit index into the hard state.
+    /// Records a new commit index in the hard state. Not synced: a commit index lost in a
+    /// crash is learnt again from the leader (and boot validation raises it to the applied
+    /// index), so it need not cost an fsync per commit.
     pub fn persist_commit(&self, commit: u64) -> Result<(), MasterError> {
         let mut hs = self.hard_state()?;
         if hs.commit != commit {
             hs.commit = commit;
-            self.persist(&[], Some(&hs))?;
+            self.write_log(&[], Some(&hs), false)?;
         }
         Ok(())
     }
@@ -475,11 +457,20 @@ impl Storage for RocksLogStorage {
         Ok(self.last())
     }
 
-    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+    fn snapshot(&self, request_index: u64, to: u64) -> raft::Result<Snapshot> {
         // The snapshot's bytes live in a file the transport streams; the message carries
-        // only the metadata.
+        // only the metadata. A snapshot whose configuration does not include the receiver
+        // (taken before it was added) would be refused by it forever: ask for a newer one.
+        let includes = |meta: &SnapshotMetadata| {
+            let cs = meta.get_conf_state();
+            cs.voters.contains(&to) || cs.learners.contains(&to)
+        };
         match self.snapshot_meta().map_err(storage_err)? {
-            Some(meta) if meta.index >= request_index && meta.index >= self.first() - 1 => {
+            Some(meta)
+                if meta.index >= request_index
+                    && meta.index >= self.first() - 1
+                    && includes(&meta) =>
+            {
                 let mut snap = Snapshot::default();
                 snap.set_metadata(meta);
                 Ok(snap)
@@ -557,10 +548,14 @@ mod tests {
     #[test]
     fn compaction_behind_a_snapshot_survives_reopen_and_is_validated() {
         let dir = tempfile::tempdir().unwrap();
-        let meta = |index, term| SnapshotMetadata {
-            index,
-            term,
-            ..Default::default()
+        let meta = |index, term| {
+            let mut m = SnapshotMetadata {
+                index,
+                term,
+                ..Default::default()
+            };
+            m.mut_conf_state().set_voters(vec![1, 2, 3]);
+            m
         };
         {
             let s = RocksLogStorage::open(open_db(dir.path()), &[1, 2, 3]).unwrap();
@@ -575,8 +570,13 @@ mod tests {
                 s.entries(5, 8, None, GetEntriesContext::empty(false)),
                 Err(raft::Error::Store(StorageError::Compacted))
             ));
-            // raft-rs gets the snapshot's metadata to send.
+            // raft-rs gets the snapshot's metadata to send, to a member it includes.
             assert_eq!(s.snapshot(0, 2).unwrap().get_metadata().index, 8);
+            assert!(
+                s.snapshot(0, 4).is_err(),
+                "sent to a member it does not include"
+            );
+            assert!(s.take_snapshot_wanted());
             // A request for a newer one is refused and remembered.
             assert!(s.snapshot(9, 2).is_err());
             assert!(s.take_snapshot_wanted());

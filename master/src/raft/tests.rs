@@ -171,48 +171,55 @@ struct Group {
     sampling: Arc<std::sync::atomic::AtomicBool>,
 }
 
+fn start_node(
+    net: &Arc<Net>,
+    id: u64,
+    voters: &[u64],
+    snapshot_entries: u64,
+    seed: u64,
+) -> TestNode {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(crate::open_db(&dir.path().join("meta")).unwrap());
+    let sm = StateMachine::open(db.clone()).unwrap();
+    let log = RocksLogStorage::open(db, voters).unwrap();
+    let snaps = SnapshotDir::open(dir.path().join("snapshots")).unwrap();
+    let chan = node::channel();
+    net.inboxes.lock().unwrap().insert(id, chan.0.clone());
+    net.snapshots.lock().unwrap().insert(id, snaps.clone());
+    let transport = MemTransport {
+        from: id,
+        net: net.clone(),
+        rng: rand::rngs::StdRng::seed_from_u64(seed ^ id),
+    };
+    let (handle, join) = node::start(
+        NodeConfig {
+            id,
+            snapshot_entries,
+            snapshots: snaps,
+            keep_entries: snapshot_entries / 4,
+        },
+        log,
+        sm.clone(),
+        Arc::default(),
+        Box::new(transport),
+        chan,
+    )
+    .unwrap();
+    TestNode {
+        handle,
+        sm,
+        join: Some(join),
+        _dir: dir,
+    }
+}
+
 impl Group {
     fn start(n: u64, snapshot_entries: u64, seed: u64) -> Self {
         let net = Net::new();
         let voters: Vec<u64> = (1..=n).collect();
         let mut nodes = BTreeMap::new();
         for id in 1..=n {
-            let dir = tempfile::tempdir().unwrap();
-            let db = Arc::new(crate::open_db(&dir.path().join("meta")).unwrap());
-            let sm = StateMachine::open(db.clone()).unwrap();
-            let log = RocksLogStorage::open(db, &voters).unwrap();
-            let snaps = SnapshotDir::open(dir.path().join("snapshots")).unwrap();
-            let chan = node::channel();
-            net.inboxes.lock().unwrap().insert(id, chan.0.clone());
-            net.snapshots.lock().unwrap().insert(id, snaps.clone());
-            let transport = MemTransport {
-                from: id,
-                net: net.clone(),
-                rng: rand::rngs::StdRng::seed_from_u64(seed ^ id),
-            };
-            let (handle, join) = node::start(
-                NodeConfig {
-                    id,
-                    snapshot_entries,
-                    snapshots: snaps,
-                    keep_entries: snapshot_entries / 4,
-                },
-                log,
-                sm.clone(),
-                Arc::default(),
-                Box::new(transport),
-                chan,
-            )
-            .unwrap();
-            nodes.insert(
-                id,
-                TestNode {
-                    handle,
-                    sm,
-                    join: Some(join),
-                    _dir: dir,
-                },
-            );
+            nodes.insert(id, start_node(&net, id, &voters, snapshot_entries, seed));
         }
         let g = Self {
             net,
@@ -477,5 +484,51 @@ async fn a_partitioned_follower_catches_up_from_a_snapshot() {
             > 0,
         "the follower caught up without installing a snapshot"
     );
+    g.assert_one_leader_per_term();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_member_gets_a_snapshot_that_includes_it() {
+    // No periodic snapshots: the only ones are those the join itself needs.
+    let seed = seed();
+    let mut g = Group::start(3, 1_000_000, seed);
+    let leader = g.wait_leader(Duration::from_secs(30));
+    assert!(g.mkdir("/j", Duration::from_secs(10)).await);
+    for i in 0..5 {
+        assert!(
+            g.mkdir(&format!("/j/before{i}"), Duration::from_secs(10))
+                .await
+        );
+    }
+    let joiner = start_node(&g.net, 4, &[], 1_000_000, seed);
+    g.nodes.insert(4, joiner);
+    let mut cc = raft::eraftpb::ConfChange::default();
+    cc.set_change_type(raft::eraftpb::ConfChangeType::AddNode);
+    cc.node_id = 4;
+    cc.context = b"node-4:1".to_vec().into();
+    let h = g.nodes[&leader].handle.clone();
+    tokio::time::timeout(Duration::from_secs(10), h.change_members(cc.clone()))
+        .await
+        .expect("conf change timed out")
+        .unwrap();
+    // Adding it again is refused with a clear error.
+    let again = h.change_members(cc).await.unwrap_err();
+    assert!(
+        matches!(again, MasterError::AlreadyExists { .. }),
+        "{again}"
+    );
+    // No further writes: the join alone must bring the new member up to date.
+    g.wait_converged(Duration::from_secs(30));
+    let want: BTreeSet<String> = (0..5).map(|i| format!("before{i}")).collect();
+    assert_eq!(g.names(4, "/j"), want);
+    assert_eq!(g.nodes[&4].handle.status.voters(), vec![1, 2, 3, 4]);
+    assert_eq!(
+        g.nodes[&4].sm.member_addresses().unwrap(),
+        vec![(4, "node-4:1".to_string())]
+    );
+    // The group of four keeps committing.
+    assert!(g.mkdir("/j/after", Duration::from_secs(10)).await);
+    g.wait_converged(Duration::from_secs(30));
+    assert!(g.names(4, "/j").contains("after"));
     g.assert_one_leader_per_term();
 }

@@ -111,15 +111,22 @@ impl Transport for GrpcTransport {
         for m in msgs {
             let to = m.to;
             let feedback = self.feedback.clone();
+            // A dropped snapshot must be reported as such: raft-rs keeps a peer in snapshot
+            // state (sending nothing else) until `report_snapshot`.
+            let dropped = if m.get_msg_type() == MessageType::MsgSnapshot {
+                Feedback::Snapshot { to, ok: false }
+            } else {
+                Feedback::Unreachable(to)
+            };
             match self.queue(to) {
                 Some(q) => {
                     if q.try_send(m).is_err() {
-                        feedback(Feedback::Unreachable(to));
+                        feedback(dropped);
                     }
                 }
                 None => {
                     tracing::debug!(peer = to, "no address for raft peer; message dropped");
-                    feedback(Feedback::Unreachable(to));
+                    feedback(dropped);
                 }
             }
         }

@@ -74,6 +74,13 @@ fn mount_key(id: u64) -> Vec<u8> {
     k
 }
 
+fn member_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'A');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
 fn u64_of(v: &[u8]) -> Result<u64, MasterError> {
     let arr: [u8; 8] = v
         .try_into()
@@ -251,6 +258,11 @@ impl StateMachine {
     pub fn apply(&self, index: u64, cmd: &Command) -> Result<ApplyOutput, MasterError> {
         let mut txn = Txn::new(self);
         let result = txn.apply(cmd);
+        if result.as_ref().is_err_and(MasterError::is_local_failure) {
+            // This replica could not read its own state: nothing may be recorded as
+            // applied, or it would silently diverge from the others.
+            return result;
+        }
         let mut txn = match result {
             Ok(_) => txn,
             Err(_) => Txn::new(self), // discard partial changes
@@ -273,6 +285,9 @@ impl StateMachine {
         }
         let mut txn = Txn::new(self);
         let result = txn.apply(&p.cmd);
+        if result.as_ref().is_err_and(MasterError::is_local_failure) {
+            return result; // see `apply`
+        }
         let mut txn = match result {
             Ok(_) => txn,
             Err(_) => Txn::new(self),
@@ -310,6 +325,37 @@ impl StateMachine {
         let mut txn = Txn::new(self);
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()
+    }
+
+    /// Addresses of masters added to the group (`AddMaster`), kept in the state so that a
+    /// member that catches up from a snapshot learns them too.
+    pub fn member_addresses(&self) -> Result<Vec<(u64, String)>, MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(member_key(0));
+        let mut out = Vec::new();
+        while it.valid() {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if k.len() != 9 || k[0] != b'A' {
+                break;
+            }
+            out.push((u64_of(&k[1..])?, String::from_utf8_lossy(v).into_owned()));
+            it.next();
+        }
+        it.status()?;
+        Ok(out)
+    }
+
+    /// Adds a member's address to `batch` (written with the configuration change).
+    pub fn member_address_into(
+        &self,
+        id: u64,
+        address: &str,
+        batch: &mut WriteBatch,
+    ) -> Result<(), MasterError> {
+        batch.put_cf(self.cf()?, member_key(id), address.as_bytes());
+        Ok(())
     }
 
     /// Marks `index` applied together with the writes already in `batch` (one atomic,
