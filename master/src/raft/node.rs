@@ -521,9 +521,22 @@ impl Driver {
         match cc.get_change_type() {
             ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
                 if voters.contains(&cc.node_id) {
-                    let _ = reply.send(Err(MasterError::AlreadyExists {
-                        path: format!("master {} (already a member)", cc.node_id),
-                    }));
+                    let known = peer_address(&self.peers, cc.node_id);
+                    let asked = String::from_utf8_lossy(&cc.context).into_owned();
+                    // The same id at the same address: a retry of a change that already
+                    // happened, so it succeeds without changing anything.
+                    let result = if known.as_deref() == Some(asked.as_str()) {
+                        Ok(ApplyOutput::None)
+                    } else {
+                        Err(MasterError::AlreadyExists {
+                            path: format!(
+                                "master {} (already a member at {})",
+                                cc.node_id,
+                                known.unwrap_or_else(|| "an unknown address".into())
+                            ),
+                        })
+                    };
+                    let _ = reply.send(result);
                     return;
                 }
                 // A new member must start from a snapshot, never replay the log from index
@@ -818,6 +831,9 @@ impl Driver {
         self.status.applied.store(index, Ordering::Relaxed);
         if adds {
             self.transport.set_address(cc.node_id, &address);
+            if let Ok(mut g) = self.peers.write() {
+                g.insert(cc.node_id, address.clone());
+            }
         }
         tracing::info!(
             index,
