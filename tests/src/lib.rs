@@ -1116,3 +1116,20 @@ impl Bench {
         Ok(())
     }
 }
+
+/// Asserts a failed CLI call the way users see it: exit 1 and one line `error: …` on stderr.
+pub fn assert_one_sentence_error(out: &Output, what: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{what}: exit {:?}, stderr {err}",
+        out.status
+    );
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{what}: stderr is not one line: {err}"
+    );
+    assert!(err.starts_with("error: "), "{what}: {err}");
+}

@@ -416,22 +416,6 @@ fn a_corrupted_cached_page_is_never_served() {
     assert_eq!(w.metric("granary_worker_checksum_failures_total"), 1.0);
 }
 
-fn assert_one_sentence_error(out: &std::process::Output, what: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{what}: exit {:?}, stderr {err}",
-        out.status
-    );
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{what}: stderr is not one line: {err}"
-    );
-    assert!(err.starts_with("error: "), "{what}: {err}");
-}
-
 #[test]
 fn bad_input_gets_a_clear_error_and_changes_nothing() {
     let root = workdir();

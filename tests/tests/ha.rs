@@ -437,19 +437,7 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
     let before = members(&g.list(&addrs).unwrap());
     let dup_addr = format!("127.0.0.1:{}", free_port());
     let out = granary(&["master", "add", "2", &dup_addr, "--master", &addrs]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "duplicate add: {:?}, stderr {err}",
-        out.status
-    );
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "stderr is not one line: {err}"
-    );
-    assert!(err.starts_with("error: "), "{err}");
+    assert_one_sentence_error(&out, "duplicate add");
     assert_eq!(
         members(&g.list(&addrs).unwrap()),
         before,
