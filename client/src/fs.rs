@@ -348,10 +348,13 @@ impl FileSystem {
             ))
         })?;
         let ufs = self.ufs.get(&self.master, loc.mount_id).await?;
-        let etag = file.fingerprint.as_ref().map(|f| f.etag.clone());
+        let expect = file
+            .fingerprint
+            .as_ref()
+            .map(granary_common::ufs::Expected::from);
         let fut = async {
             Ok::<_, ClientError>(
-                ufs.read_range(&loc.path, etag, offset..offset + len)
+                ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len)
                     .await?,
             )
         };

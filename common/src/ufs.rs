@@ -34,7 +34,62 @@ pub enum UfsError {
         #[source]
         source: object_store::Error,
     },
+    #[error("{message}")]
+    Probe { message: String },
 }
+
+/// The kinds of under-store Granary mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Local,
+    S3,
+    Gcs,
+    Azure,
+}
+
+impl Kind {
+    fn of(url: &Url) -> Option<Self> {
+        Some(match url.scheme() {
+            "file" => Self::Local,
+            "s3" | "s3a" => Self::S3,
+            "gs" => Self::Gcs,
+            "az" | "azure" | "abfs" | "abfss" => Self::Azure,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::S3 => "S3",
+            Self::Gcs => "GCS",
+            Self::Azure => "Azure Blob",
+        }
+    }
+
+    /// Is `key` a configuration key object_store knows for this kind of store?
+    fn knows(self, key: &str) -> bool {
+        let key = key.to_ascii_lowercase();
+        match self {
+            Self::Local => false,
+            Self::S3 => key.parse::<object_store::aws::AmazonS3ConfigKey>().is_ok(),
+            Self::Gcs => key.parse::<object_store::gcp::GoogleConfigKey>().is_ok(),
+            Self::Azure => key.parse::<object_store::azure::AzureConfigKey>().is_ok(),
+        }
+    }
+
+    fn key_doc(self) -> &'static str {
+        match self {
+            Self::Local => "local mounts take only Granary's options",
+            Self::S3 => "see object_store's AmazonS3ConfigKey, e.g. endpoint, region, access_key_id, secret_access_key, allow_http, skip_signature",
+            Self::Gcs => "see object_store's GoogleConfigKey, e.g. service_account, service_account_key, bucket",
+            Self::Azure => "see object_store's AzureConfigKey, e.g. account, access_key, use_emulator, sas_key",
+        }
+    }
+}
+
+/// Time allowed for the reachability check of a new mount.
+pub const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// A mount's under-store as configured: URI and options (may hold credentials).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -42,6 +97,54 @@ pub struct UfsSpec {
     pub uri: String,
     #[serde(default)]
     pub options: BTreeMap<String, String>,
+}
+
+/// The version of an object a read expects (from the listing that made the inode).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expected {
+    pub etag: String,
+    pub size: u64,
+    pub mtime_ms: i64,
+}
+
+impl Expected {
+    /// Why `meta` (from a read's response) is not this version, if it is not.
+    pub fn mismatch(&self, meta: &object_store::ObjectMeta) -> Option<String> {
+        if let Some(have) = &meta.e_tag {
+            // Listings and reads may quote the same ETag differently (GCS does).
+            if !self.etag.is_empty() && bare_etag(have) != bare_etag(&self.etag) {
+                return Some(format!("ETag {have}, expected {}", self.etag));
+            }
+        }
+        if meta.size != self.size {
+            return Some(format!("{} bytes, expected {}", meta.size, self.size));
+        }
+        if self.etag.is_empty() && self.mtime_ms != 0 {
+            let have = meta.last_modified.timestamp_millis();
+            if have.div_euclid(1000) != self.mtime_ms.div_euclid(1000) {
+                return Some(format!(
+                    "modified at {have} ms, expected {} ms",
+                    self.mtime_ms
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// An ETag without weak marker and quotes.
+fn bare_etag(e: &str) -> &str {
+    e.trim_start_matches("W/").trim_matches('"')
+}
+
+impl From<&granary_proto::Fingerprint> for Expected {
+    fn from(f: &granary_proto::Fingerprint) -> Self {
+        Self {
+            etag: f.etag.clone(),
+            size: f.size,
+            mtime_ms: f.mtime_ms,
+        }
+    }
 }
 
 /// An opened under-store: the store and the path prefix of the mount inside it.
@@ -52,33 +155,58 @@ pub struct Ufs {
 }
 
 impl Ufs {
-    /// Reads `range` of the object at `rel`, failing with `Precondition` if its ETag is no
-    /// longer `etag` (so bytes of two versions are never mixed).
+    /// Reads `range` of the object at `rel`, failing with `Precondition` if the object is
+    /// no longer the version `expect` describes (so bytes of two versions are never mixed):
+    /// `If-Match` on its ETag, and the response checked too — its ETag, its size and, for a
+    /// store that lists no ETag, its modification time (to the second, the precision of
+    /// `Last-Modified`).
     pub async fn read_range(
         &self,
         rel: &str,
-        etag: Option<String>,
+        expect: Option<&Expected>,
         range: std::ops::Range<u64>,
     ) -> Result<bytes::Bytes, object_store::Error> {
+        let etag = expect.map(|e| e.etag.clone()).filter(|e| !e.is_empty());
         let opts = object_store::GetOptions {
-            if_match: etag.filter(|e| !e.is_empty()),
+            if_match: etag.clone(),
             range: Some(object_store::GetRange::Bounded(range)),
             ..Default::default()
         };
-        self.store
-            .get_opts(&self.path_of(rel), opts)
-            .await?
-            .bytes()
-            .await
+        let path = self.path_of(rel);
+        let got = self.store.get_opts(&path, opts).await?;
+        if let Some(want) = expect {
+            if let Some(why) = want.mismatch(&got.meta) {
+                return Err(object_store::Error::Precondition {
+                    path: path.to_string(),
+                    source: format!("the object changed since it was listed: {why}").into(),
+                });
+            }
+        }
+        got.bytes().await
     }
 
-    /// The store path of `rel` (a `/`-separated path relative to the mount root).
+    /// The store path of `rel` (a `/`-separated path relative to the mount root), naming
+    /// the object exactly as the store listed it. (`Path::join` would percent-encode
+    /// non-ASCII and some ASCII characters, which then name a different key.)
     pub fn path_of(&self, rel: &str) -> StorePath {
-        let mut p = self.prefix.clone();
-        for part in rel.split('/').filter(|s| !s.is_empty()) {
-            p = p.clone().join(part);
+        let parts: Vec<&str> = self
+            .prefix
+            .as_ref()
+            .split('/')
+            .chain(rel.split('/'))
+            .filter(|s| !s.is_empty())
+            .collect();
+        match StorePath::parse(parts.join("/")) {
+            Ok(p) => p,
+            Err(_) => {
+                // A name object_store refuses raw (e.g. `..`): fall back to its encoding.
+                let mut p = self.prefix.clone();
+                for part in rel.split('/').filter(|s| !s.is_empty()) {
+                    p = p.clone().join(part);
+                }
+                p
+            }
         }
-        p
     }
 }
 
@@ -133,7 +261,49 @@ impl UfsSpec {
         Ok(spec)
     }
 
+    /// The kind of store the URI names; unknown schemes and URIs without a bucket are
+    /// refused.
+    pub fn kind(&self) -> Result<Kind, UfsError> {
+        let url = Url::parse(&self.uri).map_err(|e| UfsError::InvalidUri {
+            uri: self.uri.clone(),
+            reason: e.to_string(),
+        })?;
+        let kind = Kind::of(&url).ok_or_else(|| UfsError::InvalidUri {
+            uri: self.uri.clone(),
+            reason: format!(
+                "unsupported scheme {:?}; use s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or file:///dir",
+                url.scheme()
+            ),
+        })?;
+        if kind != Kind::Local && url.host_str().is_none_or(str::is_empty) {
+            return Err(UfsError::InvalidUri {
+                uri: self.uri.clone(),
+                reason: format!("no {} bucket or container named", kind.name()),
+            });
+        }
+        Ok(kind)
+    }
+
     fn validate_options(&self) -> Result<(), UfsError> {
+        let kind = self.kind()?;
+        for (k, v) in self.store_options() {
+            if !kind.knows(k) {
+                return Err(UfsError::InvalidOption {
+                    key: k.clone(),
+                    value: if is_secret_key(k) {
+                        "***".into()
+                    } else {
+                        v.clone()
+                    },
+                    reason: format!(
+                        "not a Granary option ({}) nor a {} option ({})",
+                        GRANARY_OPTION_KEYS.join(", "),
+                        kind.name(),
+                        kind.key_doc()
+                    ),
+                });
+            }
+        }
         if let Some(v) = self.options.get("read_only") {
             if parse_bool(v).is_none() {
                 return Err(UfsError::InvalidOption {
@@ -200,6 +370,77 @@ impl UfsSpec {
     }
 }
 
+impl UfsSpec {
+    /// `text` with every secret option value replaced by `***` (error messages of stores
+    /// can echo request URLs, which carry SAS tokens and the like).
+    pub fn scrub(&self, text: &str) -> String {
+        let mut out = text.replace('\n', " ");
+        for (k, v) in &self.options {
+            if is_secret_key(k) && v.len() >= 4 {
+                out = out.replace(v.as_str(), "***");
+            }
+        }
+        out
+    }
+
+    /// Opens the store and checks that it answers: the bucket exists and the credentials
+    /// are accepted (one listing of the mount's prefix, bounded by [`PROBE_TIMEOUT`]).
+    pub async fn open_and_probe(&self) -> Result<Ufs, UfsError> {
+        let ufs = self.open()?;
+        if self.kind()? == Kind::Local {
+            return Ok(ufs);
+        }
+        let kind = self.kind()?.name();
+        let listing = tokio::time::timeout(
+            PROBE_TIMEOUT,
+            ufs.store.list_with_delimiter(Some(&ufs.prefix)),
+        )
+        .await;
+        let message = match listing {
+            Ok(Ok(_)) => return Ok(ufs),
+            Ok(Err(e)) => {
+                let text = e.to_string();
+                let has = |needles: &[&str]| needles.iter().any(|n| text.contains(n));
+                // object_store reports most HTTP failures as `Generic`; the store's own error
+                // code tells them apart.
+                let what = match &e {
+                    object_store::Error::NotFound { .. } => {
+                        "the bucket or container does not exist"
+                    }
+                    object_store::Error::PermissionDenied { .. }
+                    | object_store::Error::Unauthenticated { .. } => "the credentials were refused",
+                    _ if has(&["NoSuchBucket", "ContainerNotFound", "404 Not Found"]) => {
+                        "the bucket or container does not exist"
+                    }
+                    _ if has(&[
+                        "SignatureDoesNotMatch",
+                        "InvalidAccessKeyId",
+                        "AccessDenied",
+                        "AuthenticationFailed",
+                        "403 Forbidden",
+                        "401 Unauthorized",
+                    ]) =>
+                    {
+                        "the credentials were refused"
+                    }
+                    _ => "the store could not be listed",
+                };
+                format!(
+                    "{kind} under-store {} is not usable: {what} ({e})",
+                    self.uri
+                )
+            }
+            Err(_) => format!(
+                "{kind} under-store {} did not answer within {PROBE_TIMEOUT:?}",
+                self.uri
+            ),
+        };
+        Err(UfsError::Probe {
+            message: self.scrub(&message),
+        })
+    }
+}
+
 fn parse_bool(v: &str) -> Option<bool> {
     match v.to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" => Some(true),
@@ -258,6 +499,99 @@ mod tests {
         assert_eq!(
             UfsSpec::new("/data/", BTreeMap::new()).unwrap().uri,
             "file:///data"
+        );
+    }
+
+    #[test]
+    fn schemes_buckets_and_option_keys_are_checked() {
+        let opts = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let e = UfsSpec::new("ftp://host/x", BTreeMap::new()).unwrap_err();
+        assert!(e.to_string().contains("unsupported scheme \"ftp\""), "{e}");
+        let e = UfsSpec::new("s3:///prefix", BTreeMap::new()).unwrap_err();
+        assert!(e.to_string().contains("no S3 bucket"), "{e}");
+        // object_store's own key names (and their aliases) pass through.
+        UfsSpec::new(
+            "s3://b/p",
+            opts(&[
+                ("endpoint", "http://127.0.0.1:9000"),
+                ("access_key_id", "k"),
+                ("secret_access_key", "s"),
+                ("allow_http", "true"),
+                ("read_only", "true"),
+            ]),
+        )
+        .unwrap();
+        UfsSpec::new("gs://b", opts(&[("service_account", "/sa.json")])).unwrap();
+        UfsSpec::new("az://c", opts(&[("use_emulator", "true")])).unwrap();
+        // A misspelt key is refused, and a secret value is not echoed.
+        let e = UfsSpec::new("s3://b", opts(&[("secret_acess_key", "hunter22")])).unwrap_err();
+        assert!(e.to_string().contains("secret_acess_key"), "{e}");
+        let e = UfsSpec::new("s3://b", opts(&[("secret_key_typo", "hunter22")])).unwrap_err();
+        assert!(!e.to_string().contains("hunter22"), "{e}");
+        assert!(UfsSpec::new("/tmp", opts(&[("region", "x")])).is_err());
+    }
+
+    #[test]
+    fn store_paths_keep_names_as_listed() {
+        let ufs = Ufs {
+            store: Arc::new(object_store::memory::InMemory::new()),
+            prefix: StorePath::from("data"),
+        };
+        assert_eq!(
+            ufs.path_of("unicodé/naïve ✓ 数据.bin").as_ref(),
+            "data/unicodé/naïve ✓ 数据.bin"
+        );
+        assert_eq!(
+            ufs.path_of("with space/a b").as_ref(),
+            "data/with space/a b"
+        );
+        assert_eq!(ufs.path_of("").as_ref(), "data");
+    }
+
+    #[test]
+    fn a_response_of_another_version_is_detected() {
+        let meta = |etag: Option<&str>, size: u64, secs: i64| object_store::ObjectMeta {
+            location: StorePath::from("x"),
+            last_modified: chrono::DateTime::from_timestamp(secs, 0).unwrap(),
+            size,
+            e_tag: etag.map(str::to_string),
+            version: None,
+        };
+        let e = Expected {
+            etag: "abc".into(),
+            size: 10,
+            mtime_ms: 5_250,
+        };
+        assert_eq!(e.mismatch(&meta(Some("\"abc\""), 10, 99)), None);
+        assert!(e.mismatch(&meta(Some("\"abd\""), 10, 5)).is_some());
+        assert!(e.mismatch(&meta(Some("abc"), 11, 5)).is_some());
+        // Without an ETag, the modification time decides (to the second).
+        let e = Expected {
+            etag: String::new(),
+            size: 10,
+            mtime_ms: 5_250,
+        };
+        assert_eq!(e.mismatch(&meta(None, 10, 5)), None);
+        assert!(e.mismatch(&meta(None, 10, 6)).is_some());
+    }
+
+    #[test]
+    fn scrub_hides_secret_values() {
+        let mut o = BTreeMap::new();
+        o.insert("sas_key".to_string(), "sig=abcdef".to_string());
+        o.insert("account".to_string(), "acct".to_string());
+        let spec = UfsSpec {
+            uri: "az://c".into(),
+            options: o,
+        };
+        assert_eq!(
+            spec.scrub("GET https://acct/c?sig=abcdef failed\nline"),
+            "GET https://acct/c?*** failed line"
         );
     }
 

@@ -98,7 +98,7 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
-        let spec = validate_new(uri, options)?;
+        let spec = validate_new(uri, options).await?;
         match self
             .propose_request(
                 Command::AddMount {

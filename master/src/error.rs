@@ -74,9 +74,9 @@ impl From<granary_common::ufs::UfsError> for MasterError {
     fn from(e: granary_common::ufs::UfsError) -> Self {
         use granary_common::ufs::UfsError as U;
         match e {
-            U::Open { .. } => Self::Unavailable {
-                message: e.to_string(),
-            },
+            // The store's configuration was rejected while building its client.
+            U::Open { .. } => Self::invalid(e.to_string().replace('\n', " ")),
+            U::Probe { message } => Self::precondition(message),
             _ => Self::invalid(e.to_string()),
         }
     }

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+pub mod stores;
+
 /// The `granary` binary under test: `$GRANARY_BIN`, or the one cargo built next to this test.
 ///
 /// `cargo test` does not rebuild another package's binary: run the suite through
@@ -48,20 +50,40 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &str, dir: &Path, args: &[&str]) -> Result<Self> {
+        Self::spawn_with(name, dir, &granary_bin(), args, None)
+    }
+
+    /// Spawns another program (e.g. an under-store test server) in `dir`, with its output
+    /// in `<name>.log` there.
+    pub fn spawn_program(name: &str, dir: &Path, program: &Path, args: &[&str]) -> Result<Self> {
+        Self::spawn_with(name, dir, program, args, Some(dir))
+    }
+
+    fn spawn_with(
+        name: &str,
+        dir: &Path,
+        program: &Path,
+        args: &[&str],
+        cwd: Option<&Path>,
+    ) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let log = dir.join(format!("{name}.log"));
         let f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)?;
-        let child = Command::new(granary_bin())
+        let mut cmd = Command::new(program);
+        if let Some(d) = cwd {
+            cmd.current_dir(d);
+        }
+        let child = cmd
             .args(args)
             .env("GRANARY_LOG", "info")
             .stdin(Stdio::null())
             .stdout(f.try_clone()?)
             .stderr(f)
             .spawn()
-            .with_context(|| format!("spawning {} {args:?}", granary_bin().display()))?;
+            .with_context(|| format!("spawning {} {args:?}", program.display()))?;
         Ok(Self {
             name: name.to_string(),
             child,
@@ -238,8 +260,18 @@ pub fn random_file(path: &Path, len: u64) -> Result<()> {
 
 /// SHA-256 of every file under `dir`, keyed by relative path, computed by `sha256sum`.
 pub fn tree_sums(dir: &Path) -> Result<BTreeMap<String, String>> {
+    tree_sums_except(dir, "")
+}
+
+/// [`tree_sums`] without the files named `skip` (nothing skipped when empty).
+pub fn tree_sums_except(dir: &Path, skip: &str) -> Result<BTreeMap<String, String>> {
+    let filter = if skip.is_empty() {
+        String::new()
+    } else {
+        format!("! -name '{skip}'")
+    };
     let out = sh(&format!(
-        "cd '{}' && find . -type f -print0 | sort -z | xargs -0 -r sha256sum",
+        "cd '{}' && find . -type f {filter} -print0 | sort -z | xargs -0 -r sha256sum",
         dir.display()
     ))?;
     Ok(out

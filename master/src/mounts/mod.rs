@@ -39,9 +39,13 @@ impl UfsCache {
     }
 }
 
-/// Validates a requested mount before it is proposed: the URI parses, the store opens and a
-/// local directory exists.
-pub fn validate_new(uri: &str, options: &[pb::MountOptionEntry]) -> Result<UfsSpec, MasterError> {
+/// Validates a requested mount before it is proposed: the URI parses, the options are known,
+/// the store opens, a local directory exists, and a remote store answers a listing of the
+/// prefix (bucket exists, credentials accepted).
+pub async fn validate_new(
+    uri: &str,
+    options: &[pb::MountOptionEntry],
+) -> Result<UfsSpec, MasterError> {
     if uri.trim().is_empty() {
         return Err(MasterError::invalid("the under-store URI is empty"));
     }
@@ -53,7 +57,7 @@ pub fn validate_new(uri: &str, options: &[pb::MountOptionEntry]) -> Result<UfsSp
         opts.insert(o.key.clone(), o.value.clone());
     }
     let spec = UfsSpec::new(uri, opts)?;
-    spec.open()?;
+    spec.open_and_probe().await?;
     Ok(spec)
 }
 

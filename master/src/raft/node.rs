@@ -864,8 +864,11 @@ impl Driver {
         wo.set_sync(true);
         db.write_opt(batch, &wo)?;
         self.storage.snapshot_installed(&meta);
-        self.status.applied.store(meta.index, Ordering::Relaxed);
         self.last_snapshot = meta.index;
+        // Configuration first, then the applied index: whoever sees the new applied index
+        // sees the members that go with it.
+        self.publish_status();
+        self.status.applied.store(meta.index, Ordering::Relaxed);
         self.config.snapshots.prune(meta.index);
         // Addresses of members added after the initial configuration travel in the state.
         for (id, addr) in self.sm.member_addresses().unwrap_or_default() {

@@ -524,7 +524,15 @@ async fn a_joining_member_gets_a_snapshot_that_includes_it() {
     g.wait_converged(Duration::from_secs(30));
     let want: BTreeSet<String> = (0..5).map(|i| format!("before{i}")).collect();
     assert_eq!(g.names(4, "/j"), want);
-    assert_eq!(g.nodes[&4].handle.status.voters(), vec![1, 2, 3, 4]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while g.nodes[&4].handle.status.voters() != vec![1, 2, 3, 4] {
+        assert!(
+            Instant::now() < deadline,
+            "member 4 sees voters {:?}",
+            g.nodes[&4].handle.status.voters()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(
         g.nodes[&4].sm.member_addresses().unwrap(),
         vec![(4, "node-4:1".to_string())]

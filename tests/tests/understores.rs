@@ -1,0 +1,260 @@
+//! Under-stores of every kind in one namespace: S3 (s3s-fs), GCS (fake-gcs-server), Azure
+//! Blob (Azurite) and a local folder, each started by the harness on 127.0.0.1 and loaded
+//! by its own kind of client, mounted side by side and read through one FUSE mount.
+//!
+//! One test in this binary on purpose: it sets `AZURITE_BLOB_STORAGE_URL` for the Granary
+//! processes it starts, which must not race with other tests spawning processes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use granary_tests::stores::TestStore;
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+const S3_ACCESS: &str = "granary-test-access";
+const S3_SECRET: &str = "Gr4nary-S3cret-never-shown-9f2c";
+
+/// The conformance tree: empty object, multi-page objects, deep paths, spaces, unicode.
+fn conformance_tree(root: &Path) -> PathBuf {
+    let dir = root.join("tree");
+    for (name, len) in [
+        ("empty", 0),
+        ("one-byte", 1),
+        ("plain/a.bin", MIB + 3),
+        ("plain/b.bin", 4096),
+        ("big.bin", 5 * MIB + 11),
+        ("deep/1/2/3/4/5/6/7/leaf.txt", 77),
+        ("with space/file name.txt", 1234),
+        ("unicodé/naïve ✓ 数据.bin", 4321),
+        ("changing.bin", 64 * 1024),
+    ] {
+        random_file(&dir.join(name), len).unwrap();
+    }
+    for i in 0..20 {
+        random_file(&dir.join(format!("many/f{i:02}.bin")), 10 + i * 100).unwrap();
+    }
+    dir
+}
+
+fn sha_of(path: &Path) -> Option<String> {
+    sh(&format!("sha256sum < '{}'", path.display()))
+        .ok()
+        .map(|s| s.split_whitespace().next().unwrap_or_default().to_string())
+}
+
+/// SHA-256 of `len` bytes at `offset` of a file (a ranged read through the mount).
+fn range_sha(path: &Path, offset: u64, len: u64) -> String {
+    sh(&format!(
+        "python3 -c \"import hashlib,sys; f=open(sys.argv[1],'rb'); f.seek({offset}); print(hashlib.sha256(f.read({len})).hexdigest())\" '{}'",
+        path.display()
+    ))
+    .unwrap()
+}
+
+fn mount_args<'a>(
+    path: &'a str,
+    uri: &'a str,
+    options: &'a [String],
+    master: &'a str,
+) -> Vec<&'a str> {
+    let mut a = vec!["mount", "add", path, uri];
+    for o in options {
+        a.push("--option");
+        a.push(o);
+    }
+    a.extend(["--master", master]);
+    a
+}
+
+#[test]
+fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-ufs-")
+        .tempdir()
+        .unwrap();
+    // GRANARY_KEEP_TEST_DIR=1 keeps the servers' and processes' files for a post-mortem.
+    let (_tmp, root) = if std::env::var_os("GRANARY_KEEP_TEST_DIR").is_some() {
+        let p = tmp.keep();
+        eprintln!("test dir kept: {}", p.display());
+        (None, p)
+    } else {
+        let p = tmp.path().to_path_buf();
+        (Some(tmp), p)
+    };
+    let root = root.as_path();
+    let src = conformance_tree(root);
+    let expected = tree_sums(&src).unwrap();
+
+    let s3 = TestStore::s3(root, "bucket-one", S3_ACCESS, S3_SECRET).unwrap();
+    let gcs = TestStore::gcs(root, "gcs-bucket").unwrap();
+    let az = TestStore::azure(root, "container").unwrap();
+    for s in [&s3, &gcs, &az] {
+        s.load(&src)
+            .unwrap_or_else(|e| panic!("loading {:?}: {e:#}", s.kind));
+    }
+    // Granary processes started from here inherit it (see the module comment).
+    let (k, v) = az.env().unwrap();
+    std::env::set_var(k, v);
+
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    let w = Worker::start(root, "w1", &addr, "512MiB").unwrap();
+    wait_live_workers(&addr, 1).unwrap();
+    let local = src.to_string_lossy().to_string();
+    let mounts: Vec<(&str, String, Vec<String>)> = vec![
+        ("/stores/s3", s3.uri(), s3.options.clone()),
+        ("/stores/gcs", gcs.uri(), gcs.options.clone()),
+        ("/stores/azure", az.uri(), az.options.clone()),
+        ("/stores/local", local.clone(), vec![]),
+    ];
+    for (path, uri, opts) in &mounts {
+        granary_ok(&mount_args(path, uri, opts, &addr))
+            .unwrap_or_else(|e| panic!("mount {path} {uri}: {e:#}"));
+    }
+    let fuse = Fuse::start(root, &addr).unwrap();
+    let mnt = fuse.mountpoint.join("stores");
+    assert_eq!(
+        sh(&format!("ls '{}'", mnt.display())).unwrap(),
+        "azure\ngcs\nlocal\ns3\n"
+    );
+
+    // An object replaced (same size, new bytes) after its listing was loaded but before it
+    // was read: the listing's fingerprint no longer matches, so the read fails (ESTALE)
+    // rather than serve bytes under a fingerprint they do not belong to. (Test servers that
+    // ignore If-Match are caught by the ETag check on the response.)
+    let other = root.join("changed.bin");
+    random_file(&other, 64 * 1024).unwrap();
+    let old = sha_of(&src.join("changing.bin")).unwrap();
+    let new = sha_of(&other).unwrap();
+    let mut outcomes = BTreeMap::new();
+    for (kind, store) in [("s3", &s3), ("gcs", &gcs), ("azure", &az)] {
+        sh(&format!("ls -l '{}'", mnt.join(kind).display())).unwrap();
+        store.put("changing.bin", &other).unwrap();
+        let outcome = match sha_of(&mnt.join(kind).join("changing.bin")) {
+            None => "error",
+            Some(g) if g == old => "old",
+            Some(g) if g == new => "new",
+            Some(_) => "mixed",
+        };
+        outcomes.insert(kind, outcome);
+    }
+    eprintln!("changed-object outcomes: {outcomes:?}");
+    assert!(
+        outcomes.values().all(|o| *o == "error"),
+        "a changed object was served: {outcomes:?}"
+    );
+    let expected_rest: BTreeMap<String, String> = expected
+        .iter()
+        .filter(|(k, _)| !k.ends_with("/changing.bin"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+
+    // Every file of every kind, byte for byte; listings (names, sizes) equal the source.
+    for kind in ["s3", "gcs", "azure", "local"] {
+        let dir = mnt.join(kind);
+        assert_eq!(
+            tree_sums_except(&dir, "changing.bin").unwrap(),
+            expected_rest,
+            "{kind}: bytes differ"
+        );
+        // Names and sizes (the replaced object kept its size).
+        assert_eq!(
+            tree_stats(&dir).unwrap(),
+            tree_stats(&src).unwrap(),
+            "{kind}: listing differs"
+        );
+        // Ranged reads inside a page, across a page boundary and at the end.
+        for (off, len) in [(5, 100), (MIB - 10, 20), (5 * MIB, 11)] {
+            assert_eq!(
+                range_sha(&dir.join("big.bin"), off, len),
+                range_sha(&src.join("big.bin"), off, len),
+                "{kind}: range {off}+{len}"
+            );
+        }
+    }
+    // Second pass from the cache: still exact, no new under-store bytes.
+    let ufs_before = w.metric("granary_worker_ufs_read_bytes_total");
+    for kind in ["s3", "gcs", "azure"] {
+        assert_eq!(
+            tree_sums_except(&mnt.join(kind), "changing.bin").unwrap(),
+            expected_rest,
+            "{kind} (cached)"
+        );
+    }
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), ufs_before);
+
+    // Credentials never show: mount list, report, and every process log.
+    let list = granary_ok(&["mount", "list", "--master", &addr]).unwrap();
+    assert!(list.contains("secret_access_key=***"), "{list}");
+    let report = granary_ok(&["report", "--json", "--master", &addr]).unwrap();
+    let json_list = granary_ok(&["mount", "list", "--json", "--master", &addr]).unwrap();
+    for (what, text) in [
+        ("mount list", list.clone()),
+        ("mount list --json", json_list),
+        ("report", report),
+        ("master log", master.proc.log_text()),
+        ("worker log", w.proc.log_text()),
+        ("fuse log", fuse.proc.log_text()),
+    ] {
+        assert!(!text.contains(S3_SECRET), "{what} shows the S3 secret");
+    }
+
+    // Bad input: one sentence each, nothing added.
+    let bad_creds: Vec<String> = s3
+        .options
+        .iter()
+        .map(|o| {
+            if o.starts_with("secret_access_key=") {
+                "secret_access_key=wrong-secret".to_string()
+            } else {
+                o.clone()
+            }
+        })
+        .collect();
+    let cases: Vec<(&str, String, Vec<String>, &str)> = vec![
+        (
+            "unknown scheme",
+            "ftp://host/data".into(),
+            vec![],
+            "unsupported scheme",
+        ),
+        (
+            "malformed URI",
+            "s3://bad bucket/x".into(),
+            vec![],
+            "invalid under-store URI",
+        ),
+        (
+            "missing bucket",
+            "s3://no-such-bucket".into(),
+            s3.options.clone(),
+            "does not exist",
+        ),
+        (
+            "wrong credentials",
+            s3.uri(),
+            bad_creds,
+            "credentials were refused",
+        ),
+        (
+            "unknown option",
+            s3.uri(),
+            vec!["secret_acess_key=x".into()],
+            "invalid mount option",
+        ),
+    ];
+    for (what, uri, opts, says) in &cases {
+        let out = granary(&mount_args("/stores/bad", uri, opts, &addr));
+        assert_one_sentence_error(&out, what);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{what}: {err}");
+        assert!(!err.contains("wrong-secret"), "{what}: {err}");
+        eprintln!("{what}: {}", err.trim_end());
+    }
+    assert_eq!(
+        granary_ok(&["mount", "list", "--master", &addr]).unwrap(),
+        list
+    );
+    drop(fuse);
+}
