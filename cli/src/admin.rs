@@ -48,6 +48,11 @@ fn status_json(s: &pb::FileStatus) -> serde_json::Value {
             "etag": f.etag, "size": f.size, "mtime_ms": f.mtime_ms, "version_id": f.version_id,
         })),
         "version": format!("{:016x}", s.version),
+        "sync": json!({
+            "failures": s.sync_failures,
+            "error": s.sync_error,
+            "synced_ms_ago": s.synced_ms_ago,
+        }),
     })
 }
 
@@ -130,6 +135,25 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot create the directory {path}"))?;
             println!("{}", s.path);
         }
+        FsCommand::Sync {
+            path,
+            recursive,
+            master: addr,
+        } => {
+            let r = master(&addr)?
+                .sync_metadata(&path, recursive)
+                .await
+                .with_context(|| format!("cannot sync {path}"))?;
+            if !r.failures.is_empty() {
+                anyhow::bail!(
+                    "{} of {} directories could not be listed (their known entries were kept): {}",
+                    r.failures.len(),
+                    r.failures.len() as u64 + r.dirs_listed,
+                    r.failures.join("; ")
+                );
+            }
+            println!("listed {} directories", r.dirs_listed);
+        }
         FsCommand::Ls {
             path,
             long,
@@ -189,6 +213,14 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                         u.mount_id,
                         if u.path.is_empty() { "/" } else { &u.path }
                     );
+                }
+                if s.sync_failures > 0 {
+                    println!(
+                        "sync:        FAILING ({} listings in a row; known entries kept): {}",
+                        s.sync_failures, s.sync_error
+                    );
+                } else if s.synced_ms_ago > 0 {
+                    println!("sync:        listed {} ms ago", s.synced_ms_ago);
                 }
                 if let Some(f) = &s.fingerprint {
                     println!(

@@ -348,6 +348,20 @@ pub enum FsCommand {
         #[command(flatten)]
         master: MasterAddr,
     },
+    /// List mounted directories from their under-stores now (new, changed and removed objects).
+    ///
+    /// Examples:
+    ///   granary fs sync /datasets/imagenet/train
+    ///   granary fs sync -R /datasets
+    #[command(verbatim_doc_comment)]
+    Sync {
+        path: String,
+        /// Also every directory below it that was already loaded.
+        #[arg(short = 'R', long)]
+        recursive: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
     /// Show an entry's metadata.
     ///
     /// Example: granary fs stat /datasets/train/part-0001.tar

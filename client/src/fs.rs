@@ -79,6 +79,13 @@ impl FileSystem {
             .await
     }
 
+    /// The status of a file being opened (validate-on-open mounts check the object first).
+    pub async fn open_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
+        self.master
+            .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
+            .await
+    }
+
     pub async fn stat_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
         self.master
             .get_status(pb::path_or_id::Target::Inode(inode))

@@ -213,6 +213,16 @@ impl MasterClient {
         &self,
         target: pb::path_or_id::Target,
     ) -> Result<pb::FileStatus, ClientError> {
+        self.get_status_opts(target, false).await
+    }
+
+    /// `validate`: the caller opens the file — in a validate-on-open mount the master checks
+    /// the object's fingerprint first.
+    pub async fn get_status_opts(
+        &self,
+        target: pb::path_or_id::Target,
+        validate: bool,
+    ) -> Result<pb::FileStatus, ClientError> {
         let r = self
             .call(|mut c| {
                 let req = self.request(pb::GetStatusRequest {
@@ -220,12 +230,29 @@ impl MasterClient {
                         target: Some(target.clone()),
                     }),
                     allow_stale: false,
+                    validate,
                 });
                 async move { c.get_status(req).await }
             })
             .await?;
         r.status
             .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+    }
+
+    /// Lists mounted directories from their under-stores now.
+    pub async fn sync_metadata(
+        &self,
+        path: &str,
+        recursive: bool,
+    ) -> Result<pb::SyncMetadataResponse, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::SyncMetadataRequest {
+                path: path.to_string(),
+                recursive,
+            });
+            async move { c.sync_metadata(req).await }
+        })
+        .await
     }
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {

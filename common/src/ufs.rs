@@ -14,7 +14,38 @@ use thiserror::Error;
 use url::Url;
 
 /// Option keys that Granary interprets itself (not passed to `object_store`).
-pub const GRANARY_OPTION_KEYS: &[&str] = &["read_only"];
+pub const GRANARY_OPTION_KEYS: &[&str] = &[
+    "read_only",
+    "sync_interval",
+    "validate_on_open",
+    "write_mode",
+];
+
+/// How often a loaded directory of a mount is listed again from the under-store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncPolicy {
+    /// Immutable data: loaded once, never re-listed (`sync_interval=never`).
+    Never,
+    /// Re-listed on every access (`sync_interval=always`).
+    Always,
+    /// Re-listed on access once this long has passed since the last listing.
+    Every(std::time::Duration),
+}
+
+/// Default `sync_interval`: short, so a changed dataset is seen soon (the safe choice);
+/// immutable datasets should say `never`.
+pub const DEFAULT_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accepted `write_mode` values (writes arrive with the FUSE write path).
+pub const WRITE_MODES: &[&str] = &["cache-through", "async-through", "through"];
+
+fn parse_sync(v: &str) -> Option<SyncPolicy> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "never" => Some(SyncPolicy::Never),
+        "always" | "0" | "0s" => Some(SyncPolicy::Always),
+        other => humantime::parse_duration(other).ok().map(SyncPolicy::Every),
+    }
+}
 
 #[derive(Debug, Error)]
 pub enum UfsError {
@@ -304,16 +335,52 @@ impl UfsSpec {
                 });
             }
         }
-        if let Some(v) = self.options.get("read_only") {
-            if parse_bool(v).is_none() {
+        for key in ["read_only", "validate_on_open"] {
+            if let Some(v) = self.options.get(key) {
+                if parse_bool(v).is_none() {
+                    return Err(UfsError::InvalidOption {
+                        key: key.into(),
+                        value: v.clone(),
+                        reason: "expected true or false".into(),
+                    });
+                }
+            }
+        }
+        if let Some(v) = self.options.get("sync_interval") {
+            if parse_sync(v).is_none() {
                 return Err(UfsError::InvalidOption {
-                    key: "read_only".into(),
+                    key: "sync_interval".into(),
                     value: v.clone(),
-                    reason: "expected true or false".into(),
+                    reason: "expected never, always or a duration such as 30s or 5m".into(),
+                });
+            }
+        }
+        if let Some(v) = self.options.get("write_mode") {
+            if !WRITE_MODES.contains(&v.as_str()) {
+                return Err(UfsError::InvalidOption {
+                    key: "write_mode".into(),
+                    value: v.clone(),
+                    reason: format!("expected one of {}", WRITE_MODES.join(", ")),
                 });
             }
         }
         Ok(())
+    }
+
+    /// The mount's `sync_interval` ([`DEFAULT_SYNC_INTERVAL`] when unset).
+    pub fn sync_policy(&self) -> SyncPolicy {
+        self.options
+            .get("sync_interval")
+            .and_then(|v| parse_sync(v))
+            .unwrap_or(SyncPolicy::Every(DEFAULT_SYNC_INTERVAL))
+    }
+
+    /// `validate_on_open`: check the object's fingerprint at every open.
+    pub fn validate_on_open(&self) -> bool {
+        self.options
+            .get("validate_on_open")
+            .and_then(|v| parse_bool(v))
+            .unwrap_or(false)
     }
 
     pub fn read_only(&self) -> bool {
@@ -593,6 +660,36 @@ mod tests {
             spec.scrub("GET https://acct/c?sig=abcdef failed\nline"),
             "GET https://acct/c?*** failed line"
         );
+    }
+
+    #[test]
+    fn sync_and_validation_options() {
+        let spec = |k: &str, v: &str| {
+            let mut o = BTreeMap::new();
+            o.insert(k.to_string(), v.to_string());
+            UfsSpec::new("/tmp", o)
+        };
+        assert_eq!(
+            UfsSpec::new("/tmp", BTreeMap::new()).unwrap().sync_policy(),
+            SyncPolicy::Every(DEFAULT_SYNC_INTERVAL)
+        );
+        assert_eq!(
+            spec("sync_interval", "never").unwrap().sync_policy(),
+            SyncPolicy::Never
+        );
+        assert_eq!(
+            spec("sync_interval", "always").unwrap().sync_policy(),
+            SyncPolicy::Always
+        );
+        assert_eq!(
+            spec("sync_interval", "2m").unwrap().sync_policy(),
+            SyncPolicy::Every(std::time::Duration::from_secs(120))
+        );
+        assert!(spec("sync_interval", "soon").is_err());
+        assert!(spec("validate_on_open", "true").unwrap().validate_on_open());
+        assert!(spec("validate_on_open", "perhaps").is_err());
+        assert!(spec("write_mode", "async-through").is_ok());
+        assert!(spec("write_mode", "write-back").is_err());
     }
 
     #[test]

@@ -156,7 +156,7 @@ impl Filesystem for GranaryFs {
         let files = self.files.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.rt.spawn(async move {
-            match client.stat_inode(ino.0).await {
+            match client.open_inode(ino.0).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
                     lock(&files).insert(fh, Arc::new(s));

@@ -17,7 +17,7 @@ pub struct MasterCore {
     pub address: String,
     pub ns: Namespace,
     pub raft: RaftHandle,
-    pub blocks: BlockLocations,
+    pub blocks: std::sync::Arc<BlockLocations>,
     pub workers: WorkerRegistry,
     pub heartbeat_interval: Duration,
 }
@@ -37,6 +37,7 @@ impl MasterCore {
             .load(std::sync::atomic::Ordering::Relaxed);
         if self.workers.begin_term(term) {
             self.blocks.clear();
+            self.ns.forget_sync_state();
         }
         Ok(())
     }
@@ -169,6 +170,22 @@ impl MasterCore {
             inode_count: self.ns.sm.inode_count()?,
             mount_count: self.ns.sm.mounts()?.len() as u64,
         })
+    }
+
+    /// Lists again the directories whose last listing failed, once their backoff passed
+    /// (leader only), so a failure heals without anyone looking.
+    pub fn retry_failed_listings(self: &std::sync::Arc<Self>) {
+        if !self.raft.status.is_leader() {
+            return;
+        }
+        for id in self.ns.due_retries() {
+            let core = self.clone();
+            tokio::spawn(async move {
+                if let Ok(dir) = core.ns.inode(id) {
+                    let _ = core.ns.force_sync(dir).await;
+                }
+            });
+        }
     }
 
     /// Periodic housekeeping: declare silent workers lost and forget their blocks.

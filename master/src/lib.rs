@@ -173,17 +173,25 @@ pub async fn start(
     )?;
 
     let ufs = Arc::new(mounts::UfsCache::default());
+    let blocks = Arc::new(blocks::BlockLocations::default());
     let core = Arc::new(core::MasterCore {
         id: config.id,
         address: address.clone(),
-        ns: namespace::Namespace::new(sm, raft_handle.clone(), ufs, config.block_size),
+        ns: namespace::Namespace::new(
+            sm,
+            raft_handle.clone(),
+            ufs,
+            config.block_size,
+            blocks.clone(),
+        ),
         raft: raft_handle.clone(),
-        blocks: blocks::BlockLocations::default(),
+        blocks,
         workers: workers::WorkerRegistry::new(config.worker_timeout),
         heartbeat_interval: config.heartbeat_interval,
     });
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
+    core.ns.metrics.register(&registry);
     let metrics_addr = match config.metrics_listen {
         Some(a) => Some(
             granary_common::metrics::serve(a, registry.clone(), shutdown.clone())
@@ -207,6 +215,7 @@ pub async fn start(
                     _ = tick.tick() => {
                         core.sweep();
                         master_metrics.refresh(&core);
+                        core.retry_failed_listings();
                     }
                 }
             }

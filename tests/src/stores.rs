@@ -96,6 +96,10 @@ pub enum StoreKind {
 pub struct TestStore {
     pub kind: StoreKind,
     pub proc: Proc,
+    /// How it was started (to start it again on the same port and data).
+    program: PathBuf,
+    args: Vec<String>,
+    dir: PathBuf,
     pub port: u16,
     pub bucket: String,
     /// `s3s-fs` keeps objects as files under this directory.
@@ -112,26 +116,30 @@ impl TestStore {
         let port = free_port();
         let p = port.to_string();
         let r = root.to_string_lossy().to_string();
-        let mut proc = Proc::spawn_program(
-            "s3s-fs",
-            dir,
-            &tools_dir().join("bin/s3s-fs"),
-            &[
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &p,
-                "--access-key",
-                access_key,
-                "--secret-key",
-                secret_key,
-                &r,
-            ],
-        )?;
+        let program = tools_dir().join("bin/s3s-fs");
+        let args: Vec<String> = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &p,
+            "--access-key",
+            access_key,
+            "--secret-key",
+            secret_key,
+            &r,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut proc = Proc::spawn_program("s3s-fs", dir, &program, &argv)?;
         wait_listening(&mut proc, port)?;
         Ok(Self {
             kind: StoreKind::S3,
             proc,
+            program,
+            args,
+            dir: dir.to_path_buf(),
             port,
             bucket: bucket.into(),
             root,
@@ -181,6 +189,9 @@ impl TestStore {
         let s = Self {
             kind: StoreKind::Gcs,
             proc,
+            program: PathBuf::new(),
+            args: Vec::new(),
+            dir: dir.to_path_buf(),
             port,
             bucket: bucket.into(),
             root: PathBuf::new(),
@@ -219,6 +230,9 @@ impl TestStore {
         let s = Self {
             kind: StoreKind::Azure,
             proc,
+            program: PathBuf::new(),
+            args: Vec::new(),
+            dir: dir.to_path_buf(),
             port,
             bucket: container.into(),
             root: PathBuf::new(),
@@ -228,6 +242,21 @@ impl TestStore {
         std::fs::create_dir_all(&empty)?;
         s.load(&empty)?; // creates the container
         Ok(s)
+    }
+
+    /// Stops the server (SIGKILL): requests to it fail from now on.
+    pub fn stop(&mut self) -> Result<()> {
+        self.proc.kill9()
+    }
+
+    /// Starts a stopped S3 server again on the same port over the same data.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.kind != StoreKind::S3 {
+            bail!("only the S3 test server keeps its data across a restart");
+        }
+        let argv: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        self.proc = Proc::spawn_program("s3s-fs", &self.dir, &self.program, &argv)?;
+        wait_listening(&mut self.proc, self.port)
     }
 
     pub fn url(&self) -> String {

@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use std::time::Duration;
+
 use granary_tests::stores::TestStore;
 use granary_tests::*;
 
@@ -86,7 +88,7 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     let src = conformance_tree(root);
     let expected = tree_sums(&src).unwrap();
 
-    let s3 = TestStore::s3(root, "bucket-one", S3_ACCESS, S3_SECRET).unwrap();
+    let mut s3 = TestStore::s3(root, "bucket-one", S3_ACCESS, S3_SECRET).unwrap();
     let gcs = TestStore::gcs(root, "gcs-bucket").unwrap();
     let az = TestStore::azure(root, "container").unwrap();
     for s in [&s3, &gcs, &az] {
@@ -256,5 +258,95 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         granary_ok(&["mount", "list", "--master", &addr]).unwrap(),
         list
     );
+
+    // Metadata sync: a mount re-listed every second sees a replaced object, and the old
+    // version's cached pages are dropped from the worker.
+    let with = |extra: &[&str]| -> Vec<String> {
+        s3.options
+            .iter()
+            .cloned()
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    granary_ok(&mount_args(
+        "/synced",
+        &s3.uri(),
+        &with(&["sync_interval=1s"]),
+        &addr,
+    ))
+    .unwrap();
+    let synced = fuse.mountpoint.join("synced");
+    let target = synced.join("plain/b.bin");
+    assert_eq!(sha_of(&target), sha_of(&src.join("plain/b.bin")));
+    let fresh = root.join("fresh-b.bin");
+    random_file(&fresh, 4096).unwrap();
+    let fresh_sha = sha_of(&fresh).unwrap();
+    s3.put("plain/b.bin", &fresh).unwrap();
+    poll(
+        "the re-listed mount to serve the new bytes",
+        Duration::from_secs(30),
+        || (sha_of(&target).as_deref() == Some(fresh_sha.as_str())).then_some(()),
+    )
+    .unwrap();
+    poll(
+        "the old version's pages to be dropped",
+        Duration::from_secs(15),
+        || (w.metric("granary_worker_stale_dropped_bytes_total") >= 4096.0).then_some(()),
+    )
+    .unwrap();
+
+    // validate_on_open: the next open after a change reads the new bytes, without waiting.
+    granary_ok(&mount_args(
+        "/validated",
+        &s3.uri(),
+        &with(&["validate_on_open=true", "sync_interval=never"]),
+        &addr,
+    ))
+    .unwrap();
+    let vt = fuse.mountpoint.join("validated/plain/a.bin");
+    assert_eq!(sha_of(&vt), sha_of(&src.join("plain/a.bin")));
+    let fresh_a = root.join("fresh-a.bin");
+    random_file(&fresh_a, MIB + 3).unwrap();
+    s3.put("plain/a.bin", &fresh_a).unwrap();
+    assert_eq!(
+        sha_of(&vt),
+        sha_of(&fresh_a),
+        "validate-on-open served the old bytes"
+    );
+
+    // A failing under-store: listings fail, the failure shows in `fs sync`, `fs stat` and
+    // metrics, known entries stay listed and cached bytes readable; once the store is back
+    // the master's own retry heals it.
+    s3.stop().unwrap();
+    let out = granary(&["fs", "sync", "/synced", "--master", &addr]);
+    assert_one_sentence_error(&out, "fs sync with the store down");
+    let stat = || -> serde_json::Value {
+        serde_json::from_str(
+            &granary_ok(&["fs", "stat", "/synced", "--json", "--master", &addr]).unwrap(),
+        )
+        .unwrap()
+    };
+    let st = stat();
+    assert!(st["sync"]["failures"].as_u64().unwrap() >= 1, "{st}");
+    assert!(
+        st["sync"]["error"].as_str().unwrap().contains("failed"),
+        "{st}"
+    );
+    assert!(metric_at(&master.metrics, "granary_master_ufs_listing_failures_total") >= 1.0);
+    std::thread::sleep(Duration::from_millis(1100)); // let the 1 s sync interval pass
+    assert_eq!(
+        sh(&format!("ls '{}'", synced.join("plain").display())).unwrap(),
+        "a.bin\nb.bin\n",
+        "a failed listing emptied a directory"
+    );
+    assert_eq!(sha_of(&target).as_deref(), Some(fresh_sha.as_str()));
+    s3.restart().unwrap();
+    poll(
+        "the failed listing to be retried and succeed",
+        Duration::from_secs(60),
+        || (stat()["sync"]["failures"].as_u64() == Some(0)).then_some(()),
+    )
+    .unwrap();
+    granary_ok(&["fs", "sync", "-R", "/synced", "--master", &addr]).unwrap();
     drop(fuse);
 }

@@ -14,6 +14,7 @@ pub struct WorkerMetrics {
     pub ufs_requests: Counter<u64, AtomicU64>,
     pub ufs_errors: Counter<u64, AtomicU64>,
     pub evicted_bytes: Counter<u64, AtomicU64>,
+    pub stale_dropped_bytes: Counter<u64, AtomicU64>,
     pub checksum_failures: Counter<u64, AtomicU64>,
     pub uncached_fills: Counter<u64, AtomicU64>,
     pub read_requests: Counter<u64, AtomicU64>,
@@ -55,6 +56,11 @@ impl WorkerMetrics {
                 "granary_worker_evicted_bytes",
                 "Bytes evicted from the cache",
                 m.evicted_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_stale_dropped_bytes",
+                "Bytes of cached pages dropped because their under-store object changed or vanished",
+                m.stale_dropped_bytes.clone(),
             );
             r.register(
                 "granary_worker_checksum_failures",

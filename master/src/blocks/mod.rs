@@ -21,7 +21,15 @@ struct Inner {
 #[derive(Default)]
 pub struct BlockLocations {
     inner: Mutex<Inner>,
+    /// Files whose under-store object changed or vanished: inode → the version to keep
+    /// (0: none), with when it was noted. Workers holding other versions are told to drop
+    /// them on their next heartbeat.
+    stale: Mutex<HashMap<u64, (u64, std::time::Instant)>>,
 }
+
+/// How long a noted change is passed on to workers (a worker away longer re-registers with
+/// a full report, and pages of a version no inode has are never read again anyway).
+const STALE_RETENTION: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl BlockLocations {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -97,6 +105,36 @@ impl BlockLocations {
         v
     }
 
+    /// Notes that only `keep` (0: no version) of `inode` is current.
+    pub fn note_stale(&self, inode: u64, keep: u64) {
+        let mut stale = match self.stale.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        stale.insert(inode, (keep, std::time::Instant::now()));
+        stale.retain(|_, (_, at)| at.elapsed() < STALE_RETENTION);
+    }
+
+    /// `(inode, version to keep)` for every noted change of which `worker` still holds
+    /// another version.
+    pub fn stale_for(&self, worker: u64) -> Vec<(u64, u64)> {
+        let stale: Vec<(u64, u64)> = match self.stale.lock() {
+            Ok(g) => g.iter().map(|(i, (k, _))| (*i, *k)).collect(),
+            Err(p) => p.into_inner().iter().map(|(i, (k, _))| (*i, *k)).collect(),
+        };
+        if stale.is_empty() {
+            return Vec::new();
+        }
+        let inner = self.lock();
+        let Some(held) = inner.by_worker.get(&worker) else {
+            return Vec::new();
+        };
+        stale
+            .into_iter()
+            .filter(|(inode, keep)| held.iter().any(|k| k.0 == *inode && k.1 != *keep))
+            .collect()
+    }
+
     pub fn block_count(&self, worker: u64) -> u64 {
         self.lock()
             .by_worker
@@ -116,6 +154,26 @@ mod tests {
             version: 9,
             index: i,
         }
+    }
+
+    #[test]
+    fn stale_versions_are_reported_to_the_workers_holding_them() {
+        let m = BlockLocations::default();
+        m.replace_worker(1, &[b(0)]);
+        m.replace_worker(
+            2,
+            &[BlockId {
+                inode: 6,
+                version: 1,
+                index: 0,
+            }],
+        );
+        m.note_stale(5, 10);
+        assert_eq!(m.stale_for(1), vec![(5, 10)]);
+        assert!(m.stale_for(2).is_empty());
+        // Once the worker reports the old blocks gone, nothing more is asked.
+        m.update(1, &[], &[b(0)]);
+        assert!(m.stale_for(1).is_empty());
     }
 
     #[test]

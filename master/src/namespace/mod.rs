@@ -2,36 +2,58 @@
 //!
 //! A directory inside a mount is listed from the under-store the first time it is looked
 //! into; the listing is proposed through Raft (`Command::LoadDir`) so every replica holds the
-//! same inodes. A failed listing changes nothing and is reported to the caller.
+//! same inodes. Later accesses list it again when the mount's `sync_interval` has passed
+//! (`Command::SyncDir`). A failed listing changes nothing: a directory never listed reports
+//! it; a loaded one keeps its metadata, and the failure is recorded, counted and retried
+//! with backoff.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use granary_common::paths;
-use object_store::ObjectStore as _;
+use granary_common::ufs::SyncPolicy;
+use object_store::{ObjectStore as _, ObjectStoreExt as _};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 
 use crate::error::MasterError;
 use crate::mounts::{find_mount, UfsCache};
 use crate::raft::node::RaftHandle;
-use crate::state::{Command, Fingerprint, Inode, Kind, StateMachine, UfsEntry, ROOT_INODE};
+use crate::state::{Command, Fingerprint, Inode, Kind, Mount, StateMachine, UfsEntry, ROOT_INODE};
 
 pub struct Namespace {
     pub sm: StateMachine,
     pub raft: RaftHandle,
     pub ufs: Arc<UfsCache>,
     pub block_size: u64,
+    /// Where stale versions are noted for workers to drop.
+    blocks: Arc<crate::blocks::BlockLocations>,
     /// One listing at a time per directory.
     loading: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>,
+    /// When each directory was last listed, and its failures (leader's soft state).
+    sync_state: Mutex<HashMap<u64, DirSync>>,
+    pub metrics: NsMetrics,
 }
 
 impl Namespace {
-    pub fn new(sm: StateMachine, raft: RaftHandle, ufs: Arc<UfsCache>, block_size: u64) -> Self {
+    pub fn new(
+        sm: StateMachine,
+        raft: RaftHandle,
+        ufs: Arc<UfsCache>,
+        block_size: u64,
+        blocks: Arc<crate::blocks::BlockLocations>,
+    ) -> Self {
         Self {
             sm,
             raft,
             ufs,
             block_size,
+            blocks,
             loading: Mutex::new(HashMap::new()),
+            sync_state: Mutex::new(HashMap::new()),
+            metrics: NsMetrics::default(),
         }
     }
 
@@ -95,43 +117,203 @@ impl Namespace {
         self.sm.children(dir.id, after, limit)
     }
 
-    /// Makes sure a mounted directory's children are in the namespace.
+    /// Makes sure a mounted directory's children are in the namespace, and re-lists a
+    /// loaded one when its mount's `sync_interval` says so. A failed re-listing keeps the
+    /// metadata already known (it is recorded, counted and retried with backoff); only a
+    /// directory never listed successfully reports the failure.
     pub async fn ensure_loaded(&self, dir: Inode) -> Result<Inode, MasterError> {
+        self.sync(dir, false).await
+    }
+
+    /// Lists `dir` again now, whatever the mount's policy (`granary fs sync`).
+    pub async fn force_sync(&self, dir: Inode) -> Result<Inode, MasterError> {
+        self.sync(dir, true).await
+    }
+
+    /// `granary fs sync`: lists `start` (a file: its directory) again now and, with
+    /// `recursive`, every directory below it that was already loaded. Returns how many were
+    /// listed and the failures (whose known entries were kept).
+    pub async fn sync_tree(
+        &self,
+        start: Inode,
+        recursive: bool,
+    ) -> Result<(u64, Vec<String>), MasterError> {
+        let first = if start.kind == Kind::File {
+            self.inode(start.parent)?
+        } else {
+            start
+        };
+        if first.mount_id.is_none() && !recursive {
+            return Err(MasterError::precondition(format!(
+                "{} is not inside a mount; nothing to sync (use -R to sync the mounts below it)",
+                self.sm.path_of(&first)?
+            )));
+        }
+        let mut queue = std::collections::VecDeque::from([first]);
+        let (mut listed, mut failures) = (0u64, Vec::new());
+        while let Some(dir) = queue.pop_front() {
+            if dir.mount_id.is_some() {
+                let before = self.sync_info(dir.id).map(|s| s.failures).unwrap_or(0);
+                match self.force_sync(dir.clone()).await {
+                    Ok(_) => {
+                        let after = self.sync_info(dir.id).map(|s| s.failures).unwrap_or(0);
+                        if after > before {
+                            let err = self
+                                .sync_info(dir.id)
+                                .and_then(|s| s.last_error)
+                                .unwrap_or_default();
+                            failures.push(format!("{}: {err}", self.sm.path_of(&dir)?));
+                        } else {
+                            listed += 1;
+                        }
+                    }
+                    Err(e) => failures.push(format!("{}: {e}", self.sm.path_of(&dir)?)),
+                }
+            }
+            if recursive {
+                let mut after: Option<String> = None;
+                loop {
+                    let page = self.sm.children(dir.id, after.as_deref(), 1000)?;
+                    let Some(last) = page.last() else { break };
+                    after = Some(last.name.clone());
+                    for c in page {
+                        // Unloaded directories stay lazy; mount points below start a mount.
+                        if c.kind == Kind::Directory && (c.children_loaded || c.is_mount_point) {
+                            queue.push_back(c);
+                        }
+                    }
+                }
+            }
+        }
+        Ok((listed, failures))
+    }
+
+    /// Is a re-listing of this loaded directory due?
+    fn due(&self, dir: &Inode, policy: SyncPolicy) -> bool {
+        let state = lock(&self.sync_state);
+        let s = state.get(&dir.id);
+        if s.and_then(|s| s.retry_at)
+            .is_some_and(|t| Instant::now() < t)
+        {
+            return false; // backing off after a failure
+        }
+        match policy {
+            SyncPolicy::Never => false,
+            SyncPolicy::Always => true,
+            // Unknown (e.g. this master just became leader): list again to be safe.
+            SyncPolicy::Every(d) => s.and_then(|s| s.synced_at).is_none_or(|t| t.elapsed() >= d),
+        }
+    }
+
+    async fn sync(&self, dir: Inode, force: bool) -> Result<Inode, MasterError> {
         let Some(mount_id) = dir.mount_id else {
             return Ok(dir);
         };
-        if dir.kind != Kind::Directory || dir.children_loaded {
-            return Ok(dir);
-        }
-        let lock = {
-            let mut map = match self.loading.lock() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            map.entry(dir.id).or_default().clone()
-        };
-        let _guard = lock.lock().await;
-        // Someone else may have loaded it while we waited.
-        let dir = self.inode(dir.id)?;
-        if dir.children_loaded {
+        if dir.kind != Kind::Directory {
             return Ok(dir);
         }
         let mount = find_mount(&self.sm, mount_id)?;
-        let ufs = self.ufs.get(&mount)?;
+        let policy = mount.spec.sync_policy();
+        if dir.children_loaded && !force && !self.due(&dir, policy) {
+            return Ok(dir);
+        }
+        if !dir.children_loaded && !force {
+            // A directory never listed: during backoff, answer with the last failure.
+            if let Some(err) = self.backing_off(dir.id) {
+                return Err(err);
+            }
+        }
+        let lock = {
+            let mut map = lock(&self.loading);
+            map.entry(dir.id).or_default().clone()
+        };
+        let _guard = lock.lock().await;
+        // Someone else may have listed it while we waited.
+        let dir = self.inode(dir.id)?;
+        if dir.children_loaded && !force && !self.due(&dir, policy) {
+            return Ok(dir);
+        }
+        self.metrics.listings.inc();
+        let listing = self.list_ufs(&mount, &dir).await;
+        let entries = match listing {
+            Ok(entries) => entries,
+            Err(e) => {
+                self.metrics.listing_failures.inc();
+                let failures = self.record_failure(dir.id, &e);
+                tracing::warn!(
+                    mount = %mount.path,
+                    dir = %dir.ufs_path,
+                    failures,
+                    error = %e,
+                    "under-store listing failed; keeping the metadata known so far and retrying with backoff"
+                );
+                lock_map_remove(&self.loading, dir.id);
+                return if dir.children_loaded { Ok(dir) } else { Err(e) };
+            }
+        };
+        // Versions of the files known before, to tell workers which cached pages went stale.
+        let before: HashMap<String, (u64, u64)> = if dir.children_loaded {
+            self.sm
+                .children(dir.id, None, usize::MAX)?
+                .into_iter()
+                .filter(|c| c.kind == Kind::File)
+                .map(|c| (c.name.clone(), (c.id, c.version)))
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        let cmd = if dir.children_loaded {
+            Command::SyncDir {
+                dir: dir.id,
+                mount_id,
+                entries,
+                now_ms: granary_common::now_ms(),
+                block_size: self.block_size,
+            }
+        } else {
+            Command::LoadDir {
+                dir: dir.id,
+                mount_id,
+                entries,
+                now_ms: granary_common::now_ms(),
+                block_size: self.block_size,
+            }
+        };
+        let out = self.raft.propose(&cmd).await;
+        lock_map_remove(&self.loading, dir.id);
+        let out = out?;
+        self.record_success(dir.id);
+        for (name, (inode, version)) in before {
+            match self.sm.child(dir.id, &name)? {
+                Some(c) if c.id == inode && c.version == version => {}
+                Some(c) if c.id == inode => self.blocks.note_stale(inode, c.version),
+                _ => self.blocks.note_stale(inode, 0),
+            }
+        }
+        match out {
+            crate::state::ApplyOutput::Inode(i) => Ok(i),
+            _ => self.inode(dir.id),
+        }
+    }
+
+    /// One listing of `dir` from the under-store, as entries for `LoadDir`/`SyncDir`.
+    async fn list_ufs(&self, mount: &Mount, dir: &Inode) -> Result<Vec<UfsEntry>, MasterError> {
+        let ufs = self.ufs.get(mount)?;
         let location = ufs.path_of(&dir.ufs_path);
         let listing = ufs
             .store
             .list_with_delimiter(Some(&location))
             .await
-            .map_err(|e| {
-                tracing::warn!(mount = %mount.path, dir = %dir.ufs_path, error = %e, "under-store listing failed");
-                MasterError::Unavailable {
-                    message: format!(
-                        "listing {} in the under-store {} failed: {e}",
-                        if dir.ufs_path.is_empty() { "/" } else { &dir.ufs_path },
-                        mount.spec.uri
-                    ),
-                }
+            .map_err(|e| MasterError::Unavailable {
+                message: mount.spec.scrub(&format!(
+                    "listing {} in the under-store {} failed: {e}",
+                    if dir.ufs_path.is_empty() {
+                        "/"
+                    } else {
+                        &dir.ufs_path
+                    },
+                    mount.spec.uri
+                )),
             })?;
         let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
         for p in &listing.common_prefixes {
@@ -153,30 +335,214 @@ impl Namespace {
             entries.push(UfsEntry {
                 name: name.to_string(),
                 kind: Kind::File,
-                fingerprint: Some(Fingerprint {
-                    etag: o.e_tag.clone().unwrap_or_default(),
-                    size: o.size,
-                    mtime_ms: o.last_modified.timestamp_millis(),
-                    version_id: o.version.clone().unwrap_or_default(),
-                }),
+                fingerprint: Some(fingerprint_of(o)),
             });
         }
-        let out = self
-            .raft
-            .propose(&Command::LoadDir {
-                dir: dir.id,
-                mount_id,
-                entries,
-                now_ms: granary_common::now_ms(),
-                block_size: self.block_size,
-            })
-            .await?;
-        if let Ok(mut map) = self.loading.lock() {
-            map.remove(&dir.id);
+        Ok(entries)
+    }
+
+    /// validate-on-open: compares a file's fingerprint with the object's (one HEAD) and
+    /// records a change, so the open reads the new version. A vanished object is removed
+    /// from its directory and reported as not found.
+    pub async fn validate(&self, file: Inode) -> Result<Inode, MasterError> {
+        let Some(mount_id) = file.mount_id else {
+            return Ok(file);
+        };
+        if file.kind != Kind::File {
+            return Ok(file);
         }
-        match out {
-            crate::state::ApplyOutput::Inode(i) => Ok(i),
-            _ => self.inode(dir.id),
+        let mount = find_mount(&self.sm, mount_id)?;
+        if !mount.spec.validate_on_open() {
+            return Ok(file);
+        }
+        let ufs = self.ufs.get(&mount)?;
+        self.metrics.heads.inc();
+        match ufs.store.head(&ufs.path_of(&file.ufs_path)).await {
+            Ok(meta) => {
+                let fp = fingerprint_of(&meta);
+                if file
+                    .fingerprint
+                    .as_ref()
+                    .is_some_and(|known| same_object(known, &fp))
+                {
+                    return Ok(file);
+                }
+                tracing::info!(path = %file.ufs_path, mount = %mount.path, "object changed in the under-store; new version recorded");
+                let fresh = match self
+                    .raft
+                    .propose(&Command::RefreshFile {
+                        inode: file.id,
+                        fingerprint: fp,
+                    })
+                    .await?
+                {
+                    crate::state::ApplyOutput::Inode(i) => i,
+                    _ => self.inode(file.id)?,
+                };
+                self.blocks.note_stale(fresh.id, fresh.version);
+                Ok(fresh)
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                let parent = self.inode(file.parent)?;
+                let _ = self.force_sync(parent).await;
+                Err(MasterError::not_found(
+                    self.sm.path_of(&file).unwrap_or(file.ufs_path),
+                ))
+            }
+            Err(e) => Err(MasterError::Unavailable {
+                message: mount.spec.scrub(&format!(
+                    "checking {} in the under-store {} failed: {e}",
+                    file.ufs_path, mount.spec.uri
+                )),
+            }),
         }
     }
+
+    fn backing_off(&self, dir: u64) -> Option<MasterError> {
+        let state = lock(&self.sync_state);
+        let s = state.get(&dir)?;
+        (s.retry_at? > Instant::now()).then(|| MasterError::Unavailable {
+            message: s.last_error.clone().unwrap_or_default(),
+        })
+    }
+
+    fn record_failure(&self, dir: u64, e: &MasterError) -> u32 {
+        let mut state = lock(&self.sync_state);
+        let s = state.entry(dir).or_default();
+        s.failures += 1;
+        s.last_error = Some(e.to_string());
+        let backoff = SYNC_RETRY_MIN
+            .saturating_mul(1 << s.failures.min(10).saturating_sub(1))
+            .min(SYNC_RETRY_MAX);
+        s.retry_at = Some(Instant::now() + backoff);
+        let failures = s.failures;
+        let failing = state.values().filter(|s| s.failures > 0).count();
+        self.metrics.failing_dirs.set(failing as i64);
+        failures
+    }
+
+    fn record_success(&self, dir: u64) {
+        let mut state = lock(&self.sync_state);
+        let s = state.entry(dir).or_default();
+        if s.failures > 0 {
+            tracing::info!(
+                dir,
+                failures = s.failures,
+                "under-store listing succeeded again"
+            );
+        }
+        *s = DirSync {
+            synced_at: Some(Instant::now()),
+            ..Default::default()
+        };
+        let failing = state.values().filter(|s| s.failures > 0).count();
+        self.metrics.failing_dirs.set(failing as i64);
+    }
+
+    /// The leader's view of a directory's metadata sync.
+    pub fn sync_info(&self, dir: u64) -> Option<DirSync> {
+        lock(&self.sync_state).get(&dir).cloned()
+    }
+
+    /// Directories whose last listing failed and whose backoff has passed (retried by the
+    /// master's housekeeping, so a failure heals without anyone looking).
+    pub fn due_retries(&self) -> Vec<u64> {
+        let now = Instant::now();
+        let mut state = lock(&self.sync_state);
+        let mut due = Vec::new();
+        for (id, s) in state.iter_mut() {
+            if s.failures > 0 && s.retry_at.is_some_and(|t| t <= now) {
+                // Claimed: not handed out again while this retry runs (its outcome resets it).
+                s.retry_at = Some(now + SYNC_RETRY_MAX);
+                due.push(*id);
+            }
+        }
+        due
+    }
+
+    /// Forgets sync state (a new leader lists again on first access).
+    pub fn forget_sync_state(&self) {
+        lock(&self.sync_state).clear();
+        self.metrics.failing_dirs.set(0);
+    }
+}
+
+/// First retry of a failed listing after this long, doubling up to [`SYNC_RETRY_MAX`].
+pub const SYNC_RETRY_MIN: Duration = Duration::from_millis(500);
+pub const SYNC_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Metadata sync state of one directory (soft state of the leader).
+#[derive(Debug, Clone, Default)]
+pub struct DirSync {
+    pub synced_at: Option<Instant>,
+    pub failures: u32,
+    pub last_error: Option<String>,
+    pub retry_at: Option<Instant>,
+}
+
+/// Under-store metadata metrics.
+#[derive(Clone, Default)]
+pub struct NsMetrics {
+    pub listings: Counter,
+    pub listing_failures: Counter,
+    pub heads: Counter,
+    pub failing_dirs: Gauge<i64, AtomicI64>,
+}
+
+impl NsMetrics {
+    pub fn register(&self, registry: &granary_common::metrics::SharedRegistry) {
+        if let Ok(mut r) = registry.lock() {
+            r.register(
+                "granary_master_ufs_listings",
+                "Directory listings requested from under-stores",
+                self.listings.clone(),
+            );
+            r.register(
+                "granary_master_ufs_listing_failures",
+                "Under-store directory listings that failed (the known metadata was kept)",
+                self.listing_failures.clone(),
+            );
+            r.register(
+                "granary_master_ufs_heads",
+                "Object HEAD requests (validate-on-open)",
+                self.heads.clone(),
+            );
+            r.register(
+                "granary_master_dirs_sync_failing",
+                "Directories whose last under-store listing failed (being retried)",
+                self.failing_dirs.clone(),
+            );
+        }
+    }
+}
+
+/// Do a listed and a HEAD fingerprint name the same object? ETags decide when both have
+/// one (quotes aside); otherwise size and modification time to the second (`Last-Modified`
+/// has no finer precision than that, listings often do).
+fn same_object(known: &Fingerprint, seen: &Fingerprint) -> bool {
+    let bare = |e: &str| e.trim_start_matches("W/").trim_matches('"').to_string();
+    if !known.etag.is_empty() && !seen.etag.is_empty() {
+        return bare(&known.etag) == bare(&seen.etag) && known.size == seen.size;
+    }
+    known.size == seen.size && known.mtime_ms.div_euclid(1000) == seen.mtime_ms.div_euclid(1000)
+}
+
+fn fingerprint_of(o: &object_store::ObjectMeta) -> Fingerprint {
+    Fingerprint {
+        etag: o.e_tag.clone().unwrap_or_default(),
+        size: o.size,
+        mtime_ms: o.last_modified.timestamp_millis(),
+        version_id: o.version.clone().unwrap_or_default(),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn lock_map_remove(m: &Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>, id: u64) {
+    lock(m).remove(&id);
 }

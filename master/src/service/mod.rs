@@ -19,7 +19,16 @@ const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
 
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
-    Ok(to_status(inode, core.ns.sm.path_of(inode)?))
+    let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
+    if let Some(sync) = core.ns.sync_info(inode.id) {
+        s.sync_failures = sync.failures;
+        s.sync_error = sync.last_error.unwrap_or_default();
+        s.synced_ms_ago = sync
+            .synced_at
+            .map(|t| t.elapsed().as_millis().max(1) as u64)
+            .unwrap_or(0);
+    }
+    Ok(s)
 }
 
 fn one(core: &MasterCore, out: ApplyOutput) -> Result<Response<pb::GetStatusResponse>, Status> {
@@ -51,7 +60,10 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let inode = self.target(r.target).await?;
+        let mut inode = self.target(r.target).await?;
+        if r.validate && !r.allow_stale {
+            inode = self.core.ns.validate(inode).await?;
+        }
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_of(&self.core, &inode)?),
         }))
@@ -209,6 +221,20 @@ impl MasterService for MasterRpc {
         one(&self.core, out)
     }
 
+    async fn sync_metadata(
+        &self,
+        req: Request<pb::SyncMetadataRequest>,
+    ) -> Result<Response<pb::SyncMetadataResponse>, Status> {
+        let r = req.into_inner();
+        self.core.read_barrier().await?;
+        let start = self.core.ns.resolve(&r.path).await?;
+        let (dirs_listed, failures) = self.core.ns.sync_tree(start, r.recursive).await?;
+        Ok(Response::new(pb::SyncMetadataResponse {
+            dirs_listed,
+            failures,
+        }))
+    }
+
     async fn add_mount(
         &self,
         req: Request<pb::AddMountRequest>,
@@ -332,13 +358,25 @@ impl MasterService for MasterRpc {
         if !self.core.workers.heartbeat(r.worker_id, r.stats) {
             return Ok(Response::new(pb::WorkerHeartbeatResponse {
                 reregister: true,
+                stale: Vec::new(),
             }));
         }
         self.core
             .blocks
             .update(r.worker_id, &r.added_blocks, &r.removed_blocks);
+        let stale = self
+            .core
+            .blocks
+            .stale_for(r.worker_id)
+            .into_iter()
+            .map(|(inode, keep_version)| pb::StaleFile {
+                inode,
+                keep_version,
+            })
+            .collect();
         Ok(Response::new(pb::WorkerHeartbeatResponse {
             reregister: false,
+            stale,
         }))
     }
 

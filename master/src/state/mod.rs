@@ -592,6 +592,14 @@ impl<'a> Txn<'a> {
                 now_ms,
                 block_size,
             } => self.load_dir(*dir, *mount_id, entries, *now_ms, *block_size),
+            Command::SyncDir {
+                dir,
+                mount_id,
+                entries,
+                now_ms,
+                block_size,
+            } => self.sync_dir(*dir, *mount_id, entries, *now_ms, *block_size),
+            Command::RefreshFile { inode, fingerprint } => self.refresh_file(*inode, fingerprint),
             Command::Mkdir {
                 path,
                 recursive,
@@ -724,41 +732,129 @@ impl<'a> Txn<'a> {
             if paths::validate_name(&e.name).is_err() || self.child(dir, &e.name)?.is_some() {
                 continue;
             }
-            let fp = e.fingerprint.clone();
-            let (length, mtime, version) = match (&e.kind, &fp) {
-                (Kind::File, Some(fp)) => (fp.size, fp.mtime_ms, version_of(&fp.to_proto())),
-                _ => (0, now_ms, 0),
-            };
-            let inode = Inode {
-                id: self.alloc_inode()?,
-                parent: dir,
-                name: e.name.clone(),
-                kind: e.kind,
-                mode: if e.kind == Kind::Directory {
-                    DEFAULT_DIR_MODE
-                } else {
-                    DEFAULT_FILE_MODE
-                },
-                mtime_ms: mtime,
-                length,
-                block_size: if e.kind == Kind::File { block_size } else { 0 },
-                fingerprint: fp,
-                version,
-                mount_id: Some(mount_id),
-                ufs_path: if d.ufs_path.is_empty() {
-                    e.name.clone()
-                } else {
-                    format!("{}/{}", d.ufs_path, e.name)
-                },
-                is_mount_point: false,
-                children_loaded: false,
-                complete: true,
-            };
-            self.link(&inode)?;
+            self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
         }
         d.children_loaded = true;
         self.put_inode(&d)?;
         Ok(ApplyOutput::Inode(d))
+    }
+
+    /// A new inode for a listed under-store entry, linked under `d`.
+    fn add_ufs_child(
+        &mut self,
+        d: &Inode,
+        mount_id: u64,
+        e: &UfsEntry,
+        now_ms: i64,
+        block_size: u64,
+    ) -> Result<(), MasterError> {
+        let fp = e.fingerprint.clone();
+        let (length, mtime, version) = match (&e.kind, &fp) {
+            (Kind::File, Some(fp)) => (fp.size, fp.mtime_ms, version_of(&fp.to_proto())),
+            _ => (0, now_ms, 0),
+        };
+        let inode = Inode {
+            id: self.alloc_inode()?,
+            parent: d.id,
+            name: e.name.clone(),
+            kind: e.kind,
+            mode: if e.kind == Kind::Directory {
+                DEFAULT_DIR_MODE
+            } else {
+                DEFAULT_FILE_MODE
+            },
+            mtime_ms: mtime,
+            length,
+            block_size: if e.kind == Kind::File { block_size } else { 0 },
+            fingerprint: fp,
+            version,
+            mount_id: Some(mount_id),
+            ufs_path: if d.ufs_path.is_empty() {
+                e.name.clone()
+            } else {
+                format!("{}/{}", d.ufs_path, e.name)
+            },
+            is_mount_point: false,
+            children_loaded: false,
+            complete: true,
+        };
+        self.link(&inode)
+    }
+
+    /// Gives a file a new fingerprint (and so a new version); true when it changed.
+    fn set_fingerprint(
+        &mut self,
+        inode: &mut Inode,
+        fp: &Fingerprint,
+    ) -> Result<bool, MasterError> {
+        if inode.fingerprint.as_ref() == Some(fp) {
+            return Ok(false);
+        }
+        inode.fingerprint = Some(fp.clone());
+        inode.length = fp.size;
+        inode.mtime_ms = fp.mtime_ms;
+        inode.version = version_of(&fp.to_proto());
+        self.put_inode(inode)?;
+        Ok(true)
+    }
+
+    fn sync_dir(
+        &mut self,
+        dir: u64,
+        mount_id: u64,
+        entries: &[UfsEntry],
+        now_ms: i64,
+        block_size: u64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let Some(d) = self.inode(dir)? else {
+            return Err(MasterError::not_found(format!("inode {dir}")));
+        };
+        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
+            return Err(MasterError::precondition(format!(
+                "inode {dir} is no longer a directory of mount {mount_id}"
+            )));
+        }
+        if !d.children_loaded {
+            return self.load_dir(dir, mount_id, entries, now_ms, block_size);
+        }
+        let listed: BTreeMap<&str, &UfsEntry> = entries
+            .iter()
+            .filter(|e| paths::validate_name(&e.name).is_ok())
+            .map(|e| (e.name.as_str(), e))
+            .collect();
+        for id in self.child_ids(dir)? {
+            let Some(mut child) = self.inode(id)? else {
+                continue;
+            };
+            match listed.get(child.name.as_str()) {
+                Some(e) if e.kind == child.kind => {
+                    if let (Kind::File, Some(fp)) = (e.kind, &e.fingerprint) {
+                        self.set_fingerprint(&mut child, fp)?;
+                    }
+                }
+                // Gone from the store, or a file became a directory (or back).
+                _ => self.remove_subtree(&child, true)?,
+            }
+        }
+        for e in listed.values() {
+            if self.child(dir, &e.name)?.is_none() {
+                self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
+            }
+        }
+        Ok(ApplyOutput::Inode(d))
+    }
+
+    fn refresh_file(&mut self, id: u64, fp: &Fingerprint) -> Result<ApplyOutput, MasterError> {
+        let Some(mut inode) = self.inode(id)? else {
+            return Err(MasterError::not_found(format!("inode {id}")));
+        };
+        if inode.kind != Kind::File || inode.mount_id.is_none() {
+            return Err(MasterError::precondition(format!(
+                "inode {id} is not a file of a mount"
+            )));
+        }
+        self.set_fingerprint(&mut inode, fp)?;
+        Ok(ApplyOutput::Inode(inode))
     }
 
     fn mkdir(
@@ -958,6 +1054,7 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
         is_mount_point: inode.is_mount_point,
         complete: inode.complete,
         version: inode.version,
+        ..Default::default()
     }
 }
 

@@ -136,6 +136,21 @@ pub enum Command {
         now_ms: i64,
         block_size: u64,
     },
+    /// Brings a loaded directory of a mount in line with a fresh listing: new entries are
+    /// added, vanished ones removed (with everything below), files whose fingerprint
+    /// changed take the new one (a new version: old cached pages no longer match).
+    SyncDir {
+        dir: u64,
+        mount_id: u64,
+        entries: Vec<UfsEntry>,
+        now_ms: i64,
+        block_size: u64,
+    },
+    /// A file's fingerprint as checked against the under-store (validate-on-open).
+    RefreshFile {
+        inode: u64,
+        fingerprint: Fingerprint,
+    },
     Mkdir {
         path: String,
         recursive: bool,

@@ -335,3 +335,99 @@ fn entries_from_before_request_ids_still_decode() {
     assert_eq!(p.request_id, 0);
     assert_eq!(p.cmd, mkdir_cmd("/a"));
 }
+
+#[test]
+fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
+    let (_d, sm) = open();
+    let ApplyOutput::Mount(m) = sm
+        .apply(
+            1,
+            &Command::AddMount {
+                path: "/m".into(),
+                spec: spec("file:///a"),
+                now_ms: 1,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    let dir = |name: &str| UfsEntry {
+        name: name.into(),
+        kind: Kind::Directory,
+        fingerprint: None,
+    };
+    let sync = |entries: Vec<UfsEntry>| Command::SyncDir {
+        dir: m.inode,
+        mount_id: m.id,
+        entries,
+        now_ms: 2,
+        block_size: 1 << 20,
+    };
+    // On a directory never loaded, a sync is a load.
+    sm.apply(
+        2,
+        &sync(vec![
+            file("keep", 3),
+            file("change", 4),
+            file("gone", 5),
+            dir("sub"),
+        ]),
+    )
+    .unwrap();
+    sm.apply(
+        3,
+        &Command::LoadDir {
+            dir: sm.resolve_loaded("/m/sub").unwrap().unwrap().id,
+            mount_id: m.id,
+            entries: vec![file("deep", 1)],
+            now_ms: 2,
+            block_size: 1 << 20,
+        },
+    )
+    .unwrap();
+    let keep = sm.resolve_loaded("/m/keep").unwrap().unwrap();
+    let change = sm.resolve_loaded("/m/change").unwrap().unwrap();
+    let count = sm.inode_count().unwrap();
+    let mut changed = file("change", 40);
+    changed.fingerprint.as_mut().unwrap().etag = "etag-new".into();
+    // `sub` became a file; `gone` vanished; `new` appeared; `change` has a new fingerprint.
+    sm.apply(
+        4,
+        &sync(vec![
+            file("keep", 3),
+            changed,
+            file("sub", 9),
+            file("new", 1),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(sm.resolve_loaded("/m/keep").unwrap().unwrap(), keep);
+    let now = sm.resolve_loaded("/m/change").unwrap().unwrap();
+    assert_eq!(now.id, change.id, "same inode, new version");
+    assert_eq!(now.length, 40);
+    assert_ne!(now.version, change.version);
+    assert!(sm.resolve_loaded("/m/gone").unwrap().is_none());
+    let sub = sm.resolve_loaded("/m/sub").unwrap().unwrap();
+    assert_eq!(sub.kind, Kind::File);
+    assert!(sm.resolve_loaded("/m/sub/deep").unwrap().is_none());
+    assert!(sm.resolve_loaded("/m/new").unwrap().is_some());
+    // -gone, -sub(dir), -deep, +sub(file), +new
+    assert_eq!(sm.inode_count().unwrap(), count - 1);
+    // A fingerprint checked on open.
+    let mut fp = now.fingerprint.clone().unwrap();
+    fp.etag = "etag-newer".into();
+    let ApplyOutput::Inode(r) = sm
+        .apply(
+            5,
+            &Command::RefreshFile {
+                inode: now.id,
+                fingerprint: fp,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_ne!(r.version, now.version);
+}

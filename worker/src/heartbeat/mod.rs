@@ -97,7 +97,19 @@ impl Heartbeat {
                     .await
                 {
                     Ok(r) if r.reregister => need_register = true,
-                    Ok(_) => {}
+                    Ok(r) => {
+                        for f in r.stale {
+                            let freed = self.store.drop_stale(f.inode, f.keep_version);
+                            if freed > 0 {
+                                tracing::info!(
+                                    inode = f.inode,
+                                    keep_version = f.keep_version,
+                                    freed,
+                                    "dropped cached pages of a changed under-store object"
+                                );
+                            }
+                        }
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "heartbeat failed; will register again");
                         need_register = true;

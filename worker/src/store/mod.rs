@@ -299,6 +299,34 @@ impl PageStore {
         }
     }
 
+    /// Drops every cached page of `inode` whose version is not `keep` (its under-store
+    /// object changed or vanished; 0 keeps nothing). Returns the bytes freed.
+    pub fn drop_stale(self: &Arc<Self>, inode: u64, keep: u64) -> u64 {
+        let victims = {
+            let mut inner = self.lock();
+            let keys: Vec<PageKey> = inner
+                .pages
+                .keys()
+                .filter(|k| k.0 .0 == inode && k.0 .1 != keep)
+                .copied()
+                .collect();
+            let mut victims = Vec::with_capacity(keys.len());
+            for key in keys {
+                if let Some(meta) = inner.pages.remove(&key) {
+                    inner.policy.remove(&key);
+                    inner.used -= u64::from(meta.len);
+                    let gone = Self::unref_block(&mut inner, &key.0);
+                    victims.push((key, meta, gone));
+                }
+            }
+            victims
+        };
+        let freed = victims.iter().map(|v| u64::from(v.1.len)).sum();
+        self.metrics.stale_dropped_bytes.inc_by(freed);
+        self.remove_pages(victims, false);
+        freed
+    }
+
     fn unref_block(inner: &mut Inner, b: &BlockKey) -> bool {
         let gone = match inner.pages_per_block.get_mut(b) {
             Some(n) if *n > 1 => {
@@ -360,8 +388,16 @@ impl PageStore {
 
     /// Releases the disk space and index records of evicted pages.
     fn finish_evictions(&self, victims: Vec<(PageKey, PageMeta, bool)>) {
+        self.remove_pages(victims, true);
+    }
+
+    /// Deletes removed pages from the index and the disk (punching them out of their block
+    /// file, or deleting the file with its last page).
+    fn remove_pages(&self, victims: Vec<(PageKey, PageMeta, bool)>, evicted: bool) {
         for (key, meta, block_gone) in victims {
-            self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
+            if evicted {
+                self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
+            }
             if let Err(e) = self.index.delete(index_key(&key)) {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }
