@@ -3,11 +3,77 @@
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use granary_common::metrics::SharedRegistry;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+
+/// Labels of per-mount under-store metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UfsOp {
+    pub mount_id: String,
+    /// `get` (ranged read).
+    pub op: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UfsOpError {
+    pub mount_id: String,
+    pub op: String,
+    /// `changed`, `not_found`, `timeout` or `failed`.
+    pub error: String,
+}
+
+type Latency = Family<UfsOp, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 ms … ~33 s
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+/// Per-mount under-store request metrics.
+#[derive(Clone)]
+pub struct UfsMetrics {
+    pub requests: Family<UfsOp, Counter>,
+    pub bytes: Family<UfsOp, Counter>,
+    pub errors: Family<UfsOpError, Counter>,
+    pub seconds: Latency,
+}
+
+impl Default for UfsMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            bytes: Family::default(),
+            errors: Family::default(),
+            seconds: Family::new_with_constructor(latency_histogram),
+        }
+    }
+}
+
+impl UfsMetrics {
+    pub fn op(mount_id: u64, op: &str) -> UfsOp {
+        UfsOp {
+            mount_id: mount_id.to_string(),
+            op: op.to_string(),
+        }
+    }
+
+    pub fn error(&self, mount_id: u64, op: &str, error: &str) {
+        self.errors
+            .get_or_create(&UfsOpError {
+                mount_id: mount_id.to_string(),
+                op: op.to_string(),
+                error: error.to_string(),
+            })
+            .inc();
+    }
+}
 
 #[derive(Clone, Default)]
 pub struct WorkerMetrics {
+    pub ufs: UfsMetrics,
     pub cache_hit_bytes: Counter<u64, AtomicU64>,
     pub cache_miss_bytes: Counter<u64, AtomicU64>,
     pub ufs_read_bytes: Counter<u64, AtomicU64>,
@@ -56,6 +122,26 @@ impl WorkerMetrics {
                 "granary_worker_evicted_bytes",
                 "Bytes evicted from the cache",
                 m.evicted_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_op_requests",
+                "Under-store requests by mount and operation",
+                m.ufs.requests.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_op_bytes",
+                "Bytes read from under-stores by mount and operation",
+                m.ufs.bytes.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_op_errors",
+                "Failed under-store requests by mount, operation and kind of error",
+                m.ufs.errors.clone(),
+            );
+            r.register(
+                "granary_worker_ufs_op_seconds",
+                "Latency of under-store requests by mount and operation",
+                m.ufs.seconds.clone(),
             );
             r.register(
                 "granary_worker_stale_dropped_bytes",

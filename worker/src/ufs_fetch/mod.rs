@@ -136,26 +136,43 @@ impl Fetcher {
             .as_ref()
             .map(granary_common::ufs::Expected::from);
         self.metrics.ufs_requests.inc();
+        let op = crate::metrics::UfsMetrics::op(loc.mount_id, "get");
+        self.metrics.ufs.requests.get_or_create(&op).inc();
+        let started = std::time::Instant::now();
         let fut = ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len);
         let res = tokio::time::timeout(UFS_TIMEOUT, fut).await;
+        self.metrics
+            .ufs
+            .seconds
+            .get_or_create(&op)
+            .observe(started.elapsed().as_secs_f64());
         let data = match res {
             Ok(Ok(b)) => b,
             Ok(Err(e)) => {
                 self.metrics.ufs_errors.inc();
-                return Err(match e {
+                let (kind, err) = match e {
                     object_store::Error::Precondition { source, .. } => {
                         tracing::warn!(path = %loc.path, reason = %source, "under-store object changed; not served");
-                        FetchError::Changed(format!("{} ({source})", loc.path))
+                        (
+                            "changed",
+                            FetchError::Changed(format!("{} ({source})", loc.path)),
+                        )
                     }
-                    object_store::Error::NotFound { .. } => FetchError::NotFound(loc.path.clone()),
-                    e => FetchError::Unavailable(format!(
-                        "under-store read of {} failed: {e}",
-                        loc.path
-                    )),
-                });
+                    object_store::Error::NotFound { .. } => {
+                        ("not_found", FetchError::NotFound(loc.path.clone()))
+                    }
+                    e => {
+                        let message = format!("under-store read of {} failed: {e}", loc.path);
+                        tracing::warn!(error = %message, "under-store read failed");
+                        ("failed", FetchError::Unavailable(message))
+                    }
+                };
+                self.metrics.ufs.error(loc.mount_id, "get", kind);
+                return Err(err);
             }
             Err(_) => {
                 self.metrics.ufs_errors.inc();
+                self.metrics.ufs.error(loc.mount_id, "get", "timeout");
                 return Err(FetchError::Unavailable(format!(
                     "under-store read of {} timed out after {UFS_TIMEOUT:?}",
                     loc.path
@@ -163,6 +180,11 @@ impl Fetcher {
             }
         };
         self.metrics.ufs_read_bytes.inc_by(data.len() as u64);
+        self.metrics
+            .ufs
+            .bytes
+            .get_or_create(&op)
+            .inc_by(data.len() as u64);
         if data.len() as u64 != len {
             return Err(FetchError::Changed(format!(
                 "{}: expected {len} bytes at {offset}, the under-store returned {}",
