@@ -416,6 +416,9 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
 
 /// `granary bench metadata`: creates/s and stats/s against a running cluster.
 pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
+    if let BenchCommand::Get { uri, options, json } = &cmd {
+        return bench_get(uri, options, *json).await;
+    }
     let BenchCommand::Metadata {
         dir,
         duration,
@@ -424,7 +427,10 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
         ack_log,
         json,
         master: addr,
-    } = cmd;
+    } = cmd
+    else {
+        return Ok(());
+    };
     let client = MasterClient::new(&addr.master)?;
     client
         .mkdir(&dir, true, 0o755)
@@ -542,6 +548,37 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             per_s(stats, stat_secs),
             max_gap.as_millis()
         );
+    }
+    Ok(())
+}
+
+/// `granary bench get`: one single-stream GET of an object through object_store.
+async fn bench_get(uri: &str, options: &[String], json: bool) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use object_store::ObjectStoreExt;
+    let opts = granary_common::ufs::parse_option_args(options)?;
+    let spec = granary_common::ufs::UfsSpec::new(uri, opts)?;
+    let ufs = spec.open()?;
+    let start = std::time::Instant::now();
+    let mut stream = ufs
+        .store
+        .get(&ufs.prefix)
+        .await
+        .with_context(|| format!("cannot GET {uri}"))?
+        .into_stream();
+    let mut bytes = 0u64;
+    while let Some(chunk) = stream.next().await {
+        bytes += chunk.with_context(|| format!("reading {uri}"))?.len() as u64;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let mbps = bytes as f64 / secs / 1e6;
+    if json {
+        println!(
+            "{}",
+            json!({"bytes": bytes, "seconds": secs, "mb_per_s": mbps})
+        );
+    } else {
+        println!("{bytes} bytes in {secs:.2}s: {mbps:.0} MB/s");
     }
     Ok(())
 }

@@ -218,6 +218,20 @@ pub enum MasterAction {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// Single-stream GET of one object straight from its under-store (no Granary in the
+    /// path): the limit cold reads are compared with.
+    ///
+    /// Example: granary bench get s3://bucket/big.bin -o region=us-east-1 --json
+    #[command(verbatim_doc_comment)]
+    Get {
+        /// The object's URI.
+        uri: String,
+        /// key=value store option (repeatable), as for `mount add`.
+        #[arg(long = "option", short = 'o')]
+        options: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Metadata throughput: mkdir under DIR as fast as possible, then stat what was made.
     ///
     /// Example: granary bench metadata --dir /bench --duration 10s --concurrency 8 --json

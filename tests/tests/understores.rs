@@ -176,18 +176,29 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         }
     }
     // Per-mount under-store metrics: every mount's reads are counted and timed.
-    let mounts_json: serde_json::Value = serde_json::from_str(
-        &granary_ok(&["mount", "list", "--json", "--master", &addr]).unwrap(),
-    )
-    .unwrap();
+    let mounts_json: serde_json::Value =
+        serde_json::from_str(&granary_ok(&["mount", "list", "--json", "--master", &addr]).unwrap())
+            .unwrap();
     let scraped = scrape(&w.metrics).unwrap();
     for m in mounts_json.as_array().unwrap() {
         let id = m["id"].as_u64().unwrap();
         let labels = format!("{{mount_id=\"{id}\",op=\"get\"}}");
-        let bytes = metric(&scraped, &format!("granary_worker_ufs_op_bytes_total{labels}"));
-        assert!(bytes.unwrap_or(0.0) > 0.0, "no bytes counted for mount {m}:\n{scraped}");
-        let timed = metric(&scraped, &format!("granary_worker_ufs_op_seconds_count{labels}"));
-        assert!(timed.unwrap_or(0.0) > 0.0, "no latency recorded for mount {m}");
+        let bytes = metric(
+            &scraped,
+            &format!("granary_worker_ufs_op_bytes_total{labels}"),
+        );
+        assert!(
+            bytes.unwrap_or(0.0) > 0.0,
+            "no bytes counted for mount {m}:\n{scraped}"
+        );
+        let timed = metric(
+            &scraped,
+            &format!("granary_worker_ufs_op_seconds_count{labels}"),
+        );
+        assert!(
+            timed.unwrap_or(0.0) > 0.0,
+            "no latency recorded for mount {m}"
+        );
     }
 
     // Second pass from the cache: still exact, no new under-store bytes.
