@@ -201,6 +201,9 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         );
     }
 
+    // Cold sequential reads ran ahead (big.bin spans six pages).
+    assert!(w.metric("granary_worker_prefetched_pages_total") > 0.0);
+
     // Second pass from the cache: still exact, no new under-store bytes.
     let ufs_before = w.metric("granary_worker_ufs_read_bytes_total");
     for kind in ["s3", "gcs", "azure"] {

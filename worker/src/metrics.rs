@@ -81,6 +81,7 @@ pub struct WorkerMetrics {
     pub ufs_errors: Counter<u64, AtomicU64>,
     pub evicted_bytes: Counter<u64, AtomicU64>,
     pub stale_dropped_bytes: Counter<u64, AtomicU64>,
+    pub prefetched_pages: Counter<u64, AtomicU64>,
     pub checksum_failures: Counter<u64, AtomicU64>,
     pub uncached_fills: Counter<u64, AtomicU64>,
     pub read_requests: Counter<u64, AtomicU64>,
@@ -142,6 +143,11 @@ impl WorkerMetrics {
                 "granary_worker_ufs_op_seconds",
                 "Latency of under-store requests by mount and operation",
                 m.ufs.seconds.clone(),
+            );
+            r.register(
+                "granary_worker_prefetched_pages",
+                "Pages fetched ahead of cold sequential reads",
+                m.prefetched_pages.clone(),
             );
             r.register(
                 "granary_worker_stale_dropped_bytes",

@@ -17,6 +17,8 @@ use crate::ufs_fetch::{Fetcher, Source};
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 /// Pages of one request fetched concurrently on a miss.
 const PAGE_PARALLELISM: usize = 4;
+/// Pages fetched ahead of a cold read, within its block (see `Fetcher::prefetch`).
+pub const READ_AHEAD_PAGES: u64 = 8;
 
 pub struct WorkerRpc {
     pub worker_id: u64,
@@ -111,6 +113,20 @@ impl WorkerService for WorkerRpc {
         let fetcher = self.fetcher.clone();
         let metrics = self.metrics.clone();
         let cache = r.cache;
+        // A cold read: fetch the pages after it in the background, so a sequential reader
+        // finds them cached or in flight instead of waiting a round trip per page.
+        if cache && self.fetcher.store.get(&(bkey, last as u32)).is_none() {
+            let ahead_end = ((block_len - 1) / ps).min(last + READ_AHEAD_PAGES);
+            if ahead_end > last {
+                self.fetcher.clone().prefetch(
+                    desc.clone(),
+                    bkey,
+                    p.block_start,
+                    block_len,
+                    last + 1..=ahead_end,
+                );
+            }
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
         tokio::spawn(async move {
             let desc = &desc;

@@ -14,6 +14,9 @@ use tokio::sync::OnceCell;
 use crate::metrics::WorkerMetrics;
 use crate::store::{PageKey, PageStore};
 
+/// Read-ahead fetches in flight at most, across all readers of this worker.
+pub const PREFETCH_IN_FLIGHT: usize = 8;
+
 /// Deadline of one under-store GET.
 pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -40,6 +43,8 @@ impl From<FetchError> for tonic::Status {
 type Flight = Arc<OnceCell<Result<Bytes, FetchError>>>;
 
 pub struct Fetcher {
+    /// Bounds the read-ahead fetches in flight across all readers.
+    prefetch_slots: Arc<tokio::sync::Semaphore>,
     master: MasterClient,
     stores: MountStores,
     inflight: Mutex<HashMap<PageKey, Flight>>,
@@ -57,12 +62,57 @@ pub enum Source {
 impl Fetcher {
     pub fn new(master: MasterClient, store: Arc<PageStore>, metrics: WorkerMetrics) -> Self {
         Self {
+            prefetch_slots: Arc::new(tokio::sync::Semaphore::new(PREFETCH_IN_FLIGHT)),
             master,
             stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
             store,
             metrics,
         }
+    }
+
+    /// Fetches and caches `pages` of a block in the background (read-ahead), each through
+    /// the same single-flight path as reads, so a reader arriving meanwhile joins the fetch.
+    /// Skipped when the cache is small (read-ahead would evict what is about to be read)
+    /// and bounded by [`PREFETCH_IN_FLIGHT`]; pages already cached cost nothing.
+    pub fn prefetch(
+        self: Arc<Self>,
+        desc: pb::BlockDescriptor,
+        block: crate::store::BlockKey,
+        block_start: u64,
+        block_len: u64,
+        pages: std::ops::RangeInclusive<u64>,
+    ) {
+        let ps = self.store.page_size;
+        let window = (pages.end() - pages.start() + 1) * ps;
+        if self.store.capacity < 16 * window {
+            return;
+        }
+        tokio::spawn(async move {
+            for page in pages {
+                let key = (block, page as u32);
+                if self.store.get(&key).is_some() {
+                    continue;
+                }
+                let Ok(permit) = self.prefetch_slots.clone().try_acquire_owned() else {
+                    return; // busy enough: readers will fetch what they need
+                };
+                let me = self.clone();
+                let desc = desc.clone();
+                tokio::spawn(async move {
+                    let page_start = page * ps;
+                    let len = ps.min(block_len - page_start);
+                    if me
+                        .page(&desc, key, block_start + page_start, len, true)
+                        .await
+                        .is_ok()
+                    {
+                        me.metrics.prefetched_pages.inc();
+                    }
+                    drop(permit);
+                });
+            }
+        });
     }
 
     /// Returns page `key` of the block described by `desc`: from the cache, or fetched once
