@@ -361,7 +361,12 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         st["sync"]["error"].as_str().unwrap().contains("failed"),
         "{st}"
     );
-    assert!(metric_at(&master.metrics, "granary_master_ufs_listing_failures_total") >= 1.0);
+    assert!(
+        metric_at(
+            &master.metrics,
+            "granary_master_ufs_listing_failures_total{mount=\"/synced\"}"
+        ) >= 1.0
+    );
     std::thread::sleep(Duration::from_millis(1100)); // let the 1 s sync interval pass
     assert_eq!(
         sh(&format!("ls '{}'", synced.join("plain").display())).unwrap(),

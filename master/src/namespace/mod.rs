@@ -16,6 +16,7 @@ use granary_common::paths;
 use granary_common::ufs::SyncPolicy;
 use object_store::{ObjectStore as _, ObjectStoreExt as _};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::error::MasterError;
@@ -233,12 +234,15 @@ impl Namespace {
         if dir.children_loaded && !force && !self.due(&dir, policy) {
             return Ok(dir);
         }
-        self.metrics.listings.inc();
+        let label = MountLabel {
+            mount: mount.path.clone(),
+        };
+        self.metrics.listings.get_or_create(&label).inc();
         let listing = self.list_ufs(&mount, &dir).await;
         let entries = match listing {
             Ok(entries) => entries,
             Err(e) => {
-                self.metrics.listing_failures.inc();
+                self.metrics.listing_failures.get_or_create(&label).inc();
                 let failures = self.record_failure(dir.id, &e);
                 tracing::warn!(
                     mount = %mount.path,
@@ -356,7 +360,12 @@ impl Namespace {
             return Ok(file);
         }
         let ufs = self.ufs.get(&mount)?;
-        self.metrics.heads.inc();
+        self.metrics
+            .heads
+            .get_or_create(&MountLabel {
+                mount: mount.path.clone(),
+            })
+            .inc();
         match ufs.store.head(&ufs.path_of(&file.ufs_path)).await {
             Ok(meta) => {
                 let fp = fingerprint_of(&meta);
@@ -480,12 +489,18 @@ pub struct DirSync {
     pub retry_at: Option<Instant>,
 }
 
-/// Under-store metadata metrics.
+/// Label of per-mount metadata metrics: the mount's path.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct MountLabel {
+    pub mount: String,
+}
+
+/// Under-store metadata metrics, per mount.
 #[derive(Clone, Default)]
 pub struct NsMetrics {
-    pub listings: Counter,
-    pub listing_failures: Counter,
-    pub heads: Counter,
+    pub listings: Family<MountLabel, Counter>,
+    pub listing_failures: Family<MountLabel, Counter>,
+    pub heads: Family<MountLabel, Counter>,
     pub failing_dirs: Gauge<i64, AtomicI64>,
 }
 
@@ -494,17 +509,17 @@ impl NsMetrics {
         if let Ok(mut r) = registry.lock() {
             r.register(
                 "granary_master_ufs_listings",
-                "Directory listings requested from under-stores",
+                "Directory listings requested from under-stores, per mount",
                 self.listings.clone(),
             );
             r.register(
                 "granary_master_ufs_listing_failures",
-                "Under-store directory listings that failed (the known metadata was kept)",
+                "Under-store directory listings that failed (the known metadata was kept), per mount",
                 self.listing_failures.clone(),
             );
             r.register(
                 "granary_master_ufs_heads",
-                "Object HEAD requests (validate-on-open)",
+                "Object HEAD requests (validate-on-open), per mount",
                 self.heads.clone(),
             );
             r.register(
