@@ -54,6 +54,16 @@ fn range_sha(path: &Path, offset: u64, len: u64) -> String {
     .unwrap()
 }
 
+/// The store's mount options plus `extra`.
+fn with_opts(store: &TestStore, extra: &[&str]) -> Vec<String> {
+    store
+        .options
+        .iter()
+        .cloned()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect()
+}
+
 fn mount_args<'a>(
     path: &'a str,
     uri: &'a str,
@@ -288,6 +298,46 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         list
     );
 
+    // A known deep path is found without listing the directories above it: HEADs and
+    // one-page prefixed lookups only; `ls` lists when asked.
+    granary_ok(&mount_args(
+        "/probed",
+        &s3.uri(),
+        &with_opts(&s3, &["sync_interval=never"]),
+        &addr,
+    ))
+    .unwrap();
+    let listings = |m: &str| {
+        metric(
+            &scrape(&master.metrics).unwrap(),
+            &format!("granary_master_ufs_listings_total{{mount=\"{m}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let deep = "deep/1/2/3/4/5/6/7/leaf.txt";
+    assert_eq!(
+        sha_of(&fuse.mountpoint.join("probed").join(deep)),
+        sha_of(&src.join(deep))
+    );
+    let st = granary_ok(&["fs", "stat", &format!("/probed/{deep}"), "--master", &addr]).unwrap();
+    assert!(st.contains("size:        77"), "{st}");
+    assert_eq!(listings("/probed"), 0.0, "a lookup listed a directory");
+    assert!(
+        granary(&["fs", "stat", "/probed/deep/nope", "--master", &addr])
+            .status
+            .code()
+            == Some(1)
+    );
+    assert_eq!(
+        sh(&format!(
+            "ls '{}'",
+            fuse.mountpoint.join("probed/deep").display()
+        ))
+        .unwrap(),
+        "1\n"
+    );
+    assert_eq!(listings("/probed"), 1.0);
+
     // Metadata sync: a mount re-listed every second sees a replaced object, and the old
     // version's cached pages are dropped from the worker.
     let with = |extra: &[&str]| -> Vec<String> {
@@ -346,6 +396,8 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     // A failing under-store: listings fail, the failure shows in `fs sync`, `fs stat` and
     // metrics, known entries stay listed and cached bytes readable; once the store is back
     // the master's own retry heals it.
+    let known = sh(&format!("ls '{}'", synced.join("plain").display())).unwrap();
+    assert_eq!(known, "a.bin\nb.bin\n");
     s3.stop().unwrap();
     let out = granary(&["fs", "sync", "/synced", "--master", &addr]);
     assert_one_sentence_error(&out, "fs sync with the store down");

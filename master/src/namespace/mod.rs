@@ -72,13 +72,130 @@ impl Namespace {
             if cur.kind != Kind::Directory {
                 return Err(MasterError::NotADirectory { path: path.clone() });
             }
-            cur = self.ensure_loaded(cur).await?;
             cur = self
-                .sm
-                .child(cur.id, comp)?
+                .child_of(cur, comp)
+                .await?
                 .ok_or_else(|| MasterError::not_found(&path))?;
         }
         Ok(cur)
+    }
+
+    /// The child `name` of `dir`. In a mounted directory not listed yet, the child is
+    /// looked up in the under-store by itself (a HEAD of the object, else a one-page
+    /// prefixed list for a directory), so opening a known deep path never lists the
+    /// directories above it; `ls` lists them when asked.
+    async fn child_of(&self, dir: Inode, name: &str) -> Result<Option<Inode>, MasterError> {
+        if let (Some(mount_id), false) = (dir.mount_id, dir.children_loaded) {
+            if let Some(c) = self.sm.child(dir.id, name)? {
+                // A file found by an earlier lookup: its directory is never re-listed, so
+                // it is checked by itself when the mount's sync interval says so.
+                let mount = find_mount(&self.sm, mount_id)?;
+                if c.kind != Kind::File || !self.due(&c, mount.spec.sync_policy()) {
+                    return Ok(Some(c));
+                }
+                return match self.check_object(&mount, c.clone()).await {
+                    Ok(fresh) => {
+                        self.record_success(c.id);
+                        Ok(Some(fresh))
+                    }
+                    Err(MasterError::NotFound { .. }) => Ok(None),
+                    Err(e) => {
+                        // Keep what is known; retried after the backoff.
+                        self.record_failure(c.id, &e);
+                        Ok(Some(c))
+                    }
+                };
+            }
+            let found = self.probe(&dir, name).await?;
+            if let Some(c) = &found {
+                self.record_success(c.id);
+            }
+            return Ok(found);
+        }
+        let dir = self.ensure_loaded(dir).await?;
+        self.sm.child(dir.id, name)
+    }
+
+    async fn probe(&self, dir: &Inode, name: &str) -> Result<Option<Inode>, MasterError> {
+        use futures::StreamExt;
+        let Some(mount_id) = dir.mount_id else {
+            return Ok(None);
+        };
+        let mount = find_mount(&self.sm, mount_id)?;
+        let ufs = self.ufs.get(&mount)?;
+        let rel = if dir.ufs_path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}/{name}", dir.ufs_path)
+        };
+        let location = ufs.path_of(&rel);
+        let label = MountLabel {
+            mount: mount.path.clone(),
+        };
+        let failed = |e: object_store::Error| MasterError::Unavailable {
+            message: mount.spec.scrub(&format!(
+                "looking up {rel} in the under-store {} failed: {e}",
+                mount.spec.uri
+            )),
+        };
+        // The object (HEAD) and a directory of that name (a one-page prefixed list) are
+        // asked at once; whichever is found first wins. (Some stores answer a HEAD of a
+        // "directory" with an error after retries rather than 404.)
+        self.metrics.heads.get_or_create(&label).inc();
+        self.metrics.prefix_lists.get_or_create(&label).inc();
+        let head = ufs.store.head(&location);
+        let below = async { ufs.store.list(Some(&location)).next().await };
+        tokio::pin!(head, below);
+        let (mut head_err, mut below_done, mut below_err) = (None, false, None);
+        let entry = loop {
+            tokio::select! {
+                r = &mut head, if head_err.is_none() => match r {
+                    Ok(meta) => break Some(UfsEntry {
+                        name: name.to_string(),
+                        kind: Kind::File,
+                        fingerprint: Some(fingerprint_of(&meta)),
+                    }),
+                    Err(e) => head_err = Some(e),
+                },
+                r = &mut below, if !below_done => {
+                    below_done = true;
+                    match r {
+                        Some(Ok(_)) => break Some(UfsEntry {
+                            name: name.to_string(),
+                            kind: Kind::Directory,
+                            fingerprint: None,
+                        }),
+                        Some(Err(object_store::Error::NotFound { .. })) | None => {}
+                        Some(Err(e)) => below_err = Some(e),
+                    }
+                }
+            }
+            if head_err.is_some() && below_done {
+                break None;
+            }
+        };
+        let Some(entry) = entry else {
+            return match (head_err, below_err) {
+                (Some(object_store::Error::NotFound { .. }), None) => Ok(None),
+                (_, Some(e)) => Err(failed(e)),
+                (Some(e), None) => Err(failed(e)),
+                (None, None) => Ok(None),
+            };
+        };
+        match self
+            .raft
+            .propose(&Command::AddUfsChild {
+                dir: dir.id,
+                mount_id,
+                entry,
+                now_ms: granary_common::now_ms(),
+                block_size: self.block_size,
+            })
+            .await?
+        {
+            crate::state::ApplyOutput::Inode(i) => Ok(Some(i)),
+            _ => Ok(None),
+        }
     }
 
     pub fn inode(&self, id: u64) -> Result<Inode, MasterError> {
@@ -95,14 +212,10 @@ impl Namespace {
                 path: self.sm.path_of(&dir)?,
             });
         }
-        let dir = self.ensure_loaded(dir).await?;
-        match self.sm.child(dir.id, name)? {
-            Some(c) => Ok(c),
-            None => Err(MasterError::not_found(paths::join(
-                &self.sm.path_of(&dir)?,
-                name,
-            ))),
-        }
+        let path = paths::join(&self.sm.path_of(&dir)?, name);
+        self.child_of(dir, name)
+            .await?
+            .ok_or_else(|| MasterError::not_found(path))
     }
 
     pub async fn list(
@@ -256,32 +369,20 @@ impl Namespace {
             }
         };
         // Versions of the files known before, to tell workers which cached pages went stale.
-        let before: HashMap<String, (u64, u64)> = if dir.children_loaded {
-            self.sm
-                .children(dir.id, None, usize::MAX)?
-                .into_iter()
-                .filter(|c| c.kind == Kind::File)
-                .map(|c| (c.name.clone(), (c.id, c.version)))
-                .collect()
-        } else {
-            HashMap::new()
-        };
-        let cmd = if dir.children_loaded {
-            Command::SyncDir {
-                dir: dir.id,
-                mount_id,
-                entries,
-                now_ms: granary_common::now_ms(),
-                block_size: self.block_size,
-            }
-        } else {
-            Command::LoadDir {
-                dir: dir.id,
-                mount_id,
-                entries,
-                now_ms: granary_common::now_ms(),
-                block_size: self.block_size,
-            }
+        // (A directory not listed before may already hold entries found by lookups.)
+        let before: HashMap<String, (u64, u64)> = self
+            .sm
+            .children(dir.id, None, usize::MAX)?
+            .into_iter()
+            .filter(|c| c.kind == Kind::File)
+            .map(|c| (c.name.clone(), (c.id, c.version)))
+            .collect();
+        let cmd = Command::SyncDir {
+            dir: dir.id,
+            mount_id,
+            entries,
+            now_ms: granary_common::now_ms(),
+            block_size: self.block_size,
         };
         let out = self.raft.propose(&cmd).await;
         lock_map_remove(&self.loading, dir.id);
@@ -359,7 +460,13 @@ impl Namespace {
         if !mount.spec.validate_on_open() {
             return Ok(file);
         }
-        let ufs = self.ufs.get(&mount)?;
+        self.check_object(&mount, file).await
+    }
+
+    /// HEADs a file's object: a changed one gets its new fingerprint (and version, noted
+    /// stale for workers); a vanished one makes its directory list again and is not found.
+    async fn check_object(&self, mount: &Mount, file: Inode) -> Result<Inode, MasterError> {
+        let ufs = self.ufs.get(mount)?;
         self.metrics
             .heads
             .get_or_create(&MountLabel {
@@ -372,7 +479,7 @@ impl Namespace {
                 if file
                     .fingerprint
                     .as_ref()
-                    .is_some_and(|known| same_object(known, &fp))
+                    .is_some_and(|known| known.same_object(&fp))
                 {
                     return Ok(file);
                 }
@@ -501,6 +608,7 @@ pub struct NsMetrics {
     pub listings: Family<MountLabel, Counter>,
     pub listing_failures: Family<MountLabel, Counter>,
     pub heads: Family<MountLabel, Counter>,
+    pub prefix_lists: Family<MountLabel, Counter>,
     pub failing_dirs: Gauge<i64, AtomicI64>,
 }
 
@@ -519,8 +627,13 @@ impl NsMetrics {
             );
             r.register(
                 "granary_master_ufs_heads",
-                "Object HEAD requests (validate-on-open), per mount",
+                "Object HEAD requests (lookups of known paths, validate-on-open), per mount",
                 self.heads.clone(),
+            );
+            r.register(
+                "granary_master_ufs_prefix_lists",
+                "One-page prefixed listings that look up a directory by name, per mount",
+                self.prefix_lists.clone(),
             );
             r.register(
                 "granary_master_dirs_sync_failing",
@@ -529,17 +642,6 @@ impl NsMetrics {
             );
         }
     }
-}
-
-/// Do a listed and a HEAD fingerprint name the same object? ETags decide when both have
-/// one (quotes aside); otherwise size and modification time to the second (`Last-Modified`
-/// has no finer precision than that, listings often do).
-fn same_object(known: &Fingerprint, seen: &Fingerprint) -> bool {
-    let bare = |e: &str| e.trim_start_matches("W/").trim_matches('"').to_string();
-    if !known.etag.is_empty() && !seen.etag.is_empty() {
-        return bare(&known.etag) == bare(&seen.etag) && known.size == seen.size;
-    }
-    known.size == seen.size && known.mtime_ms.div_euclid(1000) == seen.mtime_ms.div_euclid(1000)
 }
 
 fn fingerprint_of(o: &object_store::ObjectMeta) -> Fingerprint {

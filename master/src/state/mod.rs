@@ -599,6 +599,13 @@ impl<'a> Txn<'a> {
                 now_ms,
                 block_size,
             } => self.sync_dir(*dir, *mount_id, entries, *now_ms, *block_size),
+            Command::AddUfsChild {
+                dir,
+                mount_id,
+                entry,
+                now_ms,
+                block_size,
+            } => self.add_probed_child(*dir, *mount_id, entry, *now_ms, *block_size),
             Command::RefreshFile { inode, fingerprint } => self.refresh_file(*inode, fingerprint),
             Command::Mkdir {
                 path,
@@ -747,7 +754,7 @@ impl<'a> Txn<'a> {
         e: &UfsEntry,
         now_ms: i64,
         block_size: u64,
-    ) -> Result<(), MasterError> {
+    ) -> Result<Inode, MasterError> {
         let fp = e.fingerprint.clone();
         let (length, mtime, version) = match (&e.kind, &fp) {
             (Kind::File, Some(fp)) => (fp.size, fp.mtime_ms, version_of(&fp.to_proto())),
@@ -778,7 +785,33 @@ impl<'a> Txn<'a> {
             children_loaded: false,
             complete: true,
         };
-        self.link(&inode)
+        self.link(&inode)?;
+        Ok(inode)
+    }
+
+    fn add_probed_child(
+        &mut self,
+        dir: u64,
+        mount_id: u64,
+        e: &UfsEntry,
+        now_ms: i64,
+        block_size: u64,
+    ) -> Result<ApplyOutput, MasterError> {
+        let Some(d) = self.inode(dir)? else {
+            return Err(MasterError::not_found(format!("inode {dir}")));
+        };
+        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
+            return Err(MasterError::precondition(format!(
+                "inode {dir} is no longer a directory of mount {mount_id}"
+            )));
+        }
+        paths::validate_name(&e.name)?;
+        if let Some(c) = self.child(dir, &e.name)? {
+            return Ok(ApplyOutput::Inode(c));
+        }
+        Ok(ApplyOutput::Inode(
+            self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?,
+        ))
     }
 
     /// Gives a file a new fingerprint (and so a new version); true when it changed.
@@ -787,7 +820,13 @@ impl<'a> Txn<'a> {
         inode: &mut Inode,
         fp: &Fingerprint,
     ) -> Result<bool, MasterError> {
-        if inode.fingerprint.as_ref() == Some(fp) {
+        // The same object seen through another API (listing vs HEAD) keeps its version, so
+        // its cached pages stay valid.
+        if inode
+            .fingerprint
+            .as_ref()
+            .is_some_and(|f| f.same_object(fp))
+        {
             return Ok(false);
         }
         inode.fingerprint = Some(fp.clone());
@@ -814,9 +853,6 @@ impl<'a> Txn<'a> {
                 "inode {dir} is no longer a directory of mount {mount_id}"
             )));
         }
-        if !d.children_loaded {
-            return self.load_dir(dir, mount_id, entries, now_ms, block_size);
-        }
         let listed: BTreeMap<&str, &UfsEntry> = entries
             .iter()
             .filter(|e| paths::validate_name(&e.name).is_ok())
@@ -840,6 +876,12 @@ impl<'a> Txn<'a> {
             if self.child(dir, &e.name)?.is_none() {
                 self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
             }
+        }
+        // A directory listed for the first time (it may hold entries found by lookups).
+        let mut d = d;
+        if !d.children_loaded {
+            d.children_loaded = true;
+            self.put_inode(&d)?;
         }
         Ok(ApplyOutput::Inode(d))
     }

@@ -28,6 +28,17 @@ pub struct Fingerprint {
 }
 
 impl Fingerprint {
+    /// Do two fingerprints (e.g. one from a listing, one from a HEAD) name the same object?
+    /// ETags decide when both have one (quotes aside); otherwise size and modification time
+    /// to the second (`Last-Modified` has no finer precision; listings often do).
+    pub fn same_object(&self, other: &Fingerprint) -> bool {
+        let bare = |e: &str| e.trim_start_matches("W/").trim_matches('"').to_string();
+        if !self.etag.is_empty() && !other.etag.is_empty() {
+            return bare(&self.etag) == bare(&other.etag) && self.size == other.size;
+        }
+        self.size == other.size && self.mtime_ms.div_euclid(1000) == other.mtime_ms.div_euclid(1000)
+    }
+
     /// The wire form (also the input of `granary_common::ids::version_of`).
     pub fn to_proto(&self) -> granary_proto::Fingerprint {
         granary_proto::Fingerprint {
@@ -143,6 +154,15 @@ pub enum Command {
         dir: u64,
         mount_id: u64,
         entries: Vec<UfsEntry>,
+        now_ms: i64,
+        block_size: u64,
+    },
+    /// One entry of a directory not listed yet, found by a HEAD (or a prefixed list) when a
+    /// known path was looked up: the directory stays unlisted.
+    AddUfsChild {
+        dir: u64,
+        mount_id: u64,
+        entry: UfsEntry,
         now_ms: i64,
         block_size: u64,
     },
