@@ -16,6 +16,8 @@ pub enum ClientError {
     Unavailable(String),
     #[error("{0}")]
     Timeout(String),
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("the file changed in the under-store while it was read: {0}")]
     Stale(String),
     #[error("{0}")]
@@ -33,6 +35,7 @@ impl ClientError {
             Code::FailedPrecondition => Self::FailedPrecondition(msg),
             Code::Aborted => Self::Stale(msg),
             Code::DeadlineExceeded => Self::Timeout(msg),
+            Code::PermissionDenied | Code::Unauthenticated => Self::PermissionDenied(msg),
             Code::Unavailable | Code::Cancelled | Code::Unknown | Code::ResourceExhausted => {
                 Self::Unavailable(if msg.is_empty() {
                     "service unavailable".into()
@@ -65,6 +68,9 @@ impl From<object_store::Error> for ClientError {
             object_store::Error::NotFound { .. } => Self::NotFound(e.to_string()),
             object_store::Error::Precondition { .. } | object_store::Error::NotModified { .. } => {
                 Self::Stale(e.to_string())
+            }
+            _ if granary_common::ufs::is_access_denied(&e) => {
+                Self::PermissionDenied(format!("the under-store refused access: {e}"))
             }
             _ => Self::Unavailable(format!("under-store read failed: {e}")),
         }

@@ -69,6 +69,28 @@ pub enum UfsError {
     Probe { message: String },
 }
 
+/// Did the store refuse the credentials or the access? object_store reports many HTTP
+/// failures as `Generic`; the status line or the store's error code tells.
+pub fn is_access_denied(e: &object_store::Error) -> bool {
+    if matches!(
+        e,
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+    ) {
+        return true;
+    }
+    let text = e.to_string();
+    [
+        "403 Forbidden",
+        "401 Unauthorized",
+        "AccessDenied",
+        "SignatureDoesNotMatch",
+        "InvalidAccessKeyId",
+        "AuthenticationFailed",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+}
+
 /// The kinds of under-store Granary mounts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -474,22 +496,10 @@ impl UfsSpec {
                     object_store::Error::NotFound { .. } => {
                         "the bucket or container does not exist"
                     }
-                    object_store::Error::PermissionDenied { .. }
-                    | object_store::Error::Unauthenticated { .. } => "the credentials were refused",
                     _ if has(&["NoSuchBucket", "ContainerNotFound", "404 Not Found"]) => {
                         "the bucket or container does not exist"
                     }
-                    _ if has(&[
-                        "SignatureDoesNotMatch",
-                        "InvalidAccessKeyId",
-                        "AccessDenied",
-                        "AuthenticationFailed",
-                        "403 Forbidden",
-                        "401 Unauthorized",
-                    ]) =>
-                    {
-                        "the credentials were refused"
-                    }
+                    _ if is_access_denied(&e) => "the credentials were refused",
                     _ => "the store could not be listed",
                 };
                 format!(

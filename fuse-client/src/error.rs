@@ -12,5 +12,6 @@ pub fn errno(e: &ClientError) -> Errno {
         ClientError::Unavailable(_) | ClientError::Internal(_) => Errno::EIO,
         ClientError::Timeout(_) => Errno::ETIMEDOUT,
         ClientError::Stale(_) => Errno::ESTALE,
+        ClientError::PermissionDenied(_) => Errno::EACCES,
     }
 }

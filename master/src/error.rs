@@ -18,6 +18,8 @@ pub enum MasterError {
     NotEmpty { path: String },
     #[error("{path} is in the read-only mount {mount}")]
     ReadOnly { path: String, mount: String },
+    #[error("{message}")]
+    PermissionDenied { message: String },
     #[error("this master is not the leader")]
     NotLeader { leader_hint: Option<String> },
     #[error("{message}")]
@@ -100,6 +102,7 @@ impl From<MasterError> for tonic::Status {
             | MasterError::Unavailable { .. }
             | MasterError::ShuttingDown => Code::Unavailable,
             MasterError::Corrupt { .. } | MasterError::Storage { .. } => Code::Internal,
+            MasterError::PermissionDenied { .. } => Code::PermissionDenied,
         };
         let mut status = tonic::Status::new(code, e.to_string());
         if let MasterError::NotLeader {

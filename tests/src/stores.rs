@@ -249,6 +249,15 @@ impl TestStore {
         self.proc.kill9()
     }
 
+    /// Starts a stopped S3 server again with another secret key (clients holding the old
+    /// one are refused).
+    pub fn restart_with_secret(&mut self, secret: &str) -> Result<()> {
+        if let Some(i) = self.args.iter().position(|a| a == "--secret-key") {
+            self.args[i + 1] = secret.to_string();
+        }
+        self.restart()
+    }
+
     /// Starts a stopped S3 server again on the same port over the same data.
     pub fn restart(&mut self) -> Result<()> {
         if self.kind != StoreKind::S3 {

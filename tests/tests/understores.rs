@@ -434,5 +434,16 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     )
     .unwrap();
     granary_ok(&["fs", "sync", "-R", "/synced", "--master", &addr]).unwrap();
+
+    // The store starts refusing our credentials: a lookup of a new name is EACCES (not a
+    // generic I/O error), and the cause is in the master's log.
+    s3.stop().unwrap();
+    s3.restart_with_secret("rotated-secret-1234").unwrap();
+    let out = sh(&format!(
+        "cat '{}' 2>&1 || true",
+        fuse.mountpoint.join("probed/many/f19.bin").display()
+    ))
+    .unwrap();
+    assert!(out.contains("Permission denied"), "{out}");
     drop(fuse);
 }

@@ -132,11 +132,16 @@ impl Namespace {
         let label = MountLabel {
             mount: mount.path.clone(),
         };
-        let failed = |e: object_store::Error| MasterError::Unavailable {
-            message: mount.spec.scrub(&format!(
+        let failed = |e: object_store::Error| {
+            let message = mount.spec.scrub(&format!(
                 "looking up {rel} in the under-store {} failed: {e}",
                 mount.spec.uri
-            )),
+            ));
+            if granary_common::ufs::is_access_denied(&e) {
+                MasterError::PermissionDenied { message }
+            } else {
+                MasterError::Unavailable { message }
+            }
         };
         // The object (HEAD) and a directory of that name (a one-page prefixed list) are
         // asked at once; whichever is found first wins. (Some stores answer a HEAD of a

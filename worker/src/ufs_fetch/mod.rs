@@ -26,6 +26,8 @@ pub enum FetchError {
     Changed(String),
     #[error("not found in the under-store: {0}")]
     NotFound(String),
+    #[error("the under-store refused access: {0}")]
+    PermissionDenied(String),
     #[error("{0}")]
     Unavailable(String),
 }
@@ -35,6 +37,7 @@ impl From<FetchError> for tonic::Status {
         match &e {
             FetchError::Changed(_) => tonic::Status::aborted(e.to_string()),
             FetchError::NotFound(_) => tonic::Status::not_found(e.to_string()),
+            FetchError::PermissionDenied(_) => tonic::Status::permission_denied(e.to_string()),
             FetchError::Unavailable(_) => tonic::Status::unavailable(e.to_string()),
         }
     }
@@ -210,6 +213,10 @@ impl Fetcher {
                     }
                     object_store::Error::NotFound { .. } => {
                         ("not_found", FetchError::NotFound(loc.path.clone()))
+                    }
+                    e if granary_common::ufs::is_access_denied(&e) => {
+                        tracing::warn!(path = %loc.path, error = %e, "under-store refused access");
+                        ("denied", FetchError::PermissionDenied(loc.path.clone()))
                     }
                     e => {
                         let message = format!("under-store read of {} failed: {e}", loc.path);
