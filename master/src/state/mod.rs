@@ -723,15 +723,7 @@ impl<'a> Txn<'a> {
         now_ms: i64,
         block_size: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let Some(mut d) = self.inode(dir)? else {
-            // Removed (e.g. unmounted) while the listing was in flight.
-            return Err(MasterError::not_found(format!("inode {dir}")));
-        };
-        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
-            return Err(MasterError::precondition(format!(
-                "inode {dir} is no longer a directory of mount {mount_id}"
-            )));
-        }
+        let mut d = self.mount_dir(dir, mount_id)?;
         if d.children_loaded {
             return Ok(ApplyOutput::Inode(d));
         }
@@ -744,6 +736,20 @@ impl<'a> Txn<'a> {
         d.children_loaded = true;
         self.put_inode(&d)?;
         Ok(ApplyOutput::Inode(d))
+    }
+
+    /// Directory `dir` of mount `mount_id`, as a listing or lookup proposed it; it may have
+    /// been removed (e.g. unmounted) or replaced while the under-store answered.
+    fn mount_dir(&self, dir: u64, mount_id: u64) -> Result<Inode, MasterError> {
+        let Some(d) = self.inode(dir)? else {
+            return Err(MasterError::not_found(format!("inode {dir}")));
+        };
+        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
+            return Err(MasterError::precondition(format!(
+                "inode {dir} is no longer a directory of mount {mount_id}"
+            )));
+        }
+        Ok(d)
     }
 
     /// A new inode for a listed under-store entry, linked under `d`.
@@ -797,14 +803,7 @@ impl<'a> Txn<'a> {
         now_ms: i64,
         block_size: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let Some(d) = self.inode(dir)? else {
-            return Err(MasterError::not_found(format!("inode {dir}")));
-        };
-        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
-            return Err(MasterError::precondition(format!(
-                "inode {dir} is no longer a directory of mount {mount_id}"
-            )));
-        }
+        let d = self.mount_dir(dir, mount_id)?;
         paths::validate_name(&e.name)?;
         if let Some(c) = self.child(dir, &e.name)? {
             return Ok(ApplyOutput::Inode(c));
@@ -845,14 +844,7 @@ impl<'a> Txn<'a> {
         now_ms: i64,
         block_size: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let Some(d) = self.inode(dir)? else {
-            return Err(MasterError::not_found(format!("inode {dir}")));
-        };
-        if d.mount_id != Some(mount_id) || d.kind != Kind::Directory {
-            return Err(MasterError::precondition(format!(
-                "inode {dir} is no longer a directory of mount {mount_id}"
-            )));
-        }
+        let d = self.mount_dir(dir, mount_id)?;
         let listed: BTreeMap<&str, &UfsEntry> = entries
             .iter()
             .filter(|e| paths::validate_name(&e.name).is_ok())

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Cold sequential read of one large object through the FUSE mount (master + worker + fuse
+# processes over an object-store test server), against the limit measured in the same run:
+# a single-stream GET of the same object from the same server with the same client
+# library (`granary bench get`: object_store, no Granary in the path).
+#
+#   bench/cold-read.sh [azure|s3] [SIZE_MIB]    (default: azure 1024; needs root for FUSE
+#                                                and scripts/setup-emulators)
+#
+# azure: Azurite, in memory. s3: s3s-fs (its ranged GETs slow down with object size, so
+# its numbers measure the server). Uses $GRANARY_BIN, else the debug binary scripts/test
+# builds. The under-store issue's goal is cold ≥ 1.5× the single-stream GET.
+set -euo pipefail
+store="${1:-azure}"
+size_mib="${2:-1024}"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
+work="$(mktemp -d /tmp/granary-bench-cold-XXXXXX)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 0.5
+  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return; sleep 0.1; done; }
+mkdir -p "$work/src" "$work/mnt"
+head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/src/big.bin"
+bytes=$((size_mib * 1024 * 1024))
+sport=$(free_port); mport=$(free_port)
+case "$store" in
+  azure)
+    (cd "$work" && exec "$tools/node/node_modules/.bin/azurite-blob" --blobHost 127.0.0.1 \
+      --blobPort "$sport" --inMemoryPersistence --skipApiVersionCheck --loose --disableTelemetry \
+      > "$work/server.log" 2>&1) &
+    pids+=($!); wait_port "$sport"
+    "$tools/venv/bin/python" "$here/tests/fixtures/stores.py" azure "http://127.0.0.1:$sport" bench "$work/src"
+    export AZURITE_BLOB_STORAGE_URL="http://127.0.0.1:$sport"
+    uri=az://bench; opts=(-o use_emulator=true) ;;
+  s3)
+    mkdir -p "$work/s3"; mv "$work/src" "$work/s3/bench"; mkdir -p "$work/src"
+    "$tools/bin/s3s-fs" --host 127.0.0.1 --port "$sport" --access-key bench --secret-key bench-secret \
+      "$work/s3" > "$work/server.log" 2>&1 &
+    pids+=($!); wait_port "$sport"
+    ln -s "$work/s3/bench/big.bin" "$work/src/big.bin"
+    uri=s3://bench; opts=(-o region=us-east-1 -o access_key_id=bench -o secret_access_key=bench-secret
+      -o allow_http=true -o "endpoint=http://127.0.0.1:$sport") ;;
+  *) echo "usage: $0 [azure|s3] [SIZE_MIB]" >&2; exit 2 ;;
+esac
+
+direct_json=$("$bin" bench get "$uri/big.bin" "${opts[@]}" --json)
+direct=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['seconds'])" "$direct_json")
+
+GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" > "$work/master.log" 2>&1 &
+pids+=($!); wait_port "$mport"
+GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 \
+  --cache-dir "$work/cache" --cache-size "$((size_mib * 2))MiB" > "$work/worker.log" 2>&1 &
+pids+=($!)
+"$bin" mount add /store "$uri" --master "127.0.0.1:$mport" "${opts[@]}" -o sync_interval=never > /dev/null
+GRANARY_LOG=warn "$bin" fuse --master "127.0.0.1:$mport" --mount "$work/mnt" > "$work/fuse.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
+mountpoint -q "$work/mnt" || { cat "$work"/*.log; exit 1; }
+ls -l "$work/mnt/store/" > /dev/null   # metadata loaded before timing
+timed_cat() { local t0 t1; t0=$(date +%s.%N); cat "$1" > /dev/null; t1=$(date +%s.%N); python3 -c "print($t1 - $t0)"; }
+cold=$(timed_cat "$work/mnt/store/big.bin")
+warm=$(timed_cat "$work/mnt/store/big.bin")
+cmp -s "$work/src/big.bin" "$work/mnt/store/big.bin" || { echo "bytes differ!"; exit 1; }
+
+mbps() { python3 -c "print(f'{$bytes / $1 / 1e6:.0f}')"; }
+echo "binary:                      $bin"
+echo "object:                      ${size_mib} MiB on $store (loopback)"
+echo "direct single-stream GET:    $(mbps "$direct") MB/s (limit)"
+echo "granary cold (FUSE, cat):    $(mbps "$cold") MB/s  ($(python3 -c "print(f'{$direct / $cold:.2f}')")x of the direct GET)"
+echo "granary warm (FUSE, cat):    $(mbps "$warm") MB/s"
