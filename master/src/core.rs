@@ -181,8 +181,12 @@ impl MasterCore {
         for id in self.ns.due_retries() {
             let core = self.clone();
             tokio::spawn(async move {
-                if let Ok(dir) = core.ns.inode(id) {
-                    let _ = core.ns.force_sync(dir).await;
+                match core.ns.inode(id) {
+                    Ok(dir) if dir.kind == crate::state::Kind::Directory => {
+                        let _ = core.ns.force_sync(dir).await;
+                    }
+                    // A file checked on lookup (re-checked on the next one), or gone.
+                    _ => core.ns.forget_sync(id),
                 }
             });
         }

@@ -42,6 +42,10 @@ impl BlockLocations {
     /// Forgets every location (a new leader rebuilds them from fresh worker reports).
     pub fn clear(&self) {
         *self.lock() = Inner::default();
+        match self.stale.lock() {
+            Ok(mut g) => g.clear(),
+            Err(p) => p.into_inner().clear(),
+        }
     }
 
     /// Replaces everything known about `worker` with a full report.
@@ -112,15 +116,23 @@ impl BlockLocations {
             Err(p) => p.into_inner(),
         };
         stale.insert(inode, (keep, std::time::Instant::now()));
-        stale.retain(|_, (_, at)| at.elapsed() < STALE_RETENTION);
+        if stale.len() % 256 == 0 {
+            stale.retain(|_, (_, at)| at.elapsed() < STALE_RETENTION);
+        }
     }
 
     /// `(inode, version to keep)` for every noted change of which `worker` still holds
     /// another version.
     pub fn stale_for(&self, worker: u64) -> Vec<(u64, u64)> {
-        let stale: Vec<(u64, u64)> = match self.stale.lock() {
-            Ok(g) => g.iter().map(|(i, (k, _))| (*i, *k)).collect(),
-            Err(p) => p.into_inner().iter().map(|(i, (k, _))| (*i, *k)).collect(),
+        let stale: Vec<(u64, u64)> = {
+            let g = match self.stale.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            g.iter()
+                .filter(|(_, (_, at))| at.elapsed() < STALE_RETENTION)
+                .map(|(i, (k, _))| (*i, *k))
+                .collect()
         };
         if stale.is_empty() {
             return Vec::new();

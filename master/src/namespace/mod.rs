@@ -7,7 +7,7 @@
 //! it; a loaded one keeps its metadata, and the failure is recorded, counted and retried
 //! with backoff.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -151,20 +151,25 @@ impl Namespace {
         let head = ufs.store.head(&location);
         let below = async { ufs.store.list(Some(&location)).next().await };
         tokio::pin!(head, below);
-        let (mut head_err, mut below_done, mut below_err) = (None, false, None);
+        let (mut head_done, mut below_done) = (false, false);
+        let (mut file, mut head_err, mut below_err) = (None, None, None);
         let entry = loop {
             tokio::select! {
-                r = &mut head, if head_err.is_none() => match r {
-                    Ok(meta) => break Some(UfsEntry {
-                        name: name.to_string(),
-                        kind: Kind::File,
-                        fingerprint: Some(fingerprint_of(&meta)),
-                    }),
-                    Err(e) => head_err = Some(e),
+                r = &mut head, if !head_done => {
+                    head_done = true;
+                    match r {
+                        Ok(meta) => file = Some(UfsEntry {
+                            name: name.to_string(),
+                            kind: Kind::File,
+                            fingerprint: Some(fingerprint_of(&meta)),
+                        }),
+                        Err(e) => head_err = Some(e),
+                    }
                 },
                 r = &mut below, if !below_done => {
                     below_done = true;
                     match r {
+                        // A directory of that name wins, as in listings.
                         Some(Ok(_)) => break Some(UfsEntry {
                             name: name.to_string(),
                             kind: Kind::Directory,
@@ -175,8 +180,8 @@ impl Namespace {
                     }
                 }
             }
-            if head_err.is_some() && below_done {
-                break None;
+            if below_done && (head_done || file.is_some()) {
+                break file.take();
             }
         };
         let Some(entry) = entry else {
@@ -232,7 +237,12 @@ impl Namespace {
         if dir.kind != Kind::Directory {
             return Ok(vec![dir]);
         }
-        let dir = self.ensure_loaded(dir).await?;
+        // Listed (or re-listed) for the first page only: later pages continue that view.
+        let dir = if after.is_none() {
+            self.ensure_loaded(dir).await?
+        } else {
+            dir
+        };
         self.sm.children(dir.id, after, limit)
     }
 
@@ -342,11 +352,7 @@ impl Namespace {
                 return Err(err);
             }
         }
-        let lock = {
-            let mut map = lock(&self.loading);
-            map.entry(dir.id).or_default().clone()
-        };
-        let _guard = lock.lock().await;
+        let _guard = DirGuard::acquire(&self.loading, dir.id).await;
         // Someone else may have listed it while we waited.
         let dir = self.inode(dir.id)?;
         if dir.children_loaded && !force && !self.due(&dir, policy) {
@@ -355,6 +361,12 @@ impl Namespace {
         let label = MountLabel {
             mount: mount.path.clone(),
         };
+        // What is known before the listing starts: the apply leaves alone any entry changed
+        // since (a lookup's HEAD is newer than this listing), and workers are told which
+        // cached versions went stale.
+        let known = self.sm.children(dir.id, None, usize::MAX)?;
+        let seen: BTreeMap<String, u64> =
+            known.iter().map(|c| (c.name.clone(), c.version)).collect();
         self.metrics.listings.get_or_create(&label).inc();
         let listing = self.list_ufs(&mount, &dir).await;
         let entries = match listing {
@@ -369,15 +381,15 @@ impl Namespace {
                     error = %e,
                     "under-store listing failed; keeping the metadata known so far and retrying with backoff"
                 );
-                lock_map_remove(&self.loading, dir.id);
                 return if dir.children_loaded { Ok(dir) } else { Err(e) };
             }
         };
-        // Versions of the files known before, to tell workers which cached pages went stale.
-        // (A directory not listed before may already hold entries found by lookups.)
-        let before: HashMap<String, (u64, u64)> = self
-            .sm
-            .children(dir.id, None, usize::MAX)?
+        if dir.children_loaded && unchanged(&known, &entries) {
+            // Nothing to replicate: the usual outcome of a periodic re-listing.
+            self.record_success(dir.id);
+            return Ok(dir);
+        }
+        let before: HashMap<String, (u64, u64)> = known
             .into_iter()
             .filter(|c| c.kind == Kind::File)
             .map(|c| (c.name.clone(), (c.id, c.version)))
@@ -388,10 +400,17 @@ impl Namespace {
             entries,
             now_ms: granary_common::now_ms(),
             block_size: self.block_size,
+            seen: Some(seen),
         };
-        let out = self.raft.propose(&cmd).await;
-        lock_map_remove(&self.loading, dir.id);
-        let out = out?;
+        let out = match self.raft.propose(&cmd).await {
+            Ok(out) => out,
+            Err(e) if dir.children_loaded => {
+                // Could not record it (e.g. leadership moved): keep what is known.
+                self.record_failure(dir.id, &e);
+                return Ok(dir);
+            }
+            Err(e) => return Err(e),
+        };
         self.record_success(dir.id);
         for (name, (inode, version)) in before {
             match self.sm.child(dir.id, &name)? {
@@ -414,16 +433,21 @@ impl Namespace {
             .store
             .list_with_delimiter(Some(&location))
             .await
-            .map_err(|e| MasterError::Unavailable {
-                message: mount.spec.scrub(&format!(
-                    "listing {} in the under-store {} failed: {e}",
-                    if dir.ufs_path.is_empty() {
-                        "/"
-                    } else {
-                        &dir.ufs_path
-                    },
+            .map_err(|e| {
+                let at = if dir.ufs_path.is_empty() {
+                    "/"
+                } else {
+                    &dir.ufs_path
+                };
+                let message = mount.spec.scrub(&format!(
+                    "listing {at} in the under-store {} failed: {e}",
                     mount.spec.uri
-                )),
+                ));
+                if granary_common::ufs::is_access_denied(&e) {
+                    MasterError::PermissionDenied { message }
+                } else {
+                    MasterError::Unavailable { message }
+                }
             })?;
         let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
         for p in &listing.common_prefixes {
@@ -494,6 +518,7 @@ impl Namespace {
                     .propose(&Command::RefreshFile {
                         inode: file.id,
                         fingerprint: fp,
+                        seen_version: Some(file.version),
                     })
                     .await?
                 {
@@ -510,12 +535,17 @@ impl Namespace {
                     self.sm.path_of(&file).unwrap_or(file.ufs_path),
                 ))
             }
-            Err(e) => Err(MasterError::Unavailable {
-                message: mount.spec.scrub(&format!(
+            Err(e) => {
+                let message = mount.spec.scrub(&format!(
                     "checking {} in the under-store {} failed: {e}",
                     file.ufs_path, mount.spec.uri
-                )),
-            }),
+                ));
+                Err(if granary_common::ufs::is_access_denied(&e) {
+                    MasterError::PermissionDenied { message }
+                } else {
+                    MasterError::Unavailable { message }
+                })
+            }
         }
     }
 
@@ -545,7 +575,8 @@ impl Namespace {
     fn record_success(&self, dir: u64) {
         let mut state = lock(&self.sync_state);
         let s = state.entry(dir).or_default();
-        if s.failures > 0 {
+        let was_failing = s.failures > 0;
+        if was_failing {
             tracing::info!(
                 dir,
                 failures = s.failures,
@@ -556,8 +587,10 @@ impl Namespace {
             synced_at: Some(Instant::now()),
             ..Default::default()
         };
-        let failing = state.values().filter(|s| s.failures > 0).count();
-        self.metrics.failing_dirs.set(failing as i64);
+        if was_failing {
+            let failing = state.values().filter(|s| s.failures > 0).count();
+            self.metrics.failing_dirs.set(failing as i64);
+        }
     }
 
     /// The leader's view of a directory's metadata sync.
@@ -579,6 +612,14 @@ impl Namespace {
             }
         }
         due
+    }
+
+    /// Forgets one entry's sync state.
+    pub fn forget_sync(&self, id: u64) {
+        let mut state = lock(&self.sync_state);
+        state.remove(&id);
+        let failing = state.values().filter(|s| s.failures > 0).count();
+        self.metrics.failing_dirs.set(failing as i64);
     }
 
     /// Forgets sync state (a new leader lists again on first access).
@@ -665,6 +706,55 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
-fn lock_map_remove(m: &Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>, id: u64) {
-    lock(m).remove(&id);
+/// Does a fresh listing say exactly what is known (same names, kinds, and objects)?
+fn unchanged(known: &[Inode], listed: &[UfsEntry]) -> bool {
+    if known.len() != listed.len() {
+        return false;
+    }
+    let by_name: HashMap<&str, &Inode> = known.iter().map(|c| (c.name.as_str(), c)).collect();
+    listed.iter().all(|e| {
+        by_name.get(e.name.as_str()).is_some_and(|c| {
+            c.kind == e.kind
+                && match (&c.fingerprint, &e.fingerprint) {
+                    (Some(a), Some(b)) => a.same_object(b),
+                    (None, None) => true,
+                    _ => false,
+                }
+        })
+    })
+}
+
+type DirLocks = Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>;
+
+/// One listing of a directory at a time. The map entry is removed by the last holder only
+/// (after its guard is released), so a waiter and a newcomer never get different locks.
+struct DirGuard<'a> {
+    map: &'a DirLocks,
+    id: u64,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl<'a> DirGuard<'a> {
+    async fn acquire(map: &'a DirLocks, id: u64) -> DirGuard<'a> {
+        let lock = lock(map).entry(id).or_default().clone();
+        let guard = lock.clone().lock_owned().await;
+        DirGuard {
+            map,
+            id,
+            lock,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl Drop for DirGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut map = lock(self.map);
+        // Held by the map and by us only: nobody waits.
+        if Arc::strong_count(&self.lock) == 2 {
+            map.remove(&self.id);
+        }
+    }
 }

@@ -598,7 +598,15 @@ impl<'a> Txn<'a> {
                 entries,
                 now_ms,
                 block_size,
-            } => self.sync_dir(*dir, *mount_id, entries, *now_ms, *block_size),
+                seen,
+            } => self.sync_dir(
+                *dir,
+                *mount_id,
+                entries,
+                *now_ms,
+                *block_size,
+                seen.as_ref(),
+            ),
             Command::AddUfsChild {
                 dir,
                 mount_id,
@@ -606,7 +614,11 @@ impl<'a> Txn<'a> {
                 now_ms,
                 block_size,
             } => self.add_probed_child(*dir, *mount_id, entry, *now_ms, *block_size),
-            Command::RefreshFile { inode, fingerprint } => self.refresh_file(*inode, fingerprint),
+            Command::RefreshFile {
+                inode,
+                fingerprint,
+                seen_version,
+            } => self.refresh_file(*inode, fingerprint, *seen_version),
             Command::Mkdir {
                 path,
                 recursive,
@@ -843,6 +855,7 @@ impl<'a> Txn<'a> {
         entries: &[UfsEntry],
         now_ms: i64,
         block_size: u64,
+        seen: Option<&BTreeMap<String, u64>>,
     ) -> Result<ApplyOutput, MasterError> {
         let d = self.mount_dir(dir, mount_id)?;
         let listed: BTreeMap<&str, &UfsEntry> = entries
@@ -854,6 +867,12 @@ impl<'a> Txn<'a> {
             let Some(mut child) = self.inode(id)? else {
                 continue;
             };
+            // Added or changed after the listing started (a newer lookup): keep it.
+            if let Some(seen) = seen {
+                if seen.get(child.name.as_str()) != Some(&child.version) {
+                    continue;
+                }
+            }
             match listed.get(child.name.as_str()) {
                 Some(e) if e.kind == child.kind => {
                     if let (Kind::File, Some(fp)) = (e.kind, &e.fingerprint) {
@@ -878,10 +897,19 @@ impl<'a> Txn<'a> {
         Ok(ApplyOutput::Inode(d))
     }
 
-    fn refresh_file(&mut self, id: u64, fp: &Fingerprint) -> Result<ApplyOutput, MasterError> {
+    fn refresh_file(
+        &mut self,
+        id: u64,
+        fp: &Fingerprint,
+        seen_version: Option<u64>,
+    ) -> Result<ApplyOutput, MasterError> {
         let Some(mut inode) = self.inode(id)? else {
             return Err(MasterError::not_found(format!("inode {id}")));
         };
+        if seen_version.is_some_and(|v| v != inode.version) {
+            // Changed since the proposer looked: its HEAD is older than what is recorded.
+            return Ok(ApplyOutput::Inode(inode));
+        }
         if inode.kind != Kind::File || inode.mount_id.is_none() {
             return Err(MasterError::precondition(format!(
                 "inode {id} is not a file of a mount"

@@ -156,6 +156,10 @@ pub enum Command {
         entries: Vec<UfsEntry>,
         now_ms: i64,
         block_size: u64,
+        /// Name → version of the entries known when the listing started: an entry changed
+        /// or added since (by a newer lookup) is left alone. None: reconcile everything.
+        #[serde(default)]
+        seen: Option<std::collections::BTreeMap<String, u64>>,
     },
     /// One entry of a directory not listed yet, found by a HEAD (or a prefixed list) when a
     /// known path was looked up: the directory stays unlisted.
@@ -170,6 +174,10 @@ pub enum Command {
     RefreshFile {
         inode: u64,
         fingerprint: Fingerprint,
+        /// The version the proposer saw before its HEAD: if the file moved on since, the
+        /// (older) HEAD is not applied.
+        #[serde(default)]
+        seen_version: Option<u64>,
     },
     Mkdir {
         path: String,

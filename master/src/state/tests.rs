@@ -363,6 +363,7 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
         entries,
         now_ms: 2,
         block_size: 1 << 20,
+        seen: None,
     };
     // On a directory never loaded, a sync is a load.
     sm.apply(
@@ -422,7 +423,8 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
             5,
             &Command::RefreshFile {
                 inode: now.id,
-                fingerprint: fp,
+                fingerprint: fp.clone(),
+                seen_version: Some(now.version),
             },
         )
         .unwrap()
@@ -430,4 +432,44 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
         panic!()
     };
     assert_ne!(r.version, now.version);
+    // An older HEAD (proposed before that refresh) does not roll the version back.
+    let ApplyOutput::Inode(again) = sm
+        .apply(
+            6,
+            &Command::RefreshFile {
+                inode: now.id,
+                fingerprint: now.fingerprint.clone().unwrap(),
+                seen_version: Some(now.version),
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(again.version, r.version);
+    // Nor does a listing that started before it.
+    let mut seen = BTreeMap::new();
+    seen.insert("change".to_string(), now.version);
+    seen.insert("keep".to_string(), keep.version);
+    let mut stale = file("change", 40);
+    stale.fingerprint.as_mut().unwrap().etag = "etag-new".into();
+    sm.apply(
+        7,
+        &Command::SyncDir {
+            dir: m.inode,
+            mount_id: m.id,
+            entries: vec![file("keep", 3), stale],
+            now_ms: 3,
+            block_size: 1 << 20,
+            seen: Some(seen),
+        },
+    )
+    .unwrap();
+    let after = sm.resolve_loaded("/m/change").unwrap().unwrap();
+    assert_eq!(
+        after.version, r.version,
+        "an older listing rolled a file back"
+    );
+    // Entries added after the listing started (e.g. `new`, `sub`) are not removed by it.
+    assert!(sm.resolve_loaded("/m/new").unwrap().is_some());
 }
