@@ -106,7 +106,11 @@ impl Namespace {
                     }
                 };
             }
-            let found = self.probe(&dir, name).await?;
+            let found = tokio::time::timeout(UFS_DEADLINE, self.probe(&dir, name))
+                .await
+                .map_err(|_| MasterError::Unavailable {
+                    message: format!("looking up {name} did not finish within {UFS_DEADLINE:?}"),
+                })??;
             if let Some(c) = &found {
                 self.record_success(c.id);
             }
@@ -429,26 +433,31 @@ impl Namespace {
     async fn list_ufs(&self, mount: &Mount, dir: &Inode) -> Result<Vec<UfsEntry>, MasterError> {
         let ufs = self.ufs.get(mount)?;
         let location = ufs.path_of(&dir.ufs_path);
-        let listing = ufs
-            .store
-            .list_with_delimiter(Some(&location))
-            .await
-            .map_err(|e| {
-                let at = if dir.ufs_path.is_empty() {
-                    "/"
-                } else {
-                    &dir.ufs_path
-                };
-                let message = mount.spec.scrub(&format!(
-                    "listing {at} in the under-store {} failed: {e}",
-                    mount.spec.uri
-                ));
-                if granary_common::ufs::is_access_denied(&e) {
-                    MasterError::PermissionDenied { message }
-                } else {
-                    MasterError::Unavailable { message }
-                }
-            })?;
+        let listing =
+            tokio::time::timeout(UFS_DEADLINE, ufs.store.list_with_delimiter(Some(&location)))
+                .await
+                .map_err(|_| MasterError::Unavailable {
+                    message: format!(
+                        "listing {} in the under-store {} did not finish within {UFS_DEADLINE:?}",
+                        dir.ufs_path, mount.spec.uri
+                    ),
+                })?
+                .map_err(|e| {
+                    let at = if dir.ufs_path.is_empty() {
+                        "/"
+                    } else {
+                        &dir.ufs_path
+                    };
+                    let message = mount.spec.scrub(&format!(
+                        "listing {at} in the under-store {} failed: {e}",
+                        mount.spec.uri
+                    ));
+                    if granary_common::ufs::is_access_denied(&e) {
+                        MasterError::PermissionDenied { message }
+                    } else {
+                        MasterError::Unavailable { message }
+                    }
+                })?;
         let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
         for p in &listing.common_prefixes {
             if let Some(name) = p.filename() {
@@ -495,6 +504,15 @@ impl Namespace {
     /// HEADs a file's object: a changed one gets its new fingerprint (and version, noted
     /// stale for workers); a vanished one makes its directory list again and is not found.
     async fn check_object(&self, mount: &Mount, file: Inode) -> Result<Inode, MasterError> {
+        let path = file.ufs_path.clone();
+        tokio::time::timeout(UFS_DEADLINE, self.check_object_now(mount, file))
+            .await
+            .map_err(|_| MasterError::Unavailable {
+                message: format!("checking {path} did not finish within {UFS_DEADLINE:?}"),
+            })?
+    }
+
+    async fn check_object_now(&self, mount: &Mount, file: Inode) -> Result<Inode, MasterError> {
         let ufs = self.ufs.get(mount)?;
         self.metrics
             .heads
@@ -628,6 +646,10 @@ impl Namespace {
         self.metrics.failing_dirs.set(0);
     }
 }
+
+/// Deadline of one under-store listing (a hung store must not hold a directory's lock, and
+/// its callers, forever; object_store's own retries fit well within it).
+pub const UFS_DEADLINE: Duration = Duration::from_secs(120);
 
 /// First retry of a failed listing after this long, doubling up to [`SYNC_RETRY_MAX`].
 pub const SYNC_RETRY_MIN: Duration = Duration::from_millis(500);

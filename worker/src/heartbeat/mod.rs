@@ -98,16 +98,15 @@ impl Heartbeat {
                 {
                     Ok(r) if r.reregister => need_register = true,
                     Ok(r) => {
-                        for f in r.stale {
-                            let freed = self.store.drop_stale(f.inode, f.keep_version);
-                            if freed > 0 {
-                                tracing::info!(
-                                    inode = f.inode,
-                                    keep_version = f.keep_version,
-                                    freed,
-                                    "dropped cached pages of a changed under-store object"
-                                );
-                            }
+                        let files: Vec<(u64, u64)> =
+                            r.stale.iter().map(|f| (f.inode, f.keep_version)).collect();
+                        let freed = self.store.drop_stale_many(&files);
+                        if freed > 0 {
+                            tracing::info!(
+                                files = files.len(),
+                                freed,
+                                "dropped cached pages of changed under-store objects"
+                            );
                         }
                     }
                     Err(e) => {

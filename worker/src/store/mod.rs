@@ -302,12 +302,21 @@ impl PageStore {
     /// Drops every cached page of `inode` whose version is not `keep` (its under-store
     /// object changed or vanished; 0 keeps nothing). Returns the bytes freed.
     pub fn drop_stale(self: &Arc<Self>, inode: u64, keep: u64) -> u64 {
+        self.drop_stale_many(&[(inode, keep)])
+    }
+
+    /// [`drop_stale`](Self::drop_stale) for several files in one pass over the index.
+    pub fn drop_stale_many(self: &Arc<Self>, files: &[(u64, u64)]) -> u64 {
+        if files.is_empty() {
+            return 0;
+        }
+        let keep: HashMap<u64, u64> = files.iter().copied().collect();
         let victims = {
             let mut inner = self.lock();
             let keys: Vec<PageKey> = inner
                 .pages
                 .keys()
-                .filter(|k| k.0 .0 == inode && k.0 .1 != keep)
+                .filter(|k| keep.get(&k.0 .0).is_some_and(|v| *v != k.0 .1))
                 .copied()
                 .collect();
             let mut victims = Vec::with_capacity(keys.len());
