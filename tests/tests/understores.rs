@@ -322,11 +322,21 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     let st = granary_ok(&["fs", "stat", &format!("/probed/{deep}"), "--master", &addr]).unwrap();
     assert!(st.contains("size:        77"), "{st}");
     assert_eq!(listings("/probed"), 0.0, "a lookup listed a directory");
-    assert!(
-        granary(&["fs", "stat", "/probed/deep/nope", "--master", &addr])
-            .status
-            .code()
-            == Some(1)
+    let heads = || {
+        metric(
+            &scrape(&master.metrics).unwrap(),
+            "granary_master_ufs_heads_total{mount=\"/probed\"}",
+        )
+        .unwrap_or(0.0)
+    };
+    let missing = ["fs", "stat", "/probed/deep/nope", "--master", &addr];
+    assert_eq!(granary(&missing).status.code(), Some(1));
+    let after_first_miss = heads();
+    assert_eq!(granary(&missing).status.code(), Some(1));
+    assert_eq!(
+        heads(),
+        after_first_miss,
+        "a repeated miss asked the store again"
     );
     assert_eq!(
         sh(&format!(

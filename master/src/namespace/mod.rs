@@ -35,6 +35,8 @@ pub struct Namespace {
     loading: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>,
     /// When each directory was last listed, and its failures (leader's soft state).
     sync_state: Mutex<HashMap<u64, DirSync>>,
+    /// Names looked up in unlisted directories and not found, with when.
+    missing: Mutex<HashMap<(u64, String), Instant>>,
     pub metrics: NsMetrics,
 }
 
@@ -54,6 +56,7 @@ impl Namespace {
             blocks,
             loading: Mutex::new(HashMap::new()),
             sync_state: Mutex::new(HashMap::new()),
+            missing: Mutex::new(HashMap::new()),
             metrics: NsMetrics::default(),
         }
     }
@@ -106,13 +109,18 @@ impl Namespace {
                     }
                 };
             }
+            let policy = find_mount(&self.sm, mount_id)?.spec.sync_policy();
+            if self.known_missing(dir.id, name, policy) {
+                return Ok(None);
+            }
             let found = tokio::time::timeout(UFS_DEADLINE, self.probe(&dir, name))
                 .await
                 .map_err(|_| MasterError::Unavailable {
                     message: format!("looking up {name} did not finish within {UFS_DEADLINE:?}"),
                 })??;
-            if let Some(c) = &found {
-                self.record_success(c.id);
+            match &found {
+                Some(c) => self.record_success(c.id),
+                None => self.note_missing(dir.id, name),
             }
             return Ok(found);
         }
@@ -632,6 +640,31 @@ impl Namespace {
         due
     }
 
+    /// Was `name` looked up in `dir` and not found recently enough to trust it (within the
+    /// mount's sync interval, at most [`MISSING_TTL`])? Spares a HEAD and a list per repeated
+    /// miss (module imports, globbing scans).
+    fn known_missing(&self, dir: u64, name: &str, policy: SyncPolicy) -> bool {
+        let ttl = match policy {
+            SyncPolicy::Never => MISSING_TTL,
+            SyncPolicy::Always => return false,
+            SyncPolicy::Every(d) => d.min(MISSING_TTL),
+        };
+        lock(&self.missing)
+            .get(&(dir, name.to_string()))
+            .is_some_and(|t| t.elapsed() < ttl)
+    }
+
+    fn note_missing(&self, dir: u64, name: &str) {
+        let mut m = lock(&self.missing);
+        if m.len() >= MISSING_CAP {
+            m.retain(|_, t| t.elapsed() < MISSING_TTL);
+            if m.len() >= MISSING_CAP {
+                m.clear();
+            }
+        }
+        m.insert((dir, name.to_string()), Instant::now());
+    }
+
     /// Forgets one entry's sync state.
     pub fn forget_sync(&self, id: u64) {
         let mut state = lock(&self.sync_state);
@@ -643,9 +676,15 @@ impl Namespace {
     /// Forgets sync state (a new leader lists again on first access).
     pub fn forget_sync_state(&self) {
         lock(&self.sync_state).clear();
+        lock(&self.missing).clear();
         self.metrics.failing_dirs.set(0);
     }
 }
+
+/// How long a lookup that found nothing is trusted (bounded by the mount's sync interval).
+pub const MISSING_TTL: Duration = Duration::from_secs(10);
+/// Remembered misses at most.
+const MISSING_CAP: usize = 100_000;
 
 /// Deadline of one under-store listing (a hung store must not hold a directory's lock, and
 /// its callers, forever; object_store's own retries fit well within it).
