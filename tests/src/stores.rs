@@ -25,7 +25,12 @@ fn python() -> PathBuf {
 }
 
 fn loader() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stores.py")
+    // At run time (cargo sets it for tests): a binary built in another checkout sharing the
+    // target dir must not point at that checkout's files.
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    dir.join("fixtures/stores.py")
 }
 
 fn fake_gcs_bin() -> Result<PathBuf> {

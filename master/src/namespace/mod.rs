@@ -401,28 +401,52 @@ impl Namespace {
             self.record_success(dir.id);
             return Ok(dir);
         }
+        // Only what changed is replicated, in batches small enough for one Raft entry each
+        // (a directory of a million objects must not become one 100 MB log entry).
+        let (upserts, removed) = diff(&known, &entries);
         let before: HashMap<String, (u64, u64)> = known
             .into_iter()
             .filter(|c| c.kind == Kind::File)
             .map(|c| (c.name.clone(), (c.id, c.version)))
             .collect();
-        let cmd = Command::SyncDir {
-            dir: dir.id,
-            mount_id,
-            entries,
-            now_ms: granary_common::now_ms(),
-            block_size: self.block_size,
-            seen: Some(seen),
-        };
-        let out = match self.raft.propose(&cmd).await {
-            Ok(out) => out,
-            Err(e) if dir.children_loaded => {
-                // Could not record it (e.g. leadership moved): keep what is known.
-                self.record_failure(dir.id, &e);
-                return Ok(dir);
+        let chunks = upserts
+            .len()
+            .div_ceil(SYNC_BATCH)
+            .max(removed.len().div_ceil(SYNC_BATCH))
+            .max(1);
+        let mut ups = upserts.into_iter();
+        let mut rems = removed.into_iter();
+        for i in 0..chunks {
+            let part: Vec<UfsEntry> = ups.by_ref().take(SYNC_BATCH).collect();
+            let gone: Vec<String> = rems.by_ref().take(SYNC_BATCH).collect();
+            let part_seen: BTreeMap<String, u64> = part
+                .iter()
+                .map(|e| e.name.as_str())
+                .chain(gone.iter().map(String::as_str))
+                .filter_map(|n| seen.get(n).map(|v| (n.to_string(), *v)))
+                .collect();
+            let cmd = Command::SyncDir {
+                dir: dir.id,
+                mount_id,
+                entries: part,
+                now_ms: granary_common::now_ms(),
+                block_size: self.block_size,
+                seen: Some(part_seen),
+                batch: Some(crate::state::SyncBatch {
+                    removed: gone,
+                    last: i + 1 == chunks,
+                }),
+            };
+            if let Err(e) = self.raft.propose(&cmd).await {
+                if dir.children_loaded {
+                    // Could not record it (e.g. leadership moved): keep what is known.
+                    self.record_failure(dir.id, &e);
+                    return Ok(dir);
+                }
+                return Err(e);
             }
-            Err(e) => return Err(e),
-        };
+        }
+        let out = crate::state::ApplyOutput::Inode(self.inode(dir.id)?);
         self.record_success(dir.id);
         for (name, (inode, version)) in before {
             match self.sm.child(dir.id, &name)? {
@@ -468,7 +492,7 @@ impl Namespace {
                 })?;
         let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
         for p in &listing.common_prefixes {
-            if let Some(name) = p.filename() {
+            if let Some(name) = p.filename().filter(|n| paths::validate_name(n).is_ok()) {
                 entries.push(UfsEntry {
                     name: name.to_string(),
                     kind: Kind::Directory,
@@ -477,7 +501,13 @@ impl Namespace {
             }
         }
         for o in &listing.objects {
-            let Some(name) = o.location.filename() else {
+            // Names Granary cannot show (e.g. containing `/` escapes) are skipped, so they do
+            // not make every re-listing look changed.
+            let Some(name) = o
+                .location
+                .filename()
+                .filter(|n| paths::validate_name(n).is_ok())
+            else {
                 continue;
             };
             if entries.iter().any(|e| e.name == name) {
@@ -765,6 +795,35 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     }
+}
+
+/// Entries per `SyncDir` batch.
+const SYNC_BATCH: usize = 2000;
+
+/// What a fresh listing changes: entries to add or update, names to remove.
+fn diff(known: &[Inode], listed: &[UfsEntry]) -> (Vec<UfsEntry>, Vec<String>) {
+    let by_name: HashMap<&str, &Inode> = known.iter().map(|c| (c.name.as_str(), c)).collect();
+    let upserts = listed
+        .iter()
+        .filter(|e| {
+            by_name.get(e.name.as_str()).is_none_or(|c| {
+                c.kind != e.kind
+                    || match (&c.fingerprint, &e.fingerprint) {
+                        (Some(a), Some(b)) => !a.same_object(b),
+                        (None, None) => false,
+                        _ => true,
+                    }
+            })
+        })
+        .cloned()
+        .collect();
+    let names: std::collections::HashSet<&str> = listed.iter().map(|e| e.name.as_str()).collect();
+    let removed = known
+        .iter()
+        .filter(|c| !names.contains(c.name.as_str()))
+        .map(|c| c.name.clone())
+        .collect();
+    (upserts, removed)
 }
 
 /// Does a fresh listing say exactly what is known (same names, kinds, and objects)?

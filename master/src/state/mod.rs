@@ -599,10 +599,28 @@ impl<'a> Txn<'a> {
                 now_ms,
                 block_size,
                 seen,
+                batch: None,
             } => self.sync_dir(
                 *dir,
                 *mount_id,
                 entries,
+                *now_ms,
+                *block_size,
+                seen.as_ref(),
+            ),
+            Command::SyncDir {
+                dir,
+                mount_id,
+                entries,
+                now_ms,
+                block_size,
+                seen,
+                batch: Some(batch),
+            } => self.sync_batch(
+                *dir,
+                *mount_id,
+                entries,
+                batch,
                 *now_ms,
                 *block_size,
                 seen.as_ref(),
@@ -891,6 +909,57 @@ impl<'a> Txn<'a> {
         // A directory listed for the first time (it may hold entries found by lookups).
         let mut d = d;
         if !d.children_loaded {
+            d.children_loaded = true;
+            self.put_inode(&d)?;
+        }
+        Ok(ApplyOutput::Inode(d))
+    }
+
+    /// One batch of a re-listing: upserts, removals, and (last batch) the listed mark.
+    #[allow(clippy::too_many_arguments)]
+    fn sync_batch(
+        &mut self,
+        dir: u64,
+        mount_id: u64,
+        upserts: &[UfsEntry],
+        batch: &SyncBatch,
+        now_ms: i64,
+        block_size: u64,
+        seen: Option<&BTreeMap<String, u64>>,
+    ) -> Result<ApplyOutput, MasterError> {
+        let mut d = self.mount_dir(dir, mount_id)?;
+        // An entry changed or added since the listing started (a newer lookup) is kept.
+        let moved_on = |child: &Inode| {
+            seen.is_some_and(|s| s.get(child.name.as_str()) != Some(&child.version))
+        };
+        for e in upserts {
+            if paths::validate_name(&e.name).is_err() {
+                continue;
+            }
+            match self.child(dir, &e.name)? {
+                Some(c) if moved_on(&c) => {}
+                Some(mut c) if c.kind == e.kind => {
+                    if let (Kind::File, Some(fp)) = (e.kind, &e.fingerprint) {
+                        self.set_fingerprint(&mut c, fp)?;
+                    }
+                }
+                Some(c) => {
+                    self.remove_subtree(&c, true)?;
+                    self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
+                }
+                None => {
+                    self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
+                }
+            }
+        }
+        for name in &batch.removed {
+            if let Some(c) = self.child(dir, name)? {
+                if !moved_on(&c) {
+                    self.remove_subtree(&c, true)?;
+                }
+            }
+        }
+        if batch.last && !d.children_loaded {
             d.children_loaded = true;
             self.put_inode(&d)?;
         }

@@ -160,6 +160,11 @@ pub enum Command {
         /// or added since (by a newer lookup) is left alone. None: reconcile everything.
         #[serde(default)]
         seen: Option<std::collections::BTreeMap<String, u64>>,
+        /// Batched form (large directories span several entries): `entries` are only the
+        /// entries to add or update and `removed` the names to remove; only the last batch
+        /// marks the directory listed. None: `entries` is the whole listing.
+        #[serde(default)]
+        batch: Option<SyncBatch>,
     },
     /// One entry of a directory not listed yet, found by a HEAD (or a prefixed list) when a
     /// known path was looked up: the directory stays unlisted.
@@ -206,6 +211,15 @@ pub enum Command {
         dst: String,
         now_ms: i64,
     },
+}
+
+/// One batch of a directory's re-listing (see `Command::SyncDir`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncBatch {
+    #[serde(default)]
+    pub removed: Vec<String>,
+    #[serde(default)]
+    pub last: bool,
 }
 
 /// What applying a command produced, handed back to the proposer.

@@ -364,6 +364,7 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
         now_ms: 2,
         block_size: 1 << 20,
         seen: None,
+        batch: None,
     };
     // On a directory never loaded, a sync is a load.
     sm.apply(
@@ -462,6 +463,7 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
             now_ms: 3,
             block_size: 1 << 20,
             seen: Some(seen),
+            batch: None,
         },
     )
     .unwrap();
@@ -472,4 +474,77 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
     );
     // Entries added after the listing started (e.g. `new`, `sub`) are not removed by it.
     assert!(sm.resolve_loaded("/m/new").unwrap().is_some());
+}
+
+#[test]
+fn a_batched_sync_marks_the_directory_listed_only_with_its_last_batch() {
+    let (_d, sm) = open();
+    let ApplyOutput::Mount(m) = sm
+        .apply(
+            1,
+            &Command::AddMount {
+                path: "/b".into(),
+                spec: spec("file:///a"),
+                now_ms: 1,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    let batch = |entries: Vec<UfsEntry>, removed: Vec<&str>, last: bool| Command::SyncDir {
+        dir: m.inode,
+        mount_id: m.id,
+        entries,
+        now_ms: 2,
+        block_size: 1 << 20,
+        seen: Some(BTreeMap::new()),
+        batch: Some(SyncBatch {
+            removed: removed.into_iter().map(String::from).collect(),
+            last,
+        }),
+    };
+    sm.apply(2, &batch(vec![file("a", 1), file("b", 2)], vec![], false))
+        .unwrap();
+    assert!(!sm.inode(m.inode).unwrap().unwrap().children_loaded);
+    sm.apply(3, &batch(vec![file("c", 3)], vec![], true))
+        .unwrap();
+    assert!(sm.inode(m.inode).unwrap().unwrap().children_loaded);
+    let names = |sm: &StateMachine| -> Vec<String> {
+        sm.children(m.inode, None, 10)
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect()
+    };
+    assert_eq!(names(&sm), vec!["a", "b", "c"]);
+    // A later re-listing: `b` vanished, `a` changed. `seen` guards each touched name.
+    let a = sm.resolve_loaded("/b/a").unwrap().unwrap();
+    let b = sm.resolve_loaded("/b/b").unwrap().unwrap();
+    let mut seen = BTreeMap::new();
+    seen.insert("a".to_string(), a.version);
+    seen.insert("b".to_string(), b.version);
+    let mut changed = file("a", 10);
+    changed.fingerprint.as_mut().unwrap().etag = "etag-a2".into();
+    sm.apply(
+        4,
+        &Command::SyncDir {
+            dir: m.inode,
+            mount_id: m.id,
+            entries: vec![changed],
+            now_ms: 3,
+            block_size: 1 << 20,
+            seen: Some(seen),
+            batch: Some(SyncBatch {
+                removed: vec!["b".into()],
+                last: true,
+            }),
+        },
+    )
+    .unwrap();
+    assert_eq!(names(&sm), vec!["a", "c"]);
+    assert_ne!(
+        sm.resolve_loaded("/b/a").unwrap().unwrap().version,
+        a.version
+    );
 }
