@@ -486,14 +486,7 @@ impl Cluster {
             .map(|i| Worker::start(root, &format!("w{i}"), &master.addr, cache_size))
             .collect::<Result<Vec<_>>>()?;
         wait_live_workers(&master.addr, n)?;
-        granary_ok(&[
-            "mount",
-            "add",
-            "/data",
-            &src.to_string_lossy(),
-            "--master",
-            &master.addr,
-        ])?;
+        mount_local("/data", src, &master.addr)?;
         let fuse = Fuse::start(root, &master.addr)?;
         Ok(Self {
             fuse,
@@ -1164,4 +1157,16 @@ pub fn assert_one_sentence_error(out: &Output, what: &str) {
         "{what}: stderr is not one line: {err}"
     );
     assert!(err.starts_with("error: "), "{what}: {err}");
+}
+
+/// `granary mount add PATH DIR --master MASTER` for a local folder.
+pub fn mount_local(path: &str, dir: &Path, master: &str) -> Result<String> {
+    granary_ok(&[
+        "mount",
+        "add",
+        path,
+        &dir.to_string_lossy(),
+        "--master",
+        master,
+    ])
 }

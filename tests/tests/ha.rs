@@ -94,15 +94,7 @@ fn leader_kill9_during_a_create_loop_loses_no_acknowledged_write() {
     let _w1 = Worker::start(root, "w1", &addrs, "1GiB").unwrap();
     let _w2 = Worker::start(root, "w2", &addrs, "1GiB").unwrap();
     wait_live_workers(&addrs, 2).unwrap();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src.to_string_lossy(),
-        "--master",
-        &addrs,
-    ])
-    .unwrap();
+    mount_local("/data", &src, &addrs).unwrap();
     let fuse = Fuse::start(root, &addrs).unwrap();
     let mnt = fuse.mountpoint.join("data");
     let expected = tree_sums(&src).unwrap();
