@@ -7,6 +7,13 @@
 #   bench/cold-read.sh [azure|s3] [SIZE_MIB]    (default: azure 1024; needs root for FUSE
 #                                                and scripts/setup-emulators)
 #
+# SHAPE_MBIT=N (optionally RTT_MS=M, default 20) puts `flow-shaper` (tests/src/bin) between
+# the clients and the server: every TCP connection's downloads paced to N Mbit/s and each
+# request delayed by M ms — the shape of a real object store, where one connection gets a
+# bounded share of bandwidth and the first byte takes a round trip. Unset: plain loopback,
+# where one stream is limited only by the CPU that server, worker, FUSE daemon and reader
+# share on this machine.
+#
 # azure: Azurite, in memory. s3: s3s-fs (its ranged GETs slow down with object size, so
 # its numbers measure the server). Uses $GRANARY_BIN, else the debug binary scripts/test
 # builds. The under-store issue's goal is cold ≥ 1.5× the single-stream GET.
@@ -15,6 +22,7 @@ store="${1:-azure}"
 size_mib="${2:-1024}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
 bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+shaper="${SHAPER_BIN:-$(dirname "$bin")/flow-shaper}"
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
 work="$(mktemp -d /tmp/granary-bench-cold-XXXXXX)"
 pids=()
@@ -32,6 +40,14 @@ mkdir -p "$work/src" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/src/big.bin"
 bytes=$((size_mib * 1024 * 1024))
 sport=$(free_port); mport=$(free_port)
+# The address clients use: the server itself, or the shaper in front of it.
+shape() {
+  if [ -z "${SHAPE_MBIT:-}" ]; then cport=$sport; return; fi
+  "$shaper" 127.0.0.1:0 "127.0.0.1:$sport" "$SHAPE_MBIT" "${RTT_MS:-20}" > "$work/shaper.addr" &
+  pids+=($!)
+  for _ in $(seq 1 100); do [ -s "$work/shaper.addr" ] && break; sleep 0.1; done
+  cport=$(sed 's/.*://' "$work/shaper.addr")
+}
 case "$store" in
   azure)
     (cd "$work" && exec "$tools/node/node_modules/.bin/azurite-blob" --blobHost 127.0.0.1 \
@@ -39,7 +55,8 @@ case "$store" in
       > "$work/server.log" 2>&1) &
     pids+=($!); wait_port "$sport"
     "$tools/venv/bin/python" "$here/tests/fixtures/stores.py" azure "http://127.0.0.1:$sport" bench "$work/src"
-    export AZURITE_BLOB_STORAGE_URL="http://127.0.0.1:$sport"
+    shape
+    export AZURITE_BLOB_STORAGE_URL="http://127.0.0.1:$cport"
     uri=az://bench; opts=(-o use_emulator=true) ;;
   s3)
     mkdir -p "$work/s3"; mv "$work/src" "$work/s3/bench"; mkdir -p "$work/src"
@@ -47,8 +64,9 @@ case "$store" in
       "$work/s3" > "$work/server.log" 2>&1 &
     pids+=($!); wait_port "$sport"
     ln -s "$work/s3/bench/big.bin" "$work/src/big.bin"
+    shape
     uri=s3://bench; opts=(-o region=us-east-1 -o access_key_id=bench -o secret_access_key=bench-secret
-      -o allow_http=true -o "endpoint=http://127.0.0.1:$sport") ;;
+      -o allow_http=true -o "endpoint=http://127.0.0.1:$cport") ;;
   *) echo "usage: $0 [azure|s3] [SIZE_MIB]" >&2; exit 2 ;;
 esac
 
@@ -57,7 +75,8 @@ direct=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['seconds'])"
 
 GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" > "$work/master.log" 2>&1 &
 pids+=($!); wait_port "$mport"
-GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 \
+wmport=$(free_port)
+GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 --metrics-listen "127.0.0.1:$wmport" \
   --cache-dir "$work/cache" --cache-size "$((size_mib * 2))MiB" > "$work/worker.log" 2>&1 &
 pids+=($!)
 "$bin" mount add /store "$uri" --master "127.0.0.1:$mport" "${opts[@]}" -o sync_interval=never > /dev/null
@@ -68,12 +87,14 @@ mountpoint -q "$work/mnt" || { cat "$work"/*.log; exit 1; }
 ls -l "$work/mnt/store/" > /dev/null   # metadata loaded before timing
 timed_cat() { local t0 t1; t0=$(date +%s.%N); cat "$1" > /dev/null; t1=$(date +%s.%N); python3 -c "print($t1 - $t0)"; }
 cold=$(timed_cat "$work/mnt/store/big.bin")
+if [ -n "${SHOW_METRICS:-}" ]; then curl -s "127.0.0.1:$wmport/metrics" | grep -E "^granary_worker_(ufs|cache|prefetch|uncached|read)" | grep -v bucket; fi
 warm=$(timed_cat "$work/mnt/store/big.bin")
 cmp -s "$work/src/big.bin" "$work/mnt/store/big.bin" || { echo "bytes differ!"; exit 1; }
 
 mbps() { python3 -c "print(f'{$bytes / $1 / 1e6:.0f}')"; }
 echo "binary:                      $bin"
-echo "object:                      ${size_mib} MiB on $store (loopback)"
+if [ -n "${SHAPE_MBIT:-}" ]; then net="shaped: ${SHAPE_MBIT} Mbit/s per connection, ${RTT_MS:-20} ms per request"; else net=loopback; fi
+echo "object:                      ${size_mib} MiB on $store ($net)"
 echo "direct single-stream GET:    $(mbps "$direct") MB/s (limit)"
 echo "granary cold (FUSE, cat):    $(mbps "$cold") MB/s  ($(python3 -c "print(f'{$direct / $cold:.2f}')")x of the direct GET)"
 echo "granary warm (FUSE, cat):    $(mbps "$warm") MB/s"

@@ -15,6 +15,13 @@ pub struct MountStores {
 }
 
 impl MountStores {
+    /// Seeds the opened store of a mount (tests; a process that already holds it).
+    pub fn insert(&self, mount_id: u64, ufs: Ufs) {
+        if let Ok(mut m) = self.stores.lock() {
+            m.insert(mount_id, ufs);
+        }
+    }
+
     /// The opened store of mount `mount_id`, asking the master for its access on first use.
     pub async fn get(&self, master: &MasterClient, mount_id: u64) -> Result<Ufs, ClientError> {
         if let Some(u) = self

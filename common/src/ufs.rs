@@ -15,6 +15,8 @@ use url::Url;
 
 /// Option keys that Granary interprets itself (not passed to `object_store`).
 pub const GRANARY_OPTION_KEYS: &[&str] = &[
+    "part_concurrency",
+    "part_size",
     "read_only",
     "sync_interval",
     "validate_on_open",
@@ -35,6 +37,15 @@ pub enum SyncPolicy {
 /// Default `sync_interval`: short, so a changed dataset is seen soon (the safe choice);
 /// immutable datasets should say `never`.
 pub const DEFAULT_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Default `part_size`: one ranged GET of a cold read fetches this much (rounded up to whole
+/// cache pages), streamed to the reader page by page as it arrives.
+pub const DEFAULT_PART_SIZE: u64 = 8 * 1024 * 1024;
+/// Default `part_concurrency`: ranged GETs one sequential cold reader keeps in flight.
+pub const DEFAULT_PART_CONCURRENCY: usize = 8;
+/// Bounds of `part_size` and `part_concurrency`.
+pub const PART_SIZE_RANGE: std::ops::RangeInclusive<u64> = 64 * 1024..=256 * 1024 * 1024;
+pub const PART_CONCURRENCY_RANGE: std::ops::RangeInclusive<usize> = 1..=64;
 
 /// Accepted `write_mode` values (writes arrive with the FUSE write path).
 pub const WRITE_MODES: &[&str] = &["cache-through", "async-through", "through"];
@@ -205,6 +216,10 @@ impl From<&granary_proto::Fingerprint> for Expected {
 pub struct Ufs {
     pub store: Arc<dyn ObjectStore>,
     pub prefix: StorePath,
+    /// Bytes one ranged GET of a cold read asks for (`part_size`).
+    pub part_size: u64,
+    /// Ranged GETs one sequential cold reader keeps in flight (`part_concurrency`).
+    pub part_concurrency: usize,
 }
 
 impl Ufs {
@@ -219,6 +234,17 @@ impl Ufs {
         expect: Option<&Expected>,
         range: std::ops::Range<u64>,
     ) -> Result<bytes::Bytes, object_store::Error> {
+        self.get_range(rel, expect, range).await?.bytes().await
+    }
+
+    /// Starts a ranged GET like [`Ufs::read_range`] (same version checks on the response
+    /// head) and returns it unread, so the body can be streamed.
+    pub async fn get_range(
+        &self,
+        rel: &str,
+        expect: Option<&Expected>,
+        range: std::ops::Range<u64>,
+    ) -> Result<object_store::GetResult, object_store::Error> {
         let etag = expect.map(|e| e.etag.clone()).filter(|e| !e.is_empty());
         let opts = object_store::GetOptions {
             if_match: etag.clone(),
@@ -235,7 +261,7 @@ impl Ufs {
                 });
             }
         }
-        got.bytes().await
+        Ok(got)
     }
 
     /// The store path of `rel` (a `/`-separated path relative to the mount root), naming
@@ -377,6 +403,32 @@ impl UfsSpec {
                 });
             }
         }
+        if let Some(v) = self.options.get("part_size") {
+            let ok = crate::size::parse_size(v)
+                .ok()
+                .filter(|n| PART_SIZE_RANGE.contains(n));
+            if ok.is_none() {
+                return Err(UfsError::InvalidOption {
+                    key: "part_size".into(),
+                    value: v.clone(),
+                    reason: "expected a size from 64KiB to 256MiB, such as 8MiB".into(),
+                });
+            }
+        }
+        if let Some(v) = self.options.get("part_concurrency") {
+            let ok = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| PART_CONCURRENCY_RANGE.contains(n));
+            if ok.is_none() {
+                return Err(UfsError::InvalidOption {
+                    key: "part_concurrency".into(),
+                    value: v.clone(),
+                    reason: "expected a whole number from 1 to 64".into(),
+                });
+            }
+        }
         if let Some(v) = self.options.get("write_mode") {
             if !WRITE_MODES.contains(&v.as_str()) {
                 return Err(UfsError::InvalidOption {
@@ -403,6 +455,22 @@ impl UfsSpec {
             .get("validate_on_open")
             .and_then(|v| parse_bool(v))
             .unwrap_or(false)
+    }
+
+    /// `part_size` ([`DEFAULT_PART_SIZE`] when unset).
+    pub fn part_size(&self) -> u64 {
+        self.options
+            .get("part_size")
+            .and_then(|v| crate::size::parse_size(v).ok())
+            .unwrap_or(DEFAULT_PART_SIZE)
+    }
+
+    /// `part_concurrency` ([`DEFAULT_PART_CONCURRENCY`] when unset).
+    pub fn part_concurrency(&self) -> usize {
+        self.options
+            .get("part_concurrency")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_PART_CONCURRENCY)
     }
 
     pub fn read_only(&self) -> bool {
@@ -443,6 +511,8 @@ impl UfsSpec {
             return Ok(Ufs {
                 store: Arc::new(store),
                 prefix: StorePath::default(),
+                part_size: self.part_size(),
+                part_concurrency: self.part_concurrency(),
             });
         }
         let (store, prefix) =
@@ -455,6 +525,8 @@ impl UfsSpec {
         Ok(Ufs {
             store: Arc::from(store),
             prefix,
+            part_size: self.part_size(),
+            part_concurrency: self.part_concurrency(),
         })
     }
 }
@@ -618,6 +690,8 @@ mod tests {
         let ufs = Ufs {
             store: Arc::new(object_store::memory::InMemory::new()),
             prefix: StorePath::from("data"),
+            part_size: DEFAULT_PART_SIZE,
+            part_concurrency: DEFAULT_PART_CONCURRENCY,
         };
         assert_eq!(
             ufs.path_of("unicodé/naïve ✓ 数据.bin").as_ref(),
@@ -700,6 +774,20 @@ mod tests {
         assert!(spec("validate_on_open", "perhaps").is_err());
         assert!(spec("write_mode", "async-through").is_ok());
         assert!(spec("write_mode", "write-back").is_err());
+        assert_eq!(spec("part_size", "16MiB").unwrap().part_size(), 16 << 20);
+        assert_eq!(
+            UfsSpec::new("/tmp", BTreeMap::new()).unwrap().part_size(),
+            DEFAULT_PART_SIZE
+        );
+        assert!(spec("part_size", "1KiB").is_err());
+        assert!(spec("part_size", "1GiB").is_err());
+        assert!(spec("part_size", "big").is_err());
+        assert_eq!(
+            spec("part_concurrency", "16").unwrap().part_concurrency(),
+            16
+        );
+        assert!(spec("part_concurrency", "0").is_err());
+        assert!(spec("part_concurrency", "65").is_err());
     }
 
     #[test]

@@ -11,14 +11,12 @@ use tonic::{Request, Response, Status};
 
 use crate::metrics::WorkerMetrics;
 use crate::store::block_key;
-use crate::ufs_fetch::{Fetcher, Source};
+use crate::ufs_fetch::{BlockRef, Fetcher, Source};
 
 /// Largest single read request (one block at the default block size).
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 /// Pages of one request fetched concurrently on a miss.
 const PAGE_PARALLELISM: usize = 4;
-/// Pages fetched ahead of a cold read, within its block (see `Fetcher::prefetch`).
-pub const READ_AHEAD_PAGES: u64 = 8;
 
 pub struct WorkerRpc {
     pub worker_id: u64,
@@ -99,53 +97,34 @@ impl WorkerService for WorkerRpc {
         let ps = self.fetcher.store.page_size;
         let (desc, p) = plan(&r)?;
         self.metrics.read_requests.inc();
-        let bkey = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
-        let block_len = {
-            let bs = if desc.block_size == 0 {
-                granary_common::DEFAULT_BLOCK_SIZE
-            } else {
-                desc.block_size
-            };
-            bs.min(desc.file_length - p.block_start)
+        let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
+        let bs = if desc.block_size == 0 {
+            granary_common::DEFAULT_BLOCK_SIZE
+        } else {
+            desc.block_size
         };
+        let block = Arc::new(BlockRef {
+            len: bs.min(desc.file_length - p.block_start),
+            start: p.block_start,
+            key,
+            desc,
+        });
         let first = p.offset / ps;
         let last = (p.end - 1) / ps;
+        let cache = r.cache;
+        // A sequential reader: keep the parts after this read in flight, so it finds them
+        // cached or arriving instead of waiting a round trip per part.
+        if cache && self.fetcher.sequential(&block, p.offset, p.end) {
+            self.fetcher.read_ahead(&block, last);
+        }
         let fetcher = self.fetcher.clone();
         let metrics = self.metrics.clone();
-        let cache = r.cache;
-        // A cold read: fetch the pages after it in the background, so a sequential reader
-        // finds them cached or in flight instead of waiting a round trip per page.
-        if cache && self.fetcher.store.get(&(bkey, last as u32)).is_none() {
-            let ahead_end = ((block_len - 1) / ps).min(last + READ_AHEAD_PAGES);
-            if ahead_end > last {
-                self.fetcher.clone().prefetch(
-                    desc.clone(),
-                    bkey,
-                    p.block_start,
-                    block_len,
-                    last + 1..=ahead_end,
-                );
-            }
-        }
         let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
         tokio::spawn(async move {
-            let desc = &desc;
+            let block = &block;
             let fetcher = &fetcher;
             let mut pages = futures::stream::iter(first..=last)
-                .map(|page| async move {
-                    let page_start = page * ps;
-                    let page_len = ps.min(block_len - page_start);
-                    let res = fetcher
-                        .page(
-                            desc,
-                            (bkey, page as u32),
-                            p.block_start + page_start,
-                            page_len,
-                            cache,
-                        )
-                        .await;
-                    (page, res)
-                })
+                .map(|page| async move { (page, fetcher.page(block, page, cache).await) })
                 .buffered(PAGE_PARALLELISM);
             while let Some((page, res)) = pages.next().await {
                 let msg = match res {

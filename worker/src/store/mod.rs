@@ -251,6 +251,11 @@ impl PageStore {
         i.removed.clear();
     }
 
+    /// Whether a page is cached (index only: no read, no recency update).
+    pub fn contains(&self, key: &PageKey) -> bool {
+        self.lock().pages.contains_key(key)
+    }
+
     /// Reads a cached page; `None` when absent or when it fails its checksum (then it is
     /// dropped so the caller refetches).
     pub fn get(self: &Arc<Self>, key: &PageKey) -> Option<Bytes> {

@@ -1,24 +1,39 @@
-//! Read-through fills: ranged GETs from the under-store, one fetch per page however many
-//! readers miss it at once (single-flight), verified against the file's fingerprint.
+//! Read-through fills. A cold read fetches *parts* of a block — `part_size` bytes, several
+//! cache pages, one ranged GET — and hands each page to its waiting readers and to the cache
+//! as soon as its bytes have arrived (no store-then-serve). A sequential reader keeps
+//! `part_concurrency` parts in flight ahead of it. Every page is fetched once however many
+//! readers miss it at once (single-flight), and every response is checked against the
+//! file's fingerprint.
 
 use std::collections::HashMap;
+use std::ops::RangeInclusive;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
 use granary_client::mounts::MountStores;
 use granary_client::MasterClient;
+use granary_common::ufs::Ufs;
 use granary_proto as pb;
-use tokio::sync::OnceCell;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::WorkerMetrics;
-use crate::store::{PageKey, PageStore};
+use crate::metrics::{UfsMetrics, WorkerMetrics};
+use crate::store::{BlockKey, PageKey, PageStore};
 
-/// Read-ahead fetches in flight at most, across all readers of this worker.
-pub const PREFETCH_IN_FLIGHT: usize = 8;
+/// Read-ahead parts in flight at most, across all readers of this worker.
+pub const PREFETCH_IN_FLIGHT: usize = 32;
 
-/// Deadline of one under-store GET.
+/// Deadline of one ranged GET (a whole part).
 pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Attempts of one part whose GET failed in a way worth retrying (a dropped connection
+/// mid-body; `object_store` already retries throttling and 5xx answers before the body).
+const PART_ATTEMPTS: u32 = 3;
+
+/// Blocks whose last read end is remembered (sequential detection).
+const SEQ_TRACKED: usize = 4096;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum FetchError {
@@ -43,16 +58,23 @@ impl From<FetchError> for tonic::Status {
     }
 }
 
-type Flight = Arc<OnceCell<Result<Bytes, FetchError>>>;
+/// A block being read: its descriptor and geometry.
+#[derive(Debug)]
+pub struct BlockRef {
+    pub desc: pb::BlockDescriptor,
+    pub key: BlockKey,
+    /// File offset of the block's first byte.
+    pub start: u64,
+    /// Bytes in the block.
+    pub len: u64,
+}
 
-pub struct Fetcher {
-    /// Bounds the read-ahead fetches in flight across all readers.
-    prefetch_slots: Arc<tokio::sync::Semaphore>,
-    master: MasterClient,
-    stores: MountStores,
-    inflight: Mutex<HashMap<PageKey, Flight>>,
-    pub store: Arc<PageStore>,
-    metrics: WorkerMetrics,
+type Outcome = Option<Result<Bytes, FetchError>>;
+
+/// A page being fetched: readers wait on `rx`; `id` tells this fetch from a later one.
+struct Pending {
+    id: u64,
+    rx: watch::Receiver<Outcome>,
 }
 
 /// Where a served page came from.
@@ -62,193 +84,409 @@ pub enum Source {
     UnderStore,
 }
 
+pub struct Fetcher {
+    /// Bounds the read-ahead parts in flight across all readers.
+    prefetch_slots: Arc<Semaphore>,
+    master: MasterClient,
+    pub(crate) stores: MountStores,
+    inflight: Mutex<HashMap<PageKey, Pending>>,
+    next_id: AtomicU64,
+    /// Where the last read of a block ended (a read starting there is sequential).
+    read_ends: Mutex<HashMap<BlockKey, u64>>,
+    pub store: Arc<PageStore>,
+    metrics: WorkerMetrics,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Pages of one GET, claimed by the task that fetches them. Pages still owed when it is
+/// dropped (error, timeout, panic) are failed, so no reader waits forever.
+struct Run {
+    fetcher: Arc<Fetcher>,
+    block: Arc<BlockRef>,
+    first: u64,
+    slots: Vec<(u64, watch::Sender<Outcome>)>,
+    /// Index in `slots` of the next page owed.
+    next: usize,
+    cache: bool,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Run {
+    fn page_len(&self, i: usize) -> u64 {
+        let ps = self.fetcher.store.page_size;
+        ps.min(self.block.len - (self.first + i as u64) * ps)
+    }
+
+    /// Hands the next page to its readers, then to the cache (off the async threads; the
+    /// page stays joinable in flight until it is cached, so nobody fetches it twice).
+    fn deliver(&mut self, data: Bytes) {
+        let page = self.first + self.next as u64;
+        let key = (self.block.key, page as u32);
+        let (id, tx) = std::mem::replace(&mut self.slots[self.next], (0, watch::channel(None).0));
+        self.next += 1;
+        tx.send_replace(Some(Ok(data.clone())));
+        let f = self.fetcher.clone();
+        let cache = self.cache;
+        tokio::task::spawn_blocking(move || {
+            if cache {
+                match f.store.reserve(data.len() as u64) {
+                    Some(r) => {
+                        if let Err(e) = f.store.commit(r, key, &data) {
+                            tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
+                        }
+                    }
+                    None => {
+                        f.metrics.uncached_fills.inc();
+                    }
+                }
+            }
+            f.forget(key, id);
+            drop(tx);
+        });
+    }
+
+    fn fail_rest(&mut self, e: &FetchError) {
+        while self.next < self.slots.len() {
+            let key = (self.block.key, (self.first + self.next as u64) as u32);
+            let (id, tx) = &self.slots[self.next];
+            tx.send_replace(Some(Err(e.clone())));
+            self.fetcher.forget(key, *id);
+            self.next += 1;
+        }
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        self.fail_rest(&FetchError::Unavailable(
+            "the under-store fetch was abandoned".into(),
+        ));
+    }
+}
+
 impl Fetcher {
     pub fn new(master: MasterClient, store: Arc<PageStore>, metrics: WorkerMetrics) -> Self {
         Self {
-            prefetch_slots: Arc::new(tokio::sync::Semaphore::new(PREFETCH_IN_FLIGHT)),
+            prefetch_slots: Arc::new(Semaphore::new(PREFETCH_IN_FLIGHT)),
             master,
             stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            read_ends: Mutex::new(HashMap::new()),
             store,
             metrics,
         }
     }
 
-    /// Fetches and caches `pages` of a block in the background (read-ahead), each through
-    /// the same single-flight path as reads, so a reader arriving meanwhile joins the fetch.
-    /// Skipped when the cache is small (read-ahead would evict what is about to be read)
-    /// and bounded by [`PREFETCH_IN_FLIGHT`]; pages already cached cost nothing.
-    pub fn prefetch(
-        self: Arc<Self>,
-        desc: pb::BlockDescriptor,
-        block: crate::store::BlockKey,
-        block_start: u64,
-        block_len: u64,
-        pages: std::ops::RangeInclusive<u64>,
-    ) {
-        let ps = self.store.page_size;
-        let window = (pages.end() - pages.start() + 1) * ps;
-        if self.store.capacity < 16 * window {
-            return;
+    fn forget(&self, key: PageKey, id: u64) {
+        let mut m = lock(&self.inflight);
+        if m.get(&key).is_some_and(|p| p.id == id) {
+            m.remove(&key);
         }
-        tokio::spawn(async move {
-            for page in pages {
-                let key = (block, page as u32);
-                if self.store.get(&key).is_some() {
-                    continue;
-                }
-                let Ok(permit) = self.prefetch_slots.clone().try_acquire_owned() else {
-                    return; // busy enough: readers will fetch what they need
-                };
-                let me = self.clone();
-                let desc = desc.clone();
-                tokio::spawn(async move {
-                    let page_start = page * ps;
-                    let len = ps.min(block_len - page_start);
-                    if me
-                        .page(&desc, key, block_start + page_start, len, true)
-                        .await
-                        .is_ok()
-                    {
-                        me.metrics.prefetched_pages.inc();
-                    }
-                    drop(permit);
-                });
-            }
-        });
     }
 
-    /// Returns page `key` of the block described by `desc`: from the cache, or fetched once
-    /// from the under-store and (if `cache`) admitted.
-    pub async fn page(
-        &self,
-        desc: &pb::BlockDescriptor,
-        key: PageKey,
-        file_offset: u64,
-        len: u64,
-        cache: bool,
-    ) -> Result<(Bytes, Source), FetchError> {
-        if let Some(b) = self.store.get(&key) {
-            return Ok((b, Source::Cache));
-        }
-        let flight = {
-            let mut m = match self.inflight.lock() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            m.entry(key).or_default().clone()
-        };
-        let result = flight
-            .get_or_init(|| async {
-                // Filled while we queued for the flight?
-                if let Some(b) = self.store.get(&key) {
-                    return Ok(b);
-                }
-                let data = self.fetch(desc, file_offset, len).await?;
-                if cache {
-                    match self.store.reserve(data.len() as u64) {
-                        Some(r) => {
-                            if let Err(e) = self.store.commit(r, key, &data) {
-                                tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
-                            }
-                        }
-                        None => {
-                            self.metrics.uncached_fills.inc();
-                        }
-                    }
-                }
-                Ok(data)
-            })
-            .await
-            .clone();
-        if let Ok(mut m) = self.inflight.lock() {
-            if m.get(&key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
-                m.remove(&key);
-            }
-        }
-        result.map(|b| (b, Source::UnderStore))
-    }
-
-    async fn fetch(
-        &self,
-        desc: &pb::BlockDescriptor,
-        offset: u64,
-        len: u64,
-    ) -> Result<Bytes, FetchError> {
-        let loc = desc
-            .ufs
-            .as_ref()
-            .ok_or_else(|| FetchError::Unavailable("block has no under-store location".into()))?;
+    async fn ufs(&self, block: &BlockRef) -> Result<(Ufs, pb::UfsLocation), FetchError> {
+        let loc =
+            block.desc.ufs.clone().ok_or_else(|| {
+                FetchError::Unavailable("block has no under-store location".into())
+            })?;
         let ufs = self
             .stores
             .get(&self.master, loc.mount_id)
             .await
             .map_err(|e| FetchError::Unavailable(e.to_string()))?;
-        let expect = desc
+        Ok((ufs, loc))
+    }
+
+    /// Pages in one part of this mount, and parts a sequential reader keeps in flight; a
+    /// cache too small for that much read-ahead fetches single pages and reads no further.
+    fn geometry(&self, ufs: &Ufs) -> (u64, u64) {
+        let ps = self.store.page_size;
+        let part_pages = ufs.part_size.div_ceil(ps).max(1);
+        let window = part_pages * ps * ufs.part_concurrency as u64;
+        if self.store.capacity < 4 * window {
+            (1, 0)
+        } else {
+            (part_pages, ufs.part_concurrency as u64)
+        }
+    }
+
+    /// Claims the pages of `pages` that are neither cached nor being fetched, as runs of
+    /// consecutive pages (one GET each).
+    fn claim(
+        &self,
+        block: &Arc<BlockRef>,
+        pages: RangeInclusive<u64>,
+    ) -> Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)> {
+        let mut runs: Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)> = Vec::new();
+        let mut m = lock(&self.inflight);
+        let mut open = false;
+        for page in pages {
+            let key = (block.key, page as u32);
+            if m.contains_key(&key) || self.store.contains(&key) {
+                open = false;
+                continue;
+            }
+            let (tx, rx) = watch::channel(None);
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            m.insert(key, Pending { id, rx });
+            if !open {
+                runs.push((page, Vec::new()));
+                open = true;
+            }
+            if let Some(run) = runs.last_mut() {
+                run.1.push((id, tx));
+            }
+        }
+        runs
+    }
+
+    fn spawn_runs(
+        self: &Arc<Self>,
+        block: &Arc<BlockRef>,
+        runs: Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)>,
+        cache: bool,
+        mut permit: Option<OwnedSemaphorePermit>,
+    ) {
+        for (first, slots) in runs {
+            let run = Run {
+                fetcher: self.clone(),
+                block: block.clone(),
+                first,
+                slots,
+                next: 0,
+                cache,
+                _permit: permit.take(),
+            };
+            tokio::spawn(run.fetch());
+        }
+    }
+
+    /// Page `page` of `block`: from the cache, from a fetch in flight, or fetched now with
+    /// the rest of its part.
+    pub async fn page(
+        self: &Arc<Self>,
+        block: &Arc<BlockRef>,
+        page: u64,
+        cache: bool,
+    ) -> Result<(Bytes, Source), FetchError> {
+        let key = (block.key, page as u32);
+        for _ in 0..4 {
+            if let Some(b) = self.store.get(&key) {
+                return Ok((b, Source::Cache));
+            }
+            let (ufs, _) = self.ufs(block).await?;
+            let (part_pages, _) = self.geometry(&ufs);
+            let last_page = (block.len - 1) / self.store.page_size;
+            let part_end = ((page / part_pages + 1) * part_pages - 1).min(last_page);
+            let runs = self.claim(block, page..=part_end);
+            self.spawn_runs(block, runs, cache, None);
+            let rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone());
+            let Some(mut rx) = rx else {
+                continue; // cached meanwhile (or just evicted again): look once more
+            };
+            let outcome = match rx.wait_for(Option::is_some).await {
+                Ok(v) => v.clone(),
+                Err(_) => None,
+            };
+            return match outcome {
+                Some(Ok(b)) => Ok((b, Source::UnderStore)),
+                Some(Err(e)) => Err(e),
+                None => Err(FetchError::Unavailable(
+                    "the under-store fetch was abandoned".into(),
+                )),
+            };
+        }
+        Err(FetchError::Unavailable(format!(
+            "page {page} of block {:?} was evicted as fast as it was fetched; the cache is too small for this load",
+            block.key
+        )))
+    }
+
+    /// Notes a read of `block` ending at byte `end` (block offset) and tells whether it
+    /// continued the previous one (or starts the block): a sequential reader.
+    pub fn sequential(&self, block: &BlockRef, offset: u64, end: u64) -> bool {
+        let mut m = lock(&self.read_ends);
+        if m.len() >= SEQ_TRACKED && !m.contains_key(&block.key) {
+            m.clear();
+        }
+        let prev = m.insert(block.key, end);
+        offset == 0 || prev == Some(offset)
+    }
+
+    /// Keeps `part_concurrency` parts in flight after page `after` of `block` (read-ahead
+    /// of a sequential reader), each through the same single-flight path as reads, so a
+    /// reader arriving meanwhile joins the fetch. Bounded by [`PREFETCH_IN_FLIGHT`] across
+    /// readers; pages cached or in flight cost nothing.
+    pub fn read_ahead(self: &Arc<Self>, block: &Arc<BlockRef>, after: u64) {
+        let ps = self.store.page_size;
+        let last_page = (block.len - 1) / ps;
+        if after >= last_page {
+            return;
+        }
+        let me = self.clone();
+        let block = block.clone();
+        tokio::spawn(async move {
+            let Ok((ufs, _)) = me.ufs(&block).await else {
+                return; // the reader's own fetch reports the error
+            };
+            let (part_pages, parts) = me.geometry(&ufs);
+            let end = last_page.min(after + part_pages * parts);
+            let mut from = after + 1;
+            while from <= end {
+                let part_end = ((from / part_pages + 1) * part_pages - 1).min(end);
+                let Ok(permit) = me.prefetch_slots.clone().try_acquire_owned() else {
+                    return; // busy enough: readers fetch what they need
+                };
+                let runs = me.claim(&block, from..=part_end);
+                let pages: usize = runs.iter().map(|r| r.1.len()).sum();
+                me.metrics.prefetched_pages.inc_by(pages as u64);
+                me.spawn_runs(&block, runs, true, Some(permit));
+                from = part_end + 1;
+            }
+        });
+    }
+
+    /// Records an under-store error of mount `mount_id` and turns it into a [`FetchError`].
+    fn classify(&self, mount_id: u64, path: &str, e: object_store::Error) -> FetchError {
+        self.metrics.ufs_errors.inc();
+        let (kind, err) = match e {
+            object_store::Error::Precondition { source, .. } => {
+                tracing::warn!(path, reason = %source, "under-store object changed; not served");
+                ("changed", FetchError::Changed(format!("{path} ({source})")))
+            }
+            object_store::Error::NotFound { .. } => {
+                ("not_found", FetchError::NotFound(path.to_string()))
+            }
+            e if granary_common::ufs::is_access_denied(&e) => {
+                tracing::warn!(path, error = %e, "under-store refused access");
+                ("denied", FetchError::PermissionDenied(path.to_string()))
+            }
+            e => {
+                let message = format!("under-store read of {path} failed: {e}");
+                tracing::warn!(error = %message, "under-store read failed");
+                ("failed", FetchError::Unavailable(message))
+            }
+        };
+        self.metrics.ufs.error(mount_id, "get", kind);
+        err
+    }
+}
+
+impl Run {
+    /// Fetches the run's pages with one ranged GET (resumed where it stopped if the body
+    /// breaks off), delivering each page as soon as its bytes are in.
+    async fn fetch(mut self) {
+        let f = self.fetcher.clone();
+        let (ufs, loc) = match f.ufs(&self.block).await {
+            Ok(x) => x,
+            Err(e) => return self.fail_rest(&e),
+        };
+        let expect = self
+            .block
+            .desc
             .fingerprint
             .as_ref()
             .map(granary_common::ufs::Expected::from);
-        self.metrics.ufs_requests.inc();
-        let op = crate::metrics::UfsMetrics::op(loc.mount_id, "get");
-        self.metrics.ufs.requests.get_or_create(&op).inc();
-        let started = std::time::Instant::now();
-        let fut = ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len);
-        let res = tokio::time::timeout(UFS_TIMEOUT, fut).await;
-        self.metrics
-            .ufs
-            .seconds
-            .get_or_create(&op)
-            .observe(started.elapsed().as_secs_f64());
-        let data = match res {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
-                self.metrics.ufs_errors.inc();
-                let (kind, err) = match e {
-                    object_store::Error::Precondition { source, .. } => {
-                        tracing::warn!(path = %loc.path, reason = %source, "under-store object changed; not served");
-                        (
-                            "changed",
-                            FetchError::Changed(format!("{} ({source})", loc.path)),
-                        )
-                    }
-                    object_store::Error::NotFound { .. } => {
-                        ("not_found", FetchError::NotFound(loc.path.clone()))
-                    }
-                    e if granary_common::ufs::is_access_denied(&e) => {
-                        tracing::warn!(path = %loc.path, error = %e, "under-store refused access");
-                        ("denied", FetchError::PermissionDenied(loc.path.clone()))
-                    }
-                    e => {
-                        let message = format!("under-store read of {} failed: {e}", loc.path);
-                        tracing::warn!(error = %message, "under-store read failed");
-                        ("failed", FetchError::Unavailable(message))
-                    }
-                };
-                self.metrics.ufs.error(loc.mount_id, "get", kind);
-                return Err(err);
+        let op = UfsMetrics::op(loc.mount_id, "get");
+        let deadline = Instant::now() + UFS_TIMEOUT;
+        let ps = f.store.page_size;
+        let end = self
+            .block
+            .len
+            .min((self.first + self.slots.len() as u64) * ps);
+        let mut attempt = 0;
+        while self.next < self.slots.len() {
+            attempt += 1;
+            let from = (self.first + self.next as u64) * ps;
+            f.metrics.ufs_requests.inc();
+            f.metrics.ufs.requests.get_or_create(&op).inc();
+            let started = Instant::now();
+            let res = tokio::time::timeout_at(
+                deadline.into(),
+                self.stream(&ufs, &loc, expect.as_ref(), from..end, &op),
+            )
+            .await;
+            f.metrics
+                .ufs
+                .seconds
+                .get_or_create(&op)
+                .observe(started.elapsed().as_secs_f64());
+            let err = match res {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    f.metrics.ufs_errors.inc();
+                    f.metrics.ufs.error(loc.mount_id, "get", "timeout");
+                    FetchError::Unavailable(format!(
+                        "under-store read of {} timed out after {UFS_TIMEOUT:?}",
+                        loc.path
+                    ))
+                }
+            };
+            let retry = matches!(err, FetchError::Unavailable(_))
+                && attempt < PART_ATTEMPTS
+                && Instant::now() < deadline;
+            if !retry {
+                return self.fail_rest(&err);
             }
-            Err(_) => {
-                self.metrics.ufs_errors.inc();
-                self.metrics.ufs.error(loc.mount_id, "get", "timeout");
-                return Err(FetchError::Unavailable(format!(
-                    "under-store read of {} timed out after {UFS_TIMEOUT:?}",
-                    loc.path
-                )));
-            }
-        };
-        self.metrics.ufs_read_bytes.inc_by(data.len() as u64);
-        self.metrics
-            .ufs
-            .bytes
-            .get_or_create(&op)
-            .inc_by(data.len() as u64);
-        if data.len() as u64 != len {
-            return Err(FetchError::Changed(format!(
-                "{}: expected {len} bytes at {offset}, the under-store returned {}",
-                loc.path,
-                data.len()
-            )));
+            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
-        Ok(data)
+        if self.next < self.slots.len() {
+            let e = FetchError::Changed(format!(
+                "{}: the under-store returned fewer bytes than the object's recorded size",
+                loc.path
+            ));
+            self.fail_rest(&e);
+        }
+    }
+
+    /// One GET of `range` (block offsets), split into pages as the body arrives.
+    async fn stream(
+        &mut self,
+        ufs: &Ufs,
+        loc: &pb::UfsLocation,
+        expect: Option<&granary_common::ufs::Expected>,
+        range: std::ops::Range<u64>,
+        op: &crate::metrics::UfsOp,
+    ) -> Result<(), FetchError> {
+        let f = self.fetcher.clone();
+        let base = self.block.start;
+        let got = ufs
+            .get_range(&loc.path, expect, base + range.start..base + range.end)
+            .await
+            .map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
+        let mut body = got.into_stream();
+        let mut buf = BytesMut::with_capacity(self.page_len(self.next) as usize);
+        while let Some(chunk) = body.next().await {
+            let mut chunk = chunk.map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
+            f.metrics.ufs_read_bytes.inc_by(chunk.len() as u64);
+            f.metrics
+                .ufs
+                .bytes
+                .get_or_create(op)
+                .inc_by(chunk.len() as u64);
+            while !chunk.is_empty() && self.next < self.slots.len() {
+                let want = self.page_len(self.next) as usize - buf.len();
+                let take = want.min(chunk.len());
+                buf.extend_from_slice(&chunk.split_to(take));
+                if buf.len() == self.page_len(self.next) as usize {
+                    self.deliver(buf.split().freeze());
+                    if self.next < self.slots.len() {
+                        buf.reserve(self.page_len(self.next) as usize);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

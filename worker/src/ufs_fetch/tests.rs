@@ -1,0 +1,206 @@
+//! The fill path against an in-memory object store: parts, single flight, read-ahead and
+//! version checks, counted by the fetcher's own request metrics.
+
+use super::*;
+use object_store::memory::InMemory;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStoreExt, PutPayload};
+
+const PS: u64 = 4096;
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    fetcher: Arc<Fetcher>,
+    store: Arc<InMemory>,
+    metrics: WorkerMetrics,
+}
+
+/// A fetcher over an in-memory store with `object` at "f", parts of `part_pages` pages and
+/// `concurrency` parts of read-ahead.
+async fn rig(object: &[u8], part_pages: u64, concurrency: usize) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = WorkerMetrics::default();
+    let pages = PageStore::open(dir.path(), 1 << 30, PS, metrics.clone()).unwrap();
+    let store = Arc::new(InMemory::new());
+    store
+        .put(&StorePath::from("f"), PutPayload::from(object.to_vec()))
+        .await
+        .unwrap();
+    let fetcher = Arc::new(Fetcher::new(
+        MasterClient::new("127.0.0.1:1").unwrap(),
+        pages,
+        metrics.clone(),
+    ));
+    fetcher.stores.insert(
+        1,
+        Ufs {
+            store: store.clone(),
+            prefix: StorePath::default(),
+            part_size: part_pages * PS,
+            part_concurrency: concurrency,
+        },
+    );
+    Rig {
+        _dir: dir,
+        fetcher,
+        store,
+        metrics,
+    }
+}
+
+async fn fingerprint(store: &InMemory) -> pb::Fingerprint {
+    let meta = store.head(&StorePath::from("f")).await.unwrap();
+    pb::Fingerprint {
+        etag: meta.e_tag.unwrap_or_default(),
+        size: meta.size,
+        mtime_ms: meta.last_modified.timestamp_millis(),
+        ..Default::default()
+    }
+}
+
+async fn block(r: &Rig, len: u64) -> Arc<BlockRef> {
+    Arc::new(BlockRef {
+        desc: pb::BlockDescriptor {
+            id: Some(pb::BlockId {
+                inode: 5,
+                version: 1,
+                index: 0,
+            }),
+            ufs: Some(pb::UfsLocation {
+                mount_id: 1,
+                path: "f".into(),
+            }),
+            fingerprint: Some(fingerprint(&r.store).await),
+            file_length: len,
+            block_size: len,
+        },
+        key: (5, 1, 0),
+        start: 0,
+        len,
+    })
+}
+
+fn object(pages: u64) -> Vec<u8> {
+    (0..pages * PS - 100).map(|i| (i % 251) as u8).collect()
+}
+
+async fn wait_idle(f: &Fetcher) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !lock(&f.inflight).is_empty() {
+        assert!(Instant::now() < deadline, "fetches still in flight");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_fetches_its_part_with_one_get_and_every_page_is_right() {
+    let data = object(8);
+    let r = rig(&data, 4, 1).await;
+    let b = block(&r, data.len() as u64).await;
+    // Page 1 is in part 0 (pages 0..=3): one GET of pages 1..=3.
+    let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
+    assert_eq!(src, Source::UnderStore);
+    assert_eq!(&p1[..], &data[PS as usize..2 * PS as usize]);
+    wait_idle(&r.fetcher).await;
+    assert_eq!(r.metrics.ufs_requests.get(), 1);
+    for page in 2..=3 {
+        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        assert_eq!(src, Source::Cache, "page {page}");
+        let at = (page * PS) as usize;
+        assert_eq!(&bytes[..], &data[at..at + PS as usize]);
+    }
+    // Page 0 was before the miss: fetched on its own. The last, short page too.
+    r.fetcher.page(&b, 0, true).await.unwrap();
+    let (last, _) = r.fetcher.page(&b, 7, true).await.unwrap();
+    assert_eq!(&last[..], &data[7 * PS as usize..]);
+    assert_eq!(r.metrics.ufs_requests.get(), 3);
+    assert_eq!(r.metrics.ufs_read_bytes.get(), data.len() as u64 - 3 * PS);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_readers_of_a_page_share_one_get() {
+    let data = object(4);
+    let r = rig(&data, 4, 1).await;
+    let b = block(&r, data.len() as u64).await;
+    let reads = (0..16).map(|i| {
+        let f = r.fetcher.clone();
+        let b = b.clone();
+        tokio::spawn(async move { f.page(&b, i % 4, true).await.map(|x| x.0) })
+    });
+    for (i, h) in reads.enumerate() {
+        let page = (i % 4) as u64;
+        let bytes = h.await.unwrap().unwrap();
+        let at = (page * PS) as usize;
+        assert_eq!(&bytes[..], &data[at..(at + PS as usize).min(data.len())]);
+    }
+    wait_idle(&r.fetcher).await;
+    // However the reads interleave, every page came from the store once.
+    assert_eq!(r.metrics.ufs_read_bytes.get(), data.len() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_ahead_keeps_parts_in_flight_and_pages_are_fetched_once() {
+    let data = object(64);
+    let r = rig(&data, 4, 3).await;
+    let b = block(&r, data.len() as u64).await;
+    assert!(r.fetcher.sequential(&b, 0, PS));
+    r.fetcher.read_ahead(&b, 0);
+    r.fetcher.page(&b, 0, true).await.unwrap();
+    wait_idle(&r.fetcher).await;
+    // Read-ahead claims pages 1..=12 (3 parts of 4 pages): page 1..=3, 4..=7, 8..=11, 12.
+    for page in 1..=12 {
+        assert!(r.fetcher.store.contains(&(b.key, page)), "page {page}");
+    }
+    assert!(!r.fetcher.store.contains(&(b.key, 13)));
+    // A reader that does not continue the last read gets no read-ahead.
+    assert!(!r.fetcher.sequential(&b, 40 * PS, 41 * PS));
+    assert!(r.fetcher.sequential(&b, 41 * PS, 42 * PS));
+    let fetched = r.metrics.ufs_read_bytes.get();
+    assert_eq!(fetched, 13 * PS);
+    for page in 0..=12 {
+        let (_, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        assert_eq!(src, Source::Cache);
+    }
+    assert_eq!(r.metrics.ufs_read_bytes.get(), fetched);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_object_fails_every_waiter_and_leaves_nothing_in_flight() {
+    let data = object(8);
+    let r = rig(&data, 8, 1).await;
+    let b = block(&r, data.len() as u64).await;
+    // Same size, other bytes: a new version under the same name.
+    let other: Vec<u8> = data.iter().map(|x| x.wrapping_add(1)).collect();
+    r.store
+        .put(&StorePath::from("f"), PutPayload::from(other))
+        .await
+        .unwrap();
+    let reads: Vec<_> = (0..4)
+        .map(|page| {
+            let f = r.fetcher.clone();
+            let b = b.clone();
+            tokio::spawn(async move { f.page(&b, page, true).await })
+        })
+        .collect();
+    for h in reads {
+        let e = h.await.unwrap().unwrap_err();
+        assert!(matches!(e, FetchError::Changed(_)), "{e}");
+    }
+    wait_idle(&r.fetcher).await;
+    assert_eq!(
+        r.fetcher.store.page_count(),
+        0,
+        "no page of either version cached"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_object_is_not_found() {
+    let data = object(2);
+    let r = rig(&data, 2, 1).await;
+    let b = block(&r, data.len() as u64).await;
+    r.store.delete(&StorePath::from("f")).await.unwrap();
+    let e = r.fetcher.page(&b, 0, true).await.unwrap_err();
+    assert!(matches!(e, FetchError::NotFound(_)), "{e}");
+    wait_idle(&r.fetcher).await;
+}
