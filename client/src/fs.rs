@@ -44,8 +44,13 @@ pub struct FileSystem {
     view: Mutex<WorkerView>,
     ufs: MountStores,
     stats: Mutex<ReadStats>,
+    /// Sequential readers: inode → (end of its last read, next block already warmed).
+    sequential: Mutex<HashMap<u64, (u64, u64)>>,
     pub read_timeout: Duration,
 }
+
+/// Files whose read position is remembered for sequential detection.
+const SEQUENTIAL_TRACKED: usize = 4096;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
@@ -61,6 +66,7 @@ impl FileSystem {
             view: Mutex::new(WorkerView::default()),
             ufs: MountStores::default(),
             stats: Mutex::new(ReadStats::default()),
+            sequential: Mutex::new(HashMap::new()),
             read_timeout: DEFAULT_READ_TIMEOUT,
         })
     }
@@ -143,7 +149,7 @@ impl FileSystem {
 
     /// Reads up to `len` bytes at `offset` of a file (short only at end of file).
     pub async fn read(
-        &self,
+        self: &Arc<Self>,
         file: &pb::FileStatus,
         offset: u64,
         len: u64,
@@ -163,6 +169,7 @@ impl FileSystem {
         } else {
             file.block_size
         };
+        self.warm_next_block(file, offset, end, bs);
         let mut out = BytesMut::with_capacity((end - offset) as usize);
         let mut pos = offset;
         while pos < end {
@@ -184,6 +191,43 @@ impl FileSystem {
             pos += n;
         }
         Ok(out.freeze())
+    }
+
+    /// A sequential reader in the second half of a block: asks the next block's worker for
+    /// its first byte in the background, so that worker starts its fetch and read-ahead
+    /// while this block is still being read (a cold reader does not stall at every block
+    /// boundary). Once per block; nothing for random readers.
+    fn warm_next_block(self: &Arc<Self>, file: &pb::FileStatus, offset: u64, end: u64, bs: u64) {
+        let next = end / bs + 1;
+        let warm = {
+            let mut m = lock(&self.sequential);
+            if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.inode) {
+                m.clear();
+            }
+            let (prev_end, warmed) = m.get(&file.inode).copied().unwrap_or((u64::MAX, 0));
+            let sequential = offset == 0 || prev_end == offset;
+            let warm = sequential && end % bs >= bs / 2 && next * bs < file.length && warmed < next;
+            m.insert(file.inode, (end, if warm { next } else { warmed }));
+            warm
+        };
+        if !warm {
+            return;
+        }
+        let me = self.clone();
+        let file = file.clone();
+        tokio::spawn(async move {
+            let Ok(desc) = Self::descriptor(&file, next) else {
+                return;
+            };
+            let block_id = desc.id.unwrap_or_default();
+            let workers = me.live_workers().await;
+            let Some(owner) = order_workers(&block_id, &workers).into_iter().next() else {
+                return;
+            };
+            if let Err(e) = me.read_from_worker(&owner.address, &desc, 0, 1).await {
+                tracing::debug!(path = %file.path, block = next, error = %e, "warming the next block failed");
+            }
+        });
     }
 
     async fn live_workers(&self) -> Vec<pb::WorkerInfo> {

@@ -24,13 +24,60 @@ fn python() -> PathBuf {
     tools_dir().join("venv/bin/python")
 }
 
-fn loader() -> PathBuf {
+fn fixture(name: &str) -> PathBuf {
     // At run time (cargo sets it for tests): a binary built in another checkout sharing the
     // target dir must not point at that checkout's files.
     let dir = std::env::var_os("CARGO_MANIFEST_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
-    dir.join("fixtures/stores.py")
+    dir.join("fixtures").join(name)
+}
+
+fn loader() -> PathBuf {
+    fixture("stores.py")
+}
+
+/// `fixtures/faultproxy.py` in front of a test server: every `every`-th object GET or HEAD
+/// is answered by the proxy itself with a throttling error (503 SlowDown, 429 Too Many
+/// Requests, alternating), everything else forwarded.
+pub struct FaultProxy {
+    pub proc: Proc,
+    pub port: u16,
+}
+
+impl FaultProxy {
+    pub fn start(dir: &Path, upstream: &str, every: u32) -> Result<Self> {
+        let port = free_port();
+        let script = fixture("faultproxy.py").to_string_lossy().to_string();
+        let (p, e) = (port.to_string(), every.to_string());
+        let mut proc = Proc::spawn_program(
+            "faultproxy",
+            dir,
+            Path::new("python3"),
+            &[&script, &p, upstream, &e],
+        )?;
+        wait_listening(&mut proc, port)?;
+        Ok(Self { proc, port })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Requests the proxy refused so far.
+    pub fn injected(&self) -> Result<u64> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
+        s.write_all(b"GET /__faults HTTP/1.0\r\nHost: proxy\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|x| x.1)
+            .context("no body in the proxy's answer")?;
+        let v: serde_json::Value = serde_json::from_str(body)?;
+        v["injected"].as_u64().context("no injected count")
+    }
 }
 
 fn fake_gcs_bin() -> Result<PathBuf> {

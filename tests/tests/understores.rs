@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use std::time::Duration;
 
-use granary_tests::stores::TestStore;
+use granary_tests::stores::{FaultProxy, TestStore};
 use granary_tests::*;
 
 const MIB: u64 = 1024 * 1024;
@@ -224,6 +224,37 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         );
     }
     assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), ufs_before);
+
+    // A throttling store: every third object request is refused with 503 SlowDown or 429.
+    // Requests are retried with backoff and every byte still arrives right; no read fails.
+    let proxy = FaultProxy::start(root, &s3.url(), 3).unwrap();
+    let throttled_opts: Vec<String> = s3
+        .options
+        .iter()
+        .map(|o| {
+            if o.starts_with("endpoint=") {
+                format!("endpoint={}", proxy.url())
+            } else {
+                o.clone()
+            }
+        })
+        .collect();
+    granary_ok(&mount_args("/throttled", &s3.uri(), &throttled_opts, &addr)).unwrap();
+    let errors_before = w.metric("granary_worker_ufs_errors_total");
+    assert_eq!(
+        tree_sums_except(&fuse.mountpoint.join("throttled"), "changing.bin").unwrap(),
+        expected_rest,
+        "bytes differ through a throttling store"
+    );
+    let injected = proxy.injected().unwrap();
+    assert!(injected >= 3, "the proxy refused only {injected} requests");
+    assert_eq!(
+        w.metric("granary_worker_ufs_errors_total"),
+        errors_before,
+        "a throttled request surfaced as an error instead of being retried"
+    );
+    granary_ok(&["mount", "remove", "/throttled", "--master", &addr]).unwrap();
+    drop(proxy);
 
     // Credentials never show: mount list, report, and every process log.
     let list = granary_ok(&["mount", "list", "--master", &addr]).unwrap();
