@@ -12,7 +12,11 @@
 # request delayed by M ms — the shape of a real object store, where one connection gets a
 # bounded share of bandwidth and the first byte takes a round trip. Unset: plain loopback,
 # where one stream is limited only by the CPU that server, worker, FUSE daemon and reader
-# share on this machine.
+# share on this machine. (`cargo build --release --bin flow-shaper` builds it beside a release
+# granary; SHAPER_BIN overrides.)
+#
+# SHOW_METRICS=1 prints the worker's under-store counters after the cold read;
+# PERF_WORKER=FILE records the worker with `perf record -g` during it.
 #
 # azure: Azurite, in memory. s3: s3s-fs (its ranged GETs slow down with object size, so
 # its numbers measure the server). Uses $GRANARY_BIN, else the debug binary scripts/test
@@ -86,7 +90,12 @@ for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work"/*.log; exit 1; }
 ls -l "$work/mnt/store/" > /dev/null   # metadata loaded before timing
 timed_cat() { local t0 t1; t0=$(date +%s.%N); cat "$1" > /dev/null; t1=$(date +%s.%N); python3 -c "print($t1 - $t0)"; }
+if [ -n "${PERF_WORKER:-}" ]; then
+  perf record -g -o "$PERF_WORKER" -p "$(pgrep -f "worker --master 127.0.0.1:$mport")" 2>/dev/null &
+  perf_pid=$!; sleep 0.5
+fi
 cold=$(timed_cat "$work/mnt/store/big.bin")
+if [ -n "${PERF_WORKER:-}" ]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 if [ -n "${SHOW_METRICS:-}" ]; then curl -s "127.0.0.1:$wmport/metrics" | grep -E "^granary_worker_(ufs|cache|prefetch|uncached|read)" | grep -v bucket; fi
 warm=$(timed_cat "$work/mnt/store/big.bin")
 cmp -s "$work/src/big.bin" "$work/mnt/store/big.bin" || { echo "bytes differ!"; exit 1; }
