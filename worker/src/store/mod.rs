@@ -10,7 +10,7 @@
 //! fills) never exceed the capacity — space is reserved, evicting first, before a page is
 //! admitted; a page whose bytes fail their checksum is dropped and never served.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -61,7 +61,8 @@ struct PageMeta {
 }
 
 struct Inner {
-    pages: HashMap<PageKey, PageMeta>,
+    /// Ordered, so the pages of one inode are one range (stale drops touch only them).
+    pages: BTreeMap<PageKey, PageMeta>,
     policy: Box<dyn EvictionPolicy<PageKey>>,
     pages_per_block: HashMap<BlockKey, u32>,
     used: u64,
@@ -141,7 +142,7 @@ impl PageStore {
             page_size,
             index,
             inner: Mutex::new(Inner {
-                pages: HashMap::new(),
+                pages: BTreeMap::new(),
                 policy: Box::new(Lru::default()),
                 pages_per_block: HashMap::new(),
                 used: 0,
@@ -318,12 +319,17 @@ impl PageStore {
         let keep: HashMap<u64, u64> = files.iter().copied().collect();
         let victims = {
             let mut inner = self.lock();
-            let keys: Vec<PageKey> = inner
-                .pages
-                .keys()
-                .filter(|k| keep.get(&k.0 .0).is_some_and(|v| *v != k.0 .1))
-                .copied()
-                .collect();
+            let mut keys: Vec<PageKey> = Vec::new();
+            for (&inode, &version) in &keep {
+                keys.extend(
+                    inner
+                        .pages
+                        .range(((inode, 0, 0), 0)..)
+                        .map(|(k, _)| *k)
+                        .take_while(|k| k.0 .0 == inode)
+                        .filter(|k| k.0 .1 != version),
+                );
+            }
             let mut victims = Vec::with_capacity(keys.len());
             for key in keys {
                 if let Some(meta) = inner.pages.remove(&key) {

@@ -88,3 +88,29 @@ fn worker_id_is_persistent() {
     assert_eq!(a, worker_id(d.path()).unwrap());
     assert_ne!(a, 0);
 }
+
+#[test]
+fn stale_drops_touch_only_other_versions_of_the_named_inodes() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 64 * 4096);
+    let page = |inode: u64, version: u64, block: u32, p: u32| ((inode, version, block), p);
+    let keys = [
+        page(6, 9, 0, 0),
+        page(7, 9, 0, 0),
+        page(7, 9, 1, 3),
+        page(7, 10, 0, 0),
+        page(8, 9, 0, 0),
+        page(u64::MAX, 1, 0, 0),
+        page(u64::MAX, 2, 0, 0),
+    ];
+    for (i, k) in keys.iter().enumerate() {
+        assert!(fill(&s, *k, i as u8));
+    }
+    assert_eq!(s.drop_stale_many(&[(7, 10), (u64::MAX, 2)]), 3 * 4096);
+    let left: Vec<bool> = keys.iter().map(|k| s.contains(k)).collect();
+    assert_eq!(left, [true, false, false, true, true, false, true]);
+    // Keep 0: nothing of the inode stays.
+    assert_eq!(s.drop_stale(8, 0), 4096);
+    assert!(!s.contains(&page(8, 9, 0, 0)));
+    assert_eq!(s.used(), 3 * 4096);
+}
