@@ -178,6 +178,7 @@ impl MasterCore {
         if !self.raft.status.is_leader() {
             return;
         }
+        self.ns.prune_sync_state();
         for id in self.ns.due_retries() {
             let core = self.clone();
             tokio::spawn(async move {

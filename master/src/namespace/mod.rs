@@ -37,6 +37,8 @@ pub struct Namespace {
     sync_state: Mutex<HashMap<u64, DirSync>>,
     /// Names looked up in unlisted directories and not found, with when.
     missing: Mutex<HashMap<(u64, String), Instant>>,
+    /// When `sync_state` was last pruned.
+    last_prune: Mutex<Instant>,
     pub metrics: NsMetrics,
 }
 
@@ -57,6 +59,7 @@ impl Namespace {
             loading: Mutex::new(HashMap::new()),
             sync_state: Mutex::new(HashMap::new()),
             missing: Mutex::new(HashMap::new()),
+            last_prune: Mutex::new(Instant::now()),
             metrics: NsMetrics::default(),
         }
     }
@@ -703,6 +706,32 @@ impl Namespace {
         self.metrics.failing_dirs.set(failing as i64);
     }
 
+    /// Forgets the sync state of directories listed successfully more than
+    /// [`SYNC_STATE_TTL`] ago, so the leader's soft state is bounded by the directories
+    /// synced recently (and those failing) rather than growing with every directory ever
+    /// listed. A directory forgotten this way is listed again on its next access (at most
+    /// one early listing for mounts whose `sync_interval` is longer than the TTL).
+    /// Runs at most once a minute.
+    pub fn prune_sync_state(&self) -> usize {
+        {
+            let mut last = lock(&self.last_prune);
+            if last.elapsed() < SYNC_STATE_PRUNE_EVERY {
+                return 0;
+            }
+            *last = Instant::now();
+        }
+        let mut state = lock(&self.sync_state);
+        let before = state.len();
+        state.retain(|_, s| {
+            s.failures > 0 || s.synced_at.is_some_and(|t| t.elapsed() < SYNC_STATE_TTL)
+        });
+        let forgotten = before - state.len();
+        if forgotten > 0 {
+            tracing::debug!(forgotten, "forgot old directory sync state");
+        }
+        forgotten
+    }
+
     /// Forgets sync state (a new leader lists again on first access).
     pub fn forget_sync_state(&self) {
         lock(&self.sync_state).clear();
@@ -710,6 +739,10 @@ impl Namespace {
         self.metrics.failing_dirs.set(0);
     }
 }
+
+/// Successful listings remembered this long (see [`Namespace::prune_sync_state`]).
+pub const SYNC_STATE_TTL: Duration = Duration::from_secs(3600);
+const SYNC_STATE_PRUNE_EVERY: Duration = Duration::from_secs(60);
 
 /// How long a lookup that found nothing is trusted (bounded by the mount's sync interval).
 pub const MISSING_TTL: Duration = Duration::from_secs(10);

@@ -71,6 +71,12 @@ pub struct BlockRef {
 
 type Outcome = Option<Result<Bytes, FetchError>>;
 
+/// A claimed page's fetch id and the sender its readers wait on.
+type Slot = (u64, watch::Sender<Outcome>);
+
+/// Consecutive claimed pages: the first page and its slots (one GET).
+type Claimed = (u64, Vec<Slot>);
+
 /// A page being fetched: readers wait on `rx`; `id` tells this fetch from a later one.
 struct Pending {
     id: u64,
@@ -110,7 +116,7 @@ struct Run {
     fetcher: Arc<Fetcher>,
     block: Arc<BlockRef>,
     first: u64,
-    slots: Vec<(u64, watch::Sender<Outcome>)>,
+    slots: Vec<Slot>,
     /// Index in `slots` of the next page owed.
     next: usize,
     cache: bool,
@@ -219,12 +225,8 @@ impl Fetcher {
 
     /// Claims the pages of `pages` that are neither cached nor being fetched, as runs of
     /// consecutive pages (one GET each).
-    fn claim(
-        &self,
-        block: &Arc<BlockRef>,
-        pages: RangeInclusive<u64>,
-    ) -> Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)> {
-        let mut runs: Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)> = Vec::new();
+    fn claim(&self, block: &Arc<BlockRef>, pages: RangeInclusive<u64>) -> Vec<Claimed> {
+        let mut runs: Vec<Claimed> = Vec::new();
         let mut m = lock(&self.inflight);
         let mut open = false;
         for page in pages {
@@ -250,7 +252,7 @@ impl Fetcher {
     fn spawn_runs(
         self: &Arc<Self>,
         block: &Arc<BlockRef>,
-        runs: Vec<(u64, Vec<(u64, watch::Sender<Outcome>)>)>,
+        runs: Vec<Claimed>,
         cache: bool,
         mut permit: Option<OwnedSemaphorePermit>,
     ) {
