@@ -120,8 +120,20 @@ pub struct LocalArgs {
     /// Serve Prometheus metrics on this address (/metrics).
     #[arg(long, env = "GRANARY_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Eviction policy: lfu-admission or lru (see `granary worker --help`).
+    #[arg(long, env = "GRANARY_EVICTION", value_parser = eviction, default_value = "lfu-admission")]
+    pub eviction: granary_worker::evict::PolicyKind,
     #[command(flatten)]
     pub fuse: FuseOpts,
+}
+
+fn eviction(s: &str) -> Result<granary_worker::evict::PolicyKind, String> {
+    granary_worker::evict::PolicyKind::parse(s).ok_or_else(|| {
+        format!(
+            "unknown eviction policy {s:?}; expected one of {}",
+            granary_worker::evict::PolicyKind::NAMES.join(", ")
+        )
+    })
 }
 
 fn peers(s: &str) -> Result<std::collections::BTreeMap<u64, String>, String> {
@@ -284,6 +296,10 @@ pub struct WorkerArgs {
     /// Heartbeat interval.
     #[arg(long, env = "GRANARY_HEARTBEAT_INTERVAL", value_parser = duration, default_value = "1s")]
     pub heartbeat_interval: Duration,
+    /// Eviction policy: lfu-admission (LRU plus a frequency admission filter: scans and
+    /// epochs over datasets larger than the cache do not flush it) or lru.
+    #[arg(long, env = "GRANARY_EVICTION", value_parser = eviction, default_value = "lfu-admission")]
+    pub eviction: granary_worker::evict::PolicyKind,
 }
 
 #[derive(Debug, Args)]

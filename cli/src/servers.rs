@@ -74,6 +74,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     config.page_size = a.page_size;
     config.metrics_listen = a.metrics_listen;
     config.heartbeat_interval = a.heartbeat_interval;
+    config.eviction = a.eviction;
     let w = granary_worker::start(config, registry, shutdown.clone()).await?;
     eprintln!("granary worker {} listening on {}", w.worker_id, w.addr);
     if let Some(ma) = w.metrics_addr {
@@ -145,6 +146,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
         a.cache_size,
     );
     wc.heartbeat_interval = Duration::from_millis(500);
+    wc.eviction = a.eviction;
     let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
     if let Some(addr) = a.metrics_listen {
         let bound = granary_common::metrics::serve(addr, registry.clone(), shutdown.clone())

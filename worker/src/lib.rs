@@ -52,6 +52,8 @@ pub struct WorkerConfig {
     pub page_size: u64,
     pub metrics_listen: Option<SocketAddr>,
     pub heartbeat_interval: Duration,
+    /// Eviction policy of the page cache.
+    pub eviction: evict::PolicyKind,
 }
 
 impl WorkerConfig {
@@ -65,6 +67,7 @@ impl WorkerConfig {
             page_size: granary_common::DEFAULT_PAGE_SIZE,
             metrics_listen: None,
             heartbeat_interval: Duration::from_secs(1),
+            eviction: evict::PolicyKind::default(),
         }
     }
 
@@ -107,8 +110,8 @@ pub async fn start(
     let store = tokio::task::spawn_blocking({
         let dir = config.cache_dir.clone();
         let m = metrics.clone();
-        let (cap, ps) = (config.cache_size, config.page_size);
-        move || store::PageStore::open(&dir, cap, ps, m)
+        let (cap, ps, policy) = (config.cache_size, config.page_size, config.eviction);
+        move || store::PageStore::open(&dir, cap, ps, policy, m)
     })
     .await
     .map_err(|e| WorkerError::Config(format!("opening the cache panicked: {e}")))??;

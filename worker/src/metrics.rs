@@ -84,6 +84,7 @@ pub struct WorkerMetrics {
     pub prefetched_pages: Counter<u64, AtomicU64>,
     pub checksum_failures: Counter<u64, AtomicU64>,
     pub uncached_fills: Counter<u64, AtomicU64>,
+    pub admission_rejected_pages: Counter<u64, AtomicU64>,
     pub read_requests: Counter<u64, AtomicU64>,
     pub cache_used_bytes: Gauge<i64, AtomicI64>,
     pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
@@ -118,6 +119,11 @@ impl WorkerMetrics {
                 "granary_worker_ufs_errors",
                 "Failed under-store requests",
                 m.ufs_errors.clone(),
+            );
+            r.register(
+                "granary_worker_admission_rejected_pages",
+                "Pages fetched but not cached: the eviction policy's admission filter ranked them below what they would evict",
+                m.admission_rejected_pages.clone(),
             );
             r.register(
                 "granary_worker_evicted_bytes",

@@ -22,7 +22,7 @@ use granary_proto as pb;
 use rocksdb::DB;
 use thiserror::Error;
 
-use crate::evict::{EvictionPolicy, Lru};
+use crate::evict::{EvictionPolicy, PolicyKind};
 use crate::metrics::WorkerMetrics;
 
 #[derive(Debug, Error)]
@@ -130,6 +130,7 @@ impl PageStore {
         dir: &Path,
         capacity: u64,
         page_size: u64,
+        policy: PolicyKind,
         metrics: WorkerMetrics,
     ) -> Result<Arc<Self>, StoreError> {
         std::fs::create_dir_all(dir.join("blocks")).map_err(|e| io_err(dir, e))?;
@@ -143,7 +144,7 @@ impl PageStore {
             index,
             inner: Mutex::new(Inner {
                 pages: BTreeMap::new(),
-                policy: Box::new(Lru::default()),
+                policy: policy.build(capacity / page_size.max(1)),
                 pages_per_block: HashMap::new(),
                 used: 0,
                 reserved: 0,
@@ -250,6 +251,14 @@ impl PageStore {
         let mut i = self.lock();
         i.added.clear();
         i.removed.clear();
+    }
+
+    /// Would a fill of `key` be admitted now? (Nothing recorded: read-ahead asks before
+    /// fetching pages that nobody waits for yet.)
+    pub fn would_admit(&self, key: &PageKey) -> bool {
+        let inner = self.lock();
+        let full = inner.used + inner.reserved + self.page_size > self.capacity;
+        inner.policy.would_admit(key, full)
     }
 
     /// Whether a page is cached (index only: no read, no recency update).
@@ -375,12 +384,22 @@ impl PageStore {
         Some((key, meta, block_gone))
     }
 
-    /// Reserves `len` bytes for a page about to be filled, evicting least-recently-used pages
-    /// as needed. `None` when the space cannot be freed (everything else is in flight): the
-    /// caller serves the page without caching it.
-    pub fn reserve(self: &Arc<Self>, len: u64) -> Option<Reservation> {
+    /// Reserves `len` bytes for page `key` about to be filled, evicting pages as the
+    /// policy chooses. `None` when the policy does not admit the page into a full cache, or
+    /// when the space cannot be freed (everything else is in flight): the caller serves the
+    /// page without caching it.
+    pub fn reserve(self: &Arc<Self>, key: &PageKey, len: u64) -> Option<Reservation> {
         if len > self.capacity {
             return None;
+        }
+        {
+            let mut inner = self.lock();
+            let full = inner.used + inner.reserved + len > self.capacity;
+            if !inner.policy.admit(key, full) {
+                drop(inner);
+                self.metrics.admission_rejected_pages.inc();
+                return None;
+            }
         }
         let victims = {
             let mut inner = self.lock();
@@ -541,3 +560,6 @@ pub fn parse_block_file(name: &str) -> Option<BlockKey> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod proptests;

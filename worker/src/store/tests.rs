@@ -1,7 +1,7 @@
 use super::*;
 
 fn open(dir: &Path, cap: u64) -> Arc<PageStore> {
-    PageStore::open(dir, cap, 4096, WorkerMetrics::default()).unwrap()
+    PageStore::open(dir, cap, 4096, PolicyKind::Lru, WorkerMetrics::default()).unwrap()
 }
 
 fn key(block: u32, page: u32) -> PageKey {
@@ -9,7 +9,7 @@ fn key(block: u32, page: u32) -> PageKey {
 }
 
 fn fill(s: &Arc<PageStore>, k: PageKey, byte: u8) -> bool {
-    match s.reserve(4096) {
+    match s.reserve(&k, 4096) {
         Some(r) => {
             s.commit(r, k, &[byte; 4096]).unwrap();
             true
@@ -37,9 +37,12 @@ fn never_exceeds_capacity_and_evicts_lru() {
 fn reservations_count_against_capacity() {
     let d = tempfile::tempdir().unwrap();
     let s = open(d.path(), 2 * 4096);
-    let r1 = s.reserve(4096).unwrap();
-    let r2 = s.reserve(4096).unwrap();
-    assert!(s.reserve(4096).is_none(), "both slots are in flight");
+    let r1 = s.reserve(&key(9, 9), 4096).unwrap();
+    let r2 = s.reserve(&key(9, 9), 4096).unwrap();
+    assert!(
+        s.reserve(&key(9, 9), 4096).is_none(),
+        "both slots are in flight"
+    );
     assert_eq!(s.used_and_reserved(), 2 * 4096);
     drop(r1);
     s.commit(r2, key(1, 0), &[1; 4096]).unwrap();

@@ -141,7 +141,7 @@ impl Run {
         let cache = self.cache;
         tokio::task::spawn_blocking(move || {
             if cache {
-                match f.store.reserve(data.len() as u64) {
+                match f.store.reserve(&key, data.len() as u64) {
                     Some(r) => {
                         if let Err(e) = f.store.commit(r, key, &data) {
                             tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
@@ -224,14 +224,23 @@ impl Fetcher {
     }
 
     /// Claims the pages of `pages` that are neither cached nor being fetched, as runs of
-    /// consecutive pages (one GET each).
-    fn claim(&self, block: &Arc<BlockRef>, pages: RangeInclusive<u64>) -> Vec<Claimed> {
+    /// consecutive pages (one GET each). Only `wanted` (the page a reader waits for) is
+    /// claimed regardless; the others only if they will be cached — a page nobody waits for
+    /// that the cache would not admit is not worth a fetch.
+    fn claim(
+        &self,
+        block: &Arc<BlockRef>,
+        pages: RangeInclusive<u64>,
+        wanted: Option<u64>,
+        cache: bool,
+    ) -> Vec<Claimed> {
         let mut runs: Vec<Claimed> = Vec::new();
         let mut m = lock(&self.inflight);
         let mut open = false;
         for page in pages {
             let key = (block.key, page as u32);
-            if m.contains_key(&key) || self.store.contains(&key) {
+            let worth = wanted == Some(page) || (cache && self.store.would_admit(&key));
+            if !worth || m.contains_key(&key) || self.store.contains(&key) {
                 open = false;
                 continue;
             }
@@ -287,7 +296,7 @@ impl Fetcher {
             let (part_pages, _) = self.geometry(&ufs);
             let last_page = (block.len - 1) / self.store.page_size;
             let part_end = ((page / part_pages + 1) * part_pages - 1).min(last_page);
-            let runs = self.claim(block, page..=part_end);
+            let runs = self.claim(block, page..=part_end, Some(page), cache);
             self.spawn_runs(block, runs, cache, None);
             let rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone());
             let Some(mut rx) = rx else {
@@ -346,7 +355,7 @@ impl Fetcher {
                 let Ok(permit) = me.prefetch_slots.clone().try_acquire_owned() else {
                     return; // busy enough: readers fetch what they need
                 };
-                let runs = me.claim(&block, from..=part_end);
+                let runs = me.claim(&block, from..=part_end, None, true);
                 let pages: usize = runs.iter().map(|r| r.1.len()).sum();
                 me.metrics.prefetched_pages.inc_by(pages as u64);
                 me.spawn_runs(&block, runs, true, Some(permit));

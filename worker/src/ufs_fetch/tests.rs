@@ -20,7 +20,14 @@ struct Rig {
 async fn rig(object: &[u8], part_pages: u64, concurrency: usize) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let metrics = WorkerMetrics::default();
-    let pages = PageStore::open(dir.path(), 1 << 30, PS, metrics.clone()).unwrap();
+    let pages = PageStore::open(
+        dir.path(),
+        1 << 30,
+        PS,
+        crate::evict::PolicyKind::default(),
+        metrics.clone(),
+    )
+    .unwrap();
     let store = Arc::new(InMemory::new());
     store
         .put(&StorePath::from("f"), PutPayload::from(object.to_vec()))
