@@ -32,6 +32,53 @@ pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
 /// mid-body; `object_store` already retries throttling and 5xx answers before the body).
 const PART_ATTEMPTS: u32 = 3;
 
+/// Memory for pages served but not cached ([`Fetcher::keep_uncached`]): at most this much
+/// (and an eighth of the cache), each for at most [`UNCACHED_TTL`].
+pub const UNCACHED_MAX_BYTES: u64 = 64 * 1024 * 1024;
+pub const UNCACHED_TTL: Duration = Duration::from_secs(5);
+
+/// Recently fetched pages that the cache did not take, by age, within a byte budget.
+struct Uncached {
+    pages: lru::LruCache<PageKey, (Bytes, Instant)>,
+    bytes: u64,
+    budget: u64,
+}
+
+impl Uncached {
+    fn new(budget: u64) -> Self {
+        Self {
+            pages: lru::LruCache::unbounded(),
+            bytes: 0,
+            budget,
+        }
+    }
+
+    fn put(&mut self, key: PageKey, data: Bytes) {
+        let n = data.len() as u64;
+        if let Some((old, _)) = self.pages.put(key, (data, Instant::now())) {
+            self.bytes -= old.len() as u64;
+        }
+        self.bytes += n;
+        while self.bytes > self.budget {
+            match self.pages.pop_lru() {
+                Some((_, (old, _))) => self.bytes -= old.len() as u64,
+                None => break,
+            }
+        }
+    }
+
+    fn get(&mut self, key: &PageKey) -> Option<Bytes> {
+        let (data, at) = self.pages.peek(key)?;
+        if at.elapsed() < UNCACHED_TTL {
+            return Some(data.clone());
+        }
+        if let Some((old, _)) = self.pages.pop(key) {
+            self.bytes -= old.len() as u64;
+        }
+        None
+    }
+}
+
 /// Blocks whose last read end is remembered (sequential detection).
 const SEQ_TRACKED: usize = 4096;
 
@@ -99,6 +146,9 @@ pub struct Fetcher {
     next_id: AtomicU64,
     /// Where the last read of a block ended (a read starting there is sequential).
     read_ends: Mutex<HashMap<BlockKey, u64>>,
+    /// Pages fetched but not cached (full cache, not admitted), kept briefly in memory: a
+    /// reader usually asks for a page in several requests, which must not each cost a GET.
+    uncached: Mutex<Uncached>,
     pub store: Arc<PageStore>,
     metrics: WorkerMetrics,
 }
@@ -149,6 +199,7 @@ impl Run {
                     }
                     None => {
                         f.metrics.uncached_fills.inc();
+                        f.keep_uncached(key, data.clone());
                     }
                 }
             }
@@ -185,9 +236,20 @@ impl Fetcher {
             inflight: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             read_ends: Mutex::new(HashMap::new()),
+            uncached: Mutex::new(Uncached::new(
+                (store.capacity / 8).clamp(store.page_size, UNCACHED_MAX_BYTES),
+            )),
             store,
             metrics,
         }
+    }
+
+    fn keep_uncached(&self, key: PageKey, data: Bytes) {
+        lock(&self.uncached).put(key, data);
+    }
+
+    fn recent_uncached(&self, key: &PageKey) -> Option<Bytes> {
+        lock(&self.uncached).get(key)
     }
 
     fn forget(&self, key: PageKey, id: u64) {
@@ -290,6 +352,9 @@ impl Fetcher {
         let key = (block.key, page as u32);
         for _ in 0..4 {
             if let Some(b) = self.store.get(&key) {
+                return Ok((b, Source::Cache));
+            }
+            if let Some(b) = self.recent_uncached(&key) {
                 return Ok((b, Source::Cache));
             }
             let (ufs, _) = self.ufs(block).await?;
