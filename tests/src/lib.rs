@@ -417,10 +417,21 @@ pub struct Fuse {
 
 impl Fuse {
     pub fn start(root: &Path, master: &str) -> Result<Self> {
-        let mp = root.join("mnt");
+        Self::start_named(root, "mnt", master)
+    }
+
+    /// A mount at `root/<name>`, its daemon's log in `root/fuse-<name>.log` (several mounts,
+    /// as on several nodes).
+    pub fn start_named(root: &Path, name: &str, master: &str) -> Result<Self> {
+        let mp = root.join(name);
         std::fs::create_dir_all(&mp)?;
         let m = mp.to_string_lossy().to_string();
-        let proc = Proc::spawn("fuse", root, &["fuse", "--master", master, "--mount", &m])?;
+        let log = if name == "mnt" {
+            "fuse".to_string()
+        } else {
+            format!("fuse-{name}")
+        };
+        let proc = Proc::spawn(&log, root, &["fuse", "--master", master, "--mount", &m])?;
         let mut f = Self {
             proc,
             mountpoint: mp,

@@ -1,0 +1,123 @@
+//! The cluster cache with real processes: three workers and three FUSE mounts (as on three
+//! nodes) over one S3 bucket (s3s-fs), read concurrently.
+
+use std::path::Path;
+use std::time::Duration;
+
+use granary_tests::stores::TestStore;
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+
+/// About 1 GiB of mixed sizes: many small files, some medium, a few spanning several blocks.
+fn mixed_dataset(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut add = |name: String, len: u64| {
+        random_file(&dir.join(name), len).unwrap();
+        total += len;
+    };
+    for i in 0..300u64 {
+        // 1 KiB to ~1.2 MiB, deterministic spread.
+        add(
+            format!("small/s{:02}/f{i:03}.bin", i % 16),
+            1024 + (i * 4099 % 300) * 4096,
+        );
+    }
+    for i in 0..16u64 {
+        add(format!("medium/m{i:02}.bin"), (6 + i) * MIB + i);
+    }
+    for i in 0..3u64 {
+        add(format!("large/l{i}.bin"), 210 * MIB + 7 * i);
+    }
+    total
+}
+
+fn sum(workers: &[Worker], name: &str) -> f64 {
+    workers.iter().map(|w| w.metric(name)).sum()
+}
+
+#[test]
+fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-cluster-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let total = mixed_dataset(&src);
+    assert!(total > 1000 * MIB, "dataset of {total} bytes");
+    let expected = tree_sums(&src).unwrap();
+    let s3 = TestStore::s3(root, "dataset", "cluster-access", "cluster-secret-key").unwrap();
+    s3.load(&src).unwrap();
+
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    let mut workers: Vec<Worker> = (1..=3)
+        .map(|i| Worker::start(root, &format!("w{i}"), &addr, "1GiB").unwrap())
+        .collect();
+    wait_live_workers(&addr, 3).unwrap();
+    let mut args = vec!["mount", "add", "/data", "s3://dataset"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", &addr]);
+    granary_ok(&args).unwrap();
+    let mounts: Vec<Fuse> = (1..=3)
+        .map(|i| Fuse::start_named(root, &format!("node{i}"), &addr).unwrap())
+        .collect();
+
+    // Every node reads the whole dataset twice, all three at once.
+    let read_all = |passes: usize| {
+        std::thread::scope(|s| {
+            let readers: Vec<_> = mounts
+                .iter()
+                .map(|m| {
+                    let dir = m.mountpoint.join("data");
+                    s.spawn(move || (0..passes).map(|_| tree_sums(&dir)).collect::<Vec<_>>())
+                })
+                .collect();
+            for (node, r) in readers.into_iter().enumerate() {
+                for (pass, sums) in r.join().unwrap().into_iter().enumerate() {
+                    let sums = sums.unwrap_or_else(|e| panic!("node {node} pass {pass}: {e:#}"));
+                    assert!(sums == expected, "node {node} pass {pass}: bytes differ");
+                }
+            }
+        })
+    };
+    read_all(2);
+    // Six reads of the dataset, one under-store read of each byte.
+    let from_store = sum(&workers, "granary_worker_ufs_read_bytes_total");
+    eprintln!(
+        "under-store bytes / dataset bytes = {:.4} ({} GETs)",
+        from_store / total as f64,
+        sum(&workers, "granary_worker_ufs_requests_total")
+    );
+    assert_eq!(
+        from_store, total as f64,
+        "the store served some bytes twice"
+    );
+    for w in &workers {
+        // The load spreads over the three owners.
+        assert!(w.metric("granary_worker_ufs_read_bytes_total") > 0.0);
+        assert!(w.metric("granary_worker_cache_hit_bytes_total") > 0.0);
+    }
+
+    // One worker killed with -9 in the middle of a concurrent pass: no read fails, no byte
+    // is wrong (its blocks move to the next owners, which fetch them from the store).
+    let hits_before = sum(&workers, "granary_worker_cache_hit_bytes_total");
+    std::thread::scope(|s| {
+        let pass = s.spawn(|| read_all(1));
+        poll(
+            "a third of the pass to be read",
+            Duration::from_secs(300),
+            || {
+                let hits = sum(&workers, "granary_worker_cache_hit_bytes_total");
+                (hits - hits_before > total as f64).then_some(())
+            },
+        )
+        .unwrap();
+        workers[1].proc.kill9().unwrap();
+        pass.join().unwrap();
+    });
+    drop(mounts);
+}
