@@ -371,26 +371,36 @@ impl Worker {
         cache_size: &str,
         cache_dir: &Path,
     ) -> Result<Self> {
+        Self::start_opts(root, name, master, cache_size, cache_dir, &[])
+    }
+
+    /// [`Worker::start_with`] with more flags (e.g. `--eviction lru`).
+    pub fn start_opts(
+        root: &Path,
+        name: &str,
+        master: &str,
+        cache_size: &str,
+        cache_dir: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
         let c = cache_dir.to_string_lossy().to_string();
-        let mut proc = Proc::spawn(
-            name,
-            root,
-            &[
-                "worker",
-                "--master",
-                master,
-                "--listen",
-                "127.0.0.1:0",
-                "--cache-dir",
-                &c,
-                "--cache-size",
-                cache_size,
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--heartbeat-interval",
-                "200ms",
-            ],
-        )?;
+        let mut args = vec![
+            "worker",
+            "--master",
+            master,
+            "--listen",
+            "127.0.0.1:0",
+            "--cache-dir",
+            &c,
+            "--cache-size",
+            cache_size,
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--heartbeat-interval",
+            "200ms",
+        ];
+        args.extend_from_slice(extra);
+        let mut proc = Proc::spawn(name, root, &args)?;
         let line = proc.wait_for_line("listening on", Duration::from_secs(60))?;
         let metrics = proc
             .wait_for_line("metrics on http://", Duration::from_secs(10))?

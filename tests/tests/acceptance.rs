@@ -161,7 +161,17 @@ fn cache_quota_is_never_exceeded_and_reads_stay_correct() {
     }
     let quota = 8 * MIB;
     let master = Master::start(root.path()).unwrap();
-    let w = Worker::start(root.path(), "w1", &master.addr, &quota.to_string()).unwrap();
+    // LRU: every pass evicts (the admission filter would keep the first 8 MiB instead; the
+    // store's property test covers quotas under both policies).
+    let w = Worker::start_opts(
+        root.path(),
+        "w1",
+        &master.addr,
+        &quota.to_string(),
+        &root.path().join("w1-cache"),
+        &["--eviction", "lru"],
+    )
+    .unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
     granary_ok(&[
         "mount",
