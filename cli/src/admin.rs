@@ -9,7 +9,9 @@ use granary_common::size::format_size;
 use granary_proto as pb;
 use serde_json::json;
 
-use crate::args::{BenchCommand, FsCommand, MasterAction, MasterAddr, MountCommand, ReportArgs};
+use crate::args::{
+    BenchCommand, FsCommand, MasterAction, MasterAddr, MountCommand, ReportArgs, WorkerAction,
+};
 
 /// Admin commands retry long enough to ride out a leader election, then fail.
 const ADMIN_RETRY: Duration = Duration::from_secs(8);
@@ -382,6 +384,21 @@ fn print_masters(masters: &[pb::MasterInfo], as_json: bool) -> anyhow::Result<()
 }
 
 /// `granary master list|add|remove`.
+pub async fn workers(action: WorkerAction) -> anyhow::Result<()> {
+    match action {
+        WorkerAction::Decommission { id, master: addr } => {
+            master(&addr)?
+                .decommission_worker(id)
+                .await
+                .with_context(|| format!("cannot decommission worker {id}"))?;
+            eprintln!(
+                "worker {id} decommissioned: no new blocks go to it; its cached pages are copied by the workers taking its blocks over; stop it when `granary report` shows it idle"
+            );
+            Ok(())
+        }
+    }
+}
+
 pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
     match action {
         MasterAction::List { json, master: addr } => {

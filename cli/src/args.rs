@@ -54,9 +54,11 @@ pub enum Command {
     /// Benchmarks against a running cluster.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Run a caching worker.
+    /// Run a caching worker, or manage workers (decommission).
     #[command(
-        after_help = "Example:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB"
+        args_conflicts_with_subcommands = true,
+        subcommand_negates_reqs = true,
+        after_help = "Examples:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB\n  granary worker decommission 7 --master 10.0.0.1:19998"
     )]
     Worker(WorkerArgs),
     /// Mount the namespace with FUSE (read-only for now).
@@ -273,6 +275,8 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
+    #[command(subcommand)]
+    pub action: Option<WorkerAction>,
     #[command(flatten)]
     pub master: MasterAddr,
     /// gRPC listen address.
@@ -282,11 +286,11 @@ pub struct WorkerArgs {
     #[arg(long, env = "GRANARY_ADVERTISE")]
     pub advertise: Option<String>,
     /// Cache directory (block files and index).
-    #[arg(long, env = "GRANARY_CACHE_DIR")]
-    pub cache_dir: PathBuf,
+    #[arg(long, env = "GRANARY_CACHE_DIR", required = true)]
+    pub cache_dir: Option<PathBuf>,
     /// Cache capacity, e.g. 10GiB, 512MiB or plain bytes.
-    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size)]
-    pub cache_size: u64,
+    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size, required = true)]
+    pub cache_size: Option<u64>,
     /// Page size: the unit fetched, checksummed and evicted.
     #[arg(long, env = "GRANARY_PAGE_SIZE", value_parser = size, default_value = "1MiB")]
     pub page_size: u64,
@@ -300,6 +304,22 @@ pub struct WorkerArgs {
     /// epochs over datasets larger than the cache do not flush it) or lru.
     #[arg(long, env = "GRANARY_EVICTION", value_parser = eviction, default_value = "lfu-admission")]
     pub eviction: granary_worker::evict::PolicyKind,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WorkerAction {
+    /// Stop placing blocks on a worker. Clients move its blocks to the next owners, which
+    /// copy its cached pages from it instead of the under-store; stop it once `granary
+    /// report` shows its reads have moved (state `draining`).
+    ///
+    /// Example: granary worker decommission 7 --master m1:19998
+    #[command(verbatim_doc_comment)]
+    Decommission {
+        /// The worker's id (see `granary report`).
+        id: u64,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -120,7 +120,13 @@ pub fn apply(cmd: &clap::Command, args: &[OsString], file: &Path) -> Result<(), 
                     .is_some_and(|al| al.contains(&long.as_str()))
         });
         let Some(arg) = arg else {
-            if in_section && long != "config" {
+            // A setting of the section's own command (e.g. [master] data-dir) means nothing
+            // to one of its actions (`granary master list`): skip it there.
+            let of_section = cmd.find_subcommand(section).is_some_and(|c| {
+                c.get_arguments()
+                    .any(|a| a.get_long() == Some(long.as_str()))
+            });
+            if in_section && long != "config" && !of_section {
                 return Err(format!(
                     "unknown setting {key:?} in [{section}] of {}; see `granary {section} --help`",
                     file.display()

@@ -56,7 +56,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             None => servers::master(a).await,
         },
         Command::Bench(c) => admin::bench(c).await,
-        Command::Worker(a) => servers::worker(a).await,
+        Command::Worker(a) => match a.action {
+            Some(action) => admin::workers(action).await,
+            None => servers::worker(a).await,
+        },
         Command::Fuse(a) => servers::fuse(a).await,
         Command::Mount(c) => admin::mount(c).await,
         Command::Fs(c) => admin::fs(c).await,

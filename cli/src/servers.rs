@@ -69,7 +69,10 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
-    let mut config = WorkerConfig::new(a.master.master, a.listen, a.cache_dir, a.cache_size);
+    let (Some(cache_dir), Some(cache_size)) = (a.cache_dir, a.cache_size) else {
+        anyhow::bail!("--cache-dir and --cache-size are required to run a worker");
+    };
+    let mut config = WorkerConfig::new(a.master.master, a.listen, cache_dir, cache_size);
     config.advertise = a.advertise;
     config.page_size = a.page_size;
     config.metrics_listen = a.metrics_listen;

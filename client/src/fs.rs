@@ -358,6 +358,7 @@ impl FileSystem {
             offset,
             length: len,
             cache: true,
+            cached_only: false,
         });
         req.set_timeout(self.read_timeout);
         let fut = async move {

@@ -440,4 +440,29 @@ impl MasterClient {
         })
         .await
     }
+
+    /// Stops placing blocks on worker `worker_id` (it keeps serving peers until stopped).
+    pub async fn decommission_worker(&self, worker_id: u64) -> Result<(), ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::DecommissionWorkerRequest { worker_id });
+            async move { c.decommission_worker(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Workers the master knows to hold (pages of) each of `blocks`.
+    pub async fn block_locations(
+        &self,
+        blocks: Vec<pb::BlockId>,
+    ) -> Result<Vec<pb::BlockLocations>, ClientError> {
+        self.call_within(Duration::from_millis(300), |mut c| {
+            let req = self.request(pb::GetBlockLocationsRequest {
+                blocks: blocks.clone(),
+            });
+            async move { c.get_block_locations(req).await }
+        })
+        .await
+        .map(|r| r.locations)
+    }
 }

@@ -150,12 +150,7 @@ impl MasterCore {
             .into_iter()
             .map(|w| pb::WorkerInfo {
                 worker_id: w.id,
-                state: if self.workers.is_live(&w) {
-                    "live"
-                } else {
-                    "lost"
-                }
-                .to_string(),
+                state: self.workers.state_of(&w).to_string(),
                 last_heartbeat_ms_ago: w.last_heartbeat.elapsed().as_millis() as u64,
                 block_count: self.blocks.block_count(w.id),
                 address: w.address,

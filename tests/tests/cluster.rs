@@ -121,3 +121,98 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
     });
     drop(mounts);
 }
+
+#[test]
+fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-decommission-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let mut total = 0;
+    for i in 0..24u64 {
+        let len = MIB + i * 37_000;
+        random_file(&src.join(format!("d/f{i:02}.bin")), len).unwrap();
+        total += len;
+    }
+    let expected = tree_sums(&src).unwrap();
+    let s3 = TestStore::s3(root, "set", "decom-access", "decom-secret-key").unwrap();
+    s3.load(&src).unwrap();
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    let mut w1 = Worker::start(root, "w1", &addr, "1GiB").unwrap();
+    let w2 = Worker::start(root, "w2", &addr, "1GiB").unwrap();
+    let report = wait_live_workers(&addr, 2).unwrap();
+    let id_of = |w: &Worker| -> u64 {
+        report["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["address"].as_str() == Some(w.addr.as_str()))
+            .and_then(|x| x["id"].as_u64())
+            .unwrap_or_else(|| panic!("{} not in {report}", w.addr))
+    };
+    let w1_id = id_of(&w1);
+    let mut args = vec!["mount", "add", "/s3", "s3://set"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--master", &addr]);
+    granary_ok(&args).unwrap();
+    let fuse = Fuse::start(root, &addr).unwrap();
+    let dir = fuse.mountpoint.join("s3");
+    let from_store = || {
+        w1.metric("granary_worker_ufs_read_bytes_total")
+            + w2.metric("granary_worker_ufs_read_bytes_total")
+    };
+    assert_eq!(tree_sums(&dir).unwrap(), expected);
+    assert_eq!(from_store(), total as f64);
+    assert!(
+        w1.metric("granary_worker_cache_used_bytes") > 0.0,
+        "w1 owns no block"
+    );
+
+    // Bad input first: an unknown worker is one sentence and changes nothing.
+    let out = granary(&["worker", "decommission", "999", "--master", &addr]);
+    assert_one_sentence_error(&out, "decommission of an unknown worker");
+
+    granary_ok(&[
+        "worker",
+        "decommission",
+        &w1_id.to_string(),
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&granary_ok(&["report", "--json", "--master", &addr]).unwrap())
+            .unwrap();
+    let state = report["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"].as_u64() == Some(w1_id))
+        .map(|x| x["state"].clone());
+    assert_eq!(state, Some(serde_json::json!("draining")));
+    // Clients place nothing on w1 once their worker list refreshes (2 s); w2 copies w1's
+    // pages from w1, not from the store.
+    poll("reads to move off w1", Duration::from_secs(20), || {
+        let before = w1.metric("granary_worker_read_requests_total");
+        assert_eq!(tree_sums(&dir).unwrap(), expected);
+        (w1.metric("granary_worker_read_requests_total") == before).then_some(())
+    })
+    .unwrap();
+    assert_eq!(from_store(), total as f64, "the hand-over read the store");
+    assert!(w2.metric("granary_worker_peer_fill_bytes_total") > 0.0);
+    assert!(w1.metric("granary_worker_peer_served_bytes_total") > 0.0);
+    // Stopped: everything it owned is already on w2; still no store read.
+    let w1_from_store = w1.metric("granary_worker_ufs_read_bytes_total");
+    w1.proc.kill9().unwrap();
+    assert_eq!(tree_sums(&dir).unwrap(), expected);
+    assert_eq!(
+        w1_from_store + w2.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
+    drop(fuse);
+}

@@ -146,11 +146,10 @@ pub async fn start(
         None => None,
     };
 
-    let fetcher = Arc::new(ufs_fetch::Fetcher::new(
-        master.clone(),
-        store.clone(),
-        metrics.clone(),
-    ));
+    let fetcher = Arc::new(
+        ufs_fetch::Fetcher::new(master.clone(), store.clone(), metrics.clone())
+            .with_worker_id(worker_id),
+    );
     let registered = Arc::new(AtomicBool::new(false));
     let hb = heartbeat::Heartbeat {
         master,

@@ -85,6 +85,9 @@ pub struct WorkerMetrics {
     pub checksum_failures: Counter<u64, AtomicU64>,
     pub uncached_fills: Counter<u64, AtomicU64>,
     pub admission_rejected_pages: Counter<u64, AtomicU64>,
+    pub singleflight_waits: Counter<u64, AtomicU64>,
+    pub peer_fill_bytes: Counter<u64, AtomicU64>,
+    pub peer_served_bytes: Counter<u64, AtomicU64>,
     pub read_requests: Counter<u64, AtomicU64>,
     pub cache_used_bytes: Gauge<i64, AtomicI64>,
     pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
@@ -119,6 +122,21 @@ impl WorkerMetrics {
                 "granary_worker_ufs_errors",
                 "Failed under-store requests",
                 m.ufs_errors.clone(),
+            );
+            r.register(
+                "granary_worker_peer_fill_bytes",
+                "Bytes this worker cached by copying them from another worker instead of the under-store",
+                m.peer_fill_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_peer_served_bytes",
+                "Cached bytes this worker served to other workers filling their caches",
+                m.peer_served_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_singleflight_waits",
+                "Reads that found their page already being fetched from the under-store and waited for that fetch instead of starting another",
+                m.singleflight_waits.clone(),
             );
             r.register(
                 "granary_worker_admission_rejected_pages",

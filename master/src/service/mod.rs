@@ -390,6 +390,24 @@ impl MasterService for MasterRpc {
         Ok(Response::new(self.core.cluster_info().await?))
     }
 
+    async fn decommission_worker(
+        &self,
+        req: Request<pb::DecommissionWorkerRequest>,
+    ) -> Result<Response<pb::DecommissionWorkerResponse>, Status> {
+        let id = req.into_inner().worker_id;
+        self.core.ensure_leader()?;
+        if !self.core.workers.decommission(id) {
+            return Err(Status::not_found(format!(
+                "no worker {id} is registered (see granary report)"
+            )));
+        }
+        tracing::info!(
+            worker = id,
+            "worker decommissioned: no new blocks are placed on it"
+        );
+        Ok(Response::new(pb::DecommissionWorkerResponse {}))
+    }
+
     async fn add_master(
         &self,
         req: Request<pb::AddMasterRequest>,

@@ -25,6 +25,7 @@ pub struct WorkerRpc {
 }
 
 /// Byte geometry of one read request, validated.
+#[derive(Clone, Copy)]
 struct Plan {
     block_start: u64,
     offset: u64,
@@ -85,6 +86,46 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
 
 type ReadStream = Pin<Box<dyn Stream<Item = Result<pb::ReadBlockResponse, Status>> + Send>>;
 
+impl WorkerRpc {
+    /// A `cached_only` read (another worker filling its cache): the cached pages of the
+    /// range in order, ending with NOT_FOUND at the first page that is not cached.
+    fn cached_pages(
+        &self,
+        block: Arc<BlockRef>,
+        pages: std::ops::RangeInclusive<u64>,
+        p: Plan,
+    ) -> ReadStream {
+        let fetcher = self.fetcher.clone();
+        let metrics = self.metrics.clone();
+        let ps = fetcher.store.page_size;
+        let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
+        tokio::spawn(async move {
+            for page in pages {
+                let msg = match fetcher.store.get(&(block.key, page as u32)) {
+                    Some(data) => {
+                        let page_start = page * ps;
+                        let from = p.offset.max(page_start) - page_start;
+                        let to = p.end.min(page_start + data.len() as u64) - page_start;
+                        let slice = data.slice(from as usize..to as usize);
+                        metrics.peer_served_bytes.inc_by(slice.len() as u64);
+                        Ok(pb::ReadBlockResponse {
+                            data: slice,
+                            offset: page_start + from,
+                            hit: true,
+                        })
+                    }
+                    None => Err(Status::not_found(format!("page {page} is not cached here"))),
+                };
+                let failed = msg.is_err();
+                if tx.send(msg).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Box::pin(ReceiverStream::new(rx))
+    }
+}
+
 #[tonic::async_trait]
 impl WorkerService for WorkerRpc {
     type ReadBlockStream = ReadStream;
@@ -112,6 +153,9 @@ impl WorkerService for WorkerRpc {
         let first = p.offset / ps;
         let last = (p.end - 1) / ps;
         let cache = r.cache;
+        if r.cached_only {
+            return Ok(Response::new(self.cached_pages(block, first..=last, p)));
+        }
         // A sequential reader: keep the parts after this read in flight, so it finds them
         // cached or arriving instead of waiting a round trip per part.
         if cache && self.fetcher.sequential(&block, p.offset, p.end) {
@@ -196,6 +240,7 @@ mod tests {
             offset,
             length,
             cache: true,
+            cached_only: false,
         }
     }
 

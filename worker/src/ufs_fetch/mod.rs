@@ -17,7 +17,9 @@ use granary_client::mounts::MountStores;
 use granary_client::MasterClient;
 use granary_common::ufs::Ufs;
 use granary_proto as pb;
+use granary_proto::worker_service_client::WorkerServiceClient;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tonic::transport::Channel;
 
 use crate::metrics::{UfsMetrics, WorkerMetrics};
 use crate::store::{BlockKey, PageKey, PageStore};
@@ -27,6 +29,12 @@ pub const PREFETCH_IN_FLIGHT: usize = 32;
 
 /// Deadline of one ranged GET (a whole part).
 pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Deadline of asking the master who holds a block before a fill (on a miss, so short).
+const LOCATIONS_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Deadline of copying one part from a peer worker (then the store serves the rest).
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Attempts of one part whose GET failed in a way worth retrying (a dropped connection
 /// mid-body; `object_store` already retries throttling and 5xx answers before the body).
@@ -149,6 +157,10 @@ pub struct Fetcher {
     /// Pages fetched but not cached (full cache, not admitted), kept briefly in memory: a
     /// reader usually asks for a page in several requests, which must not each cost a GET.
     uncached: Mutex<Uncached>,
+    /// This worker's id (its own block locations are not peers to fill from).
+    worker_id: u64,
+    /// Channels to other workers, for filling from a peer.
+    peers: Mutex<HashMap<String, WorkerServiceClient<Channel>>>,
     pub store: Arc<PageStore>,
     metrics: WorkerMetrics,
 }
@@ -239,9 +251,29 @@ impl Fetcher {
             uncached: Mutex::new(Uncached::new(
                 (store.capacity / 8).clamp(store.page_size, UNCACHED_MAX_BYTES),
             )),
+            worker_id: 0,
+            peers: Mutex::new(HashMap::new()),
             store,
             metrics,
         }
+    }
+
+    pub fn with_worker_id(mut self, id: u64) -> Self {
+        self.worker_id = id;
+        self
+    }
+
+    fn peer(&self, address: &str) -> Option<WorkerServiceClient<Channel>> {
+        let mut m = lock(&self.peers);
+        if let Some(c) = m.get(address) {
+            return Some(c.clone());
+        }
+        let ch = granary_common::grpc::channel(address).ok()?;
+        let c = WorkerServiceClient::new(ch)
+            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+        m.insert(address.to_string(), c.clone());
+        Some(c)
     }
 
     fn keep_uncached(&self, key: PageKey, data: Bytes) {
@@ -362,11 +394,16 @@ impl Fetcher {
             let last_page = (block.len - 1) / self.store.page_size;
             let part_end = ((page / part_pages + 1) * part_pages - 1).min(last_page);
             let runs = self.claim(block, page..=part_end, Some(page), cache);
+            let claimed = runs.first().is_some_and(|r| r.0 == page);
             self.spawn_runs(block, runs, cache, None);
             let rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone());
             let Some(mut rx) = rx else {
                 continue; // cached meanwhile (or just evicted again): look once more
             };
+            if !claimed {
+                // Another reader's fetch (or read-ahead) has this page in flight.
+                self.metrics.singleflight_waits.inc();
+            }
             let outcome = match rx.wait_for(Option::is_some).await {
                 Ok(v) => v.clone(),
                 Err(_) => None,
@@ -460,6 +497,10 @@ impl Run {
     /// breaks off), delivering each page as soon as its bytes are in.
     async fn fetch(mut self) {
         let f = self.fetcher.clone();
+        self.from_peers().await;
+        if self.next >= self.slots.len() {
+            return;
+        }
         let (ufs, loc) = match f.ufs(&self.block).await {
             Ok(x) => x,
             Err(e) => return self.fail_rest(&e),
@@ -523,6 +564,86 @@ impl Run {
         }
     }
 
+    /// Adds `chunk` (the bytes after those in `buf`) to the page being assembled, delivering
+    /// every page it completes.
+    fn feed(&mut self, buf: &mut BytesMut, chunk: &mut Bytes) {
+        while !chunk.is_empty() && self.next < self.slots.len() {
+            let want = self.page_len(self.next) as usize - buf.len();
+            let take = want.min(chunk.len());
+            buf.extend_from_slice(&chunk.split_to(take));
+            if buf.len() == self.page_len(self.next) as usize {
+                self.deliver(buf.split().freeze());
+                if self.next < self.slots.len() {
+                    buf.reserve(self.page_len(self.next) as usize);
+                }
+            }
+        }
+    }
+
+    /// Copies what it can of the run from other workers that hold the block (after a
+    /// membership change: its previous owner, a decommissioned worker), cached pages only,
+    /// so the under-store is asked only for what no peer has. Best effort: any failure
+    /// leaves the rest to the store.
+    async fn from_peers(&mut self) {
+        let f = self.fetcher.clone();
+        let Some(id) = self.block.desc.id else {
+            return;
+        };
+        if f.worker_id == 0 {
+            return; // not a registered worker (tests): no peers
+        }
+        let ask = f.master.block_locations(vec![id]);
+        let Ok(Ok(locations)) = tokio::time::timeout(LOCATIONS_TIMEOUT, ask).await else {
+            return; // the master is busy or away: the store serves this part
+        };
+        let peers = locations
+            .into_iter()
+            .flat_map(|l| l.workers)
+            .filter(|w| w.worker_id != f.worker_id);
+        let ps = f.store.page_size;
+        let end = self
+            .block
+            .len
+            .min((self.first + self.slots.len() as u64) * ps);
+        for peer in peers {
+            if self.next >= self.slots.len() {
+                return;
+            }
+            let Some(mut client) = f.peer(&peer.address) else {
+                continue;
+            };
+            let from = (self.first + self.next as u64) * ps;
+            let mut req = tonic::Request::new(pb::ReadBlockRequest {
+                block: Some(self.block.desc.clone()),
+                offset: from,
+                length: end - from,
+                cache: false,
+                cached_only: true,
+            });
+            req.set_timeout(PEER_TIMEOUT);
+            let copy = async {
+                let mut body = client.read_block(req).await?.into_inner();
+                let mut buf = BytesMut::new();
+                let mut at = from;
+                while let Some(msg) = body.message().await? {
+                    if msg.offset != at {
+                        break; // not what was asked for: the store serves the rest
+                    }
+                    at += msg.data.len() as u64;
+                    f.metrics.peer_fill_bytes.inc_by(msg.data.len() as u64);
+                    let mut chunk = msg.data;
+                    self.feed(&mut buf, &mut chunk);
+                }
+                Ok::<(), tonic::Status>(())
+            };
+            if let Ok(Err(e)) = tokio::time::timeout(PEER_TIMEOUT, copy).await {
+                if e.code() != tonic::Code::NotFound {
+                    tracing::debug!(peer = peer.worker_id, error = %e, "filling from a peer failed");
+                }
+            }
+        }
+    }
+
     /// One GET of `range` (block offsets), split into pages as the body arrives.
     async fn stream(
         &mut self,
@@ -548,17 +669,7 @@ impl Run {
                 .bytes
                 .get_or_create(op)
                 .inc_by(chunk.len() as u64);
-            while !chunk.is_empty() && self.next < self.slots.len() {
-                let want = self.page_len(self.next) as usize - buf.len();
-                let take = want.min(chunk.len());
-                buf.extend_from_slice(&chunk.split_to(take));
-                if buf.len() == self.page_len(self.next) as usize {
-                    self.deliver(buf.split().freeze());
-                    if self.next < self.slots.len() {
-                        buf.reserve(self.page_len(self.next) as usize);
-                    }
-                }
-            }
+            self.feed(&mut buf, &mut chunk);
         }
         Ok(())
     }
