@@ -394,16 +394,27 @@ impl Fetcher {
             let last_page = (block.len - 1) / self.store.page_size;
             let part_end = ((page / part_pages + 1) * part_pages - 1).min(last_page);
             let runs = self.claim(block, page..=part_end, Some(page), cache);
-            let claimed = runs.first().is_some_and(|r| r.0 == page);
+            // Our own claim: subscribe before the fetch starts (it may finish at once).
+            let own = runs
+                .first()
+                .filter(|r| r.0 == page)
+                .and_then(|r| r.1.first())
+                .map(|(_, tx)| tx.subscribe());
             self.spawn_runs(block, runs, cache, None);
-            let rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone());
+            let rx = match own {
+                Some(rx) => Some(rx),
+                None => {
+                    let rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone());
+                    if rx.is_some() {
+                        // Another reader's fetch (or read-ahead) has this page in flight.
+                        self.metrics.singleflight_waits.inc();
+                    }
+                    rx
+                }
+            };
             let Some(mut rx) = rx else {
                 continue; // cached meanwhile (or just evicted again): look once more
             };
-            if !claimed {
-                // Another reader's fetch (or read-ahead) has this page in flight.
-                self.metrics.singleflight_waits.inc();
-            }
             let outcome = match rx.wait_for(Option::is_some).await {
                 Ok(v) => v.clone(),
                 Err(_) => None,
@@ -497,7 +508,7 @@ impl Run {
     /// breaks off), delivering each page as soon as its bytes are in.
     async fn fetch(mut self) {
         let f = self.fetcher.clone();
-        self.from_peers().await;
+        self.copy_from_peers().await;
         if self.next >= self.slots.len() {
             return;
         }
@@ -584,7 +595,7 @@ impl Run {
     /// membership change: its previous owner, a decommissioned worker), cached pages only,
     /// so the under-store is asked only for what no peer has. Best effort: any failure
     /// leaves the rest to the store.
-    async fn from_peers(&mut self) {
+    async fn copy_from_peers(&mut self) {
         let f = self.fetcher.clone();
         let Some(id) = self.block.desc.id else {
             return;
