@@ -433,8 +433,17 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
 
 /// `granary bench metadata`: creates/s and stats/s against a running cluster.
 pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
-    if let BenchCommand::Get { uri, options, json } = &cmd {
-        return bench_get(uri, options, *json).await;
+    match cmd {
+        BenchCommand::Get { uri, options, json } => return bench_get(&uri, &options, json).await,
+        BenchCommand::Tcp { size, json } => return bench_tcp(size, json),
+        BenchCommand::Read {
+            path,
+            passes,
+            concurrency,
+            json,
+            master: addr,
+        } => return bench_read(&path, passes, concurrency, json, &addr).await,
+        BenchCommand::Metadata { .. } => {}
     }
     let BenchCommand::Metadata {
         dir,
@@ -565,6 +574,103 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             per_s(stats, stat_secs),
             max_gap.as_millis()
         );
+    }
+    Ok(())
+}
+
+/// `granary bench tcp`: bytes through one loopback TCP connection, 1 MiB writes and reads.
+fn bench_tcp(size: u64, json: bool) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        let buf = vec![0x5au8; 1 << 20];
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(buf.len() as u64) as usize;
+            s.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
+        Ok(())
+    });
+    let (mut conn, _) = listener.accept()?;
+    let start = std::time::Instant::now();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0u64;
+    loop {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        got += n as u64;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    sender
+        .join()
+        .map_err(|_| anyhow::anyhow!("the sending thread panicked"))??;
+    let mbps = got as f64 / secs / 1e6;
+    if json {
+        println!(
+            "{}",
+            json!({"bytes": got, "seconds": secs, "mb_per_s": mbps})
+        );
+    } else {
+        println!("{got} bytes in {secs:.2}s: {mbps:.0} MB/s");
+    }
+    Ok(())
+}
+
+/// `granary bench read`: a file read through the client library, several passes.
+async fn bench_read(
+    path: &str,
+    passes: u32,
+    concurrency: usize,
+    json: bool,
+    addr: &MasterAddr,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let fs = granary_client::FileSystem::new(master(addr)?);
+    let st = fs
+        .stat(path)
+        .await
+        .with_context(|| format!("cannot stat {path}"))?;
+    let bs = if st.block_size == 0 {
+        granary_common::DEFAULT_BLOCK_SIZE
+    } else {
+        st.block_size
+    };
+    let mut results = Vec::new();
+    for pass in 1..=passes.max(1) {
+        let start = std::time::Instant::now();
+        let chunks = (0..st.length.div_ceil(bs)).map(|i| (i * bs, bs.min(st.length - i * bs)));
+        let mut reads = futures::stream::iter(chunks)
+            .map(|(off, len)| {
+                let fs = fs.clone();
+                let st = st.clone();
+                async move { fs.read(&st, off, len).await.map(|b| b.len() as u64) }
+            })
+            .buffer_unordered(concurrency.max(1));
+        let mut bytes = 0u64;
+        while let Some(r) = reads.next().await {
+            bytes += r.with_context(|| format!("reading {path}"))?;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        results.push(json!({"pass": pass, "bytes": bytes, "seconds": secs, "mb_per_s": bytes as f64 / secs / 1e6}));
+    }
+    if json {
+        println!("{}", json!({"path": path, "passes": results}));
+    } else {
+        for r in &results {
+            println!(
+                "pass {}: {} bytes in {:.2}s: {:.0} MB/s",
+                r["pass"],
+                r["bytes"],
+                r["seconds"].as_f64().unwrap_or(0.0),
+                r["mb_per_s"].as_f64().unwrap_or(0.0)
+            );
+        }
     }
     Ok(())
 }

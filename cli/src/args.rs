@@ -246,6 +246,35 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Read one file through the cluster (client library → workers over gRPC, no FUSE),
+    /// PASSES times; the first pass warms the cache. The peer-read path.
+    ///
+    /// Example: granary bench read /data/big.bin --passes 3 --json --master m1:19998
+    #[command(verbatim_doc_comment)]
+    Read {
+        /// The file's path in the namespace.
+        path: String,
+        #[arg(long, default_value_t = 3)]
+        passes: u32,
+        /// Blocks read at once.
+        #[arg(long, default_value_t = 2)]
+        concurrency: usize,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Raw TCP throughput on loopback (one connection, 1 MiB writes): the limit peer reads
+    /// are compared with.
+    ///
+    /// Example: granary bench tcp --size 4GiB --json
+    #[command(verbatim_doc_comment)]
+    Tcp {
+        #[arg(long, value_parser = size, default_value = "2GiB")]
+        size: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Metadata throughput: mkdir under DIR as fast as possible, then stat what was made.
     ///
     /// Example: granary bench metadata --dir /bench --duration 10s --concurrency 8 --json

@@ -52,6 +52,18 @@ pub struct FileSystem {
 /// Files whose read position is remembered for sequential detection.
 const SEQUENTIAL_TRACKED: usize = 4096;
 
+/// `parts` as one buffer of `len` bytes, copied only when there is more than one.
+fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
+    if parts.len() == 1 {
+        return parts.pop().unwrap_or_default();
+    }
+    let mut out = BytesMut::with_capacity(len as usize);
+    for p in parts {
+        out.extend_from_slice(&p);
+    }
+    out.freeze()
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -170,7 +182,7 @@ impl FileSystem {
             file.block_size
         };
         self.warm_next_block(file, offset, end, bs);
-        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        let mut parts: Vec<Bytes> = Vec::new();
         let mut pos = offset;
         while pos < end {
             let index = pos / bs;
@@ -187,10 +199,10 @@ impl FileSystem {
                     data.len()
                 )));
             }
-            out.extend_from_slice(&data);
+            parts.push(data);
             pos += n;
         }
-        Ok(out.freeze())
+        Ok(join(parts, end - offset))
     }
 
     /// A sequential reader in the second half of a block: asks the next block's worker for
@@ -363,18 +375,21 @@ impl FileSystem {
         req.set_timeout(self.read_timeout);
         let fut = async move {
             let mut stream = client.read_block(req).await?.into_inner();
-            let mut buf = BytesMut::with_capacity(len as usize);
+            // Chunks are kept as they arrive and joined once (a one-chunk read is not copied).
+            let mut chunks: Vec<Bytes> = Vec::new();
+            let mut got = 0u64;
             while let Some(chunk) = stream.message().await? {
-                if chunk.offset != offset + buf.len() as u64 {
+                if chunk.offset != offset + got {
                     return Err(ClientError::Internal(format!(
                         "worker {address} sent a chunk at {} where {} was expected",
                         chunk.offset,
-                        offset + buf.len() as u64
+                        offset + got
                     )));
                 }
-                buf.extend_from_slice(&chunk.data);
+                got += chunk.data.len() as u64;
+                chunks.push(chunk.data);
             }
-            Ok::<_, ClientError>(buf.freeze())
+            Ok::<_, ClientError>(join(chunks, got))
         };
         match tokio::time::timeout(self.read_timeout, fut).await {
             Ok(r) => r,

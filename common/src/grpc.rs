@@ -11,6 +11,9 @@ pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 /// HTTP/2 windows sized for 1 MiB chunks in flight.
 pub const STREAM_WINDOW: u32 = 8 * 1024 * 1024;
 pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
+/// Largest HTTP/2 frame either side accepts: 1 MiB pages travel in a few frames instead of
+/// 64 of the default 16 KiB (less framing work per byte on bulk streams).
+pub const MAX_FRAME: u32 = 1024 * 1024;
 
 /// Normalises `host:port` or a full URI into an `http://` endpoint URI.
 pub fn endpoint_uri(addr: &str) -> String {
@@ -30,6 +33,7 @@ pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
         .keep_alive_timeout(Duration::from_secs(10))
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
         .connect_lazy())
 }
 
@@ -39,6 +43,7 @@ pub fn server() -> tonic::transport::Server {
         .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
 }
 
 /// Accepted connections of a bound listener, with Nagle off (a server given its own

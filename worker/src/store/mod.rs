@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -276,9 +277,17 @@ impl PageStore {
             meta
         };
         let path = self.block_path(&key.0);
-        let mut buf = vec![0u8; meta.len as usize];
-        let read = File::open(&path)
-            .and_then(|f| f.read_exact_at(&mut buf, u64::from(key.1) * self.page_size));
+        // read_to_end fills spare capacity without zeroing it first.
+        let mut buf = Vec::with_capacity(meta.len as usize);
+        let read = File::open(&path).and_then(|mut f| {
+            f.seek(SeekFrom::Start(u64::from(key.1) * self.page_size))?;
+            f.take(u64::from(meta.len)).read_to_end(&mut buf)?;
+            if buf.len() == meta.len as usize {
+                Ok(())
+            } else {
+                Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))
+            }
+        });
         match read {
             Ok(()) if crc32c::crc32c(&buf) == meta.crc => Some(Bytes::from(buf)),
             Ok(()) => {
