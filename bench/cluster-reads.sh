@@ -15,7 +15,7 @@
 set -euo pipefail
 nodes="${1:-3}"
 dataset_mib="${2:-512}"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
 work="$(mktemp -d /tmp/granary-bench-cluster-XXXXXX)"
 pids=()
@@ -27,9 +27,6 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return; sleep 0.1; done; }
-metric() { curl -s "127.0.0.1:$1/metrics" | awk -v m="$2" '$1 == m { print $2 }'; }
 
 # The dataset: files of 1–8 MiB, written straight into the server's bucket directory.
 mkdir -p "$work/s3/data"
@@ -77,7 +74,7 @@ read_all() { # read every mount's /data concurrently, checking bytes
   for m in "$@"; do cmp -s "$1.sums" "$m.sums" || { echo "bytes differ between mounts"; exit 1; }; done
   (cd "$work/s3/data" && find . -type f | sort | xargs sha256sum) | cmp -s - "$1.sums" || { echo "bytes differ from the source"; exit 1; }
 }
-ufs_total() { local s=0 p; for p in "${wports[@]}"; do s=$((s + $(metric "$p" granary_worker_ufs_read_bytes_total))); done; echo $s; }
+ufs_total() { local s=0 p; for p in "${wports[@]}"; do s=$((s + $(metric_at "$p" granary_worker_ufs_read_bytes_total))); done; echo $s; }
 
 wports=()
 start_cluster cluster "$nodes"

@@ -25,7 +25,7 @@ set -euo pipefail
 store="${1:-azure}"
 size_mib="${2:-1024}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 shaper="${SHAPER_BIN:-$(dirname "$bin")/flow-shaper}"
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
 work="$(mktemp -d /tmp/granary-bench-cold-XXXXXX)"
@@ -38,8 +38,6 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return; sleep 0.1; done; }
 mkdir -p "$work/src" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/src/big.bin"
 bytes=$((size_mib * 1024 * 1024))

@@ -15,7 +15,7 @@ set -euo pipefail
 dataset_mib="${1:-256}"
 cache_mib="${2:-128}"
 epochs="${3:-4}"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 work="$(mktemp -d /tmp/granary-bench-evict-XXXXXX)"
 pid=""
 cleanup() {
@@ -24,8 +24,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-metric() { curl -s "127.0.0.1:$mport/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+metric() { metric_at "$mport" "$1"; }
 
 mkdir -p "$work/ufs" "$work/mnt"
 files=$((dataset_mib / 2))

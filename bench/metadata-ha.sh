@@ -11,7 +11,7 @@
 # leader is killed with SIGKILL.
 set -euo pipefail
 secs="${1:-10}"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 work="$(mktemp -d /tmp/granary-bench-meta-XXXXXX)"
 pids=()
 cleanup() {
@@ -21,7 +21,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 ports=($(free_port) $(free_port) $(free_port))
 peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
 addrs="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"

@@ -9,7 +9,7 @@
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds.
 set -euo pipefail
 size_mib="${1:-1024}"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 work="$(mktemp -d /tmp/granary-bench-peer-XXXXXX)"
 pids=()
 cleanup() {
@@ -18,8 +18,6 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return; sleep 0.1; done; }
 mkdir -p "$work/ufs"
 head -c "$((size_mib * 1048576))" /dev/urandom > "$work/ufs/big.bin"
 mport=$(free_port)

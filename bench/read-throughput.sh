@@ -8,7 +8,7 @@
 set -euo pipefail
 size_mib="${1:-1024}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
+. "$(dirname "$0")/lib.sh"
 work="$(mktemp -d /tmp/granary-bench-XXXXXX)"
 pid=""
 cleanup() {
