@@ -16,14 +16,7 @@ dataset_mib="${1:-256}"
 cache_mib="${2:-128}"
 epochs="${3:-4}"
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-evict-XXXXXX)"
-pid=""
-cleanup() {
-  [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
-  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+local_workdir evict
 metric() { metric_at "$mport" "$1"; }
 
 mkdir -p "$work/ufs" "$work/mnt"

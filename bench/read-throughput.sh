@@ -9,14 +9,7 @@ set -euo pipefail
 size_mib="${1:-1024}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-XXXXXX)"
-pid=""
-cleanup() {
-  [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
-  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+local_workdir read
 mkdir -p "$work/ufs" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/data.bin"
 
