@@ -146,11 +146,15 @@ impl MasterCore {
         } else {
             Vec::new()
         };
+        let decommissioned = self.ns.sm.decommissioned()?;
         let workers = known
             .into_iter()
             .map(|w| pb::WorkerInfo {
                 worker_id: w.id,
-                state: self.workers.state_of(&w).to_string(),
+                state: self
+                    .workers
+                    .state_of(&w, decommissioned.contains(&w.id))
+                    .to_string(),
                 last_heartbeat_ms_ago: w.last_heartbeat.elapsed().as_millis() as u64,
                 block_count: self.blocks.block_count(w.id),
                 address: w.address,

@@ -396,11 +396,14 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::DecommissionWorkerResponse>, Status> {
         let id = req.into_inner().worker_id;
         self.core.ensure_leader()?;
-        if !self.core.workers.decommission(id) {
+        if self.core.workers.get(id).is_none() {
             return Err(Status::not_found(format!(
                 "no worker {id} is registered (see granary report)"
             )));
         }
+        self.core
+            .propose(crate::state::Command::DecommissionWorker { worker_id: id })
+            .await?;
         tracing::info!(
             worker = id,
             "worker decommissioned: no new blocks are placed on it"

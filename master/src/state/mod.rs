@@ -81,6 +81,13 @@ fn member_key(id: u64) -> Vec<u8> {
     k
 }
 
+fn decommissioned_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'D');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
 fn u64_of(v: &[u8]) -> Result<u64, MasterError> {
     let arr: [u8; 8] = v
         .try_into()
@@ -347,6 +354,25 @@ impl StateMachine {
         Ok(out)
     }
 
+    /// Workers decommissioned (`DecommissionWorker`).
+    pub fn decommissioned(&self) -> Result<std::collections::BTreeSet<u64>, MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(decommissioned_key(0));
+        let mut out = std::collections::BTreeSet::new();
+        while it.valid() {
+            let Some(k) = it.key() else {
+                break;
+            };
+            if k.len() != 9 || k[0] != b'D' {
+                break;
+            }
+            out.insert(u64_of(&k[1..])?);
+            it.next();
+        }
+        it.status()?;
+        Ok(out)
+    }
+
     /// Adds a member's address to `batch` (written with the configuration change).
     pub fn member_address_into(
         &self,
@@ -585,6 +611,10 @@ impl<'a> Txn<'a> {
         match cmd {
             Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
             Command::RemoveMount { path } => self.remove_mount(path),
+            Command::DecommissionWorker { worker_id } => {
+                self.put(decommissioned_key(*worker_id), Vec::new());
+                Ok(ApplyOutput::None)
+            }
             Command::LoadDir {
                 dir,
                 mount_id,

@@ -139,6 +139,11 @@ pub enum Command {
     RemoveMount {
         path: String,
     },
+    /// A worker is decommissioned: clients place no blocks on it (it keeps serving peers).
+    /// Replicated so the mark survives a master failover and a worker restart.
+    DecommissionWorker {
+        worker_id: u64,
+    },
     /// Records the children of a mounted directory as listed from the under-store.
     LoadDir {
         dir: u64,

@@ -548,3 +548,25 @@ fn a_batched_sync_marks_the_directory_listed_only_with_its_last_batch() {
         a.version
     );
 }
+
+#[test]
+fn decommissioned_workers_are_remembered_and_reapplying_is_harmless() {
+    let (_d, sm) = open();
+    assert!(sm.decommissioned().unwrap().is_empty());
+    for (i, id) in [7u64, 3, 7].into_iter().enumerate() {
+        sm.apply(i as u64 + 1, &Command::DecommissionWorker { worker_id: id })
+            .unwrap();
+    }
+    // Other records around the 'D' prefix do not leak into the set.
+    sm.apply(
+        4,
+        &Command::AddMount {
+            path: "/m".into(),
+            spec: spec("file:///a"),
+            now_ms: 1,
+        },
+    )
+    .unwrap();
+    let ids: Vec<u64> = sm.decommissioned().unwrap().into_iter().collect();
+    assert_eq!(ids, [3, 7]);
+}

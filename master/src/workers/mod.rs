@@ -15,8 +15,6 @@ pub struct WorkerEntry {
     pub last_heartbeat: Instant,
     /// Marked lost by the expiry sweep; its block locations were dropped.
     pub lost: bool,
-    /// Decommissioned: clients place no blocks on it; it still serves peers.
-    pub draining: bool,
 }
 
 pub struct WorkerRegistry {
@@ -60,10 +58,7 @@ impl WorkerRegistry {
     }
 
     pub fn register(&self, id: u64, address: String, host: String, stats: pb::WorkerStats) {
-        let mut map = self.lock();
-        // A decommissioned worker that restarts stays decommissioned.
-        let draining = map.get(&id).is_some_and(|w| w.draining);
-        map.insert(
+        self.lock().insert(
             id,
             WorkerEntry {
                 id,
@@ -72,25 +67,14 @@ impl WorkerRegistry {
                 stats,
                 last_heartbeat: Instant::now(),
                 lost: false,
-                draining,
             },
         );
     }
 
-    /// Marks a worker decommissioned; false when no such worker is known.
-    pub fn decommission(&self, id: u64) -> bool {
-        match self.lock().get_mut(&id) {
-            Some(w) => {
-                w.draining = true;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The state clients see: `live`, `draining` or `lost`.
-    pub fn state_of(&self, w: &WorkerEntry) -> &'static str {
-        match (self.is_live(w), w.draining) {
+    /// The state clients see: `live`, `draining` (decommissioned, per the replicated
+    /// state) or `lost`.
+    pub fn state_of(&self, w: &WorkerEntry, decommissioned: bool) -> &'static str {
+        match (self.is_live(w), decommissioned) {
             (true, false) => "live",
             (true, true) => "draining",
             (false, _) => "lost",
