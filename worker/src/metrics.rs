@@ -25,6 +25,13 @@ pub struct UfsOpError {
     pub error: String,
 }
 
+/// Why pages left the cache.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DropReason {
+    /// `capacity`, `stale` or `corrupt`.
+    pub reason: String,
+}
+
 type Latency = Family<UfsOp, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -86,6 +93,7 @@ pub struct WorkerMetrics {
     pub uncached_fills: Counter<u64, AtomicU64>,
     pub admission_rejected_pages: Counter<u64, AtomicU64>,
     pub singleflight_waits: Counter<u64, AtomicU64>,
+    pub dropped_pages: Family<DropReason, Counter>,
     pub peer_fill_bytes: Counter<u64, AtomicU64>,
     pub peer_served_bytes: Counter<u64, AtomicU64>,
     pub read_requests: Counter<u64, AtomicU64>,
@@ -132,6 +140,11 @@ impl WorkerMetrics {
                 "granary_worker_peer_served_bytes",
                 "Cached bytes this worker served to other workers filling their caches",
                 m.peer_served_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_dropped_pages",
+                "Pages removed from the cache, by reason: capacity (evicted), stale (new version), corrupt",
+                m.dropped_pages.clone(),
             );
             r.register(
                 "granary_worker_singleflight_waits",

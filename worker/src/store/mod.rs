@@ -319,7 +319,7 @@ impl PageStore {
             }
         };
         if let Some(r) = removed {
-            self.finish_evictions(vec![r]);
+            self.remove_pages(vec![r], "corrupt");
         }
     }
 
@@ -361,7 +361,7 @@ impl PageStore {
         };
         let freed = victims.iter().map(|v| u64::from(v.1.len)).sum();
         self.metrics.stale_dropped_bytes.inc_by(freed);
-        self.remove_pages(victims, false);
+        self.remove_pages(victims, "stale");
         freed
     }
 
@@ -436,16 +436,23 @@ impl PageStore {
 
     /// Releases the disk space and index records of evicted pages.
     fn finish_evictions(&self, victims: Vec<(PageKey, PageMeta, bool)>) {
-        self.remove_pages(victims, true);
+        self.remove_pages(victims, "capacity");
     }
 
     /// Deletes removed pages from the index and the disk (punching them out of their block
     /// file, or deleting the file with its last page).
-    fn remove_pages(&self, victims: Vec<(PageKey, PageMeta, bool)>, evicted: bool) {
+    /// `reason` labels `granary_worker_dropped_pages_total`: `capacity` (evicted to make
+    /// room), `stale` (a new version of the file), `corrupt` (failed its checksum or could
+    /// not be read).
+    fn remove_pages(&self, victims: Vec<(PageKey, PageMeta, bool)>, reason: &str) {
+        let label = crate::metrics::DropReason {
+            reason: reason.to_string(),
+        };
         for (key, meta, block_gone) in victims {
-            if evicted {
+            if reason != "stale" {
                 self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
             }
+            self.metrics.dropped_pages.get_or_create(&label).inc();
             if let Err(e) = self.index.delete(index_key(&key)) {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }

@@ -95,7 +95,8 @@ fn worker_id_is_persistent() {
 #[test]
 fn stale_drops_touch_only_other_versions_of_the_named_inodes() {
     let d = tempfile::tempdir().unwrap();
-    let s = open(d.path(), 64 * 4096);
+    let m = WorkerMetrics::default();
+    let s = PageStore::open(d.path(), 64 * 4096, 4096, PolicyKind::Lru, m.clone()).unwrap();
     let page = |inode: u64, version: u64, block: u32, p: u32| ((inode, version, block), p);
     let keys = [
         page(6, 9, 0, 0),
@@ -116,4 +117,13 @@ fn stale_drops_touch_only_other_versions_of_the_named_inodes() {
     assert_eq!(s.drop_stale(8, 0), 4096);
     assert!(!s.contains(&page(8, 9, 0, 0)));
     assert_eq!(s.used(), 3 * 4096);
+    let dropped = |reason: &str| {
+        m.dropped_pages
+            .get_or_create(&crate::metrics::DropReason {
+                reason: reason.into(),
+            })
+            .get()
+    };
+    assert_eq!((dropped("stale"), dropped("capacity")), (4, 0));
+    assert_eq!(m.evicted_bytes.get(), 0, "a stale drop is not an eviction");
 }
