@@ -396,6 +396,14 @@ pub async fn workers(action: WorkerAction) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        WorkerAction::Recommission { id, master: addr } => {
+            master(&addr)?
+                .recommission_worker(id)
+                .await
+                .with_context(|| format!("cannot recommission worker {id}"))?;
+            eprintln!("worker {id} recommissioned: blocks are placed on it again");
+            Ok(())
+        }
     }
 }
 

@@ -54,11 +54,11 @@ pub enum Command {
     /// Benchmarks against a running cluster.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Run a caching worker, or manage workers (decommission).
+    /// Run a caching worker, or manage workers (decommission, recommission).
     #[command(
         args_conflicts_with_subcommands = true,
         subcommand_negates_reqs = true,
-        after_help = "Examples:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB\n  granary worker decommission 7 --master 10.0.0.1:19998"
+        after_help = "Examples:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB\n  granary worker decommission 7 --master 10.0.0.1:19998\n  granary worker recommission 7 --master 10.0.0.1:19998"
     )]
     Worker(WorkerArgs),
     /// Mount the namespace with FUSE (read-only for now).
@@ -345,6 +345,15 @@ pub enum WorkerAction {
     #[command(verbatim_doc_comment)]
     Decommission {
         /// The worker's id (see `granary report`).
+        id: u64,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Undo a decommission: blocks are placed on the worker again.
+    ///
+    /// Example: granary worker recommission 7 --master m1:19998
+    #[command(verbatim_doc_comment)]
+    Recommission {
         id: u64,
         #[command(flatten)]
         master: MasterAddr,

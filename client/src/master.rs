@@ -451,6 +451,16 @@ impl MasterClient {
         .map(|_| ())
     }
 
+    /// Undoes [`MasterClient::decommission_worker`].
+    pub async fn recommission_worker(&self, worker_id: u64) -> Result<(), ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::RecommissionWorkerRequest { worker_id });
+            async move { c.recommission_worker(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Workers the master knows to hold (pages of) each of `blocks`.
     pub async fn block_locations(
         &self,

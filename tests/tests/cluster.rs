@@ -176,6 +176,14 @@ fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
     // Bad input first: an unknown worker is one sentence and changes nothing.
     let out = granary(&["worker", "decommission", "999", "--master", &addr]);
     assert_one_sentence_error(&out, "decommission of an unknown worker");
+    let out = granary(&[
+        "worker",
+        "recommission",
+        &w1_id.to_string(),
+        "--master",
+        &addr,
+    ]);
+    assert_one_sentence_error(&out, "recommission of a worker in service");
 
     granary_ok(&[
         "worker",

@@ -411,6 +411,27 @@ impl MasterService for MasterRpc {
         Ok(Response::new(pb::DecommissionWorkerResponse {}))
     }
 
+    async fn recommission_worker(
+        &self,
+        req: Request<pb::RecommissionWorkerRequest>,
+    ) -> Result<Response<pb::RecommissionWorkerResponse>, Status> {
+        let id = req.into_inner().worker_id;
+        self.core.ensure_leader()?;
+        if !self.core.ns.sm.decommissioned()?.contains(&id) {
+            return Err(Status::failed_precondition(format!(
+                "worker {id} is not decommissioned"
+            )));
+        }
+        self.core
+            .propose(crate::state::Command::RecommissionWorker { worker_id: id })
+            .await?;
+        tracing::info!(
+            worker = id,
+            "worker recommissioned: blocks are placed on it again"
+        );
+        Ok(Response::new(pb::RecommissionWorkerResponse {}))
+    }
+
     async fn add_master(
         &self,
         req: Request<pb::AddMasterRequest>,

@@ -615,6 +615,10 @@ impl<'a> Txn<'a> {
                 self.put(decommissioned_key(*worker_id), Vec::new());
                 Ok(ApplyOutput::None)
             }
+            Command::RecommissionWorker { worker_id } => {
+                self.delete(decommissioned_key(*worker_id));
+                Ok(ApplyOutput::None)
+            }
             Command::LoadDir {
                 dir,
                 mount_id,

@@ -144,6 +144,10 @@ pub enum Command {
     DecommissionWorker {
         worker_id: u64,
     },
+    /// Undoes `DecommissionWorker`: blocks are placed on the worker again.
+    RecommissionWorker {
+        worker_id: u64,
+    },
     /// Records the children of a mounted directory as listed from the under-store.
     LoadDir {
         dir: u64,

@@ -569,4 +569,8 @@ fn decommissioned_workers_are_remembered_and_reapplying_is_harmless() {
     .unwrap();
     let ids: Vec<u64> = sm.decommissioned().unwrap().into_iter().collect();
     assert_eq!(ids, [3, 7]);
+    sm.apply(5, &Command::RecommissionWorker { worker_id: 7 })
+        .unwrap();
+    let ids: Vec<u64> = sm.decommissioned().unwrap().into_iter().collect();
+    assert_eq!(ids, [3]);
 }
