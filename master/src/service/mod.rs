@@ -41,6 +41,34 @@ fn one(core: &MasterCore, out: ApplyOutput) -> Result<Response<pb::GetStatusResp
 }
 
 impl MasterRpc {
+    /// Decommissions (`on`) or recommissions a worker through the replicated state: an
+    /// unknown worker, or recommissioning one in service, is refused with nothing changed.
+    async fn set_decommissioned(&self, id: u64, on: bool) -> Result<(), Status> {
+        self.core.ensure_leader()?;
+        let cmd = if on {
+            if self.core.workers.get(id).is_none() {
+                return Err(Status::not_found(format!(
+                    "no worker {id} is registered (see granary report)"
+                )));
+            }
+            crate::state::Command::DecommissionWorker { worker_id: id }
+        } else {
+            if !self.core.ns.sm.decommissioned()?.contains(&id) {
+                return Err(Status::failed_precondition(format!(
+                    "worker {id} is not decommissioned"
+                )));
+            }
+            crate::state::Command::RecommissionWorker { worker_id: id }
+        };
+        self.core.propose(cmd).await?;
+        tracing::info!(
+            worker = id,
+            decommissioned = on,
+            "worker placement changed (decommissioned workers get no new blocks)"
+        );
+        Ok(())
+    }
+
     async fn target(&self, t: Option<pb::PathOrId>) -> Result<Inode, MasterError> {
         match t.and_then(|t| t.target) {
             Some(pb::path_or_id::Target::Path(p)) => self.core.ns.resolve(&p).await,
@@ -394,20 +422,8 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::DecommissionWorkerRequest>,
     ) -> Result<Response<pb::DecommissionWorkerResponse>, Status> {
-        let id = req.into_inner().worker_id;
-        self.core.ensure_leader()?;
-        if self.core.workers.get(id).is_none() {
-            return Err(Status::not_found(format!(
-                "no worker {id} is registered (see granary report)"
-            )));
-        }
-        self.core
-            .propose(crate::state::Command::DecommissionWorker { worker_id: id })
+        self.set_decommissioned(req.into_inner().worker_id, true)
             .await?;
-        tracing::info!(
-            worker = id,
-            "worker decommissioned: no new blocks are placed on it"
-        );
         Ok(Response::new(pb::DecommissionWorkerResponse {}))
     }
 
@@ -415,20 +431,8 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RecommissionWorkerRequest>,
     ) -> Result<Response<pb::RecommissionWorkerResponse>, Status> {
-        let id = req.into_inner().worker_id;
-        self.core.ensure_leader()?;
-        if !self.core.ns.sm.decommissioned()?.contains(&id) {
-            return Err(Status::failed_precondition(format!(
-                "worker {id} is not decommissioned"
-            )));
-        }
-        self.core
-            .propose(crate::state::Command::RecommissionWorker { worker_id: id })
+        self.set_decommissioned(req.into_inner().worker_id, false)
             .await?;
-        tracing::info!(
-            worker = id,
-            "worker recommissioned: blocks are placed on it again"
-        );
         Ok(Response::new(pb::RecommissionWorkerResponse {}))
     }
 
