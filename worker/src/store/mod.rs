@@ -9,6 +9,12 @@
 //! Invariants: the bytes accounted as used (committed pages + reservations of in-flight
 //! fills) never exceed the capacity — space is reserved, evicting first, before a page is
 //! admitted; a page whose bytes fail their checksum is dropped and never served.
+//!
+//! Held pages are never evicted: pages of a *pinned* inode (pins come from the master), and
+//! pages of a block under a short-circuit *lease* (a client on this host reads the block
+//! file directly until the lease expires). Held pages are kept out of the eviction policy
+//! altogether, so a cache full of held pages refuses new fills (they are served uncached)
+//! instead of scanning past them. Stale-version and corrupt pages are dropped even when held.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -16,6 +22,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use bytes::Bytes;
 use granary_common::ids::{block_name, parse_block_name};
@@ -71,6 +78,70 @@ struct Inner {
     /// Block report deltas since the last heartbeat.
     added: HashSet<BlockKey>,
     removed: HashSet<BlockKey>,
+    /// Inodes whose pages are never evicted.
+    pinned: HashSet<u64>,
+    /// Blocks under a short-circuit lease, until when.
+    leases: HashMap<BlockKey, Instant>,
+}
+
+impl Inner {
+    fn held(&self, key: &PageKey) -> bool {
+        self.pinned.contains(&key.0 .0) || self.leases.contains_key(&key.0)
+    }
+
+    /// The cached pages of one block.
+    fn block_pages(&self, b: &BlockKey) -> Vec<PageKey> {
+        self.pages
+            .range((*b, 0)..=(*b, u32::MAX))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// The cached pages of one inode (every version and block).
+    fn inode_pages(&self, inode: u64) -> Vec<PageKey> {
+        self.pages
+            .range(((inode, 0, 0), 0)..)
+            .map(|(k, _)| *k)
+            .take_while(|k| k.0 .0 == inode)
+            .collect()
+    }
+
+    /// Ends the leases that expired by `now`; their pages become evictable again.
+    fn expire_leases(&mut self, now: Instant) {
+        if !self.leases.values().any(|until| *until <= now) {
+            return;
+        }
+        let expired: Vec<BlockKey> = self
+            .leases
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(b, _)| *b)
+            .collect();
+        for b in expired {
+            self.end_lease(&b);
+        }
+    }
+
+    fn end_lease(&mut self, b: &BlockKey) {
+        if self.leases.remove(b).is_none() {
+            return;
+        }
+        for k in self.block_pages(b) {
+            if !self.held(&k) {
+                self.policy.insert(k);
+            }
+        }
+    }
+}
+
+/// A short-circuit lease: the cached pages of one block, which stay in the block file
+/// (never evicted) until `until`.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    pub path: PathBuf,
+    /// (page index, length, CRC32C) of every cached page of the block, in order.
+    pub pages: Vec<(u32, u32, u32)>,
+    pub until: Instant,
 }
 
 /// Space reserved for one page being filled. Dropping it without `commit` releases it.
@@ -151,6 +222,8 @@ impl PageStore {
                 reserved: 0,
                 added: HashSet::new(),
                 removed: HashSet::new(),
+                pinned: HashSet::new(),
+                leases: HashMap::new(),
             }),
             metrics,
         });
@@ -304,6 +377,96 @@ impl PageStore {
         }
     }
 
+    /// Pins `inode`: its cached pages, and those cached later, are never evicted (until
+    /// [`unpin`](Self::unpin)). Returns whether it was newly pinned.
+    pub fn pin(&self, inode: u64) -> bool {
+        let mut inner = self.lock();
+        if !inner.pinned.insert(inode) {
+            return false;
+        }
+        for k in inner.inode_pages(inode) {
+            inner.policy.remove(&k);
+        }
+        true
+    }
+
+    /// Unpins `inode`: its pages become evictable again (unless leased).
+    pub fn unpin(&self, inode: u64) -> bool {
+        let mut inner = self.lock();
+        if !inner.pinned.remove(&inode) {
+            return false;
+        }
+        for k in inner.inode_pages(inode) {
+            if !inner.held(&k) {
+                inner.policy.insert(k);
+            }
+        }
+        true
+    }
+
+    /// Makes the pinned set exactly `inodes` (the master's list).
+    pub fn set_pinned(&self, inodes: &HashSet<u64>) {
+        let current: Vec<u64> = self.lock().pinned.iter().copied().collect();
+        for i in current {
+            if !inodes.contains(&i) {
+                self.unpin(i);
+            }
+        }
+        for &i in inodes {
+            self.pin(i);
+        }
+    }
+
+    pub fn pinned(&self) -> HashSet<u64> {
+        self.lock().pinned.clone()
+    }
+
+    /// Grants (or extends) a short-circuit lease on block `b` until `until`: its cached pages
+    /// stay where they are until then. `None` when no page of the block is cached.
+    pub fn lease(&self, b: &BlockKey, until: Instant) -> Option<Lease> {
+        let mut inner = self.lock();
+        inner.expire_leases(Instant::now());
+        let keys = inner.block_pages(b);
+        if keys.is_empty() {
+            return None;
+        }
+        let until = match inner.leases.get(b) {
+            Some(t) => (*t).max(until),
+            None => {
+                for k in &keys {
+                    inner.policy.remove(k);
+                }
+                until
+            }
+        };
+        inner.leases.insert(*b, until);
+        let pages = keys
+            .iter()
+            .map(|k| {
+                let m = inner.pages[k];
+                (k.1, m.len, m.crc)
+            })
+            .collect();
+        drop(inner);
+        Some(Lease {
+            path: self.block_path(b),
+            pages,
+            until,
+        })
+    }
+
+    /// Ends a lease now (its pages become evictable again unless pinned).
+    pub fn release(&self, b: &BlockKey) {
+        self.lock().end_lease(b);
+    }
+
+    /// Blocks under a lease that has not expired.
+    pub fn leased_blocks(&self) -> usize {
+        let mut inner = self.lock();
+        inner.expire_leases(Instant::now());
+        inner.leases.len()
+    }
+
     /// Removes a page that turned out bad.
     fn drop_page(self: &Arc<Self>, key: &PageKey) {
         let removed = {
@@ -341,10 +504,8 @@ impl PageStore {
             for (&inode, &version) in &keep {
                 keys.extend(
                     inner
-                        .pages
-                        .range(((inode, 0, 0), 0)..)
-                        .map(|(k, _)| *k)
-                        .take_while(|k| k.0 .0 == inode)
+                        .inode_pages(inode)
+                        .into_iter()
                         .filter(|k| k.0 .1 != version),
                 );
             }
@@ -380,6 +541,7 @@ impl PageStore {
         if gone {
             inner.added.remove(b);
             inner.removed.insert(*b);
+            inner.leases.remove(b);
         }
         gone
     }
@@ -413,6 +575,9 @@ impl PageStore {
         let victims = {
             let mut inner = self.lock();
             let mut victims = Vec::new();
+            if inner.used + inner.reserved + len > self.capacity {
+                inner.expire_leases(Instant::now());
+            }
             while inner.used + inner.reserved + len > self.capacity {
                 match Self::evict_one(&mut inner) {
                     Some(v) => victims.push(v),
@@ -519,7 +684,9 @@ impl PageStore {
             inner.used -= u64::from(old.len);
             inner.policy.touch(&key);
         } else {
-            inner.policy.insert(key);
+            if !inner.held(&key) {
+                inner.policy.insert(key);
+            }
             let n = inner.pages_per_block.entry(key.0).or_default();
             *n += 1;
             if *n == 1 {

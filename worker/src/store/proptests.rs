@@ -1,9 +1,11 @@
 //! Property test: the page store under random fills, abandoned fills, reads, corruption-free
-//! stale drops and reopen, against a reference model of what was committed — for every
-//! eviction policy. Checked after every step: used + reserved never exceeds the quota, the
-//! accounting equals the pages present, and every page read back is the bytes committed.
+//! stale drops, pins, short-circuit leases and reopen, against a reference model of what was
+//! committed — for every eviction policy. Checked after every step: used + reserved never
+//! exceeds the quota, the accounting equals the pages present, every page read back is the
+//! bytes committed, and no held page (pinned inode, leased block) was evicted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
@@ -21,6 +23,11 @@ enum Op {
     Read(u64, u32),
     /// Drop every version of `inode` other than `keep`.
     DropStale(u64, u64),
+    Pin(u64),
+    Unpin(u64),
+    /// Lease the block of `inode` (all test pages live in block 0).
+    Lease(u64),
+    Release(u64),
     Reopen,
 }
 
@@ -30,6 +37,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4u64, 0..6u32).prop_map(|(i, p)| Op::Abandon(i, p)),
         4 => (0..4u64, 0..6u32).prop_map(|(i, p)| Op::Read(i, p)),
         1 => (0..4u64, 0..3u64).prop_map(|(i, k)| Op::DropStale(i, k)),
+        1 => (0..4u64).prop_map(Op::Pin),
+        1 => (0..4u64).prop_map(Op::Unpin),
+        1 => (0..4u64).prop_map(Op::Lease),
+        1 => (0..4u64).prop_map(Op::Release),
         1 => Just(Op::Reopen),
     ]
 }
@@ -58,7 +69,19 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
         || PageStore::open(d.path(), CAPACITY, PAGE, policy, WorkerMetrics::default()).unwrap();
     let mut s = open();
     let mut model: HashMap<PageKey, Vec<u8>> = HashMap::new();
+    // What the store was told to hold (forgotten on reopen: pins come back from the master,
+    // leases from clients).
+    let mut pinned: HashSet<u64> = HashSet::new();
+    let mut leased: HashSet<u64> = HashSet::new();
     for op in ops {
+        // Held pages present before this step must still be there after it (unless the
+        // step drops their version as stale).
+        let held_before: Vec<PageKey> = model
+            .keys()
+            .filter(|k| (pinned.contains(&k.0 .0) || leased.contains(&k.0 .0)) && s.contains(k))
+            .copied()
+            .collect();
+        let mut stale_dropped: Option<u64> = None;
         match op {
             Op::Fill(i, p, len, byte) => {
                 let k = key(i, p);
@@ -83,12 +106,50 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::DropStale(i, keep) => {
                 s.drop_stale(i, keep);
                 if i % 3 != keep {
+                    stale_dropped = Some(i);
+                }
+                if i % 3 != keep {
                     prop_assert!((0..6).all(|p| !s.contains(&key(i, p))));
                 }
+            }
+            Op::Pin(i) => {
+                s.pin(i);
+                pinned.insert(i);
+            }
+            Op::Unpin(i) => {
+                s.unpin(i);
+                pinned.remove(&i);
+            }
+            Op::Lease(i) => {
+                let b = key(i, 0).0;
+                let got = s.lease(&b, Instant::now() + Duration::from_secs(3600));
+                let expect: Vec<u32> = (0..6).filter(|p| s.contains(&key(i, *p))).collect();
+                let pages: Vec<u32> = got.iter().flat_map(|l| l.pages.iter().map(|p| p.0)).collect();
+                prop_assert_eq!(pages, expect.clone());
+                if !expect.is_empty() {
+                    leased.insert(i);
+                }
+            }
+            Op::Release(i) => {
+                s.release(&key(i, 0).0);
+                leased.remove(&i);
             }
             Op::Reopen => {
                 drop(s);
                 s = open();
+                pinned.clear();
+                leased.clear();
+            }
+        }
+        if let Some(i) = stale_dropped {
+            // A leased block whose pages were all dropped has no lease any more.
+            if !(0..6).any(|p| s.contains(&key(i, p))) {
+                leased.remove(&i);
+            }
+        }
+        for k in held_before {
+            if stale_dropped != Some(k.0 .0) {
+                prop_assert!(s.contains(&k), "held page {:?} was evicted", k);
             }
         }
         check(&s, &model)?;

@@ -127,3 +127,30 @@ fn stale_drops_touch_only_other_versions_of_the_named_inodes() {
     assert_eq!((dropped("stale"), dropped("capacity")), (4, 0));
     assert_eq!(m.evicted_bytes.get(), 0, "a stale drop is not an eviction");
 }
+
+#[test]
+fn held_pages_stay_until_unpinned_or_the_lease_ends() {
+    use std::time::{Duration, Instant};
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 2 * 4096);
+    assert!(fill(&s, key(0, 0), 0));
+    assert!(fill(&s, key(1, 0), 1));
+    assert!(s.pin(7));
+    // Everything cached is pinned: a new page is served uncached, nothing is evicted.
+    assert!(s.reserve(&key(2, 0), 4096).is_none());
+    assert_eq!(s.page_count(), 2);
+    s.unpin(7);
+    let lease = s.lease(&key(0, 0).0, Instant::now() + Duration::from_secs(60)).unwrap();
+    assert_eq!(lease.pages.len(), 1);
+    assert_eq!(lease.pages[0].1, 4096);
+    assert_eq!(lease.path, s.block_path(&key(0, 0).0));
+    assert!(fill(&s, key(2, 0), 2), "the unleased block makes room");
+    assert!(s.contains(&key(0, 0)) && !s.contains(&key(1, 0)));
+    // A lease that has run out no longer holds its block.
+    assert!(s.lease(&key(2, 0).0, Instant::now()).is_some());
+    s.release(&key(0, 0).0);
+    assert!(fill(&s, key(3, 0), 3));
+    assert!(fill(&s, key(4, 0), 4));
+    assert_eq!(s.leased_blocks(), 0);
+    assert!(s.lease(&key(9, 0).0, Instant::now()).is_none(), "nothing cached, no lease");
+}
