@@ -103,6 +103,15 @@ pub struct FuseOpts {
     /// Let users other than the mounting one access the mount.
     #[arg(long, env = "GRANARY_ALLOW_OTHER")]
     pub allow_other: bool,
+    /// Never read a same-host worker's block files directly (short-circuit); stream every
+    /// read over gRPC instead. Short-circuit needs the worker's cache directory visible at
+    /// the same path and the same node name (GRANARY_NODE_NAME, else the hostname).
+    #[arg(long, env = "GRANARY_NO_SHORT_CIRCUIT")]
+    pub no_short_circuit: bool,
+    /// Kernel read-ahead of the mount for sequential readers (its bdi read_ahead_kb; needs
+    /// root), e.g. 4MiB; 0 keeps the kernel's 128 KiB.
+    #[arg(long, env = "GRANARY_READ_AHEAD", value_parser = size, default_value = "4MiB")]
+    pub read_ahead: u64,
 }
 
 #[derive(Debug, Args)]
@@ -367,6 +376,9 @@ pub struct FuseArgs {
     /// Where to mount (an existing directory).
     #[arg(long, env = "GRANARY_MOUNT")]
     pub mount: PathBuf,
+    /// Serve Prometheus metrics on this address (/metrics).
+    #[arg(long, env = "GRANARY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub fuse: FuseOpts,
 }

@@ -38,6 +38,7 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.entry_timeout = o.entry_timeout;
     c.threads = o.fuse_threads;
     c.allow_other = o.allow_other;
+    c.read_ahead = o.read_ahead;
     c
 }
 
@@ -108,7 +109,19 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     let config = fuse_config(a.mount, &a.fuse);
     granary_fuse::check_mountpoint(&config.mountpoint)?;
     let client = FileSystem::connect(&a.master.master)?;
-    serve_mount(client, config).await
+    client.set_short_circuit(!a.fuse.no_short_circuit);
+    let shutdown = CancellationToken::new();
+    if let Some(addr) = a.metrics_listen {
+        let registry = new_registry();
+        client.metrics.register(&registry);
+        let bound = granary_common::metrics::serve(addr, registry, shutdown.clone())
+            .await
+            .with_context(|| format!("serving metrics on {addr}"))?;
+        eprintln!("metrics on http://{bound}/metrics");
+    }
+    let served = serve_mount(client, config).await;
+    shutdown.cancel();
+    served
 }
 
 fn default_local_dir() -> PathBuf {
@@ -151,6 +164,9 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     wc.heartbeat_interval = Duration::from_millis(500);
     wc.eviction = a.eviction;
     let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
+    let client = FileSystem::connect(&master_addr)?;
+    client.set_short_circuit(!a.fuse.no_short_circuit);
+    client.metrics.register(&registry);
     if let Some(addr) = a.metrics_listen {
         let bound = granary_common::metrics::serve(addr, registry.clone(), shutdown.clone())
             .await
@@ -191,7 +207,6 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
         granary_common::size::format_size(a.cache_size),
         dir.display()
     );
-    let client = FileSystem::connect(&master_addr)?;
     let served = serve_mount(client, config).await;
     shutdown.cancel();
     let _ = w.done.await;

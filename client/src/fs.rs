@@ -12,7 +12,9 @@ use granary_proto::worker_service_client::WorkerServiceClient;
 use tonic::transport::Channel;
 
 use crate::error::ClientError;
+use crate::local::{LocalLease, Miss, ShortCircuit, LEASE_TIMEOUT};
 use crate::master::MasterClient;
+use crate::metrics::ClientMetrics;
 use crate::mounts::MountStores;
 use crate::placement::order_workers;
 
@@ -35,15 +37,20 @@ struct WorkerView {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ReadStats {
     pub worker_bytes: u64,
+    pub short_circuit_bytes: u64,
     pub direct_ufs_bytes: u64,
     pub worker_failures: u64,
 }
+
+/// How often bytes read by short-circuit are reported to their workers.
+const SHORT_CIRCUIT_REPORT_EVERY: Duration = Duration::from_secs(2);
 
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
     ufs: MountStores,
-    stats: Mutex<ReadStats>,
+    pub metrics: ClientMetrics,
+    pub short_circuit: ShortCircuit,
     /// Sequential readers: inode → (end of its last read, next block already warmed).
     sequential: Mutex<HashMap<u64, (u64, u64)>>,
     pub read_timeout: Duration,
@@ -73,14 +80,33 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl FileSystem {
     pub fn new(master: MasterClient) -> Arc<Self> {
-        Arc::new(Self {
+        let fs = Arc::new(Self {
             master,
             view: Mutex::new(WorkerView::default()),
             ufs: MountStores::default(),
-            stats: Mutex::new(ReadStats::default()),
+            metrics: ClientMetrics::default(),
+            short_circuit: ShortCircuit::new(granary_common::node_name()),
             sequential: Mutex::new(HashMap::new()),
             read_timeout: DEFAULT_READ_TIMEOUT,
-        })
+        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&fs);
+            rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(SHORT_CIRCUIT_REPORT_EVERY).await;
+                    let Some(fs) = weak.upgrade() else { break };
+                    fs.report_short_circuit().await;
+                }
+            });
+        }
+        fs
+    }
+
+    /// Turns short-circuit reads of same-host workers' block files on or off (default on).
+    pub fn set_short_circuit(&self, enabled: bool) {
+        self.short_circuit
+            .enabled
+            .store(enabled, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn connect(master_addr: &str) -> Result<Arc<Self>, ClientError> {
@@ -88,7 +114,12 @@ impl FileSystem {
     }
 
     pub fn read_stats(&self) -> ReadStats {
-        *lock(&self.stats)
+        ReadStats {
+            worker_bytes: self.metrics.read("worker"),
+            short_circuit_bytes: self.metrics.read("short_circuit"),
+            direct_ufs_bytes: self.metrics.read("under_store"),
+            worker_failures: self.metrics.worker_failures.get(),
+        }
     }
 
     pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
@@ -203,6 +234,44 @@ impl FileSystem {
             pos += n;
         }
         Ok(join(parts, end - offset))
+    }
+
+    /// Reads a range only from short-circuit leases already held (no network, no lease
+    /// request; blocking file I/O): the FUSE mount's fast path for warm data on this node.
+    /// `None` when any part of the range is not covered — then use [`read`](Self::read).
+    pub fn read_leased(&self, file: &pb::FileStatus, offset: u64, len: u64) -> Option<Bytes> {
+        if file.kind != pb::FileKind::File as i32 || offset >= file.length || len == 0 {
+            return None;
+        }
+        let end = file.length.min(offset.saturating_add(len));
+        let bs = if file.block_size == 0 {
+            granary_common::DEFAULT_BLOCK_SIZE
+        } else {
+            file.block_size
+        };
+        let mut parts: Vec<Bytes> = Vec::new();
+        let mut reads = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let index = pos / bs;
+            let in_block = pos - index * bs;
+            let n = (bs - in_block).min(end - pos);
+            let id = pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index: u32::try_from(index).ok()?,
+            };
+            let lease = self.short_circuit.lease(&id)?;
+            let data = lease.read(in_block, n).ok()?;
+            reads.push((lease.worker_id, data.len() as u64));
+            parts.push(data);
+            pos += n;
+        }
+        for (worker, n) in reads {
+            self.short_circuit.count_read(worker, n);
+            self.metrics.add_read("short_circuit", n);
+        }
+        Some(join(parts, end - offset))
     }
 
     /// A sequential reader in the second half of a block: asks the next block's worker for
@@ -335,14 +404,20 @@ impl FileSystem {
                 });
             }
             for w in candidates {
+                if self.short_circuit.applies_to(&w) {
+                    if let Some(data) = self.read_local(&w, &block_id, offset, len).await {
+                        self.metrics.add_read("short_circuit", data.len() as u64);
+                        return Ok(data);
+                    }
+                }
                 match self.read_from_worker(&w.address, &desc, offset, len).await {
                     Ok(data) => {
-                        lock(&self.stats).worker_bytes += data.len() as u64;
+                        self.metrics.add_read("worker", data.len() as u64);
                         return Ok(data);
                     }
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
-                        lock(&self.stats).worker_failures += 1;
+                        self.metrics.worker_failures.inc();
                         lock(&self.view)
                             .suspects
                             .insert(w.worker_id, Instant::now());
@@ -353,8 +428,144 @@ impl FileSystem {
             }
         }
         let data = self.read_direct(file, block_start + offset, len).await?;
-        lock(&self.stats).direct_ufs_bytes += data.len() as u64;
+        self.metrics.add_read("under_store", data.len() as u64);
         Ok(data)
+    }
+
+    /// Reads a range of a block from a same-host worker's block file under a lease (see
+    /// [`crate::local`]); `None`: read it over gRPC instead.
+    async fn read_local(
+        &self,
+        w: &pb::WorkerInfo,
+        id: &pb::BlockId,
+        offset: u64,
+        len: u64,
+    ) -> Option<Bytes> {
+        let try_read = |lease: Arc<LocalLease>| async move {
+            let l = lease.clone();
+            let res = tokio::task::spawn_blocking(move || l.read(offset, len))
+                .await
+                .unwrap_or(Err(Miss::Bad));
+            (lease, res)
+        };
+        let first_page = (offset / self.short_circuit_page_size()) as u32;
+        let mut replaces = None;
+        if let Some(lease) = self.short_circuit.lease(id) {
+            let fresh = lease.fresh();
+            match try_read(lease).await {
+                (l, Ok(data)) => {
+                    self.short_circuit.count_read(l.worker_id, data.len() as u64);
+                    return Some(data);
+                }
+                (_, Err(Miss::NotCached)) if fresh => return None,
+                (l, Err(Miss::NotCached | Miss::Expiring | Miss::Outside)) => {
+                    replaces = (l.worker_id == w.worker_id).then_some(l.id);
+                }
+                (_, Err(Miss::Bad)) => {
+                    self.short_circuit.forget(id);
+                    return None;
+                }
+            }
+        } else if self.short_circuit.recently_missing(id) {
+            return None;
+        }
+        let lease = self.take_lease(w, id, first_page, replaces).await?;
+        match try_read(lease).await {
+            (l, Ok(data)) => {
+                self.short_circuit.count_read(l.worker_id, data.len() as u64);
+                Some(data)
+            }
+            (_, Err(Miss::Bad)) => {
+                self.short_circuit.forget(id);
+                None
+            }
+            (_, Err(_)) => None,
+        }
+    }
+
+    /// The page size short-circuit leases are counted in (the workers' page size).
+    fn short_circuit_page_size(&self) -> u64 {
+        self.short_circuit.page_size()
+    }
+
+    /// Asks `w` for a lease on a block it caches and opens the block file.
+    async fn take_lease(
+        &self,
+        w: &pb::WorkerInfo,
+        id: &pb::BlockId,
+        first_page: u32,
+        replaces: Option<u64>,
+    ) -> Option<Arc<LocalLease>> {
+        let mut client = self.worker_client(&w.address).ok()?;
+        let bytes_read = self.short_circuit.take_unreported(w.worker_id);
+        let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
+            block: Some(*id),
+            bytes_read,
+            first_page,
+            release_lease: replaces.unwrap_or(0),
+        });
+        req.set_timeout(LEASE_TIMEOUT);
+        let sent = Instant::now();
+        let r = match tokio::time::timeout(LEASE_TIMEOUT, client.lease_local_block(req)).await {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(s)) => {
+                match s.code() {
+                    // Counted by the worker before it looked for the block.
+                    tonic::Code::NotFound => self.short_circuit.note_missing(id),
+                    tonic::Code::Unimplemented => {
+                        self.short_circuit.mark_not_local(w.worker_id);
+                        self.short_circuit.unreport(w.worker_id, bytes_read);
+                    }
+                    _ => self.short_circuit.unreport(w.worker_id, bytes_read),
+                }
+                return None;
+            }
+            Err(_) => {
+                self.short_circuit.unreport(w.worker_id, bytes_read);
+                return None;
+            }
+        };
+        match LocalLease::open(w.worker_id, &r, sent) {
+            Ok(l) => {
+                let l = Arc::new(l);
+                self.short_circuit.set_page_size(r.page_size);
+                self.metrics.short_circuit_leases.inc();
+                self.short_circuit.keep(id, l.clone());
+                Some(l)
+            }
+            Err(e) => {
+                tracing::info!(worker = w.worker_id, path = %r.path, error = %e, "cannot open a same-host worker's block file; reading from it over gRPC");
+                self.short_circuit.mark_not_local(w.worker_id);
+                None
+            }
+        }
+    }
+
+    /// Reports bytes read by short-circuit to their workers (their
+    /// `granary_worker_short_circuit_bytes_total`).
+    pub async fn report_short_circuit(&self) {
+        let pending = self.short_circuit.take_all_unreported();
+        if pending.is_empty() {
+            return;
+        }
+        let workers = self.live_workers().await;
+        for (worker_id, bytes) in pending {
+            let Some(w) = workers.iter().find(|w| w.worker_id == worker_id) else {
+                continue; // gone: nobody to report to
+            };
+            let Ok(mut client) = self.worker_client(&w.address) else {
+                continue;
+            };
+            let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
+                block: None,
+                bytes_read: bytes,
+                ..Default::default()
+            });
+            req.set_timeout(LEASE_TIMEOUT);
+            if client.lease_local_block(req).await.is_err() {
+                self.short_circuit.unreport(worker_id, bytes);
+            }
+        }
     }
 
     async fn read_from_worker(

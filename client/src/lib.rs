@@ -7,7 +7,9 @@
 
 pub mod error;
 pub mod fs;
+pub mod local;
 pub mod master;
+pub mod metrics;
 pub mod mounts;
 pub mod placement;
 

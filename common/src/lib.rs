@@ -26,3 +26,17 @@ pub fn now_ms() -> i64 {
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
 }
+
+/// The name of the node this process runs on, as workers report it and clients compare it
+/// for short-circuit reads: `GRANARY_NODE_NAME` when set (on Kubernetes, the pod's
+/// `spec.nodeName`), else the kernel hostname.
+pub fn node_name() -> String {
+    if let Ok(n) = std::env::var("GRANARY_NODE_NAME") {
+        if !n.trim().is_empty() {
+            return n.trim().to_string();
+        }
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}

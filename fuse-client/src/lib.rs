@@ -32,6 +32,9 @@ pub enum FuseError {
     },
 }
 
+/// Default kernel read-ahead of a mount.
+pub const DEFAULT_READ_AHEAD: u64 = 4 * 1024 * 1024;
+
 #[derive(Debug, Clone)]
 pub struct FuseConfig {
     pub mountpoint: PathBuf,
@@ -43,6 +46,9 @@ pub struct FuseConfig {
     pub threads: usize,
     /// Let other users than the mounting one use the mount (`allow_other`).
     pub allow_other: bool,
+    /// Kernel read-ahead of the mount (its `read_ahead_kb`), 0 to leave the kernel's
+    /// 128 KiB. Larger windows keep several 1 MiB reads in flight for sequential readers.
+    pub read_ahead: u64,
 }
 
 impl FuseConfig {
@@ -53,6 +59,7 @@ impl FuseConfig {
             entry_timeout: Duration::from_secs(1),
             threads: 4,
             allow_other: false,
+            read_ahead: DEFAULT_READ_AHEAD,
         }
     }
 }
@@ -91,8 +98,37 @@ pub fn mount(
     }
     c.n_threads = Some(config.threads.max(1));
     c.clone_fd = true;
-    fuser::spawn_mount(fs, &config.mountpoint, &c).map_err(|source| FuseError::Mount {
-        path: config.mountpoint.display().to_string(),
-        source,
-    })
+    let session =
+        fuser::spawn_mount(fs, &config.mountpoint, &c).map_err(|source| FuseError::Mount {
+            path: config.mountpoint.display().to_string(),
+            source,
+        })?;
+    if config.read_ahead > 0 {
+        set_read_ahead(&config.mountpoint, config.read_ahead);
+    }
+    Ok(session)
+}
+
+/// Sets the kernel read-ahead of the mount at `mountpoint` (FUSE caps it at 128 KiB in the
+/// mount handshake; the mount's backing device in sysfs can raise it). Best effort: without
+/// a writable sysfs (not root, some containers) the kernel default stays, with a log line.
+fn set_read_ahead(mountpoint: &Path, bytes: u64) {
+    use std::os::unix::fs::MetadataExt;
+    let dev = match std::fs::metadata(mountpoint) {
+        Ok(m) => m.dev(),
+        Err(e) => {
+            tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "cannot stat the mount to set its read-ahead");
+            return;
+        }
+    };
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    let kb = bytes.div_ceil(1024);
+    match std::fs::write(&path, kb.to_string()) {
+        Ok(()) => tracing::debug!(%path, kb, "mount read-ahead set"),
+        Err(e) => {
+            tracing::info!(%path, error = %e, "cannot raise the mount's read-ahead; the kernel's 128 KiB stays")
+        }
+    }
 }

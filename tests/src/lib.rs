@@ -423,6 +423,8 @@ impl Worker {
 pub struct Fuse {
     pub proc: Proc,
     pub mountpoint: PathBuf,
+    /// The mount's /metrics address, when started with one.
+    pub metrics: Option<String>,
 }
 
 impl Fuse {
@@ -433,6 +435,11 @@ impl Fuse {
     /// A mount at `root/<name>`, its daemon's log in `root/fuse-<name>.log` (several mounts,
     /// as on several nodes).
     pub fn start_named(root: &Path, name: &str, master: &str) -> Result<Self> {
+        Self::start_opts(root, name, master, &[])
+    }
+
+    /// [`Fuse::start_named`] with extra flags, serving its metrics on a free port.
+    pub fn start_opts(root: &Path, name: &str, master: &str, extra: &[&str]) -> Result<Self> {
         let mp = root.join(name);
         std::fs::create_dir_all(&mp)?;
         let m = mp.to_string_lossy().to_string();
@@ -441,10 +448,22 @@ impl Fuse {
         } else {
             format!("fuse-{name}")
         };
-        let proc = Proc::spawn(&log, root, &["fuse", "--master", master, "--mount", &m])?;
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let mut args = vec![
+            "fuse",
+            "--master",
+            master,
+            "--mount",
+            &m,
+            "--metrics-listen",
+            &metrics,
+        ];
+        args.extend_from_slice(extra);
+        let proc = Proc::spawn(&log, root, &args)?;
         let mut f = Self {
             proc,
             mountpoint: mp,
+            metrics: Some(metrics),
         };
         f.proc
             .wait_for_line("granary mounted at", Duration::from_secs(60))?;
@@ -453,6 +472,24 @@ impl Fuse {
         })?;
         Ok(f)
     }
+}
+
+impl Fuse {
+    /// A sample of the mount's metrics (0 when absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics.as_deref().and_then(|a| scrape(a).ok());
+        text.and_then(|t| metric(&t, name)).unwrap_or(0.0)
+    }
+}
+
+/// Drops the kernel's page cache of every file under `dir` (so the next read reaches the
+/// FUSE daemon again, as on a node that did not read the files before).
+pub fn drop_page_cache(dir: &Path) -> Result<()> {
+    sh(&format!(
+        "find '{}' -type f -exec dd if={{}} iflag=nocache count=0 status=none \\;",
+        dir.display()
+    ))
+    .map(|_| ())
 }
 
 impl Drop for Fuse {
@@ -502,13 +539,24 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(root: &Path, n: usize, cache_size: &str, src: &Path) -> Result<Self> {
+        Self::start_opts(root, n, cache_size, src, &[])
+    }
+
+    /// [`Cluster::start`] with extra flags for the FUSE mount.
+    pub fn start_opts(
+        root: &Path,
+        n: usize,
+        cache_size: &str,
+        src: &Path,
+        fuse_flags: &[&str],
+    ) -> Result<Self> {
         let master = Master::start(root)?;
         let workers = (1..=n)
             .map(|i| Worker::start(root, &format!("w{i}"), &master.addr, cache_size))
             .collect::<Result<Vec<_>>>()?;
         wait_live_workers(&master.addr, n)?;
         mount_local("/data", src, &master.addr)?;
-        let fuse = Fuse::start(root, &master.addr)?;
+        let fuse = Fuse::start_opts(root, "mnt", &master.addr, fuse_flags)?;
         Ok(Self {
             fuse,
             workers,

@@ -123,8 +123,12 @@ fn two_workers_serve_the_tree_exactly_and_the_second_read_is_all_cache() {
         "each byte is fetched from the under-store exactly once"
     );
     let hits_before = hits(&[&w1, &w2]);
+    let short_circuit = |f: &Fuse| f.metric("granary_client_read_bytes_total{source=\"short_circuit\"}");
+    let sc_before = short_circuit(&fuse);
 
-    // Second pass: all from cache.
+    // Second pass (as on a node that has not read the files: the kernel's copy dropped): all
+    // from the workers' caches, over gRPC or straight from their block files.
+    drop_page_cache(&mnt).unwrap();
     assert_eq!(
         tree_sums(&mnt).unwrap(),
         expected,
@@ -135,7 +139,7 @@ fn two_workers_serve_the_tree_exactly_and_the_second_read_is_all_cache() {
         ufs_after_first,
         "second read touched the under-store"
     );
-    let hit_delta = hits(&[&w1, &w2]) - hits_before;
+    let hit_delta = hits(&[&w1, &w2]) - hits_before + short_circuit(&fuse) - sc_before;
     assert!(
         hit_delta >= *total as f64,
         "second read hit only {hit_delta} of {total} bytes"
@@ -303,21 +307,30 @@ fn master_kill9_restart_keeps_mounts_and_namespace() {
 fn reads_survive_a_worker_kill9() {
     let root = workdir();
     let (src, _) = small_dataset(root.path());
-    let mut c = Cluster::start(root.path(), 2, "1GiB", &src).unwrap();
+    // Over gRPC only (a dead worker's block files stay readable on this host, which would
+    // hide the failover), and with the kernel's copy dropped before every pass.
+    let mut c =
+        Cluster::start_opts(root.path(), 2, "1GiB", &src, &["--no-short-circuit"]).unwrap();
     let mnt = c.data();
     let expected = tree_sums(&src).unwrap();
-    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    let pass = |mnt: &Path| {
+        drop_page_cache(mnt).unwrap();
+        tree_sums(mnt).unwrap()
+    };
+    assert_eq!(pass(&mnt), expected);
     c.workers[0].proc.kill9().unwrap();
+    let before = c.workers[1].metric("granary_worker_read_requests_total");
     // Immediately (the master has not noticed yet) and after it declared the worker lost.
-    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(pass(&mnt), expected);
     wait_live_workers(&c.master.addr, 1).unwrap();
-    assert_eq!(tree_sums(&mnt).unwrap(), expected);
-    assert!(c.workers[1].metric("granary_worker_read_requests_total") > 0.0);
+    assert_eq!(pass(&mnt), expected);
+    assert!(c.workers[1].metric("granary_worker_read_requests_total") > before);
     // With no worker left, the client reads the under-store directly.
     c.workers[1].proc.kill9().unwrap();
-    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(pass(&mnt), expected);
     wait_live_workers(&c.master.addr, 0).unwrap();
-    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(pass(&mnt), expected);
+    assert!(c.fuse.metric("granary_client_read_bytes_total{source=\"under_store\"}") > 0.0);
 }
 
 #[test]
@@ -375,9 +388,18 @@ fn restarted_worker_serves_its_cache_without_under_store_reads() {
     });
     // The mount's cached worker list still names the old address: the client must find the
     // new one through the master rather than fall back to the under-store.
+    let sc = |f: &Fuse| f.metric("granary_client_read_bytes_total{source=\"short_circuit\"}");
+    let sc_before = sc(&fuse);
+    drop_page_cache(&mnt).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
     assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), 0.0);
-    assert!(w.metric("granary_worker_cache_hit_bytes_total") >= total as f64);
+    assert_eq!(
+        fuse.metric("granary_client_read_bytes_total{source=\"under_store\"}"),
+        0.0
+    );
+    assert!(
+        w.metric("granary_worker_cache_hit_bytes_total") + sc(&fuse) - sc_before >= total as f64
+    );
 }
 
 #[test]
@@ -408,6 +430,10 @@ fn a_corrupted_cached_page_is_never_served() {
     let mut bytes = std::fs::read(&block).unwrap();
     bytes[1000] ^= 0xff;
     std::fs::write(&block, &bytes).unwrap();
+    // The kernel still holds the good bytes it read: make the next read reach the daemon
+    // (which, on this host, reads the block file itself under a short-circuit lease — its
+    // checksum check must send it back to the worker).
+    drop_page_cache(&c.data()).unwrap();
 
     assert_eq!(
         sh(&format!("sha256sum < '{}'", file.display())).unwrap(),
@@ -714,4 +740,67 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown setting \"data-dirr\""), "{err}");
     m.stop("TERM", Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn short_circuit_reads_same_host_block_files_and_counts_them() {
+    let root = workdir();
+    let src = root.path().join("ufs");
+    let files = [("big.bin", 5 * MIB + 123), ("one.bin", MIB), ("small.bin", 4321)];
+    for (n, l) in files {
+        random_file(&src.join(n), l).unwrap();
+    }
+    let total: u64 = files.iter().map(|f| f.1).sum();
+    let c = Cluster::start(root.path(), 1, "1GiB", &src).unwrap();
+    let w = &c.workers[0];
+    let expected = tree_sums(&src).unwrap();
+    let client = |f: &Fuse, source: &str| {
+        f.metric(&format!(
+            "granary_client_read_bytes_total{{source=\"{source}\"}}"
+        ))
+    };
+
+    // Cold pass: every byte from the under-store once, through the worker.
+    assert_eq!(tree_sums(&c.data()).unwrap(), expected);
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
+    let sc_cold = client(&c.fuse, "short_circuit");
+    let grpc_cold = client(&c.fuse, "worker");
+    assert_eq!(sc_cold + grpc_cold, total as f64, "cold pass: every byte from the worker");
+
+    // Warm pass with the kernel's copy dropped: every byte from the worker's block files,
+    // none over gRPC, none from the under-store.
+    drop_page_cache(&c.data()).unwrap();
+    assert_eq!(tree_sums(&c.data()).unwrap(), expected);
+    assert_eq!(
+        client(&c.fuse, "short_circuit") - sc_cold,
+        total as f64,
+        "the warm pass was not all short-circuit"
+    );
+    assert_eq!(client(&c.fuse, "worker"), grpc_cold);
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
+    assert!(w.metric("granary_worker_short_circuit_leases_total") >= 2.0);
+    assert!(c.fuse.metric("granary_client_short_circuit_leases_total") >= 2.0);
+    // The client reports what it read to the worker (every 2 s).
+    let sc_total = client(&c.fuse, "short_circuit");
+    poll(
+        "the worker to count the short-circuit bytes",
+        Duration::from_secs(20),
+        || {
+            (w.metric("granary_worker_short_circuit_bytes_total") == sc_total).then_some(())
+        },
+    )
+    .unwrap();
+
+    // A mount with short-circuit off reads the same bytes over gRPC (cache hits).
+    let plain = Fuse::start_opts(root.path(), "plain", &c.master.addr, &["--no-short-circuit"])
+        .unwrap();
+    let hits_before = w.metric("granary_worker_cache_hit_bytes_total");
+    assert_eq!(tree_sums(&plain.mountpoint.join("data")).unwrap(), expected);
+    assert_eq!(client(&plain, "short_circuit"), 0.0);
+    assert_eq!(client(&plain, "worker"), total as f64);
+    assert_eq!(
+        w.metric("granary_worker_cache_hit_bytes_total") - hits_before,
+        total as f64
+    );
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
 }

@@ -157,7 +157,7 @@ pub async fn start(
         metrics: metrics.clone(),
         worker_id,
         address: advertise.clone(),
-        host: hostname(),
+        host: granary_common::node_name(),
         interval: config.heartbeat_interval,
     };
     tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
@@ -187,10 +187,4 @@ pub async fn start(
         registered,
         done,
     })
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into())
 }

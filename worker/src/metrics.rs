@@ -96,6 +96,9 @@ pub struct WorkerMetrics {
     pub dropped_pages: Family<DropReason, Counter>,
     pub peer_fill_bytes: Counter<u64, AtomicU64>,
     pub peer_served_bytes: Counter<u64, AtomicU64>,
+    pub short_circuit_leases: Counter<u64, AtomicU64>,
+    pub short_circuit_bytes: Counter<u64, AtomicU64>,
+    pub active_leases: Gauge<i64, AtomicI64>,
     pub read_requests: Counter<u64, AtomicU64>,
     pub cache_used_bytes: Gauge<i64, AtomicI64>,
     pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
@@ -140,6 +143,21 @@ impl WorkerMetrics {
                 "granary_worker_peer_served_bytes",
                 "Cached bytes this worker served to other workers filling their caches",
                 m.peer_served_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_short_circuit_leases",
+                "Short-circuit leases granted to clients on this host (each holds a block's cached pages from eviction while the client reads the block file directly)",
+                m.short_circuit_leases.clone(),
+            );
+            r.register(
+                "granary_worker_short_circuit_bytes",
+                "Bytes clients on this host read straight from this worker's block files, as they report them when they renew a lease",
+                m.short_circuit_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_short_circuit_active_leases",
+                "Short-circuit leases in force (each holds up to 16 cached pages of a block from eviction)",
+                m.active_leases.clone(),
             );
             r.register(
                 "granary_worker_dropped_pages",

@@ -17,6 +17,8 @@ use crate::ufs_fetch::{BlockRef, Fetcher, Source};
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 /// Pages of one request fetched concurrently on a miss.
 const PAGE_PARALLELISM: usize = 4;
+/// How long a short-circuit lease holds a block's pages.
+pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub struct WorkerRpc {
     pub worker_id: u64,
@@ -199,6 +201,50 @@ impl WorkerService for WorkerRpc {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn lease_local_block(
+        &self,
+        req: Request<pb::LeaseLocalBlockRequest>,
+    ) -> Result<Response<pb::LeaseLocalBlockResponse>, Status> {
+        let r = req.into_inner();
+        self.metrics.short_circuit_bytes.inc_by(r.bytes_read);
+        let Some(id) = r.block else {
+            // Only a report of bytes read.
+            return Ok(Response::new(pb::LeaseLocalBlockResponse::default()));
+        };
+        let store = &self.fetcher.store;
+        let replaces = (r.release_lease != 0).then_some(r.release_lease);
+        let lease = store.lease(
+            &block_key(&id),
+            r.first_page,
+            std::time::Instant::now() + LEASE_DURATION,
+            replaces,
+        );
+        let (leases, _) = store.lease_stats();
+        self.metrics.active_leases.set(leases as i64);
+        let lease = lease.ok_or_else(|| {
+            Status::not_found("the page is not cached here (or leases hold their share)")
+        })?;
+        self.metrics.short_circuit_leases.inc();
+        let path = std::path::absolute(&lease.path)
+            .map_err(|e| Status::internal(format!("block file path: {e}")))?;
+        Ok(Response::new(pb::LeaseLocalBlockResponse {
+            path: path.to_string_lossy().into_owned(),
+            page_size: store.page_size,
+            pages: lease
+                .pages
+                .iter()
+                .map(|&(index, length, crc32c)| pb::LocalPage {
+                    index,
+                    length,
+                    crc32c,
+                })
+                .collect(),
+            lease_ms: LEASE_DURATION.as_millis() as u64,
+            lease_id: lease.id,
+            window_pages: crate::store::LEASE_WINDOW_PAGES,
+        }))
     }
 
     async fn get_cache_info(

@@ -11,10 +11,14 @@
 //! admitted; a page whose bytes fail their checksum is dropped and never served.
 //!
 //! Held pages are never evicted: pages of a *pinned* inode (pins come from the master), and
-//! pages of a block under a short-circuit *lease* (a client on this host reads the block
-//! file directly until the lease expires). Held pages are kept out of the eviction policy
-//! altogether, so a cache full of held pages refuses new fills (they are served uncached)
-//! instead of scanning past them. Stale-version and corrupt pages are dropped even when held.
+//! pages under a short-circuit *lease* (a client on this host reads them from the block file
+//! directly until the lease ends or is replaced). Held pages are kept out of the eviction
+//! policy altogether, so a cache full of held pages refuses new fills (they are served
+//! uncached) instead of scanning past them. Leases are bounded so they cannot starve the
+//! cache: a window of at most [`LEASE_WINDOW_PAGES`] pages each, and at most
+//! [`LEASED_SHARE`] of the capacity leased at once (beyond it a lease comes back smaller or
+//! empty and the client reads over gRPC). Stale-version and corrupt pages are dropped even
+//! when held.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -80,21 +84,17 @@ struct Inner {
     removed: HashSet<BlockKey>,
     /// Inodes whose pages are never evicted.
     pinned: HashSet<u64>,
-    /// Blocks under a short-circuit lease, until when.
-    leases: HashMap<BlockKey, Instant>,
+    /// Short-circuit leases by id: their pages and until when.
+    leases: HashMap<u64, (Vec<PageKey>, Instant)>,
+    /// How many leases hold each page.
+    leased: HashMap<PageKey, u32>,
+    leased_bytes: u64,
+    next_lease: u64,
 }
 
 impl Inner {
     fn held(&self, key: &PageKey) -> bool {
-        self.pinned.contains(&key.0 .0) || self.leases.contains_key(&key.0)
-    }
-
-    /// The cached pages of one block.
-    fn block_pages(&self, b: &BlockKey) -> Vec<PageKey> {
-        self.pages
-            .range((*b, 0)..=(*b, u32::MAX))
-            .map(|(k, _)| *k)
-            .collect()
+        self.pinned.contains(&key.0 .0) || self.leased.contains_key(key)
     }
 
     /// The cached pages of one inode (every version and block).
@@ -108,38 +108,60 @@ impl Inner {
 
     /// Ends the leases that expired by `now`; their pages become evictable again.
     fn expire_leases(&mut self, now: Instant) {
-        if !self.leases.values().any(|until| *until <= now) {
+        if !self.leases.values().any(|(_, until)| *until <= now) {
             return;
         }
-        let expired: Vec<BlockKey> = self
+        let expired: Vec<u64> = self
             .leases
             .iter()
-            .filter(|(_, until)| **until <= now)
-            .map(|(b, _)| *b)
+            .filter(|(_, (_, until))| *until <= now)
+            .map(|(id, _)| *id)
             .collect();
-        for b in expired {
-            self.end_lease(&b);
+        for id in expired {
+            self.end_lease(id);
         }
     }
 
-    fn end_lease(&mut self, b: &BlockKey) {
-        if self.leases.remove(b).is_none() {
+    fn end_lease(&mut self, id: u64) {
+        let Some((keys, _)) = self.leases.remove(&id) else {
             return;
-        }
-        for k in self.block_pages(b) {
-            if !self.held(&k) {
-                self.policy.insert(k);
+        };
+        for k in keys {
+            let last = match self.leased.get_mut(&k) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => true,
+                None => false,
+            };
+            if !last {
+                continue;
+            }
+            self.leased.remove(&k);
+            // The page may have been dropped (stale, corrupt) meanwhile.
+            if let Some(m) = self.pages.get(&k) {
+                self.leased_bytes -= u64::from(m.len);
+                if !self.held(&k) {
+                    self.policy.insert(k);
+                }
             }
         }
     }
 }
 
-/// A short-circuit lease: the cached pages of one block, which stay in the block file
-/// (never evicted) until `until`.
+/// Most pages one short-circuit lease covers (from the page the client asked for).
+pub const LEASE_WINDOW_PAGES: u32 = 16;
+/// Most of the capacity held by short-circuit leases at once.
+pub const LEASED_SHARE: f64 = 0.25;
+
+/// A short-circuit lease: cached pages of one block that stay in the block file (never
+/// evicted) until `until` or until the lease is released.
 #[derive(Debug, Clone)]
 pub struct Lease {
+    pub id: u64,
     pub path: PathBuf,
-    /// (page index, length, CRC32C) of every cached page of the block, in order.
+    /// (page index, length, CRC32C) of the leased pages, in order.
     pub pages: Vec<(u32, u32, u32)>,
     pub until: Instant,
 }
@@ -224,6 +246,9 @@ impl PageStore {
                 removed: HashSet::new(),
                 pinned: HashSet::new(),
                 leases: HashMap::new(),
+                leased: HashMap::new(),
+                leased_bytes: 0,
+                next_lease: 1,
             }),
             metrics,
         });
@@ -421,65 +446,74 @@ impl PageStore {
         self.lock().pinned.clone()
     }
 
-    /// Grants (or extends) a short-circuit lease on block `b` until `until`: its cached pages
-    /// stay where they are until then. `None` when no page of the block is cached.
-    pub fn lease(&self, b: &BlockKey, until: Instant) -> Option<Lease> {
+    /// Grants a short-circuit lease until `until` on the cached pages of block `b` from
+    /// page `first` on (at most [`LEASE_WINDOW_PAGES`], consecutive, within the leased-bytes
+    /// cap); `replaces` (a lease of the same client) is released first. `None` when no page
+    /// could be leased.
+    pub fn lease(
+        &self,
+        b: &BlockKey,
+        first: u32,
+        until: Instant,
+        replaces: Option<u64>,
+    ) -> Option<Lease> {
         let mut inner = self.lock();
+        if let Some(old) = replaces {
+            inner.end_lease(old);
+        }
         inner.expire_leases(Instant::now());
-        let keys = inner.block_pages(b);
+        let cap = (self.capacity as f64 * LEASED_SHARE) as u64;
+        let mut keys = Vec::new();
+        let mut pages = Vec::new();
+        for page in first..first.saturating_add(LEASE_WINDOW_PAGES) {
+            let k = (*b, page);
+            let Some(m) = inner.pages.get(&k).copied() else {
+                break; // only the consecutive cached run the reader is about to use
+            };
+            let already = inner.leased.contains_key(&k);
+            if !already && inner.leased_bytes + u64::from(m.len) > cap {
+                break;
+            }
+            if !already {
+                inner.leased_bytes += u64::from(m.len);
+                inner.policy.remove(&k);
+            }
+            *inner.leased.entry(k).or_default() += 1;
+            keys.push(k);
+            pages.push((page, m.len, m.crc));
+        }
         if keys.is_empty() {
             return None;
         }
-        let until = match inner.leases.get(b) {
-            Some(t) => (*t).max(until),
-            None => {
-                for k in &keys {
-                    inner.policy.remove(k);
-                }
-                until
-            }
-        };
-        inner.leases.insert(*b, until);
-        let pages = keys
-            .iter()
-            .map(|k| {
-                let m = inner.pages[k];
-                (k.1, m.len, m.crc)
-            })
-            .collect();
+        let id = inner.next_lease;
+        inner.next_lease += 1;
+        inner.leases.insert(id, (keys, until));
         drop(inner);
         Some(Lease {
+            id,
             path: self.block_path(b),
             pages,
             until,
         })
     }
 
-    /// Ends a lease now (its pages become evictable again unless pinned).
-    pub fn release(&self, b: &BlockKey) {
-        self.lock().end_lease(b);
+    /// Ends a lease now (its pages become evictable again unless otherwise held).
+    pub fn release(&self, id: u64) {
+        self.lock().end_lease(id);
     }
 
-    /// Blocks under a lease that has not expired.
-    pub fn leased_blocks(&self) -> usize {
+    /// Leases that have not expired, and the bytes they hold.
+    pub fn lease_stats(&self) -> (usize, u64) {
         let mut inner = self.lock();
         inner.expire_leases(Instant::now());
-        inner.leases.len()
+        (inner.leases.len(), inner.leased_bytes)
     }
 
     /// Removes a page that turned out bad.
     fn drop_page(self: &Arc<Self>, key: &PageKey) {
         let removed = {
             let mut inner = self.lock();
-            match inner.pages.remove(key) {
-                Some(meta) => {
-                    inner.policy.remove(key);
-                    inner.used -= u64::from(meta.len);
-                    Self::unref_block(&mut inner, &key.0);
-                    Some((*key, meta, false))
-                }
-                None => None,
-            }
+            Self::take_page(&mut inner, key).map(|(meta, gone)| (*key, meta, gone))
         };
         if let Some(r) = removed {
             self.remove_pages(vec![r], "corrupt");
@@ -511,10 +545,7 @@ impl PageStore {
             }
             let mut victims = Vec::with_capacity(keys.len());
             for key in keys {
-                if let Some(meta) = inner.pages.remove(&key) {
-                    inner.policy.remove(&key);
-                    inner.used -= u64::from(meta.len);
-                    let gone = Self::unref_block(&mut inner, &key.0);
+                if let Some((meta, gone)) = Self::take_page(&mut inner, &key) {
                     victims.push((key, meta, gone));
                 }
             }
@@ -541,9 +572,21 @@ impl PageStore {
         if gone {
             inner.added.remove(b);
             inner.removed.insert(*b);
-            inner.leases.remove(b);
         }
         gone
+    }
+
+    /// Removes a page from the accounting whatever holds it (stale or corrupt); returns its
+    /// record and whether its block became empty.
+    fn take_page(inner: &mut Inner, key: &PageKey) -> Option<(PageMeta, bool)> {
+        let meta = inner.pages.remove(key)?;
+        inner.policy.remove(key);
+        inner.used -= u64::from(meta.len);
+        if inner.leased.contains_key(key) {
+            inner.leased_bytes -= u64::from(meta.len);
+        }
+        let gone = Self::unref_block(inner, &key.0);
+        Some((meta, gone))
     }
 
     /// Pops one victim; returns (key, meta, whether its block became empty).
@@ -679,9 +722,16 @@ impl PageStore {
         let mut inner = self.lock();
         inner.reserved -= r.len;
         r.done = true;
+        let leased = inner.leased.contains_key(&key);
+        if leased {
+            inner.leased_bytes += u64::from(meta.len);
+        }
         if let Some(old) = inner.pages.insert(key, meta) {
             // A concurrent fill of the same page won; keep one accounting entry.
             inner.used -= u64::from(old.len);
+            if leased {
+                inner.leased_bytes -= u64::from(old.len);
+            }
             inner.policy.touch(&key);
         } else {
             if !inner.held(&key) {

@@ -5,6 +5,7 @@
 //! bytes committed, and no held page (pinned inode, leased block) was evicted.
 
 use std::collections::{HashMap, HashSet};
+
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
@@ -25,9 +26,10 @@ enum Op {
     DropStale(u64, u64),
     Pin(u64),
     Unpin(u64),
-    /// Lease the block of `inode` (all test pages live in block 0).
-    Lease(u64),
-    Release(u64),
+    /// Lease the block of `inode` (all test pages live in block 0) from a page on.
+    Lease(u64, u32),
+    /// Release the n-th live lease (modulo their number).
+    Release(usize),
     Reopen,
 }
 
@@ -39,8 +41,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4u64, 0..3u64).prop_map(|(i, k)| Op::DropStale(i, k)),
         1 => (0..4u64).prop_map(Op::Pin),
         1 => (0..4u64).prop_map(Op::Unpin),
-        1 => (0..4u64).prop_map(Op::Lease),
-        1 => (0..4u64).prop_map(Op::Release),
+        1 => (0..4u64, 0..6u32).prop_map(|(i, p)| Op::Lease(i, p)),
+        1 => (0..8usize).prop_map(Op::Release),
         1 => Just(Op::Reopen),
     ]
 }
@@ -52,6 +54,10 @@ fn key(inode: u64, page: u32) -> PageKey {
 
 fn check(s: &Arc<PageStore>, model: &HashMap<PageKey, Vec<u8>>) -> Result<(), TestCaseError> {
     prop_assert!(s.used_and_reserved() <= CAPACITY, "over quota");
+    prop_assert!(
+        s.lease_stats().1 as f64 <= CAPACITY as f64 * LEASED_SHARE,
+        "leases hold more than their share"
+    );
     let present: Vec<PageKey> = model.keys().filter(|k| s.contains(k)).copied().collect();
     let used: u64 = present.iter().map(|k| model[k].len() as u64).sum();
     prop_assert_eq!(s.used(), used);
@@ -72,13 +78,16 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
     // What the store was told to hold (forgotten on reopen: pins come back from the master,
     // leases from clients).
     let mut pinned: HashSet<u64> = HashSet::new();
-    let mut leased: HashSet<u64> = HashSet::new();
+    let mut leases: Vec<(u64, Vec<PageKey>)> = Vec::new();
     for op in ops {
         // Held pages present before this step must still be there after it (unless the
         // step drops their version as stale).
         let held_before: Vec<PageKey> = model
             .keys()
-            .filter(|k| (pinned.contains(&k.0 .0) || leased.contains(&k.0 .0)) && s.contains(k))
+            .filter(|k| {
+                let leased = leases.iter().any(|(_, ks)| ks.contains(k));
+                (pinned.contains(&k.0 .0) || leased) && s.contains(k)
+            })
             .copied()
             .collect();
         let mut stale_dropped: Option<u64> = None;
@@ -120,31 +129,36 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 s.unpin(i);
                 pinned.remove(&i);
             }
-            Op::Lease(i) => {
+            Op::Lease(i, first) => {
                 let b = key(i, 0).0;
-                let got = s.lease(&b, Instant::now() + Duration::from_secs(3600));
-                let expect: Vec<u32> = (0..6).filter(|p| s.contains(&key(i, *p))).collect();
-                let pages: Vec<u32> = got.iter().flat_map(|l| l.pages.iter().map(|p| p.0)).collect();
-                prop_assert_eq!(pages, expect.clone());
-                if !expect.is_empty() {
-                    leased.insert(i);
+                if let Some(l) = s.lease(&b, first, Instant::now() + Duration::from_secs(3600), None)
+                {
+                    // A consecutive run of cached pages from `first`, at most a window.
+                    let pages: Vec<u32> = l.pages.iter().map(|p| p.0).collect();
+                    let run: Vec<u32> = (first..first + pages.len() as u32).collect();
+                    prop_assert_eq!(&pages, &run);
+                    prop_assert!(pages.len() as u32 <= LEASE_WINDOW_PAGES);
+                    for p in &l.pages {
+                        let k = key(i, p.0);
+                        prop_assert!(s.contains(&k));
+                        prop_assert_eq!(p.1 as usize, model[&k].len());
+                    }
+                    leases.push((l.id, pages.iter().map(|p| key(i, *p)).collect()));
+                } else {
+                    prop_assert!(!s.contains(&key(i, first)) || s.lease_stats().1 > 0);
                 }
             }
-            Op::Release(i) => {
-                s.release(&key(i, 0).0);
-                leased.remove(&i);
+            Op::Release(n) => {
+                if !leases.is_empty() {
+                    let (id, _) = leases.remove(n % leases.len());
+                    s.release(id);
+                }
             }
             Op::Reopen => {
                 drop(s);
                 s = open();
                 pinned.clear();
-                leased.clear();
-            }
-        }
-        if let Some(i) = stale_dropped {
-            // A leased block whose pages were all dropped has no lease any more.
-            if !(0..6).any(|p| s.contains(&key(i, p))) {
-                leased.remove(&i);
+                leases.clear();
             }
         }
         for k in held_before {

@@ -132,25 +132,36 @@ fn stale_drops_touch_only_other_versions_of_the_named_inodes() {
 fn held_pages_stay_until_unpinned_or_the_lease_ends() {
     use std::time::{Duration, Instant};
     let d = tempfile::tempdir().unwrap();
-    let s = open(d.path(), 2 * 4096);
-    assert!(fill(&s, key(0, 0), 0));
-    assert!(fill(&s, key(1, 0), 1));
+    // 8 pages: leases may hold 2 of them.
+    let s = open(d.path(), 8 * 4096);
+    let later = Instant::now() + Duration::from_secs(60);
+    for b in 0..8 {
+        assert!(fill(&s, key(b, 0), b as u8));
+    }
     assert!(s.pin(7));
     // Everything cached is pinned: a new page is served uncached, nothing is evicted.
-    assert!(s.reserve(&key(2, 0), 4096).is_none());
-    assert_eq!(s.page_count(), 2);
+    assert!(s.reserve(&key(8, 0), 4096).is_none());
+    assert_eq!(s.page_count(), 8);
     s.unpin(7);
-    let lease = s.lease(&key(0, 0).0, Instant::now() + Duration::from_secs(60)).unwrap();
-    assert_eq!(lease.pages.len(), 1);
-    assert_eq!(lease.pages[0].1, 4096);
-    assert_eq!(lease.path, s.block_path(&key(0, 0).0));
-    assert!(fill(&s, key(2, 0), 2), "the unleased block makes room");
-    assert!(s.contains(&key(0, 0)) && !s.contains(&key(1, 0)));
-    // A lease that has run out no longer holds its block.
-    assert!(s.lease(&key(2, 0).0, Instant::now()).is_some());
-    s.release(&key(0, 0).0);
-    assert!(fill(&s, key(3, 0), 3));
-    assert!(fill(&s, key(4, 0), 4));
-    assert_eq!(s.leased_blocks(), 0);
-    assert!(s.lease(&key(9, 0).0, Instant::now()).is_none(), "nothing cached, no lease");
+    let l0 = s.lease(&key(0, 0).0, 0, later, None).unwrap();
+    assert_eq!(l0.pages, vec![(0, 4096, crc32c::crc32c(&[0u8; 4096]))]);
+    assert_eq!(l0.path, s.block_path(&key(0, 0).0));
+    let l1 = s.lease(&key(1, 0).0, 0, later, None).unwrap();
+    assert!(s.lease(&key(2, 0).0, 0, later, None).is_none(), "over the leased share");
+    assert_eq!(s.lease_stats(), (2, 2 * 4096));
+    for b in 8..14 {
+        assert!(fill(&s, key(b, 0), b as u8));
+    }
+    assert!(s.contains(&key(0, 0)) && s.contains(&key(1, 0)), "leased pages stay");
+    assert!(!s.contains(&key(2, 0)));
+    // Replacing a lease releases the old one; an expired lease holds nothing.
+    let l1b = s.lease(&key(1, 0).0, 0, Instant::now(), Some(l1.id)).unwrap();
+    assert_ne!(l1b.id, l1.id);
+    s.release(l0.id);
+    for b in 14..22 {
+        assert!(fill(&s, key(b, 0), b as u8));
+    }
+    assert!(!s.contains(&key(0, 0)) && !s.contains(&key(1, 0)));
+    assert_eq!(s.lease_stats(), (0, 0));
+    assert!(s.lease(&key(0, 0).0, 0, later, None).is_none(), "nothing cached, no lease");
 }

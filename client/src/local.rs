@@ -1,0 +1,341 @@
+//! Short-circuit reads: a client on the same host as a worker that caches a block reads the
+//! block file itself instead of streaming it over gRPC.
+//!
+//! Protocol: the client asks the worker for a *lease* on the block (`LeaseLocalBlock`); the
+//! answer names the block file and lists the cached pages with their lengths and CRC32C.
+//! Until the lease ends (`lease_ms` after the client *sent* the request, so the client's
+//! view never outlasts the worker's) the worker does not evict those pages. The client reads
+//! whole pages and checks their CRC32C on every read (as the worker does for gRPC reads: a
+//! page that rotted on disk is never served), and discards any read that finished after the
+//! lease ended. Anything else — no lease, a page not cached, a file it
+//! cannot open (another mount namespace), a bad checksum — falls back to the gRPC read.
+//!
+//! "Same host" means the worker's reported host equals this client's node name
+//! ([`granary_common::node_name`]: `GRANARY_NODE_NAME`, else the hostname); the block file
+//! must be visible at the same path (on Kubernetes: the cache hostPath mounted at the same
+//! path into the FUSE pod).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use granary_proto as pb;
+
+/// (inode, version, block index)
+type BlockKey = (u64, u64, u32);
+
+/// Leases kept open (one file descriptor each).
+const MAX_LEASES: usize = 1024;
+/// A lease is renewed when less than this is left (a read started in it must finish in it).
+const RENEW_MARGIN: Duration = Duration::from_secs(2);
+/// How long a worker whose files this client cannot open is not tried again.
+const NOT_LOCAL_FOR: Duration = Duration::from_secs(60);
+/// Deadline of a lease request.
+pub const LEASE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A block that had no lease, or whose lease lacked a page, is read over gRPC for this long
+/// before a new lease is asked for (a cold block does not cost a lease request per read).
+const RETRY_LEASE_AFTER: Duration = Duration::from_millis(50);
+
+pub struct LocalLease {
+    pub worker_id: u64,
+    pub id: u64,
+    /// The pages the lease could cover: [first, first + window).
+    first: u32,
+    window: u32,
+    file: File,
+    page_size: u64,
+    /// page index → (length, CRC32C)
+    pages: HashMap<u32, (u32, u32)>,
+    /// When the worker may evict the pages again (at the earliest).
+    until: Instant,
+    taken: Instant,
+}
+
+/// Why a leased read did not happen.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Miss {
+    /// The lease ends too soon: ask for a new one.
+    Expiring,
+    /// A needed page inside the window is not in the lease (not cached when the lease was
+    /// taken, or leases held their share): ask again only after a while.
+    NotCached,
+    /// A needed page is outside the lease's window: ask for a lease from it.
+    Outside,
+    /// The file is unusable (bad checksum, read error): drop the lease, read over gRPC.
+    Bad,
+}
+
+impl LocalLease {
+    /// Opens the block file of a lease granted at `sent`.
+    pub fn open(
+        worker_id: u64,
+        r: &pb::LeaseLocalBlockResponse,
+        sent: Instant,
+    ) -> std::io::Result<Self> {
+        let file = File::open(&r.path)?;
+        // Block files are read front to back: let the kernel read ahead further.
+        let _ = nix::fcntl::posix_fadvise(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
+        );
+        let first = r.pages.first().map_or(0, |p| p.index);
+        Ok(Self {
+            worker_id,
+            id: r.lease_id,
+            first,
+            window: r.window_pages.max(1),
+            file,
+            page_size: r.page_size.max(1),
+            pages: r
+                .pages
+                .iter()
+                .map(|p| (p.index, (p.length, p.crc32c)))
+                .collect(),
+            until: sent + Duration::from_millis(r.lease_ms),
+            taken: sent,
+        })
+    }
+
+    fn usable(&self, now: Instant) -> bool {
+        now + RENEW_MARGIN < self.until
+    }
+
+    /// Too recent to ask again for pages it lacked.
+    pub fn fresh(&self) -> bool {
+        self.taken.elapsed() < RETRY_LEASE_AFTER
+    }
+
+    /// Reads `len` bytes at `offset` of the block (blocking file I/O).
+    pub fn read(&self, offset: u64, len: u64) -> Result<Bytes, Miss> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        if !self.usable(Instant::now()) {
+            return Err(Miss::Expiring);
+        }
+        let ps = self.page_size;
+        let (first, last) = (offset / ps, (offset + len - 1) / ps);
+        let mut out = vec![0u8; len as usize];
+        for page in first..=last {
+            let index = u32::try_from(page).map_err(|_| Miss::Bad)?;
+            if index < self.first || index - self.first >= self.window {
+                return Err(Miss::Outside);
+            }
+            let &(plen, crc) = self.pages.get(&index).ok_or(Miss::NotCached)?;
+            let page_start = page * ps;
+            let from = offset.max(page_start);
+            let to = (offset + len).min(page_start + ps);
+            if to > page_start + u64::from(plen) {
+                return Err(Miss::NotCached); // a short page cannot hold the range
+            }
+            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
+            if from == page_start && to == page_start + u64::from(plen) {
+                // The whole page: read it in place.
+                self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                if crc32c::crc32c(dst) != crc {
+                    return Err(Miss::Bad);
+                }
+            } else {
+                let mut whole = vec![0u8; plen as usize];
+                self.file
+                    .read_exact_at(&mut whole, page_start)
+                    .map_err(|_| Miss::Bad)?;
+                if crc32c::crc32c(&whole) != crc {
+                    return Err(Miss::Bad);
+                }
+                dst.copy_from_slice(&whole[(from - page_start) as usize..(to - page_start) as usize]);
+            }
+        }
+        // Bytes read after the lease ended may have been evicted under us.
+        if Instant::now() >= self.until {
+            return Err(Miss::Expiring);
+        }
+        Ok(Bytes::from(out))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// The short-circuit state of one client.
+pub struct ShortCircuit {
+    pub enabled: AtomicBool,
+    pub node: String,
+    leases: Mutex<HashMap<BlockKey, Arc<LocalLease>>>,
+    /// Blocks the worker had nothing of, when it said so.
+    missing: Mutex<HashMap<BlockKey, Instant>>,
+    /// Bytes read per worker not yet reported to it.
+    unreported: Mutex<HashMap<u64, u64>>,
+    /// Workers whose block files this client could not open, since when.
+    not_local: Mutex<HashMap<u64, Instant>>,
+    /// The workers' page size, learnt from their leases (to name the first page wanted).
+    page_size: AtomicU64,
+}
+
+impl ShortCircuit {
+    pub fn new(node: String) -> Self {
+        Self {
+            enabled: AtomicBool::new(true),
+            node,
+            leases: Mutex::new(HashMap::new()),
+            missing: Mutex::new(HashMap::new()),
+            unreported: Mutex::new(HashMap::new()),
+            not_local: Mutex::new(HashMap::new()),
+            page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
+        }
+    }
+
+    pub fn page_size(&self) -> u64 {
+        self.page_size.load(Ordering::Relaxed).max(1)
+    }
+
+    pub fn set_page_size(&self, ps: u64) {
+        if ps > 0 {
+            self.page_size.store(ps, Ordering::Relaxed);
+        }
+    }
+
+    /// Should reads of `w`'s blocks try its block files?
+    pub fn applies_to(&self, w: &pb::WorkerInfo) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+            && w.host == self.node
+            && !lock(&self.not_local)
+                .get(&w.worker_id)
+                .is_some_and(|t| t.elapsed() < NOT_LOCAL_FOR)
+    }
+
+    pub fn mark_not_local(&self, worker_id: u64) {
+        lock(&self.not_local).insert(worker_id, Instant::now());
+    }
+
+    /// A lease on the block that is still usable (from any same-host worker).
+    pub fn lease(&self, id: &pb::BlockId) -> Option<Arc<LocalLease>> {
+        let key = (id.inode, id.version, id.index);
+        let mut m = lock(&self.leases);
+        match m.get(&key) {
+            Some(l) if l.usable(Instant::now()) => Some(l.clone()),
+            Some(_) => {
+                m.remove(&key);
+                None
+            }
+            None => None,
+        }
+    }
+
+    pub fn keep(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
+        let mut m = lock(&self.leases);
+        if m.len() >= MAX_LEASES {
+            let now = Instant::now();
+            m.retain(|_, l| l.usable(now));
+            if m.len() >= MAX_LEASES {
+                m.clear();
+            }
+        }
+        m.insert((id.inode, id.version, id.index), lease);
+    }
+
+    /// The worker had no page of the block: read it over gRPC for a while.
+    pub fn note_missing(&self, id: &pb::BlockId) {
+        let mut m = lock(&self.missing);
+        if m.len() >= MAX_LEASES {
+            m.retain(|_, t| t.elapsed() < RETRY_LEASE_AFTER);
+        }
+        m.insert((id.inode, id.version, id.index), Instant::now());
+    }
+
+    pub fn recently_missing(&self, id: &pb::BlockId) -> bool {
+        lock(&self.missing)
+            .get(&(id.inode, id.version, id.index))
+            .is_some_and(|t| t.elapsed() < RETRY_LEASE_AFTER)
+    }
+
+    pub fn forget(&self, id: &pb::BlockId) {
+        lock(&self.leases).remove(&(id.inode, id.version, id.index));
+    }
+
+    pub fn count_read(&self, worker_id: u64, bytes: u64) {
+        *lock(&self.unreported).entry(worker_id).or_default() += bytes;
+    }
+
+    /// Takes the bytes to report to `worker_id`.
+    pub fn take_unreported(&self, worker_id: u64) -> u64 {
+        lock(&self.unreported).remove(&worker_id).unwrap_or(0)
+    }
+
+    /// Takes every worker's unreported bytes.
+    pub fn take_all_unreported(&self) -> Vec<(u64, u64)> {
+        lock(&self.unreported).drain().collect()
+    }
+
+    /// Gives back bytes whose report failed.
+    pub fn unreport(&self, worker_id: u64, bytes: u64) {
+        if bytes > 0 {
+            self.count_read(worker_id, bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease_over(data: &[u8], ps: u64, lease_ms: u64) -> (tempfile::TempDir, LocalLease) {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("block");
+        std::fs::write(&path, data).unwrap();
+        let pages = data
+            .chunks(ps as usize)
+            .enumerate()
+            .map(|(i, c)| pb::LocalPage {
+                index: i as u32,
+                length: c.len() as u32,
+                crc32c: crc32c::crc32c(c),
+            })
+            .collect();
+        let r = pb::LeaseLocalBlockResponse {
+            path: path.to_string_lossy().into_owned(),
+            page_size: ps,
+            pages,
+            lease_ms,
+            lease_id: 1,
+            window_pages: 16,
+        };
+        let l = LocalLease::open(1, &r, Instant::now()).unwrap();
+        (d, l)
+    }
+
+    #[test]
+    fn reads_ranges_across_pages_and_checks_every_read() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (d, l) = lease_over(&data, 4096, 60_000);
+        assert_eq!(&l.read(100, 5000).unwrap()[..], &data[100..5100]);
+        assert_eq!(l.read(8192, 1809), Err(Miss::NotCached), "past the short last page");
+        assert_eq!(&l.read(0, 4096).unwrap()[..], &data[..4096]);
+        // A page that rots on disk after it was read is caught by the next read.
+        let mut bad = data.clone();
+        bad[9000] ^= 0xff;
+        bad[10] ^= 0xff;
+        std::fs::write(d.path().join("block"), &bad).unwrap();
+        assert_eq!(l.read(9000, 1), Err(Miss::Bad));
+        assert_eq!(l.read(0, 4096), Err(Miss::Bad));
+        assert_eq!(&l.read(4096, 10).unwrap()[..], &data[4096..4106]);
+        std::fs::write(d.path().join("block"), &data).unwrap();
+        assert_eq!(&l.read(8192, 1808).unwrap()[..], &data[8192..]);
+    }
+
+    #[test]
+    fn a_lease_about_to_end_asks_for_renewal() {
+        let (_d, l) = lease_over(&[1, 2, 3], 4096, 1_000);
+        assert_eq!(l.read(0, 3), Err(Miss::Expiring));
+    }
+}

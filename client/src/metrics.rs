@@ -1,0 +1,62 @@
+//! Client metrics: where read bytes came from. Registered by processes that serve
+//! `/metrics` (the FUSE mount, `granary local`); always counted, so `read_stats` works
+//! without a registry.
+
+use std::sync::atomic::AtomicU64;
+
+use granary_common::metrics::SharedRegistry;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReadSource {
+    /// `worker` (over gRPC), `short_circuit` (a same-host worker's block file, read
+    /// directly) or `under_store` (no worker could serve).
+    pub source: String,
+}
+
+#[derive(Clone, Default)]
+pub struct ClientMetrics {
+    pub read_bytes: Family<ReadSource, Counter>,
+    pub worker_failures: Counter<u64, AtomicU64>,
+    pub short_circuit_leases: Counter<u64, AtomicU64>,
+}
+
+impl ClientMetrics {
+    pub fn register(&self, registry: &SharedRegistry) {
+        if let Ok(mut r) = registry.lock() {
+            r.register(
+                "granary_client_read_bytes",
+                "Bytes this client read, by source: worker (gRPC), short_circuit (a same-host worker's block file), under_store (no worker could serve)",
+                self.read_bytes.clone(),
+            );
+            r.register(
+                "granary_client_worker_failures",
+                "Worker reads that failed and were retried on another source",
+                self.worker_failures.clone(),
+            );
+            r.register(
+                "granary_client_short_circuit_leases",
+                "Short-circuit leases taken from same-host workers",
+                self.short_circuit_leases.clone(),
+            );
+        }
+    }
+
+    pub fn add_read(&self, source: &str, bytes: u64) {
+        self.read_bytes
+            .get_or_create(&ReadSource {
+                source: source.to_string(),
+            })
+            .inc_by(bytes);
+    }
+
+    pub fn read(&self, source: &str) -> u64 {
+        self.read_bytes
+            .get_or_create(&ReadSource {
+                source: source.to_string(),
+            })
+            .get()
+    }
+}
