@@ -108,6 +108,10 @@ pub struct FuseOpts {
     /// the same path and the same node name (GRANARY_NODE_NAME, else the hostname).
     #[arg(long, env = "GRANARY_NO_SHORT_CIRCUIT")]
     pub no_short_circuit: bool,
+    /// The node this client runs on: it reads block files directly only from workers that
+    /// report the same node name [default: the hostname].
+    #[arg(long, env = "GRANARY_NODE_NAME")]
+    pub node_name: Option<String>,
     /// Kernel read-ahead of the mount for sequential readers (its bdi read_ahead_kb; needs
     /// root), e.g. 4MiB; 0 keeps the kernel's 128 KiB.
     #[arg(long, env = "GRANARY_READ_AHEAD", value_parser = size, default_value = "4MiB")]
@@ -342,6 +346,10 @@ pub struct WorkerArgs {
     /// epochs over datasets larger than the cache do not flush it) or lru.
     #[arg(long, env = "GRANARY_EVICTION", value_parser = eviction, default_value = "lfu-admission")]
     pub eviction: granary_worker::evict::PolicyKind,
+    /// The node this worker runs on, as clients compare it for short-circuit reads
+    /// [default: the hostname]. On Kubernetes, set it from spec.nodeName.
+    #[arg(long, env = "GRANARY_NODE_NAME")]
+    pub node_name: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -79,6 +79,9 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     config.metrics_listen = a.metrics_listen;
     config.heartbeat_interval = a.heartbeat_interval;
     config.eviction = a.eviction;
+    if let Some(n) = a.node_name {
+        config.node_name = n;
+    }
     let w = granary_worker::start(config, registry, shutdown.clone()).await?;
     eprintln!("granary worker {} listening on {}", w.worker_id, w.addr);
     if let Some(ma) = w.metrics_addr {
@@ -110,6 +113,9 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     granary_fuse::check_mountpoint(&config.mountpoint)?;
     let client = FileSystem::connect(&a.master.master)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
+    if let Some(n) = &a.fuse.node_name {
+        client.short_circuit.set_node(n);
+    }
     let shutdown = CancellationToken::new();
     if let Some(addr) = a.metrics_listen {
         let registry = new_registry();
@@ -163,9 +169,15 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     );
     wc.heartbeat_interval = Duration::from_millis(500);
     wc.eviction = a.eviction;
+    if let Some(n) = &a.fuse.node_name {
+        wc.node_name = n.clone();
+    }
     let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
     let client = FileSystem::connect(&master_addr)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
+    if let Some(n) = &a.fuse.node_name {
+        client.short_circuit.set_node(n);
+    }
     client.metrics.register(&registry);
     if let Some(addr) = a.metrics_listen {
         let bound = granary_common::metrics::serve(addr, registry.clone(), shutdown.clone())

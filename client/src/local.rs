@@ -170,7 +170,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The short-circuit state of one client.
 pub struct ShortCircuit {
     pub enabled: AtomicBool,
-    pub node: String,
+    node: Mutex<String>,
     leases: Mutex<HashMap<BlockKey, Arc<LocalLease>>>,
     /// Blocks the worker had nothing of, when it said so.
     missing: Mutex<HashMap<BlockKey, Instant>>,
@@ -186,13 +186,18 @@ impl ShortCircuit {
     pub fn new(node: String) -> Self {
         Self {
             enabled: AtomicBool::new(true),
-            node,
+            node: Mutex::new(node),
             leases: Mutex::new(HashMap::new()),
             missing: Mutex::new(HashMap::new()),
             unreported: Mutex::new(HashMap::new()),
             not_local: Mutex::new(HashMap::new()),
             page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
         }
+    }
+
+    /// Sets the node this client runs on (default: [`granary_common::node_name`]).
+    pub fn set_node(&self, node: &str) {
+        *lock(&self.node) = node.to_string();
     }
 
     pub fn page_size(&self) -> u64 {
@@ -208,7 +213,7 @@ impl ShortCircuit {
     /// Should reads of `w`'s blocks try its block files?
     pub fn applies_to(&self, w: &pb::WorkerInfo) -> bool {
         self.enabled.load(Ordering::Relaxed)
-            && w.host == self.node
+            && w.host == *lock(&self.node)
             && !lock(&self.not_local)
                 .get(&w.worker_id)
                 .is_some_and(|t| t.elapsed() < NOT_LOCAL_FOR)

@@ -52,8 +52,16 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
 
     let master = Master::start(root).unwrap();
     let addr = master.addr.clone();
+    // Three "nodes": worker i and mount i share node name i, so each mount reads its own
+    // worker's block files directly (short-circuit) and the other owners' over gRPC.
     let mut workers: Vec<Worker> = (1..=3)
-        .map(|i| Worker::start(root, &format!("w{i}"), &addr, "1GiB").unwrap())
+        .map(|i| {
+            let name = format!("w{i}");
+            let node = format!("node{i}");
+            let cache = root.join(format!("{name}-cache"));
+            Worker::start_opts(root, &name, &addr, "1GiB", &cache, &["--node-name", &node])
+                .unwrap()
+        })
         .collect();
     wait_live_workers(&addr, 3).unwrap();
     let mut args = vec!["mount", "add", "/data", "s3://dataset"];
@@ -63,17 +71,28 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
     args.extend(["--option", "sync_interval=never", "--master", &addr]);
     granary_ok(&args).unwrap();
     let mounts: Vec<Fuse> = (1..=3)
-        .map(|i| Fuse::start_named(root, &format!("node{i}"), &addr).unwrap())
+        .map(|i| {
+            let node = format!("node{i}");
+            Fuse::start_opts(root, &node, &addr, &["--node-name", &node]).unwrap()
+        })
         .collect();
 
-    // Every node reads the whole dataset twice, all three at once.
+    // Every node reads the whole dataset twice, all three at once; each pass starts without
+    // the kernel's copy (as a node whose page cache the last epoch did not fit in).
     let read_all = |passes: usize| {
         std::thread::scope(|s| {
             let readers: Vec<_> = mounts
                 .iter()
                 .map(|m| {
                     let dir = m.mountpoint.join("data");
-                    s.spawn(move || (0..passes).map(|_| tree_sums(&dir)).collect::<Vec<_>>())
+                    s.spawn(move || {
+                        (0..passes)
+                            .map(|_| {
+                                drop_page_cache(&dir)?;
+                                tree_sums(&dir)
+                            })
+                            .collect::<Vec<_>>()
+                    })
                 })
                 .collect();
             for (node, r) in readers.into_iter().enumerate() {
@@ -96,24 +115,38 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
         from_store, total as f64,
         "the store served some bytes twice"
     );
-    for w in &workers {
-        // The load spreads over the three owners.
+    let client = |m: &Fuse, source: &str| {
+        m.metric(&format!(
+            "granary_client_read_bytes_total{{source=\"{source}\"}}"
+        ))
+    };
+    for (w, m) in workers.iter().zip(&mounts) {
+        // The load spreads over the three owners; each node reads its own worker's share
+        // from the block files and the rest over gRPC.
         assert!(w.metric("granary_worker_ufs_read_bytes_total") > 0.0);
         assert!(w.metric("granary_worker_cache_hit_bytes_total") > 0.0);
+        assert!(w.metric("granary_worker_short_circuit_leases_total") > 0.0);
+        assert!(client(m, "short_circuit") > 0.0);
+        assert!(client(m, "worker") > 0.0);
+        assert_eq!(client(m, "under_store"), 0.0);
     }
+    let served = |workers: &[Worker]| {
+        sum(workers, "granary_worker_cache_hit_bytes_total")
+            + mounts
+                .iter()
+                .map(|m| client(m, "short_circuit"))
+                .sum::<f64>()
+    };
 
     // One worker killed with -9 in the middle of a concurrent pass: no read fails, no byte
     // is wrong (its blocks move to the next owners, which fetch them from the store).
-    let hits_before = sum(&workers, "granary_worker_cache_hit_bytes_total");
+    let served_before = served(&workers);
     std::thread::scope(|s| {
         let pass = s.spawn(|| read_all(1));
         poll(
             "a third of the pass to be read",
             Duration::from_secs(300),
-            || {
-                let hits = sum(&workers, "granary_worker_cache_hit_bytes_total");
-                (hits - hits_before > total as f64).then_some(())
-            },
+            || (served(&workers) - served_before > total as f64).then_some(()),
         )
         .unwrap();
         workers[1].proc.kill9().unwrap();
@@ -160,7 +193,8 @@ fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
     }
     args.extend(["--master", &addr]);
     granary_ok(&args).unwrap();
-    let fuse = Fuse::start(root, &addr).unwrap();
+    // On a node without a worker (no short-circuit): every read goes to a worker over gRPC.
+    let fuse = Fuse::start_opts(root, "mnt", &addr, &["--node-name", "client-only"]).unwrap();
     let dir = fuse.mountpoint.join("s3");
     let from_store = || {
         w1.metric("granary_worker_ufs_read_bytes_total")
@@ -207,6 +241,7 @@ fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
     // pages from w1, not from the store.
     poll("reads to move off w1", Duration::from_secs(20), || {
         let before = w1.metric("granary_worker_read_requests_total");
+        drop_page_cache(&dir).unwrap();
         assert_eq!(tree_sums(&dir).unwrap(), expected);
         (w1.metric("granary_worker_read_requests_total") == before).then_some(())
     })
@@ -217,6 +252,7 @@ fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
     // Stopped: everything it owned is already on w2; still no store read.
     let w1_from_store = w1.metric("granary_worker_ufs_read_bytes_total");
     w1.proc.kill9().unwrap();
+    drop_page_cache(&dir).unwrap();
     assert_eq!(tree_sums(&dir).unwrap(), expected);
     assert_eq!(
         w1_from_store + w2.metric("granary_worker_ufs_read_bytes_total"),

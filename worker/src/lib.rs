@@ -54,6 +54,9 @@ pub struct WorkerConfig {
     pub heartbeat_interval: Duration,
     /// Eviction policy of the page cache.
     pub eviction: evict::PolicyKind,
+    /// The node reported to the master (clients on the same node read block files
+    /// directly).
+    pub node_name: String,
 }
 
 impl WorkerConfig {
@@ -68,6 +71,7 @@ impl WorkerConfig {
             metrics_listen: None,
             heartbeat_interval: Duration::from_secs(1),
             eviction: evict::PolicyKind::default(),
+            node_name: granary_common::node_name(),
         }
     }
 
@@ -157,7 +161,7 @@ pub async fn start(
         metrics: metrics.clone(),
         worker_id,
         address: advertise.clone(),
-        host: granary_common::node_name(),
+        host: config.node_name.clone(),
         interval: config.heartbeat_interval,
     };
     tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
