@@ -31,13 +31,18 @@ sleep 1.5 # first heartbeat: the worker is live for clients
 "$bin" mount add /d "$work/ufs" --master "127.0.0.1:$mport" -o sync_interval=never > /dev/null
 tcp=$("$bin" bench tcp --size "$((size_mib * 2))MiB" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["mb_per_s"])')
 read_json=$("$bin" bench read /d/big.bin --passes 3 --json --master "127.0.0.1:$mport")
-python3 - "$tcp" "$read_json" "$bin" "$size_mib" <<'PY'
+# The same warm reads from this node's worker without a socket (short-circuit).
+sc_json=$("$bin" bench read /d/big.bin --passes 2 --short-circuit --json --master "127.0.0.1:$mport")
+python3 - "$tcp" "$read_json" "$bin" "$size_mib" "$sc_json" <<'PY'
 import json, sys
-tcp = float(sys.argv[1]); r = json.loads(sys.argv[2])
+tcp = float(sys.argv[1]); r = json.loads(sys.argv[2]); sc = json.loads(sys.argv[5])
 print(f"binary:                 {sys.argv[3]}")
 print(f"file:                   {sys.argv[4]} MiB, cached after pass 1")
 print(f"raw TCP, loopback:      {tcp:.0f} MB/s (limit)")
 for p in r["passes"]:
     label = "cold (fills the cache)" if p["pass"] == 1 else "warm (peer read)"
+    print(f"pass {p['pass']} {label:<22} {p['mb_per_s']:.0f} MB/s ({p['mb_per_s'] / tcp:.2f}x of raw TCP)")
+for p in sc["passes"]:
+    label = "warm (short-circuit)"
     print(f"pass {p['pass']} {label:<22} {p['mb_per_s']:.0f} MB/s ({p['mb_per_s'] / tcp:.2f}x of raw TCP)")
 PY

@@ -448,9 +448,10 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             path,
             passes,
             concurrency,
+            short_circuit,
             json,
             master: addr,
-        } => return bench_read(&path, passes, concurrency, json, &addr).await,
+        } => return bench_read(&path, passes, concurrency, short_circuit, json, &addr).await,
         BenchCommand::Metadata { .. } => {}
     }
     let BenchCommand::Metadata {
@@ -635,11 +636,13 @@ async fn bench_read(
     path: &str,
     passes: u32,
     concurrency: usize,
+    short_circuit: bool,
     json: bool,
     addr: &MasterAddr,
 ) -> anyhow::Result<()> {
     use futures::StreamExt;
     let fs = granary_client::FileSystem::new(master(addr)?);
+    fs.set_short_circuit(short_circuit);
     let st = fs
         .stat(path)
         .await

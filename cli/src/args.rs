@@ -260,7 +260,8 @@ pub enum BenchCommand {
         json: bool,
     },
     /// Read one file through the cluster (client library → workers over gRPC, no FUSE),
-    /// PASSES times; the first pass warms the cache. The peer-read path.
+    /// PASSES times; the first pass warms the cache. The peer-read path; with
+    /// --short-circuit, same-node workers' block files are read directly instead.
     ///
     /// Example: granary bench read /data/big.bin --passes 3 --json --master m1:19998
     #[command(verbatim_doc_comment)]
@@ -272,6 +273,9 @@ pub enum BenchCommand {
         /// Blocks read at once.
         #[arg(long, default_value_t = 2)]
         concurrency: usize,
+        /// Read same-node workers' block files directly (off: measure gRPC peer reads).
+        #[arg(long)]
+        short_circuit: bool,
         #[arg(long)]
         json: bool,
         #[command(flatten)]

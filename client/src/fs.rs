@@ -432,9 +432,31 @@ impl FileSystem {
         Ok(data)
     }
 
-    /// Reads a range of a block from a same-host worker's block file under a lease (see
-    /// [`crate::local`]); `None`: read it over gRPC instead.
+    /// Reads a range of a block from a same-node worker's block file under leases (see
+    /// [`crate::local`]), one lease window at a time; `None`: read it over gRPC instead.
     async fn read_local(
+        &self,
+        w: &pb::WorkerInfo,
+        id: &pb::BlockId,
+        offset: u64,
+        len: u64,
+    ) -> Option<Bytes> {
+        let span = self.short_circuit.page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        if offset % span + len <= span {
+            return self.read_local_window(w, id, offset, len).await;
+        }
+        let mut parts = Vec::new();
+        let mut pos = offset;
+        while pos < offset + len {
+            let n = (span - pos % span).min(offset + len - pos);
+            parts.push(self.read_local_window(w, id, pos, n).await?);
+            pos += n;
+        }
+        Some(join(parts, len))
+    }
+
+    /// [`read_local`](Self::read_local) of a range inside one lease window.
+    async fn read_local_window(
         &self,
         w: &pb::WorkerInfo,
         id: &pb::BlockId,
@@ -454,7 +476,8 @@ impl FileSystem {
             let fresh = lease.fresh();
             match try_read(lease).await {
                 (l, Ok(data)) => {
-                    self.short_circuit.count_read(l.worker_id, data.len() as u64);
+                    self.short_circuit
+                        .count_read(l.worker_id, data.len() as u64);
                     return Some(data);
                 }
                 (_, Err(Miss::NotCached)) if fresh => return None,
@@ -472,7 +495,8 @@ impl FileSystem {
         let lease = self.take_lease(w, id, first_page, replaces).await?;
         match try_read(lease).await {
             (l, Ok(data)) => {
-                self.short_circuit.count_read(l.worker_id, data.len() as u64);
+                self.short_circuit
+                    .count_read(l.worker_id, data.len() as u64);
                 Some(data)
             }
             (_, Err(Miss::Bad)) => {

@@ -28,6 +28,9 @@ use granary_proto as pb;
 /// (inode, version, block index)
 type BlockKey = (u64, u64, u32);
 
+/// Pages one lease covers at most (the worker's window; ranges are read in such windows,
+/// aligned to multiples of it).
+pub const LEASE_WINDOW_PAGES: u32 = 16;
 /// Leases kept open (one file descriptor each).
 const MAX_LEASES: usize = 1024;
 /// A lease is renewed when less than this is left (a read started in it must finish in it).
@@ -149,7 +152,9 @@ impl LocalLease {
                 if crc32c::crc32c(&whole) != crc {
                     return Err(Miss::Bad);
                 }
-                dst.copy_from_slice(&whole[(from - page_start) as usize..(to - page_start) as usize]);
+                dst.copy_from_slice(
+                    &whole[(from - page_start) as usize..(to - page_start) as usize],
+                );
             }
         }
         // Bytes read after the lease ended may have been evicted under us.
@@ -214,9 +219,9 @@ impl ShortCircuit {
     pub fn applies_to(&self, w: &pb::WorkerInfo) -> bool {
         self.enabled.load(Ordering::Relaxed)
             && w.host == *lock(&self.node)
-            && !lock(&self.not_local)
+            && lock(&self.not_local)
                 .get(&w.worker_id)
-                .is_some_and(|t| t.elapsed() < NOT_LOCAL_FOR)
+                .is_none_or(|t| t.elapsed() >= NOT_LOCAL_FOR)
     }
 
     pub fn mark_not_local(&self, worker_id: u64) {
@@ -324,7 +329,11 @@ mod tests {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let (d, l) = lease_over(&data, 4096, 60_000);
         assert_eq!(&l.read(100, 5000).unwrap()[..], &data[100..5100]);
-        assert_eq!(l.read(8192, 1809), Err(Miss::NotCached), "past the short last page");
+        assert_eq!(
+            l.read(8192, 1809),
+            Err(Miss::NotCached),
+            "past the short last page"
+        );
         assert_eq!(&l.read(0, 4096).unwrap()[..], &data[..4096]);
         // A page that rots on disk after it was read is caught by the next read.
         let mut bad = data.clone();

@@ -123,7 +123,8 @@ fn two_workers_serve_the_tree_exactly_and_the_second_read_is_all_cache() {
         "each byte is fetched from the under-store exactly once"
     );
     let hits_before = hits(&[&w1, &w2]);
-    let short_circuit = |f: &Fuse| f.metric("granary_client_read_bytes_total{source=\"short_circuit\"}");
+    let short_circuit =
+        |f: &Fuse| f.metric("granary_client_read_bytes_total{source=\"short_circuit\"}");
     let sc_before = short_circuit(&fuse);
 
     // Second pass (as on a node that has not read the files: the kernel's copy dropped): all
@@ -309,8 +310,7 @@ fn reads_survive_a_worker_kill9() {
     let (src, _) = small_dataset(root.path());
     // Over gRPC only (a dead worker's block files stay readable on this host, which would
     // hide the failover), and with the kernel's copy dropped before every pass.
-    let mut c =
-        Cluster::start_opts(root.path(), 2, "1GiB", &src, &["--no-short-circuit"]).unwrap();
+    let mut c = Cluster::start_opts(root.path(), 2, "1GiB", &src, &["--no-short-circuit"]).unwrap();
     let mnt = c.data();
     let expected = tree_sums(&src).unwrap();
     let pass = |mnt: &Path| {
@@ -330,7 +330,11 @@ fn reads_survive_a_worker_kill9() {
     assert_eq!(pass(&mnt), expected);
     wait_live_workers(&c.master.addr, 0).unwrap();
     assert_eq!(pass(&mnt), expected);
-    assert!(c.fuse.metric("granary_client_read_bytes_total{source=\"under_store\"}") > 0.0);
+    assert!(
+        c.fuse
+            .metric("granary_client_read_bytes_total{source=\"under_store\"}")
+            > 0.0
+    );
 }
 
 #[test]
@@ -746,7 +750,11 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
 fn short_circuit_reads_same_host_block_files_and_counts_them() {
     let root = workdir();
     let src = root.path().join("ufs");
-    let files = [("big.bin", 5 * MIB + 123), ("one.bin", MIB), ("small.bin", 4321)];
+    let files = [
+        ("big.bin", 5 * MIB + 123),
+        ("one.bin", MIB),
+        ("small.bin", 4321),
+    ];
     for (n, l) in files {
         random_file(&src.join(n), l).unwrap();
     }
@@ -762,10 +770,17 @@ fn short_circuit_reads_same_host_block_files_and_counts_them() {
 
     // Cold pass: every byte from the under-store once, through the worker.
     assert_eq!(tree_sums(&c.data()).unwrap(), expected);
-    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
     let sc_cold = client(&c.fuse, "short_circuit");
     let grpc_cold = client(&c.fuse, "worker");
-    assert_eq!(sc_cold + grpc_cold, total as f64, "cold pass: every byte from the worker");
+    assert_eq!(
+        sc_cold + grpc_cold,
+        total as f64,
+        "cold pass: every byte from the worker"
+    );
 
     // Warm pass with the kernel's copy dropped: every byte from the worker's block files,
     // none over gRPC, none from the under-store.
@@ -777,7 +792,10 @@ fn short_circuit_reads_same_host_block_files_and_counts_them() {
         "the warm pass was not all short-circuit"
     );
     assert_eq!(client(&c.fuse, "worker"), grpc_cold);
-    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
     assert!(w.metric("granary_worker_short_circuit_leases_total") >= 2.0);
     assert!(c.fuse.metric("granary_client_short_circuit_leases_total") >= 2.0);
     // The client reports what it read to the worker (every 2 s).
@@ -785,15 +803,18 @@ fn short_circuit_reads_same_host_block_files_and_counts_them() {
     poll(
         "the worker to count the short-circuit bytes",
         Duration::from_secs(20),
-        || {
-            (w.metric("granary_worker_short_circuit_bytes_total") == sc_total).then_some(())
-        },
+        || (w.metric("granary_worker_short_circuit_bytes_total") == sc_total).then_some(()),
     )
     .unwrap();
 
     // A mount with short-circuit off reads the same bytes over gRPC (cache hits).
-    let plain = Fuse::start_opts(root.path(), "plain", &c.master.addr, &["--no-short-circuit"])
-        .unwrap();
+    let plain = Fuse::start_opts(
+        root.path(),
+        "plain",
+        &c.master.addr,
+        &["--no-short-circuit"],
+    )
+    .unwrap();
     let hits_before = w.metric("granary_worker_cache_hit_bytes_total");
     assert_eq!(tree_sums(&plain.mountpoint.join("data")).unwrap(), expected);
     assert_eq!(client(&plain, "short_circuit"), 0.0);
@@ -802,5 +823,8 @@ fn short_circuit_reads_same_host_block_files_and_counts_them() {
         w.metric("granary_worker_cache_hit_bytes_total") - hits_before,
         total as f64
     );
-    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), total as f64);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
 }

@@ -59,8 +59,7 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
             let name = format!("w{i}");
             let node = format!("node{i}");
             let cache = root.join(format!("{name}-cache"));
-            Worker::start_opts(root, &name, &addr, "1GiB", &cache, &["--node-name", &node])
-                .unwrap()
+            Worker::start_opts(root, &name, &addr, "1GiB", &cache, &["--node-name", &node]).unwrap()
         })
         .collect();
     wait_live_workers(&addr, 3).unwrap();

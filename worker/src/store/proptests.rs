@@ -131,7 +131,8 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Lease(i, first) => {
                 let b = key(i, 0).0;
-                if let Some(l) = s.lease(&b, first, Instant::now() + Duration::from_secs(3600), None)
+                if let Some(l) =
+                    s.lease(&b, first, Instant::now() + Duration::from_secs(3600), None)
                 {
                     // A consecutive run of cached pages from `first`, at most a window.
                     let pages: Vec<u32> = l.pages.iter().map(|p| p.0).collect();

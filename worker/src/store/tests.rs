@@ -147,15 +147,23 @@ fn held_pages_stay_until_unpinned_or_the_lease_ends() {
     assert_eq!(l0.pages, vec![(0, 4096, crc32c::crc32c(&[0u8; 4096]))]);
     assert_eq!(l0.path, s.block_path(&key(0, 0).0));
     let l1 = s.lease(&key(1, 0).0, 0, later, None).unwrap();
-    assert!(s.lease(&key(2, 0).0, 0, later, None).is_none(), "over the leased share");
+    assert!(
+        s.lease(&key(2, 0).0, 0, later, None).is_none(),
+        "over the leased share"
+    );
     assert_eq!(s.lease_stats(), (2, 2 * 4096));
     for b in 8..14 {
         assert!(fill(&s, key(b, 0), b as u8));
     }
-    assert!(s.contains(&key(0, 0)) && s.contains(&key(1, 0)), "leased pages stay");
+    assert!(
+        s.contains(&key(0, 0)) && s.contains(&key(1, 0)),
+        "leased pages stay"
+    );
     assert!(!s.contains(&key(2, 0)));
     // Replacing a lease releases the old one; an expired lease holds nothing.
-    let l1b = s.lease(&key(1, 0).0, 0, Instant::now(), Some(l1.id)).unwrap();
+    let l1b = s
+        .lease(&key(1, 0).0, 0, Instant::now(), Some(l1.id))
+        .unwrap();
     assert_ne!(l1b.id, l1.id);
     s.release(l0.id);
     for b in 14..22 {
@@ -163,5 +171,8 @@ fn held_pages_stay_until_unpinned_or_the_lease_ends() {
     }
     assert!(!s.contains(&key(0, 0)) && !s.contains(&key(1, 0)));
     assert_eq!(s.lease_stats(), (0, 0));
-    assert!(s.lease(&key(0, 0).0, 0, later, None).is_none(), "nothing cached, no lease");
+    assert!(
+        s.lease(&key(0, 0).0, 0, later, None).is_none(),
+        "nothing cached, no lease"
+    );
 }
