@@ -142,6 +142,10 @@ pub struct LocalArgs {
     pub fuse: FuseOpts,
 }
 
+fn tier(s: &str) -> Result<granary_worker::store::TierSpec, String> {
+    granary_worker::store::TierSpec::parse(s)
+}
+
 fn eviction(s: &str) -> Result<granary_worker::evict::PolicyKind, String> {
     granary_worker::evict::PolicyKind::parse(s).ok_or_else(|| {
         format!(
@@ -331,12 +335,21 @@ pub struct WorkerArgs {
     /// Address clients use to reach this worker [default: the listen address].
     #[arg(long, env = "GRANARY_ADVERTISE")]
     pub advertise: Option<String>,
-    /// Cache directory (block files and index).
+    /// Cache directory: the worker's id, and its cache (block files and index) unless
+    /// --tier gives the tiers.
     #[arg(long, env = "GRANARY_CACHE_DIR", required = true)]
     pub cache_dir: Option<PathBuf>,
-    /// Cache capacity, e.g. 10GiB, 512MiB or plain bytes.
-    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size, required = true)]
+    /// Cache capacity, e.g. 10GiB, 512MiB or plain bytes (one tier in --cache-dir).
+    #[arg(long, env = "GRANARY_CACHE_SIZE", value_parser = size, required_unless_present = "tier", conflicts_with = "tier")]
     pub cache_size: Option<u64>,
+    /// A cache tier, repeatable, fastest first whatever the order: mem:SIZE (tmpfs, in
+    /// /dev/shm/granary-<worker id>; mem:DIR:SIZE for another tmpfs), ssd:DIR:SIZE,
+    /// hdd:DIR:SIZE. New pages enter the fastest tier that admits them, evicted pages move
+    /// one tier down, pages read often move up. Instead of --cache-size.
+    ///
+    /// Example: --tier mem:8GiB --tier ssd:/nvme/granary:1TiB
+    #[arg(long, env = "GRANARY_TIERS", value_delimiter = ',', value_parser = tier)]
+    pub tier: Vec<granary_worker::store::TierSpec>,
     /// Page size: the unit fetched, checksummed and evicted.
     #[arg(long, env = "GRANARY_PAGE_SIZE", value_parser = size, default_value = "1MiB")]
     pub page_size: u64,

@@ -70,10 +70,19 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
-    let (Some(cache_dir), Some(cache_size)) = (a.cache_dir, a.cache_size) else {
-        anyhow::bail!("--cache-dir and --cache-size are required to run a worker");
+    let Some(cache_dir) = a.cache_dir else {
+        anyhow::bail!("--cache-dir is required to run a worker");
     };
-    let mut config = WorkerConfig::new(a.master.master, a.listen, cache_dir, cache_size);
+    if a.cache_size.is_none() && a.tier.is_empty() {
+        anyhow::bail!("--cache-size (or --tier) is required to run a worker");
+    }
+    let mut config = WorkerConfig::new(
+        a.master.master,
+        a.listen,
+        cache_dir,
+        a.cache_size.unwrap_or(0),
+    );
+    config.tiers = a.tier;
     config.advertise = a.advertise;
     config.page_size = a.page_size;
     config.metrics_listen = a.metrics_listen;

@@ -392,13 +392,17 @@ impl Worker {
             "127.0.0.1:0",
             "--cache-dir",
             &c,
-            "--cache-size",
-            cache_size,
+        ];
+        // An empty size: the tiers come in `extra` (--tier).
+        if !cache_size.is_empty() {
+            args.extend(["--cache-size", cache_size]);
+        }
+        args.extend([
             "--metrics-listen",
             "127.0.0.1:0",
             "--heartbeat-interval",
             "200ms",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let mut proc = Proc::spawn(name, root, &args)?;
         let line = proc.wait_for_line("listening on", Duration::from_secs(60))?;

@@ -828,3 +828,122 @@ fn short_circuit_reads_same_host_block_files_and_counts_them() {
         total as f64
     );
 }
+
+#[test]
+fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
+    let root = workdir();
+    let src = root.path().join("ufs");
+    for i in 0..10u64 {
+        random_file(&src.join(format!("f{i}.bin")), 4 * MIB + i * 1000).unwrap();
+    }
+    let total: u64 = (0..10u64).map(|i| 4 * MIB + i * 1000).sum();
+    let master = Master::start(root.path()).unwrap();
+    let cache = root.path().join("w1-cache");
+    let (ssd, hdd) = (root.path().join("ssd"), root.path().join("hdd"));
+    let ssd_tier = format!("ssd:{}:16MiB", ssd.display());
+    let hdd_tier = format!("hdd:{}:32MiB", hdd.display());
+    // mem: the default place, /dev/shm/granary-<worker id>; LRU, so every read of a lower
+    // tier moves the page up.
+    let flags = [
+        "--tier",
+        "mem:8MiB",
+        "--tier",
+        &hdd_tier,
+        "--tier",
+        &ssd_tier,
+        "--eviction",
+        "lru",
+    ];
+    let start = |name: &str| {
+        Worker::start_opts(root.path(), name, &master.addr, "", &cache, &flags).unwrap()
+    };
+    let mut w = start("w1");
+    let id = std::fs::read_to_string(cache.join("worker-id")).unwrap();
+    let mem_dir = PathBuf::from(format!("/dev/shm/granary-{}", id.trim()));
+    struct RemoveDir(PathBuf);
+    impl Drop for RemoveDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _mem_cleanup = RemoveDir(mem_dir.clone());
+    assert!(
+        mem_dir.join("blocks").is_dir(),
+        "no memory tier in {mem_dir:?}"
+    );
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local("/data", &src, &master.addr).unwrap();
+    // Over gRPC, so every read is the worker's (short-circuit reads do not promote).
+    let fuse = Fuse::start_opts(root.path(), "mnt", &master.addr, &["--no-short-circuit"]).unwrap();
+    let mnt = fuse.mountpoint.join("data");
+    let expected = tree_sums(&src).unwrap();
+    let tier = |w: &Worker, name: &str, t: &str| {
+        metric(
+            &scrape(&w.metrics).unwrap(),
+            &format!("{name}{{tier=\"{t}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let check_quotas = |w: &Worker| {
+        for (t, quota) in [("mem", 8 * MIB), ("ssd", 16 * MIB), ("hdd", 32 * MIB)] {
+            let used = tier(w, "granary_worker_tier_used_bytes", t);
+            assert!(used <= quota as f64, "{t} tier holds {used} > {quota}");
+            assert!(used > 0.0, "{t} tier is empty");
+            assert_eq!(
+                tier(w, "granary_worker_tier_capacity_bytes", t),
+                quota as f64
+            );
+        }
+    };
+
+    // 40 MiB through 8 + 16 + 32 MiB of tiers: pages move down, none leaves the cache.
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
+    check_quotas(&w);
+    assert!(tier(&w, "granary_worker_tier_demoted_pages_total", "mem") > 0.0);
+    assert!(tier(&w, "granary_worker_tier_demoted_pages_total", "ssd") > 0.0);
+    assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
+    assert_eq!(
+        metric(
+            &scrape(&w.metrics).unwrap(),
+            "granary_worker_dropped_pages_total{reason=\"capacity\"}"
+        ),
+        None,
+        "a page left the cache"
+    );
+
+    // Read again: all from the tiers, the ones below moving up.
+    drop_page_cache(&mnt).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(
+        w.metric("granary_worker_ufs_read_bytes_total"),
+        total as f64
+    );
+    assert!(tier(&w, "granary_worker_tier_promoted_pages_total", "hdd") > 0.0);
+    check_quotas(&w);
+
+    // A restarted worker finds its pages in every tier, the memory tier included.
+    w.proc.kill9().unwrap();
+    let w = start("w1-again");
+    assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
+    check_quotas(&w);
+    poll(
+        "the restarted worker to be live",
+        Duration::from_secs(30),
+        || {
+            let v = wait_live_workers(&master.addr, 1).ok()?;
+            v["workers"]
+                .as_array()?
+                .iter()
+                .any(|x| x["address"] == w.addr.as_str())
+                .then_some(())
+        },
+    )
+    .unwrap();
+    drop_page_cache(&mnt).unwrap();
+    assert_eq!(tree_sums(&mnt).unwrap(), expected);
+    assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), 0.0);
+}

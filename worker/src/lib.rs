@@ -47,8 +47,12 @@ pub struct WorkerConfig {
     pub listen: SocketAddr,
     /// Address given to the master for clients to reach (defaults to the bound address).
     pub advertise: Option<String>,
+    /// The worker's id file, and its cache when no tiers are given.
     pub cache_dir: PathBuf,
+    /// Capacity of the single tier in `cache_dir` (ignored when `tiers` are given).
     pub cache_size: u64,
+    /// Cache tiers (`--tier`); empty: one `ssd` tier in `cache_dir` of `cache_size`.
+    pub tiers: Vec<store::TierSpec>,
     pub page_size: u64,
     pub metrics_listen: Option<SocketAddr>,
     pub heartbeat_interval: Duration,
@@ -67,6 +71,7 @@ impl WorkerConfig {
             advertise: None,
             cache_dir,
             cache_size,
+            tiers: Vec::new(),
             page_size: granary_common::DEFAULT_PAGE_SIZE,
             metrics_listen: None,
             heartbeat_interval: Duration::from_secs(1),
@@ -82,6 +87,10 @@ impl WorkerConfig {
                 self.page_size
             )));
         }
+        if !self.tiers.is_empty() {
+            return store::tiers::validate_tiers(&self.tiers, self.page_size)
+                .map_err(WorkerError::Config);
+        }
         if self.cache_size < self.page_size {
             return Err(WorkerError::Config(format!(
                 "cache size {} is smaller than one page ({} bytes)",
@@ -90,13 +99,26 @@ impl WorkerConfig {
         }
         Ok(())
     }
+
+    /// The tiers this configuration asks for.
+    pub fn tier_specs(&self) -> Vec<store::TierSpec> {
+        if self.tiers.is_empty() {
+            vec![store::TierSpec {
+                kind: store::TierKind::Ssd,
+                dir: Some(self.cache_dir.clone()),
+                size: self.cache_size,
+            }]
+        } else {
+            self.tiers.clone()
+        }
+    }
 }
 
 pub struct RunningWorker {
     pub addr: SocketAddr,
     pub worker_id: u64,
     pub metrics_addr: Option<SocketAddr>,
-    pub store: Arc<store::PageStore>,
+    pub store: Arc<store::TieredStore>,
     pub registered: Arc<AtomicBool>,
     pub done: tokio::task::JoinHandle<Result<(), WorkerError>>,
 }
@@ -109,16 +131,17 @@ pub async fn start(
 ) -> Result<RunningWorker, WorkerError> {
     config.validate()?;
     let metrics = metrics::WorkerMetrics::register(&registry);
-    metrics.cache_capacity_bytes.set(config.cache_size as i64);
     let worker_id = store::worker_id(&config.cache_dir)?;
     let store = tokio::task::spawn_blocking({
-        let dir = config.cache_dir.clone();
+        let specs = config.tier_specs();
+        let mem_dir = PathBuf::from(format!("/dev/shm/granary-{worker_id}"));
         let m = metrics.clone();
-        let (cap, ps, policy) = (config.cache_size, config.page_size, config.eviction);
-        move || store::PageStore::open(&dir, cap, ps, policy, m)
+        let (ps, policy) = (config.page_size, config.eviction);
+        move || store::TieredStore::open(&specs, &mem_dir, ps, policy, m)
     })
     .await
     .map_err(|e| WorkerError::Config(format!("opening the cache panicked: {e}")))??;
+    metrics.cache_capacity_bytes.set(store.capacity as i64);
 
     let master =
         MasterClient::new(&config.master).map_err(|e| WorkerError::Config(e.to_string()))?;
@@ -182,7 +205,12 @@ pub async fn start(
             .await
             .map_err(|e| WorkerError::Serve(e.to_string()))
     });
-    tracing::info!(%addr, worker = worker_id, cache_dir = %config.cache_dir.display(), capacity = config.cache_size, "worker serving");
+    let tiers: Vec<String> = store
+        .tiers
+        .iter()
+        .map(|t| format!("{}={}", t.tier, t.capacity))
+        .collect();
+    tracing::info!(%addr, worker = worker_id, cache_dir = %config.cache_dir.display(), capacity = store.capacity, tiers = %tiers.join(","), "worker serving");
     Ok(RunningWorker {
         addr,
         worker_id,

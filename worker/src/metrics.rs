@@ -32,6 +32,20 @@ pub struct DropReason {
     pub reason: String,
 }
 
+/// A cache tier: `mem`, `ssd` or `hdd`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Tier {
+    pub tier: String,
+}
+
+impl Tier {
+    pub fn new(name: &str) -> Self {
+        Self {
+            tier: name.to_string(),
+        }
+    }
+}
+
 type Latency = Family<UfsOp, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -103,6 +117,13 @@ pub struct WorkerMetrics {
     pub cache_used_bytes: Gauge<i64, AtomicI64>,
     pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
     pub cache_pages: Gauge<i64, AtomicI64>,
+    pub tier_used_bytes: Family<Tier, Gauge>,
+    pub tier_capacity_bytes: Family<Tier, Gauge>,
+    pub tier_pages: Family<Tier, Gauge>,
+    /// Pages moved down a tier when evicted from the one above.
+    pub tier_demoted_pages: Family<Tier, Counter>,
+    /// Pages copied up to the top tier when read from a lower one.
+    pub tier_promoted_pages: Family<Tier, Counter>,
 }
 
 impl WorkerMetrics {
@@ -233,6 +254,31 @@ impl WorkerMetrics {
                 "granary_worker_cache_capacity_bytes",
                 "Cache capacity in bytes",
                 m.cache_capacity_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_tier_used_bytes",
+                "Bytes of cached pages per tier",
+                m.tier_used_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_tier_capacity_bytes",
+                "Capacity per tier",
+                m.tier_capacity_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_tier_pages",
+                "Cached pages per tier",
+                m.tier_pages.clone(),
+            );
+            r.register(
+                "granary_worker_tier_demoted_pages",
+                "Pages evicted from a tier and moved to the tier below it (labelled with the tier they left)",
+                m.tier_demoted_pages.clone(),
+            );
+            r.register(
+                "granary_worker_tier_promoted_pages",
+                "Pages read from a lower tier and moved up to the top tier (labelled with the tier they left)",
+                m.tier_promoted_pages.clone(),
             );
             r.register(
                 "granary_worker_cache_pages",

@@ -11,11 +11,11 @@ use granary_proto as pb;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::WorkerMetrics;
-use crate::store::PageStore;
+use crate::store::TieredStore;
 
 pub struct Heartbeat {
     pub master: MasterClient,
-    pub store: Arc<PageStore>,
+    pub store: Arc<TieredStore>,
     pub metrics: WorkerMetrics,
     pub worker_id: u64,
     pub address: String,

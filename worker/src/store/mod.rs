@@ -25,7 +25,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -90,6 +90,12 @@ struct Inner {
     leased: HashMap<PageKey, u32>,
     leased_bytes: u64,
     next_lease: u64,
+    /// (used bytes, pages) last added to the worker-wide gauges.
+    reported: (i64, i64),
+    /// Pages evicted and being moved to the tier below: still readable here (their bytes
+    /// stay in the block file) until the tier below has them, so a page is never in
+    /// neither tier.
+    moving: HashMap<PageKey, PageMeta>,
 }
 
 impl Inner {
@@ -189,6 +195,19 @@ pub struct PageStore {
     index: DB,
     inner: Mutex<Inner>,
     metrics: WorkerMetrics,
+    /// This tier's name in metrics (`mem`, `ssd`, `hdd`).
+    pub tier: String,
+    /// The tier below: evicted pages move there instead of leaving the cache.
+    lower: OnceLock<Arc<PageStore>>,
+}
+
+impl Drop for PageStore {
+    fn drop(&mut self) {
+        // Take this store's share out of the worker-wide gauges.
+        let (u, p) = self.lock().reported;
+        self.metrics.cache_used_bytes.dec_by(u);
+        self.metrics.cache_pages.dec_by(p);
+    }
 }
 
 fn io_err(path: &Path, source: std::io::Error) -> StoreError {
@@ -227,6 +246,18 @@ impl PageStore {
         policy: PolicyKind,
         metrics: WorkerMetrics,
     ) -> Result<Arc<Self>, StoreError> {
+        Self::open_tier("ssd", dir, capacity, page_size, policy, metrics)
+    }
+
+    /// Opens one tier of a tiered cache (`tier` names it in metrics).
+    pub fn open_tier(
+        tier: &str,
+        dir: &Path,
+        capacity: u64,
+        page_size: u64,
+        policy: PolicyKind,
+        metrics: WorkerMetrics,
+    ) -> Result<Arc<Self>, StoreError> {
         std::fs::create_dir_all(dir.join("blocks")).map_err(|e| io_err(dir, e))?;
         let mut opts = rocksdb::Options::default();
         opts.create_if_missing(true);
@@ -249,11 +280,38 @@ impl PageStore {
                 leased: HashMap::new(),
                 leased_bytes: 0,
                 next_lease: 1,
+                reported: (0, 0),
+                moving: HashMap::new(),
             }),
             metrics,
+            tier: tier.to_string(),
+            lower: OnceLock::new(),
         });
+        store
+            .metrics
+            .tier_capacity_bytes
+            .get_or_create(&crate::metrics::Tier::new(tier))
+            .set(capacity as i64);
         store.reload()?;
         Ok(store)
+    }
+
+    /// Makes evicted pages move to `lower` (the next tier) instead of leaving the cache.
+    pub fn set_lower(&self, lower: Arc<PageStore>) {
+        let _ = self.lower.set(lower);
+    }
+
+    /// Publishes used bytes and pages: this tier's gauges, and the change to the
+    /// worker-wide totals.
+    fn report(&self, inner: &mut Inner) {
+        let (u, p) = (inner.used as i64, inner.pages.len() as i64);
+        let (ru, rp) = inner.reported;
+        self.metrics.cache_used_bytes.inc_by(u - ru);
+        self.metrics.cache_pages.inc_by(p - rp);
+        inner.reported = (u, p);
+        let t = crate::metrics::Tier::new(&self.tier);
+        self.metrics.tier_used_bytes.get_or_create(&t).set(u);
+        self.metrics.tier_pages.get_or_create(&t).set(p);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -308,9 +366,8 @@ impl PageStore {
             v
         };
         self.finish_evictions(victims);
-        let inner = self.lock();
-        self.metrics.cache_used_bytes.set(inner.used as i64);
-        self.metrics.cache_pages.set(inner.pages.len() as i64);
+        let mut inner = self.lock();
+        self.report(&mut inner);
         tracing::info!(
             pages = inner.pages.len(),
             used = inner.used,
@@ -338,12 +395,27 @@ impl PageStore {
         self.lock().pages_per_block.keys().map(block_id).collect()
     }
 
+    pub fn block_keys(&self) -> Vec<BlockKey> {
+        self.lock().pages_per_block.keys().copied().collect()
+    }
+
+    pub fn has_block(&self, b: &BlockKey) -> bool {
+        self.lock().pages_per_block.contains_key(b)
+    }
+
     /// Takes the block-report deltas accumulated since the last call.
     pub fn take_deltas(&self) -> (Vec<pb::BlockId>, Vec<pb::BlockId>) {
+        let (added, removed) = self.take_delta_keys();
+        (
+            added.iter().map(block_id).collect(),
+            removed.iter().map(block_id).collect(),
+        )
+    }
+
+    /// [`take_deltas`](Self::take_deltas) as block keys.
+    pub fn take_delta_keys(&self) -> (Vec<BlockKey>, Vec<BlockKey>) {
         let mut i = self.lock();
-        let added = i.added.drain().map(|k| block_id(&k)).collect();
-        let removed = i.removed.drain().map(|k| block_id(&k)).collect();
-        (added, removed)
+        (i.added.drain().collect(), i.removed.drain().collect())
     }
 
     pub fn clear_deltas(&self) {
@@ -360,9 +432,16 @@ impl PageStore {
         inner.policy.would_admit(key, full)
     }
 
+    /// Records an access of a page that is not in this tier (admission frequency only).
+    pub fn record_access(&self, key: &PageKey) {
+        let mut inner = self.lock();
+        inner.policy.admit(key, true);
+    }
+
     /// Whether a page is cached (index only: no read, no recency update).
     pub fn contains(&self, key: &PageKey) -> bool {
-        self.lock().pages.contains_key(key)
+        let inner = self.lock();
+        inner.pages.contains_key(key) || inner.moving.contains_key(key)
     }
 
     /// Reads a cached page; `None` when absent or when it fails its checksum (then it is
@@ -370,9 +449,14 @@ impl PageStore {
     pub fn get(self: &Arc<Self>, key: &PageKey) -> Option<Bytes> {
         let meta = {
             let mut inner = self.lock();
-            let meta = *inner.pages.get(key)?;
-            inner.policy.touch(key);
-            meta
+            match inner.pages.get(key) {
+                Some(m) => {
+                    let m = *m;
+                    inner.policy.touch(key);
+                    m
+                }
+                None => *inner.moving.get(key)?,
+            }
         };
         let path = self.block_path(&key.0);
         // read_to_end fills spare capacity without zeroing it first.
@@ -603,10 +687,21 @@ impl PageStore {
     /// when the space cannot be freed (everything else is in flight): the caller serves the
     /// page without caching it.
     pub fn reserve(self: &Arc<Self>, key: &PageKey, len: u64) -> Option<Reservation> {
+        self.reserve_with(key, len, true)
+    }
+
+    /// [`reserve`](Self::reserve); `admit: false` skips the admission filter (a page
+    /// demoted from the tier above earned its place there).
+    pub fn reserve_with(
+        self: &Arc<Self>,
+        key: &PageKey,
+        len: u64,
+        admit: bool,
+    ) -> Option<Reservation> {
         if len > self.capacity {
             return None;
         }
-        {
+        if admit {
             let mut inner = self.lock();
             let full = inner.used + inner.reserved + len > self.capacity;
             if !inner.policy.admit(key, full) {
@@ -621,9 +716,15 @@ impl PageStore {
             if inner.used + inner.reserved + len > self.capacity {
                 inner.expire_leases(Instant::now());
             }
+            let demote = self.lower.get().is_some();
             while inner.used + inner.reserved + len > self.capacity {
                 match Self::evict_one(&mut inner) {
-                    Some(v) => victims.push(v),
+                    Some(v) => {
+                        if demote {
+                            inner.moving.insert(v.0, v.1);
+                        }
+                        victims.push(v)
+                    }
                     None => break,
                 }
             }
@@ -642,9 +743,71 @@ impl PageStore {
         })
     }
 
-    /// Releases the disk space and index records of evicted pages.
+    /// Releases the disk space and index records of evicted pages, first moving each to the
+    /// tier below when there is one (and it makes room for it).
     fn finish_evictions(&self, victims: Vec<(PageKey, PageMeta, bool)>) {
-        self.remove_pages(victims, "capacity");
+        let Some(lower) = self.lower.get() else {
+            return self.remove_pages(victims, "capacity");
+        };
+        let (mut moved, mut dropped) = (Vec::new(), Vec::new());
+        for v in victims {
+            let ok = self
+                .read_page(&v.0, &v.1)
+                .and_then(|data| {
+                    let r = lower.reserve_with(&v.0, data.len() as u64, false)?;
+                    lower.commit(r, v.0, &data).ok()
+                })
+                .is_some();
+            if ok {
+                moved.push(v);
+            } else {
+                dropped.push(v);
+            }
+        }
+        {
+            let mut inner = self.lock();
+            for v in moved.iter().chain(&dropped) {
+                inner.moving.remove(&v.0);
+            }
+        }
+        self.remove_pages(moved, "demoted");
+        self.remove_pages(dropped, "capacity");
+    }
+
+    /// The bytes of a page just taken out of the index (for demotion); `None` when they
+    /// cannot be read or fail their checksum.
+    fn read_page(&self, key: &PageKey, meta: &PageMeta) -> Option<Vec<u8>> {
+        let f = File::open(self.block_path(&key.0)).ok()?;
+        let mut buf = vec![0u8; meta.len as usize];
+        f.read_exact_at(&mut buf, u64::from(key.1) * self.page_size)
+            .ok()?;
+        (crc32c::crc32c(&buf) == meta.crc).then_some(buf)
+    }
+
+    /// Starts moving a page to another tier: it leaves this tier's accounting but stays
+    /// readable here until [`finish_move`](Self::finish_move). Held pages do not move.
+    pub fn begin_move(&self, key: &PageKey) -> bool {
+        let mut inner = self.lock();
+        if inner.held(key) || inner.moving.contains_key(key) {
+            return false;
+        }
+        match Self::take_page(&mut inner, key) {
+            Some((meta, _)) => {
+                inner.moving.insert(*key, meta);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Ends a move: `Some(reason)` frees the page's bytes here (`promoted` when it reached
+    /// its new tier, `capacity` when it could go nowhere); `None` keeps them (the page was
+    /// put back into this tier).
+    pub fn finish_move(&self, key: &PageKey, reason: Option<&str>) {
+        let meta = self.lock().moving.remove(key);
+        if let (Some(meta), Some(reason)) = (meta, reason) {
+            self.remove_pages(vec![(*key, meta, true)], reason);
+        }
     }
 
     /// Deletes removed pages from the index and the disk (punching them out of their block
@@ -652,19 +815,37 @@ impl PageStore {
     /// `reason` labels `granary_worker_dropped_pages_total`: `capacity` (evicted to make
     /// room), `stale` (a new version of the file), `corrupt` (failed its checksum or could
     /// not be read).
+    /// `demoted` and `promoted` pages moved to another tier: counted as such
+    /// (`granary_worker_tier_{demoted,promoted}_pages_total`), not as dropped.
     fn remove_pages(&self, victims: Vec<(PageKey, PageMeta, bool)>, reason: &str) {
+        if victims.is_empty() {
+            return;
+        }
         let label = crate::metrics::DropReason {
             reason: reason.to_string(),
         };
+        let tier = crate::metrics::Tier::new(&self.tier);
         for (key, meta, block_gone) in victims {
-            if reason != "stale" {
-                self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
+            match reason {
+                "demoted" => {
+                    self.metrics.tier_demoted_pages.get_or_create(&tier).inc();
+                }
+                "promoted" => {
+                    self.metrics.tier_promoted_pages.get_or_create(&tier).inc();
+                }
+                _ => {
+                    if reason != "stale" {
+                        self.metrics.evicted_bytes.inc_by(u64::from(meta.len));
+                    }
+                    self.metrics.dropped_pages.get_or_create(&label).inc();
+                }
             }
-            self.metrics.dropped_pages.get_or_create(&label).inc();
             if let Err(e) = self.index.delete(index_key(&key)) {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }
             let path = self.block_path(&key.0);
+            // A page of the block cached again since it emptied keeps the file.
+            let block_gone = block_gone && !self.lock().pages_per_block.contains_key(&key.0);
             if block_gone {
                 if let Err(e) = std::fs::remove_file(&path) {
                     if e.kind() != std::io::ErrorKind::NotFound {
@@ -686,9 +867,8 @@ impl PageStore {
                 }
             }
         }
-        let inner = self.lock();
-        self.metrics.cache_used_bytes.set(inner.used as i64);
-        self.metrics.cache_pages.set(inner.pages.len() as i64);
+        let mut inner = self.lock();
+        self.report(&mut inner);
     }
 
     /// Writes a filled page into its reservation and indexes it.
@@ -745,8 +925,7 @@ impl PageStore {
             }
         }
         inner.used += u64::from(meta.len);
-        self.metrics.cache_used_bytes.set(inner.used as i64);
-        self.metrics.cache_pages.set(inner.pages.len() as i64);
+        self.report(&mut inner);
         Ok(())
     }
 }
@@ -790,6 +969,10 @@ pub fn worker_id(dir: &Path) -> Result<u64, StoreError> {
 pub fn parse_block_file(name: &str) -> Option<BlockKey> {
     parse_block_name(name).map(|b| block_key(&b))
 }
+
+pub mod tiers;
+
+pub use tiers::{TierKind, TierSpec, TieredStore};
 
 #[cfg(test)]
 mod tests;

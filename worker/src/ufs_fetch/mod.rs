@@ -22,7 +22,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tonic::transport::Channel;
 
 use crate::metrics::{UfsMetrics, WorkerMetrics};
-use crate::store::{BlockKey, PageKey, PageStore};
+use crate::store::{BlockKey, PageKey, TieredStore};
 
 /// Read-ahead parts in flight at most, across all readers of this worker.
 pub const PREFETCH_IN_FLIGHT: usize = 32;
@@ -161,7 +161,7 @@ pub struct Fetcher {
     worker_id: u64,
     /// Channels to other workers, for filling from a peer.
     peers: Mutex<HashMap<String, WorkerServiceClient<Channel>>>,
-    pub store: Arc<PageStore>,
+    pub store: Arc<TieredStore>,
     metrics: WorkerMetrics,
 }
 
@@ -240,7 +240,7 @@ impl Drop for Run {
 }
 
 impl Fetcher {
-    pub fn new(master: MasterClient, store: Arc<PageStore>, metrics: WorkerMetrics) -> Self {
+    pub fn new(master: MasterClient, store: Arc<TieredStore>, metrics: WorkerMetrics) -> Self {
         Self {
             prefetch_slots: Arc::new(Semaphore::new(PREFETCH_IN_FLIGHT)),
             master,

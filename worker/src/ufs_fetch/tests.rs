@@ -2,6 +2,7 @@
 //! version checks, counted by the fetcher's own request metrics.
 
 use super::*;
+use crate::store::PageStore;
 use object_store::memory::InMemory;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -35,7 +36,7 @@ async fn rig(object: &[u8], part_pages: u64, concurrency: usize) -> Rig {
         .unwrap();
     let fetcher = Arc::new(Fetcher::new(
         MasterClient::new("127.0.0.1:1").unwrap(),
-        pages,
+        TieredStore::single(pages),
         metrics.clone(),
     ));
     fetcher.stores.insert(

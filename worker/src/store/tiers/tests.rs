@@ -1,0 +1,256 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const PAGE: u64 = 512;
+
+fn key(inode: u64, page: u32) -> PageKey {
+    ((inode, 1, 0), page)
+}
+
+fn specs(root: &Path, pages: [u64; 3]) -> Vec<TierSpec> {
+    [TierKind::Hdd, TierKind::Mem, TierKind::Ssd]
+        .into_iter()
+        .zip([pages[2], pages[0], pages[1]])
+        .map(|(kind, n)| TierSpec {
+            kind,
+            dir: Some(root.join(kind.name())),
+            size: n * PAGE,
+        })
+        .collect()
+}
+
+fn open(root: &Path, pages: [u64; 3], policy: PolicyKind) -> Arc<TieredStore> {
+    TieredStore::open(
+        &specs(root, pages),
+        &root.join("unused"),
+        PAGE,
+        policy,
+        WorkerMetrics::default(),
+    )
+    .unwrap()
+}
+
+fn fill(s: &TieredStore, k: PageKey, data: &[u8]) -> bool {
+    match s.reserve(&k, data.len() as u64) {
+        Some(r) => {
+            s.commit(r, k, data).unwrap();
+            true
+        }
+        None => false,
+    }
+}
+
+#[test]
+fn tier_specs_parse_and_bad_ones_are_refused() {
+    assert_eq!(
+        TierSpec::parse("mem:8GiB").unwrap(),
+        TierSpec {
+            kind: TierKind::Mem,
+            dir: None,
+            size: 8 << 30
+        }
+    );
+    assert_eq!(
+        TierSpec::parse("ssd:/nvme/a:b:100MiB").unwrap(),
+        TierSpec {
+            kind: TierKind::Ssd,
+            dir: Some(PathBuf::from("/nvme/a:b")),
+            size: 100 << 20
+        }
+    );
+    for bad in [
+        "ssd:10GiB",
+        "tape:/x:1GiB",
+        "mem",
+        "hdd:/d:lots",
+        "ssd::1GiB",
+    ] {
+        assert!(TierSpec::parse(bad).is_err(), "{bad} was accepted");
+    }
+    let two_ssd = [
+        TierSpec::parse("ssd:/a:1MiB").unwrap(),
+        TierSpec::parse("ssd:/b:1MiB").unwrap(),
+    ];
+    assert!(validate_tiers(&two_ssd, 4096).is_err());
+    assert!(validate_tiers(&[TierSpec::parse("mem:1KiB").unwrap()], 4096).is_err());
+}
+
+#[test]
+fn evictions_move_down_and_hot_pages_move_up() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), [2, 3, 4], PolicyKind::Lru);
+    assert_eq!(s.capacity, 9 * PAGE);
+    for i in 0..9u64 {
+        assert!(fill(&s, key(i, 0), &[i as u8; PAGE as usize]));
+    }
+    // Newest two in memory, the next three on ssd, the oldest four on hdd: nothing lost.
+    let holds = |t: usize, i: u64| s.tiers[t].contains(&key(i, 0));
+    assert!((7..9).all(|i| holds(0, i)));
+    assert!((4..7).all(|i| holds(1, i)));
+    assert!((0..4).all(|i| holds(2, i)));
+    assert_eq!(s.page_count(), 9);
+    // Reading an hdd page brings it to the top; the top's oldest moves down.
+    assert_eq!(s.get(&key(0, 0)).unwrap()[0], 0);
+    assert!(holds(0, 0) && !holds(2, 0));
+    assert!(holds(1, 7));
+    assert_eq!(s.page_count(), 9);
+    // One more page: the bottom tier's oldest finally leaves.
+    assert!(fill(&s, key(9, 0), &[9; PAGE as usize]));
+    assert_eq!(s.page_count(), 9);
+    assert!(!s.contains(&key(1, 0)));
+    for t in &s.tiers {
+        assert!(t.used_and_reserved() <= t.capacity);
+    }
+}
+
+#[test]
+fn a_block_moving_between_tiers_is_not_reported_removed() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), [1, 1, 1], PolicyKind::Lru);
+    assert!(fill(&s, key(1, 0), &[1; PAGE as usize]));
+    s.clear_deltas();
+    assert!(fill(&s, key(2, 0), &[2; PAGE as usize])); // key 1 moves to ssd
+    let (added, removed) = s.take_deltas();
+    assert!(added.iter().any(|b| b.inode == 2));
+    assert!(removed.is_empty(), "{removed:?}");
+}
+
+#[test]
+fn leases_come_from_the_tier_holding_the_page() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), [4, 4, 4], PolicyKind::Lru);
+    for i in 1..=5 {
+        assert!(fill(&s, key(i, 0), &[i as u8; PAGE as usize])); // key 1 ends on ssd
+    }
+    let later = Instant::now() + std::time::Duration::from_secs(60);
+    let l = s.lease(&key(1, 0).0, 0, later, None).unwrap();
+    assert_eq!(l.path, s.tiers[1].block_path(&key(1, 0).0));
+    assert_eq!(s.lease_stats(), (1, PAGE));
+    s.release(l.id);
+    assert_eq!(s.lease_stats(), (0, 0));
+    let m = s.lease(&key(5, 0).0, 0, later, None).unwrap();
+    assert_eq!(m.path, s.tiers[0].block_path(&key(5, 0).0));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Fill(u64, u32, u64, u8),
+    Read(u64, u32),
+    Pin(u64),
+    Unpin(u64),
+    DropStale(u64),
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0..4u64, 0..4u32, 1..=PAGE, any::<u8>()).prop_map(|(i, p, l, b)| Op::Fill(i, p, l, b)),
+        5 => (0..4u64, 0..4u32).prop_map(|(i, p)| Op::Read(i, p)),
+        1 => (0..4u64).prop_map(Op::Pin),
+        1 => (0..4u64).prop_map(Op::Unpin),
+        1 => (0..4u64).prop_map(Op::DropStale),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+/// Three tiers of 2, 3 and 4 pages under random fills, reads (promotions), pins, stale drops
+/// and reopen: no tier ever exceeds its quota, every cached page reads back as written, a
+/// pinned page never leaves, and while everything ever written fits in the tiers together
+/// nothing has left the cache (evictions only move pages down).
+fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let d = tempfile::tempdir().unwrap();
+    let pages = [2, 3, 4];
+    let mut s = open(d.path(), pages, policy);
+    let mut model: HashMap<PageKey, Vec<u8>> = HashMap::new();
+    let mut pinned: HashSet<u64> = HashSet::new();
+    for op in ops {
+        let pinned_before: Vec<PageKey> = model
+            .keys()
+            .filter(|k| pinned.contains(&k.0 .0) && s.contains(k))
+            .copied()
+            .collect();
+        let mut dropped_inode = None;
+        match op {
+            Op::Fill(i, p, len, byte) => {
+                let k = key(i, p);
+                if !s.contains(&k) {
+                    let data = vec![byte; len as usize];
+                    if fill(&s, k, &data) {
+                        model.insert(k, data);
+                    }
+                }
+            }
+            Op::Read(i, p) => {
+                let k = key(i, p);
+                if let Some(b) = s.get(&k) {
+                    prop_assert_eq!(Some(&b[..]), model.get(&k).map(Vec::as_slice));
+                }
+            }
+            Op::Pin(i) => {
+                s.pin(i);
+                pinned.insert(i);
+            }
+            Op::Unpin(i) => {
+                s.unpin(i);
+                pinned.remove(&i);
+            }
+            Op::DropStale(i) => {
+                s.drop_stale(i, 0);
+                model.retain(|k, _| k.0 .0 != i);
+                dropped_inode = Some(i);
+            }
+            Op::Reopen => {
+                drop(s);
+                s = open(d.path(), pages, policy);
+                pinned.clear();
+            }
+        }
+        for (t, n) in s.tiers.iter().zip(pages) {
+            prop_assert!(
+                t.used_and_reserved() <= n * PAGE,
+                "tier {} over quota",
+                t.tier
+            );
+            let used: u64 = model
+                .iter()
+                .filter(|(k, _)| t.contains(k))
+                .map(|(_, v)| v.len() as u64)
+                .sum();
+            prop_assert_eq!(t.used(), used, "tier {} accounting", t.tier);
+        }
+        for (k, v) in &model {
+            if s.contains(k) {
+                let got = s.get(k);
+                prop_assert_eq!(got.as_deref(), Some(v.as_slice()), "page {:?}", k);
+            }
+        }
+        for k in pinned_before {
+            if dropped_inode != Some(k.0 .0) {
+                prop_assert!(s.contains(&k), "pinned page {:?} left the cache", k);
+            }
+        }
+        if model.len() as u64 <= pages.iter().sum::<u64>() && pinned.is_empty() {
+            for k in model.keys() {
+                prop_assert!(s.contains(k), "page {:?} left a cache it fits in", k);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn lru_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60)) {
+        run(PolicyKind::Lru, ops)?;
+    }
+
+    #[test]
+    fn lfu_admission_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60)) {
+        run(PolicyKind::LfuAdmission, ops)?;
+    }
+}
