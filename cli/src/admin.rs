@@ -279,7 +279,11 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         .collect();
     let cap: u64 = stats.iter().map(|s| s.capacity_bytes).sum();
     let used: u64 = stats.iter().map(|s| s.used_bytes).sum();
-    let hit: u64 = stats.iter().map(|s| s.cache_hit_bytes).sum();
+    // Short-circuit reads are cache hits that bypassed the workers' gRPC service.
+    let hit: u64 = stats
+        .iter()
+        .map(|s| s.cache_hit_bytes + s.short_circuit_bytes)
+        .sum();
     let miss: u64 = stats.iter().map(|s| s.cache_miss_bytes).sum();
     let ufs: u64 = stats.iter().map(|s| s.ufs_read_bytes).sum();
     let ratio = if hit + miss > 0 {
@@ -305,6 +309,11 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
                     "cache_hit_bytes": s.cache_hit_bytes, "cache_miss_bytes": s.cache_miss_bytes,
                     "ufs_read_bytes": s.ufs_read_bytes, "ufs_requests": s.ufs_requests,
                     "evicted_bytes": s.evicted_bytes,
+                    "short_circuit_bytes": s.short_circuit_bytes,
+                    "peer_served_bytes": s.peer_served_bytes,
+                    "tiers": s.tiers.iter().map(|t| json!({
+                        "tier": t.tier, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+                    })).collect::<Vec<_>>(),
                 })
             }).collect::<Vec<_>>(),
             "capacity_bytes": cap,
@@ -341,6 +350,21 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
             w.block_count,
             w.last_heartbeat_ms_ago
         );
+        if s.tiers.len() > 1 {
+            let tiers: Vec<String> = s
+                .tiers
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{} {} of {}",
+                        t.tier,
+                        format_size(t.used_bytes),
+                        format_size(t.capacity_bytes)
+                    )
+                })
+                .collect();
+            println!("  {:<20} tiers: {}", "", tiers.join(", "));
+        }
     }
     println!(
         "Capacity: {} used of {}",

@@ -915,6 +915,21 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
         "a page left the cache"
     );
 
+    // The report shows each tier of the worker.
+    poll(
+        "the report to show the tiers",
+        Duration::from_secs(10),
+        || {
+            let out = granary_ok(&["report", "--json", "--master", &master.addr]).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+            let tiers = v["workers"][0]["tiers"].as_array()?.clone();
+            let names: Vec<&str> = tiers.iter().filter_map(|t| t["tier"].as_str()).collect();
+            let used: u64 = tiers.iter().filter_map(|t| t["used_bytes"].as_u64()).sum();
+            (names == ["mem", "ssd", "hdd"] && used == total).then_some(())
+        },
+    )
+    .unwrap();
+
     // Read again: all from the tiers, the ones below moving up.
     drop_page_cache(&mnt).unwrap();
     assert_eq!(tree_sums(&mnt).unwrap(), expected);

@@ -34,11 +34,18 @@ impl Heartbeat {
             ufs_read_bytes: m.ufs_read_bytes.get(),
             ufs_requests: m.ufs_requests.get(),
             evicted_bytes: m.evicted_bytes.get(),
-            tiers: vec![pb::TierUsage {
-                tier: "ssd".into(),
-                capacity_bytes: self.store.capacity,
-                used_bytes: self.store.used(),
-            }],
+            tiers: self
+                .store
+                .tiers
+                .iter()
+                .map(|t| pb::TierUsage {
+                    tier: t.tier.clone(),
+                    capacity_bytes: t.capacity,
+                    used_bytes: t.used(),
+                })
+                .collect(),
+            short_circuit_bytes: m.short_circuit_bytes.get(),
+            peer_served_bytes: m.peer_served_bytes.get(),
         }
     }
 
