@@ -108,6 +108,11 @@ pub struct FuseOpts {
     /// the same path and the same node name (GRANARY_NODE_NAME, else the hostname).
     #[arg(long, env = "GRANARY_NO_SHORT_CIRCUIT")]
     pub no_short_circuit: bool,
+    /// Never open files in FUSE passthrough mode. By default a file that is one block,
+    /// wholly cached on this node's worker, is opened in passthrough (Linux 6.9+, root): the
+    /// kernel reads the worker's block file directly and the daemon sees no reads.
+    #[arg(long, env = "GRANARY_NO_PASSTHROUGH")]
+    pub no_passthrough: bool,
     /// The node this client runs on: it reads block files directly only from workers that
     /// report the same node name [default: the hostname].
     #[arg(long, env = "GRANARY_NODE_NAME")]

@@ -44,6 +44,25 @@ pub struct ReadStats {
 
 /// How often bytes read by short-circuit are reported to their workers.
 const SHORT_CIRCUIT_REPORT_EVERY: Duration = Duration::from_secs(2);
+/// Lease of a file open in passthrough mode, and how often it is renewed.
+const PASSTHROUGH_HOLD: Duration = Duration::from_secs(60);
+const PASSTHROUGH_RENEW: Duration = Duration::from_secs(20);
+
+/// A file opened for FUSE passthrough: hand `file` to the kernel, call
+/// [`FileSystem::close_passthrough`] with `handle` when it is closed.
+pub struct PassthroughFile {
+    pub file: std::fs::File,
+    pub handle: u64,
+}
+
+/// The lease of a file open in passthrough mode.
+#[derive(Clone)]
+struct Held {
+    worker: pb::WorkerInfo,
+    block: pb::BlockId,
+    lease_id: u64,
+    renewed: Instant,
+}
 
 pub struct FileSystem {
     pub master: MasterClient,
@@ -51,6 +70,8 @@ pub struct FileSystem {
     ufs: MountStores,
     pub metrics: ClientMetrics,
     pub short_circuit: ShortCircuit,
+    held: Mutex<HashMap<u64, Held>>,
+    next_held: std::sync::atomic::AtomicU64,
     /// Sequential readers: inode → (end of its last read, next block already warmed).
     sequential: Mutex<HashMap<u64, (u64, u64)>>,
     pub read_timeout: Duration,
@@ -86,6 +107,8 @@ impl FileSystem {
             ufs: MountStores::default(),
             metrics: ClientMetrics::default(),
             short_circuit: ShortCircuit::new(granary_common::node_name()),
+            held: Mutex::new(HashMap::new()),
+            next_held: std::sync::atomic::AtomicU64::new(1),
             sequential: Mutex::new(HashMap::new()),
             read_timeout: DEFAULT_READ_TIMEOUT,
         });
@@ -96,6 +119,7 @@ impl FileSystem {
                     tokio::time::sleep(SHORT_CIRCUIT_REPORT_EVERY).await;
                     let Some(fs) = weak.upgrade() else { break };
                     fs.report_short_circuit().await;
+                    fs.renew_passthrough().await;
                 }
             });
         }
@@ -520,6 +544,23 @@ impl FileSystem {
         first_page: u32,
         replaces: Option<u64>,
     ) -> Option<Arc<LocalLease>> {
+        let l = self
+            .ask_lease(w, id, first_page, replaces, 0, false)
+            .await?;
+        self.short_circuit.keep(id, l.clone());
+        Some(l)
+    }
+
+    /// Asks `w` for a lease (see [`crate::local`]) and opens the block file.
+    async fn ask_lease(
+        &self,
+        w: &pb::WorkerInfo,
+        id: &pb::BlockId,
+        first_page: u32,
+        replaces: Option<u64>,
+        hold_ms: u64,
+        whole_block: bool,
+    ) -> Option<Arc<LocalLease>> {
         let mut client = self.worker_client(&w.address).ok()?;
         let bytes_read = self.short_circuit.take_unreported(w.worker_id);
         let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
@@ -527,6 +568,8 @@ impl FileSystem {
             bytes_read,
             first_page,
             release_lease: replaces.unwrap_or(0),
+            hold_ms,
+            whole_block,
         });
         req.set_timeout(LEASE_TIMEOUT);
         let sent = Instant::now();
@@ -551,16 +594,123 @@ impl FileSystem {
         };
         match LocalLease::open(w.worker_id, &r, sent) {
             Ok(l) => {
-                let l = Arc::new(l);
                 self.short_circuit.set_page_size(r.page_size);
                 self.metrics.short_circuit_leases.inc();
-                self.short_circuit.keep(id, l.clone());
-                Some(l)
+                Some(Arc::new(l))
             }
             Err(e) => {
                 tracing::info!(worker = w.worker_id, path = %r.path, error = %e, "cannot open a same-host worker's block file; reading from it over gRPC");
                 self.short_circuit.mark_not_local(w.worker_id);
                 None
+            }
+        }
+    }
+
+    /// A file to open in FUSE passthrough mode: when it is one block, wholly cached in one
+    /// tier of a worker on this node, leases that block file for as long as the file stays
+    /// open (renewed in the background until [`close_passthrough`](Self::close_passthrough))
+    /// after checking every page's CRC32C. The kernel then reads the block file itself: no
+    /// daemon, no checksums on the way (see docs/semantics.md).
+    pub async fn open_passthrough(&self, file: &pb::FileStatus) -> Option<PassthroughFile> {
+        let bs = if file.block_size == 0 {
+            granary_common::DEFAULT_BLOCK_SIZE
+        } else {
+            file.block_size
+        };
+        if file.length == 0 || file.length > bs || file.kind != pb::FileKind::File as i32 {
+            return None;
+        }
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index: 0,
+        };
+        let workers = self.live_workers().await;
+        let w = order_workers(&id, &workers)
+            .into_iter()
+            .find(|w| self.short_circuit.applies_to(w))?;
+        let lease = self
+            .ask_lease(&w, &id, 0, None, PASSTHROUGH_HOLD.as_millis() as u64, true)
+            .await?;
+        let release = |l: &LocalLease| {
+            self.spawn_release(w.clone(), l.id);
+        };
+        let len = file.length;
+        let checked = {
+            let l = lease.clone();
+            tokio::task::spawn_blocking(move || l.verify_whole(len))
+                .await
+                .ok()
+                .flatten()
+        };
+        let Some(f) = checked else {
+            release(&lease);
+            return None;
+        };
+        let handle = self
+            .next_held
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.held).insert(
+            handle,
+            Held {
+                worker: w,
+                block: id,
+                lease_id: lease.id,
+                renewed: Instant::now(),
+            },
+        );
+        self.metrics.passthrough_opens.inc();
+        Some(PassthroughFile { file: f, handle })
+    }
+
+    /// The file opened by [`open_passthrough`](Self::open_passthrough) was closed: its
+    /// lease ends.
+    pub fn close_passthrough(&self, handle: u64) {
+        if let Some(h) = lock(&self.held).remove(&handle) {
+            self.spawn_release(h.worker, h.lease_id);
+        }
+    }
+
+    fn spawn_release(&self, w: pb::WorkerInfo, lease_id: u64) {
+        let Ok(mut client) = self.worker_client(&w.address) else {
+            return;
+        };
+        tokio::spawn(async move {
+            let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
+                release_lease: lease_id,
+                ..Default::default()
+            });
+            req.set_timeout(LEASE_TIMEOUT);
+            let _ = client.lease_local_block(req).await;
+        });
+    }
+
+    /// Renews the leases of files open in passthrough mode that are due.
+    async fn renew_passthrough(&self) {
+        let due: Vec<(u64, Held)> = lock(&self.held)
+            .iter()
+            .filter(|(_, h)| h.renewed.elapsed() >= PASSTHROUGH_RENEW)
+            .map(|(k, h)| (*k, h.clone()))
+            .collect();
+        for (handle, h) in due {
+            let hold = PASSTHROUGH_HOLD.as_millis() as u64;
+            match self
+                .ask_lease(&h.worker, &h.block, 0, Some(h.lease_id), hold, true)
+                .await
+            {
+                Some(l) => {
+                    if let Some(e) = lock(&self.held).get_mut(&handle) {
+                        e.lease_id = l.id;
+                        e.renewed = Instant::now();
+                    } else {
+                        self.spawn_release(h.worker.clone(), l.id); // closed meanwhile
+                    }
+                }
+                None => tracing::warn!(
+                    worker = h.worker.worker_id,
+                    inode = h.block.inode,
+                    "cannot renew the lease of a file open in passthrough mode"
+                ),
             }
         }
     }

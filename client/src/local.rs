@@ -165,6 +165,28 @@ impl LocalLease {
     }
 }
 
+impl LocalLease {
+    /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
+    /// 0, that the block file is exactly that long, and every page's CRC32C (blocking I/O).
+    /// Returns a descriptor of the block file.
+    pub fn verify_whole(&self, len: u64) -> Option<File> {
+        let ps = self.page_size;
+        let n = len.div_ceil(ps);
+        let held: u64 = (0..n)
+            .map(|p| u32::try_from(p).ok().and_then(|i| self.pages.get(&i)))
+            .map(|m| m.map_or(0, |(l, _)| u64::from(*l)))
+            .sum();
+        if held != len || self.file.metadata().ok()?.len() != len {
+            return None;
+        }
+        for p in 0..n {
+            let from = p * ps;
+            self.read(from, ps.min(len - from)).ok()?;
+        }
+        self.file.try_clone().ok()
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,

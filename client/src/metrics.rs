@@ -21,6 +21,7 @@ pub struct ClientMetrics {
     pub read_bytes: Family<ReadSource, Counter>,
     pub worker_failures: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
+    pub passthrough_opens: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -40,6 +41,11 @@ impl ClientMetrics {
                 "granary_client_short_circuit_leases",
                 "Short-circuit leases taken from same-host workers",
                 self.short_circuit_leases.clone(),
+            );
+            r.register(
+                "granary_client_passthrough_opens",
+                "Files opened in FUSE passthrough mode (the kernel reads a worker's block file; the daemon sees no reads)",
+                self.passthrough_opens.clone(),
             );
         }
     }

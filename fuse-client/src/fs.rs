@@ -2,20 +2,26 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
 use granary_client::FileSystem;
 use granary_proto as pb;
 
 use crate::error::errno;
 use crate::FuseConfig;
+
+struct Backing {
+    version: u64,
+    id: Arc<BackingId>,
+    opens: usize,
+}
 
 /// One entry of an open directory's snapshot: inode, type, name.
 type DirEntry = (u64, FileType, String);
@@ -37,6 +43,14 @@ pub struct GranaryFs {
     /// The version of each file at its last open: an open that finds the same version keeps
     /// the kernel's page cache of the file (`FOPEN_KEEP_CACHE`); a new version drops it.
     opened: Arc<Mutex<HashMap<u64, u64>>>,
+    /// Passthrough asked for and granted by the kernel at mount.
+    passthrough: Arc<AtomicBool>,
+    passthrough_wanted: bool,
+    /// The kernel's backing file of each inode open in passthrough mode (one per inode, as
+    /// the kernel requires), its version and how many handles use it.
+    backings: Arc<Mutex<HashMap<u64, Backing>>>,
+    /// Open handles in passthrough mode: fh → (inode, client lease handle).
+    passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
     dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
 }
 
@@ -71,6 +85,10 @@ impl GranaryFs {
             next_fh: AtomicU64::new(1),
             files: Arc::new(Mutex::new(HashMap::new())),
             opened: Arc::new(Mutex::new(HashMap::new())),
+            passthrough: Arc::new(AtomicBool::new(false)),
+            passthrough_wanted: config.passthrough,
+            backings: Arc::new(Mutex::new(HashMap::new())),
+            passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
             dirs: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -116,6 +134,18 @@ impl Filesystem for GranaryFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let _ = config.set_max_readahead(MAX_IO);
         let _ = config.set_max_write(MAX_IO);
+        if self.passthrough_wanted {
+            match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+                Ok(()) => {
+                    let _ = config.set_max_stack_depth(1);
+                    self.passthrough.store(true, Ordering::Relaxed);
+                    tracing::info!("FUSE passthrough on: fully cached files on this node's worker bypass the daemon");
+                }
+                Err(_) => tracing::info!(
+                    "the kernel offers no FUSE passthrough (Linux 6.9+); reads go through the daemon"
+                ),
+            }
+        }
         Ok(())
     }
 
@@ -162,10 +192,26 @@ impl Filesystem for GranaryFs {
         let files = self.files.clone();
         let opened = self.opened.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let pt = Passthrough {
+            on: self.passthrough.clone(),
+            backings: self.backings.clone(),
+            fhs: self.passthrough_fhs.clone(),
+        };
         self.rt.spawn(async move {
             match client.open_inode(ino.0).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
+                    let reply = if pt.on.load(Ordering::Relaxed) {
+                        match pt.try_open(&client, &s, fh, reply).await {
+                            Some(r) => r,
+                            None => {
+                                lock(&files).insert(fh, Arc::new(s));
+                                return;
+                            }
+                        }
+                    } else {
+                        reply
+                    };
                     let same = {
                         let mut o = lock(&opened);
                         if o.len() >= OPENED_TRACKED && !o.contains_key(&s.inode) {
@@ -229,6 +275,19 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         lock(&self.files).remove(&fh.0);
+        if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {
+            {
+                let _rt = self.rt.enter(); // the lease release is sent from a task
+                self.client.close_passthrough(handle);
+            }
+            let mut b = lock(&self.backings);
+            if let Some(e) = b.get_mut(&inode) {
+                e.opens -= 1;
+                if e.opens == 0 {
+                    b.remove(&inode); // closes the kernel's backing file
+                }
+            }
+        }
         reply.ok();
     }
 
@@ -360,5 +419,65 @@ impl Filesystem for GranaryFs {
         reply: ReplyAttr,
     ) {
         reply.error(Errno::EROFS);
+    }
+}
+
+/// What an open needs to try passthrough.
+struct Passthrough {
+    on: Arc<AtomicBool>,
+    backings: Arc<Mutex<HashMap<u64, Backing>>>,
+    fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
+}
+
+impl Passthrough {
+    /// Opens `s` in passthrough mode when it is wholly cached on this node's worker; gives
+    /// the reply back (`Some`) when it is not, or the kernel refuses.
+    async fn try_open(
+        &self,
+        client: &Arc<FileSystem>,
+        s: &pb::FileStatus,
+        fh: u64,
+        reply: ReplyOpen,
+    ) -> Option<ReplyOpen> {
+        let Some(pf) = client.open_passthrough(s).await else {
+            return Some(reply);
+        };
+        let id = {
+            let mut b = lock(&self.backings);
+            match b.get_mut(&s.inode) {
+                Some(e) if e.version == s.version => {
+                    e.opens += 1;
+                    Some(e.id.clone())
+                }
+                // Still open in an older version: this handle reads through the daemon.
+                Some(_) => None,
+                None => match reply.open_backing(&pf.file) {
+                    Ok(id) => {
+                        let id = Arc::new(id);
+                        b.insert(
+                            s.inode,
+                            Backing {
+                                version: s.version,
+                                id: id.clone(),
+                                opens: 1,
+                            },
+                        );
+                        Some(id)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
+                        self.on.store(false, Ordering::Relaxed);
+                        None
+                    }
+                },
+            }
+        };
+        let Some(id) = id else {
+            client.close_passthrough(pf.handle);
+            return Some(reply);
+        };
+        lock(&self.fhs).insert(fh, (s.inode, pf.handle));
+        reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+        None
     }
 }

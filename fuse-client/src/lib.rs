@@ -49,6 +49,9 @@ pub struct FuseConfig {
     /// Kernel read-ahead of the mount (its `read_ahead_kb`), 0 to leave the kernel's
     /// 128 KiB. Larger windows keep several 1 MiB reads in flight for sequential readers.
     pub read_ahead: u64,
+    /// Open files wholly cached on this node's worker in FUSE passthrough mode (when the
+    /// kernel supports it).
+    pub passthrough: bool,
 }
 
 impl FuseConfig {
@@ -60,6 +63,7 @@ impl FuseConfig {
             threads: 4,
             allow_other: false,
             read_ahead: DEFAULT_READ_AHEAD,
+            passthrough: true,
         }
     }
 }

@@ -962,3 +962,88 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
     assert_eq!(tree_sums(&mnt).unwrap(), expected);
     assert_eq!(w.metric("granary_worker_ufs_read_bytes_total"), 0.0);
 }
+
+#[test]
+fn a_wholly_cached_file_is_served_in_passthrough_mode() {
+    let root = workdir();
+    let src = root.path().join("ufs");
+    random_file(&src.join("small.bin"), 5 * MIB + 17).unwrap();
+    random_file(&src.join("two-blocks.bin"), 64 * MIB + 5).unwrap();
+    let c = Cluster::start(root.path(), 1, "1GiB", &src).unwrap();
+    let w = &c.workers[0];
+    let expected = tree_sums(&src).unwrap();
+    let daemon_reads = |f: &Fuse| -> f64 {
+        ["worker", "short_circuit", "under_store"]
+            .iter()
+            .map(|s| {
+                f.metric(&format!(
+                    "granary_client_read_bytes_total{{source=\"{s}\"}}"
+                ))
+            })
+            .sum()
+    };
+    let opens = |f: &Fuse| f.metric("granary_client_passthrough_opens_total");
+    let sha = |p: &Path| sh(&format!("sha256sum < '{}'", p.display())).unwrap();
+
+    // Cold: nothing cached yet, so through the daemon.
+    assert_eq!(tree_sums(&c.data()).unwrap(), expected);
+    assert_eq!(opens(&c.fuse), 0.0);
+    let before = daemon_reads(&c.fuse);
+    assert!(before > 0.0);
+
+    // Cached now: the one-block file opens in passthrough and the daemon sees no read of it;
+    // the two-block file is read through the daemon as before.
+    drop_page_cache(&c.data()).unwrap(); // opens every file (small.bin in passthrough)
+    let opened = opens(&c.fuse);
+    assert_eq!(opened, 1.0);
+    let small = c.data().join("small.bin");
+    assert_eq!(sha(&small), sha(&src.join("small.bin")));
+    assert_eq!(opens(&c.fuse), opened + 1.0);
+    assert_eq!(
+        daemon_reads(&c.fuse),
+        before,
+        "the daemon served a passthrough read"
+    );
+    assert!(c.fuse.proc.log_text().contains("FUSE passthrough on"));
+    let big = c.data().join("two-blocks.bin");
+    assert_eq!(sha(&big), sha(&src.join("two-blocks.bin")));
+    assert_eq!(opens(&c.fuse), opened + 1.0);
+    assert!(daemon_reads(&c.fuse) > before);
+
+    // While a passthrough file is open its pages are leased; closing it ends the lease.
+    let reader = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec 3< '{}'; exec sleep 30", small.display()))
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut reader = Kill(reader);
+    poll("the open file's lease", Duration::from_secs(10), || {
+        (opens(&c.fuse) == opened + 2.0
+            && w.metric("granary_worker_short_circuit_active_leases") >= 1.0)
+            .then_some(())
+    })
+    .unwrap();
+    let _ = reader.0.kill();
+    let _ = reader.0.wait();
+    poll(
+        "the lease to end with the file",
+        Duration::from_secs(10),
+        || (w.metric("granary_worker_short_circuit_active_leases") == 0.0).then_some(()),
+    )
+    .unwrap();
+
+    // A mount with passthrough off reads through the daemon.
+    let plain =
+        Fuse::start_opts(root.path(), "plain", &c.master.addr, &["--no-passthrough"]).unwrap();
+    let p = plain.mountpoint.join("data/small.bin");
+    assert_eq!(sha(&p), sha(&src.join("small.bin")));
+    assert_eq!(opens(&plain), 0.0);
+    assert_eq!(daemon_reads(&plain), (5 * MIB + 17) as f64);
+}

@@ -92,6 +92,10 @@ impl Heartbeat {
                     }
                 }
             } else {
+                // Leases end by time too: keep the gauge current.
+                self.metrics
+                    .active_leases
+                    .set(self.store.lease_stats().0 as i64);
                 let (added, removed) = self.store.take_deltas();
                 match self
                     .master

@@ -19,6 +19,8 @@ pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 const PAGE_PARALLELISM: usize = 4;
 /// How long a short-circuit lease holds a block's pages.
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
+/// Longest lease a client may ask for (`hold_ms`).
+pub const MAX_LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(60);
 
 pub struct WorkerRpc {
     pub worker_id: u64,
@@ -209,16 +211,30 @@ impl WorkerService for WorkerRpc {
     ) -> Result<Response<pb::LeaseLocalBlockResponse>, Status> {
         let r = req.into_inner();
         self.metrics.short_circuit_bytes.inc_by(r.bytes_read);
-        let Some(id) = r.block else {
-            // Only a report of bytes read.
-            return Ok(Response::new(pb::LeaseLocalBlockResponse::default()));
-        };
         let store = &self.fetcher.store;
         let replaces = (r.release_lease != 0).then_some(r.release_lease);
-        let lease = store.lease(
+        let Some(id) = r.block else {
+            // A report of bytes read, and/or the end of a lease.
+            if let Some(old) = replaces {
+                store.release(old);
+                self.metrics.active_leases.set(store.lease_stats().0 as i64);
+            }
+            return Ok(Response::new(pb::LeaseLocalBlockResponse::default()));
+        };
+        let hold = match r.hold_ms {
+            0 => LEASE_DURATION,
+            ms => std::time::Duration::from_millis(ms).min(MAX_LEASE_DURATION),
+        };
+        let max_pages = if r.whole_block {
+            u32::MAX
+        } else {
+            crate::store::LEASE_WINDOW_PAGES
+        };
+        let lease = store.lease_pages(
             &block_key(&id),
             r.first_page,
-            std::time::Instant::now() + LEASE_DURATION,
+            max_pages,
+            std::time::Instant::now() + hold,
             replaces,
         );
         let (leases, _) = store.lease_stats();
@@ -241,9 +257,9 @@ impl WorkerService for WorkerRpc {
                     crc32c,
                 })
                 .collect(),
-            lease_ms: LEASE_DURATION.as_millis() as u64,
+            lease_ms: hold.as_millis() as u64,
             lease_id: lease.id,
-            window_pages: crate::store::LEASE_WINDOW_PAGES,
+            window_pages: max_pages,
         }))
     }
 

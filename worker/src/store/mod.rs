@@ -541,6 +541,18 @@ impl PageStore {
         until: Instant,
         replaces: Option<u64>,
     ) -> Option<Lease> {
+        self.lease_pages(b, first, LEASE_WINDOW_PAGES, until, replaces)
+    }
+
+    /// [`lease`](Self::lease) of up to `max_pages` pages.
+    pub fn lease_pages(
+        &self,
+        b: &BlockKey,
+        first: u32,
+        max_pages: u32,
+        until: Instant,
+        replaces: Option<u64>,
+    ) -> Option<Lease> {
         let mut inner = self.lock();
         if let Some(old) = replaces {
             inner.end_lease(old);
@@ -549,7 +561,7 @@ impl PageStore {
         let cap = (self.capacity as f64 * LEASED_SHARE) as u64;
         let mut keys = Vec::new();
         let mut pages = Vec::new();
-        for page in first..first.saturating_add(LEASE_WINDOW_PAGES) {
+        for page in first..first.saturating_add(max_pages) {
             let k = (*b, page);
             let Some(m) = inner.pages.get(&k).copied() else {
                 break; // only the consecutive cached run the reader is about to use
@@ -825,7 +837,18 @@ impl PageStore {
             reason: reason.to_string(),
         };
         let tier = crate::metrics::Tier::new(&self.tier);
-        for (key, meta, block_gone) in victims {
+        // Blocks this batch empties are deleted whole, never punched page by page first (a
+        // reader holding the file open, e.g. in FUSE passthrough, keeps intact bytes). A page
+        // of the block cached again since it emptied keeps the file.
+        let deleting: HashSet<BlockKey> = {
+            let inner = self.lock();
+            victims
+                .iter()
+                .filter(|v| v.2 && !inner.pages_per_block.contains_key(&v.0 .0))
+                .map(|v| v.0 .0)
+                .collect()
+        };
+        for (key, meta, _) in victims {
             match reason {
                 "demoted" => {
                     self.metrics.tier_demoted_pages.get_or_create(&tier).inc();
@@ -844,9 +867,7 @@ impl PageStore {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }
             let path = self.block_path(&key.0);
-            // A page of the block cached again since it emptied keeps the file.
-            let block_gone = block_gone && !self.lock().pages_per_block.contains_key(&key.0);
-            if block_gone {
+            if deleting.contains(&key.0) {
                 if let Err(e) = std::fs::remove_file(&path) {
                     if e.kind() != std::io::ErrorKind::NotFound {
                         tracing::warn!(path = %path.display(), error = %e, "cannot remove block file");

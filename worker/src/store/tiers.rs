@@ -310,6 +310,18 @@ impl TieredStore {
         until: Instant,
         replaces: Option<u64>,
     ) -> Option<Lease> {
+        self.lease_pages(b, first, super::LEASE_WINDOW_PAGES, until, replaces)
+    }
+
+    /// [`lease`](Self::lease) of up to `max_pages` pages.
+    pub fn lease_pages(
+        &self,
+        b: &BlockKey,
+        first: u32,
+        max_pages: u32,
+        until: Instant,
+        replaces: Option<u64>,
+    ) -> Option<Lease> {
         if let Some(id) = replaces {
             self.release(id);
         }
@@ -317,10 +329,11 @@ impl TieredStore {
             if !t.contains(&(*b, first)) {
                 return None;
             }
-            t.lease(b, first, until, None).map(|mut l| {
-                l.id = (l.id << TIER_BITS) | i as u64;
-                l
-            })
+            t.lease_pages(b, first, max_pages, until, None)
+                .map(|mut l| {
+                    l.id = (l.id << TIER_BITS) | i as u64;
+                    l
+                })
         })
     }
 
