@@ -4,6 +4,9 @@
 #
 #   bench/read-throughput.sh [SIZE_MIB]        (default 1024; needs root for FUSE)
 #
+# Two data sets of SIZE_MIB each: one file (many blocks: short-circuit reads through the
+# daemon) and files of one 64 MiB block each (opened in FUSE passthrough once cached).
+#
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints MB/s and ratios.
 set -euo pipefail
 size_mib="${1:-1024}"
@@ -12,20 +15,24 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 local_workdir read
 mkdir -p "$work/ufs" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/data.bin"
+mkdir -p "$work/ufs/blocks"
+for i in $(seq 1 $((size_mib / 64))); do
+  head -c $((64 * 1024 * 1024)) /dev/urandom > "$work/ufs/blocks/b$i.bin"
+done
 
 mbps() { # bytes seconds
   python3 -c "print(f'{$1 / $2 / 1e6:.0f}')"
 }
-timed_read() { # file -> seconds
+timed_read() { # files... -> seconds
   local t0 t1
-  t0=$(date +%s.%N); cat "$1" > /dev/null; t1=$(date +%s.%N)
+  t0=$(date +%s.%N); cat "$@" > /dev/null; t1=$(date +%s.%N)
   python3 -c "print($t1 - $t0)"
 }
 bytes=$((size_mib * 1024 * 1024))
 raw=$(timed_read "$work/ufs/data.bin")   # page-cache warm after head -c wrote it
 
 GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
-  --cache-size "$((size_mib * 2))MiB" > "$work/local.log" 2>&1 &
+  --cache-size "$((size_mib * 3))MiB" > "$work/local.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
@@ -49,6 +56,25 @@ if [ -w /proc/sys/vm/drop_caches ]; then
   done
 fi
 
+# The one-block files: cold, then re-opened in passthrough (the kernel reads the worker's
+# block files), then both from the disk.
+cat "$work"/ufs/blocks/*.bin > /dev/null # into the page cache, like data.bin
+raw_pt=$(timed_read "$work"/ufs/blocks/*.bin)
+cold_pt=$(timed_read "$work"/mnt/blocks/*.bin)
+check_pt=$(timed_read "$work"/mnt/blocks/*.bin) # first passthrough opens check every CRC
+warm_pt=$(timed_read "$work"/mnt/blocks/*.bin)
+for f in "$work"/ufs/blocks/*.bin; do
+  cmp -s "$f" "$work/mnt/blocks/$(basename "$f")" || { echo "bytes differ: $f"; exit 1; }
+done
+disk_raw_pt=() disk_pt=()
+if [ -w /proc/sys/vm/drop_caches ]; then
+  for _ in 1 2 3; do
+    sync; echo 1 > /proc/sys/vm/drop_caches
+    disk_raw_pt+=("$(timed_read "$work"/ufs/blocks/*.bin)")
+    sync; echo 1 > /proc/sys/vm/drop_caches
+    disk_pt+=("$(timed_read "$work"/mnt/blocks/*.bin)")
+  done
+fi
 echo "binary:            $bin"
 echo "file:              ${size_mib} MiB"
 echo "raw read (limit):  $(mbps $bytes $raw) MB/s   (page cache)"
@@ -58,4 +84,14 @@ if [ ${#disk_raw[@]} -gt 0 ]; then
   dr=$(median "${disk_raw[@]}"); dg=$(median "${disk_granary[@]}")
   echo "raw disk read:     $(mbps $bytes $dr) MB/s   (page cache dropped; median of 3)"
   echo "granary from disk: $(mbps $bytes $dg) MB/s  ($(python3 -c "print(f'{$dr / $dg:.2f}')")x of raw disk; worker block files via short-circuit)"
+fi
+echo "one-block files:   $((size_mib / 64)) x 64 MiB"
+echo "  raw read (limit):  $(mbps $bytes $raw_pt) MB/s   (page cache)"
+echo "  granary cold:      $(mbps $bytes $cold_pt) MB/s  ($(python3 -c "print(f'{$raw_pt / $cold_pt:.2f}')")x of raw)"
+echo "  granary 1st warm:  $(mbps $bytes $check_pt) MB/s  ($(python3 -c "print(f'{$raw_pt / $check_pt:.2f}')")x of raw; passthrough opens checking every page's CRC32C)"
+echo "  granary warm:      $(mbps $bytes $warm_pt) MB/s  ($(python3 -c "print(f'{$raw_pt / $warm_pt:.2f}')")x of raw; passthrough)"
+if [ ${#disk_raw_pt[@]} -gt 0 ]; then
+  dr=$(median "${disk_raw_pt[@]}"); dg=$(median "${disk_pt[@]}")
+  echo "  raw disk read:     $(mbps $bytes $dr) MB/s   (page cache dropped; median of 3)"
+  echo "  granary from disk: $(mbps $bytes $dg) MB/s  ($(python3 -c "print(f'{$dr / $dg:.2f}')")x of raw disk; passthrough)"
 fi

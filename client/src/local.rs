@@ -31,6 +31,10 @@ type BlockKey = (u64, u64, u32);
 /// Pages one lease covers at most (the worker's window; ranges are read in such windows,
 /// aligned to multiples of it).
 pub const LEASE_WINDOW_PAGES: u32 = 16;
+/// How long a block file checked whole for passthrough is trusted without a new check.
+const REVERIFY_AFTER: Duration = Duration::from_secs(600);
+/// Block files remembered as checked.
+const MAX_VERIFIED: usize = 100_000;
 /// Leases kept open (one file descriptor each).
 const MAX_LEASES: usize = 1024;
 /// A lease is renewed when less than this is left (a read started in it must finish in it).
@@ -169,7 +173,7 @@ impl LocalLease {
     /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
     /// 0, that the block file is exactly that long, and every page's CRC32C (blocking I/O).
     /// Returns a descriptor of the block file.
-    pub fn verify_whole(&self, len: u64) -> Option<File> {
+    pub fn verify_whole(&self, len: u64, checksums: bool) -> Option<File> {
         let ps = self.page_size;
         let n = len.div_ceil(ps);
         let held: u64 = (0..n)
@@ -179,9 +183,18 @@ impl LocalLease {
         if held != len || self.file.metadata().ok()?.len() != len {
             return None;
         }
-        for p in 0..n {
-            let from = p * ps;
-            self.read(from, ps.min(len - from)).ok()?;
+        if checksums {
+            // The whole file is read now: let the kernel fetch it from the disk in parallel.
+            let _ = nix::fcntl::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                0,
+                len as i64,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+            );
+            for p in 0..n {
+                let from = p * ps;
+                self.read(from, ps.min(len - from)).ok()?;
+            }
         }
         self.file.try_clone().ok()
     }
@@ -201,6 +214,8 @@ pub struct ShortCircuit {
     leases: Mutex<HashMap<BlockKey, Arc<LocalLease>>>,
     /// Blocks the worker had nothing of, when it said so.
     missing: Mutex<HashMap<BlockKey, Instant>>,
+    /// Block files whose every page passed its checksum for a passthrough open, when.
+    verified: Mutex<HashMap<BlockKey, Instant>>,
     /// Bytes read per worker not yet reported to it.
     unreported: Mutex<HashMap<u64, u64>>,
     /// Workers whose block files this client could not open, since when.
@@ -216,6 +231,7 @@ impl ShortCircuit {
             node: Mutex::new(node),
             leases: Mutex::new(HashMap::new()),
             missing: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashMap::new()),
             unreported: Mutex::new(HashMap::new()),
             not_local: Mutex::new(HashMap::new()),
             page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
@@ -289,6 +305,26 @@ impl ShortCircuit {
         lock(&self.missing)
             .get(&(id.inode, id.version, id.index))
             .is_some_and(|t| t.elapsed() < RETRY_LEASE_AFTER)
+    }
+
+    /// Must a passthrough open of this block check every page's checksum? Not when that
+    /// was done less than [`REVERIFY_AFTER`] ago (an epoch re-opening a file then costs no
+    /// extra read of it).
+    pub fn needs_verify(&self, id: &pb::BlockId) -> bool {
+        !lock(&self.verified)
+            .get(&(id.inode, id.version, id.index))
+            .is_some_and(|t| t.elapsed() < REVERIFY_AFTER)
+    }
+
+    pub fn note_verified(&self, id: &pb::BlockId) {
+        let mut m = lock(&self.verified);
+        if m.len() >= MAX_VERIFIED {
+            m.retain(|_, t| t.elapsed() < REVERIFY_AFTER);
+            if m.len() >= MAX_VERIFIED {
+                m.clear();
+            }
+        }
+        m.insert((id.inode, id.version, id.index), Instant::now());
     }
 
     pub fn forget(&self, id: &pb::BlockId) {
