@@ -311,9 +311,9 @@ impl ShortCircuit {
     /// was done less than [`REVERIFY_AFTER`] ago (an epoch re-opening a file then costs no
     /// extra read of it).
     pub fn needs_verify(&self, id: &pb::BlockId) -> bool {
-        !lock(&self.verified)
+        lock(&self.verified)
             .get(&(id.inode, id.version, id.index))
-            .is_some_and(|t| t.elapsed() < REVERIFY_AFTER)
+            .is_none_or(|t| t.elapsed() >= REVERIFY_AFTER)
     }
 
     pub fn note_verified(&self, id: &pb::BlockId) {
