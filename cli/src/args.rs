@@ -113,6 +113,10 @@ pub struct FuseOpts {
     /// kernel reads the worker's block file directly and the daemon sees no reads.
     #[arg(long, env = "GRANARY_NO_PASSTHROUGH")]
     pub no_passthrough: bool,
+    /// Deadline of every mount operation that waits on the network (a read, a lookup): on
+    /// expiry it fails with EIO, is logged and counted, and the mount carries on.
+    #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]
+    pub op_timeout: Duration,
     /// The node this client runs on: it reads block files directly only from workers that
     /// report the same node name [default: the hostname].
     #[arg(long, env = "GRANARY_NODE_NAME")]

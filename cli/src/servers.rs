@@ -40,6 +40,7 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.allow_other = o.allow_other;
     c.read_ahead = o.read_ahead;
     c.passthrough = !o.no_passthrough && !o.no_short_circuit;
+    c.op_timeout = o.op_timeout;
     c
 }
 

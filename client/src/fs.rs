@@ -74,7 +74,8 @@ pub struct FileSystem {
     next_held: std::sync::atomic::AtomicU64,
     /// Sequential readers: inode → (end of its last read, next block already warmed).
     sequential: Mutex<HashMap<u64, (u64, u64)>>,
-    pub read_timeout: Duration,
+    /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
+    read_timeout_ms: std::sync::atomic::AtomicU64,
 }
 
 /// Files whose read position is remembered for sequential detection.
@@ -110,7 +111,9 @@ impl FileSystem {
             held: Mutex::new(HashMap::new()),
             next_held: std::sync::atomic::AtomicU64::new(1),
             sequential: Mutex::new(HashMap::new()),
-            read_timeout: DEFAULT_READ_TIMEOUT,
+            read_timeout_ms: std::sync::atomic::AtomicU64::new(
+                DEFAULT_READ_TIMEOUT.as_millis() as u64
+            ),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -124,6 +127,21 @@ impl FileSystem {
             });
         }
         fs
+    }
+
+    /// The deadline of one read from one worker or from the under-store (default 60 s).
+    pub fn set_read_timeout(&self, d: Duration) {
+        self.read_timeout_ms.store(
+            d.as_millis().max(1) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    pub fn read_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.read_timeout_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// Turns short-circuit reads of same-host workers' block files on or off (default on).
@@ -761,7 +779,7 @@ impl FileSystem {
             cache: true,
             cached_only: false,
         });
-        req.set_timeout(self.read_timeout);
+        req.set_timeout(self.read_timeout());
         let fut = async move {
             let mut stream = client.read_block(req).await?.into_inner();
             // Chunks are kept as they arrive and joined once (a one-chunk read is not copied).
@@ -780,11 +798,11 @@ impl FileSystem {
             }
             Ok::<_, ClientError>(join(chunks, got))
         };
-        match tokio::time::timeout(self.read_timeout, fut).await {
+        match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Timeout(format!(
                 "worker {address} did not finish a read within {:?}",
-                self.read_timeout
+                self.read_timeout()
             ))),
         }
     }
@@ -814,11 +832,12 @@ impl FileSystem {
                     .await?,
             )
         };
-        match tokio::time::timeout(self.read_timeout, fut).await {
+        match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Timeout(format!(
                 "under-store read of {} timed out after {:?}",
-                file.path, self.read_timeout
+                file.path,
+                self.read_timeout()
             ))),
         }
     }

@@ -16,8 +16,15 @@ pub struct ReadSource {
     pub source: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Op {
+    /// The FUSE operation: `lookup`, `getattr`, `open`, `read`, `opendir`, `statfs`.
+    pub op: String,
+}
+
 #[derive(Clone, Default)]
 pub struct ClientMetrics {
+    pub op_timeouts: Family<Op, Counter>,
     pub read_bytes: Family<ReadSource, Counter>,
     pub worker_failures: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
@@ -31,6 +38,11 @@ impl ClientMetrics {
                 "granary_client_read_bytes",
                 "Bytes this client read, by source: worker (gRPC), short_circuit (a same-host worker's block file), under_store (no worker could serve)",
                 self.read_bytes.clone(),
+            );
+            r.register(
+                "granary_client_op_timeouts",
+                "Mount operations that hit --op-timeout and were answered EIO (the mount carries on)",
+                self.op_timeouts.clone(),
             );
             r.register(
                 "granary_client_worker_failures",

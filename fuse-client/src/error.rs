@@ -10,7 +10,9 @@ pub fn errno(e: &ClientError) -> Errno {
         ClientError::InvalidArgument(_) => Errno::EINVAL,
         ClientError::FailedPrecondition(_) => Errno::EIO,
         ClientError::Unavailable(_) | ClientError::Internal(_) => Errno::EIO,
-        ClientError::Timeout(_) => Errno::ETIMEDOUT,
+        // A deadline ran out (a hung worker or under-store): the operation failed, the mount
+        // did not.
+        ClientError::Timeout(_) => Errno::EIO,
         ClientError::Stale(_) => Errno::ESTALE,
         ClientError::PermissionDenied(_) => Errno::EACCES,
     }

@@ -17,6 +17,37 @@ use granary_proto as pb;
 use crate::error::errno;
 use crate::FuseConfig;
 
+/// The mount's deadline on an operation's network work: on expiry the operation fails (EIO),
+/// is logged and counted, and the mount carries on; later operations start afresh.
+#[derive(Clone)]
+struct Deadline {
+    limit: Duration,
+    metrics: granary_client::metrics::ClientMetrics,
+}
+
+impl Deadline {
+    async fn run<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, granary_client::ClientError>>,
+    ) -> Result<T, granary_client::ClientError> {
+        match tokio::time::timeout(self.limit, fut).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.metrics
+                    .op_timeouts
+                    .get_or_create(&granary_client::metrics::Op { op: op.into() })
+                    .inc();
+                tracing::warn!(op, limit = ?self.limit, "operation did not finish in time; answering EIO");
+                Err(granary_client::ClientError::Timeout(format!(
+                    "{op} did not finish within {:?}",
+                    self.limit
+                )))
+            }
+        }
+    }
+}
+
 struct Backing {
     version: u64,
     id: Arc<BackingId>,
@@ -49,6 +80,7 @@ pub struct GranaryFs {
     /// The kernel's backing file of each inode open in passthrough mode (one per inode, as
     /// the kernel requires), its version and how many handles use it.
     backings: Arc<Mutex<HashMap<u64, Backing>>>,
+    deadline: Deadline,
     /// Open handles in passthrough mode: fh → (inode, client lease handle).
     passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
     dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
@@ -71,6 +103,7 @@ fn kind_of(s: &pb::FileStatus) -> FileType {
 
 impl GranaryFs {
     pub fn new(client: Arc<FileSystem>, config: &FuseConfig, rt: tokio::runtime::Handle) -> Self {
+        let metrics = client.metrics.clone();
         use std::os::unix::fs::MetadataExt;
         let (uid, gid) = std::fs::metadata("/proc/self")
             .map(|m| (m.uid(), m.gid()))
@@ -89,6 +122,10 @@ impl GranaryFs {
             passthrough_wanted: config.passthrough,
             backings: Arc::new(Mutex::new(HashMap::new())),
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
+            deadline: Deadline {
+                limit: config.op_timeout,
+                metrics: metrics.clone(),
+            },
             dirs: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -156,8 +193,9 @@ impl Filesystem for GranaryFs {
         };
         let client = self.client.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            match client.lookup(parent.0, &name).await {
+            match dl.run("lookup", client.lookup(parent.0, &name)).await {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
                 Err(e) => {
                     if !matches!(e, granary_client::ClientError::NotFound(_)) {
@@ -172,8 +210,9 @@ impl Filesystem for GranaryFs {
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let client = self.client.clone();
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            match client.stat_inode(ino.0).await {
+            match dl.run("getattr", client.stat_inode(ino.0)).await {
                 Ok(s) => reply.attr(&ttl, &attr_of(&s, uid, gid)),
                 Err(e) => {
                     tracing::warn!(inode = ino.0, error = %e, "getattr failed");
@@ -197,8 +236,9 @@ impl Filesystem for GranaryFs {
             backings: self.backings.clone(),
             fhs: self.passthrough_fhs.clone(),
         };
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            match client.open_inode(ino.0).await {
+            match dl.run("open", client.open_inode(ino.0)).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
                     let reply = if pt.on.load(Ordering::Relaxed) {
@@ -253,8 +293,9 @@ impl Filesystem for GranaryFs {
             return;
         }
         let client = self.client.clone();
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            match client.read(&file, offset, u64::from(size)).await {
+            match dl.run("read", client.read(&file, offset, u64::from(size))).await {
                 Ok(data) => reply.data(&data),
                 Err(e) => {
                     tracing::error!(inode = ino.0, path = %file.path, offset, size, error = %e, "read failed");
@@ -295,15 +336,19 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let dirs = self.dirs.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            let dir = match client.stat_inode(ino.0).await {
+            let dir = match dl.run("opendir", client.stat_inode(ino.0)).await {
                 Ok(d) => d,
                 Err(e) => return reply.error(errno(&e)),
             };
             if dir.kind != pb::FileKind::Directory as i32 {
                 return reply.error(Errno::ENOTDIR);
             }
-            match client.list(pb::path_or_id::Target::Inode(ino.0)).await {
+            match dl
+                .run("opendir", client.list(pb::path_or_id::Target::Inode(ino.0)))
+                .await
+            {
                 Ok(entries) => {
                     let mut v = Vec::with_capacity(entries.len() + 2);
                     v.push((ino.0, FileType::Directory, ".".to_string()));
@@ -356,9 +401,11 @@ impl Filesystem for GranaryFs {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let client = self.client.clone();
+        let dl = self.deadline.clone();
         self.rt.spawn(async move {
             const BSIZE: u64 = 4096;
-            let (cap, used, files) = match client.master.cluster_info(false).await {
+            let (cap, used, files) = match dl.run("statfs", client.master.cluster_info(false)).await
+            {
                 Ok(info) => {
                     let cap: u64 = info
                         .workers

@@ -32,6 +32,9 @@ pub enum FuseError {
     },
 }
 
+/// Default deadline of a mount operation.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Default kernel read-ahead of a mount.
 pub const DEFAULT_READ_AHEAD: u64 = 4 * 1024 * 1024;
 
@@ -52,6 +55,8 @@ pub struct FuseConfig {
     /// Open files wholly cached on this node's worker in FUSE passthrough mode (when the
     /// kernel supports it).
     pub passthrough: bool,
+    /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
+    pub op_timeout: Duration,
 }
 
 impl FuseConfig {
@@ -64,6 +69,7 @@ impl FuseConfig {
             allow_other: false,
             read_ahead: DEFAULT_READ_AHEAD,
             passthrough: true,
+            op_timeout: DEFAULT_OP_TIMEOUT,
         }
     }
 }
@@ -89,6 +95,7 @@ pub fn mount(
     runtime: tokio::runtime::Handle,
 ) -> Result<fuser::BackgroundSession, FuseError> {
     check_mountpoint(&config.mountpoint)?;
+    client.set_read_timeout(config.op_timeout);
     let fs = GranaryFs::new(client, config, runtime);
     let mut c = Config::default();
     c.mount_options = vec![

@@ -1,0 +1,88 @@
+//! The FUSE mount under trouble: a hung under-store must cost one operation an `EIO` at its
+//! deadline, never a hung mount.
+
+use std::time::{Duration, Instant};
+
+use granary_tests::stores::TestStore;
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+
+#[test]
+fn a_hung_under_store_fails_uncached_reads_with_eio_and_the_mount_lives() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-hang-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("d/cached.bin"), 2 * MIB + 3).unwrap();
+    random_file(&src.join("d/uncached.bin"), 2 * MIB + 7).unwrap();
+    let s3 = TestStore::s3(root, "hang", "hang-access", "hang-secret-key-1").unwrap();
+    s3.load(&src).unwrap();
+    let master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    let mut args = vec!["mount", "add", "/s3", "s3://hang"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    // Listings are not refreshed: `ls` must not depend on the store while it hangs.
+    args.extend(["--option", "sync_interval=never", "--master", &master.addr]);
+    granary_ok(&args).unwrap();
+    let fuse = Fuse::start_opts(root, "mnt", &master.addr, &["--op-timeout", "3s"]).unwrap();
+    let dir = fuse.mountpoint.join("s3/d");
+    let sha = |p: &std::path::Path| sh(&format!("sha256sum < '{}'", p.display()));
+    let want_cached = sha(&src.join("d/cached.bin")).unwrap();
+    let want_uncached = sha(&src.join("d/uncached.bin")).unwrap();
+    assert_eq!(sha(&dir.join("cached.bin")).unwrap(), want_cached);
+    let listing = sh(&format!("ls '{}'", dir.display())).unwrap();
+
+    // The store stops answering (its process is stopped, its socket still accepts).
+    s3.proc.signal("STOP").unwrap();
+    struct Resume<'a>(&'a TestStore);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.proc.signal("CONT");
+        }
+    }
+    let resume = Resume(&s3);
+
+    let t = Instant::now();
+    let out = std::process::Command::new("cat")
+        .arg(dir.join("uncached.bin"))
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    assert!(
+        !out.status.success(),
+        "an uncached read succeeded with the store stopped"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Input/output error"), "cat said: {err}");
+    assert!(
+        took < Duration::from_secs(15),
+        "EIO took {took:?} with a 3 s deadline"
+    );
+    assert!(fuse.metric("granary_client_op_timeouts_total{op=\"read\"}") >= 1.0);
+
+    // The mount is alive: listings and cached data still work.
+    assert!(is_mounted(&fuse.mountpoint));
+    assert_eq!(sh(&format!("ls '{}'", dir.display())).unwrap(), listing);
+    drop_page_cache(&dir.join("cached.bin")).unwrap();
+    assert_eq!(sha(&dir.join("cached.bin")).unwrap(), want_cached);
+
+    // The store comes back: the same read works again.
+    drop(resume);
+    poll(
+        "the uncached read to work again",
+        Duration::from_secs(90),
+        || {
+            sha(&dir.join("uncached.bin"))
+                .ok()
+                .filter(|s| *s == want_uncached)
+        },
+    )
+    .unwrap();
+    assert!(w.metric("granary_worker_cache_used_bytes") >= (4 * MIB) as f64);
+}
