@@ -59,6 +59,8 @@ type DirEntry = (u64, FileType, String);
 
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
 const MAX_IO: u32 = 1024 * 1024;
+/// Longest file name, in bytes (as on Linux file systems; statfs says the same).
+const NAME_MAX: usize = 255;
 /// Files whose last-opened version is remembered (for keeping the kernel page cache).
 const OPENED_TRACKED: usize = 100_000;
 
@@ -187,6 +189,10 @@ impl Filesystem for GranaryFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if name.len() > NAME_MAX {
+            reply.error(Errno::ENAMETOOLONG);
+            return;
+        }
         let Some(name) = name.to_str().map(str::to_string) else {
             reply.error(Errno::ENOENT);
             return;

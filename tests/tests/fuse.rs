@@ -86,3 +86,28 @@ fn a_hung_under_store_fails_uncached_reads_with_eio_and_the_mount_lives() {
     .unwrap();
     assert!(w.metric("granary_worker_cache_used_bytes") >= (4 * MIB) as f64);
 }
+
+#[test]
+fn names_over_255_bytes_get_enametoolong() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-names-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let long = "n".repeat(255);
+    random_file(&src.join(&long), 10).unwrap();
+    let c = Cluster::start(root, 1, "64MiB", &src).unwrap();
+    let errno_of = |name: &str| {
+        sh(&format!(
+            "python3 -c 'import os,sys\ntry:\n os.stat(sys.argv[1]); print(0)\nexcept OSError as e: print(e.errno)' '{}'",
+            c.data().join(name).display()
+        ))
+        .unwrap()
+        .trim()
+        .to_string()
+    };
+    assert_eq!(errno_of(&long), "0", "a 255-byte name is fine");
+    assert_eq!(errno_of(&"n".repeat(256)), "36", "ENAMETOOLONG");
+    assert_eq!(errno_of("missing"), "2", "ENOENT");
+}
