@@ -117,6 +117,10 @@ pub struct FuseOpts {
     /// expiry it fails with EIO, is logged and counted, and the mount carries on.
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]
     pub op_timeout: Duration,
+    /// Memory that reads in flight may hold at once, all open files together (their
+    /// buffers); further reads wait for room. At least 1 MiB.
+    #[arg(long, env = "GRANARY_MAX_MEMORY", value_parser = size, default_value = "1GiB")]
+    pub max_memory: u64,
     /// The node this client runs on: it reads block files directly only from workers that
     /// report the same node name [default: the hostname].
     #[arg(long, env = "GRANARY_NODE_NAME")]

@@ -59,6 +59,8 @@ type DirEntry = (u64, FileType, String);
 
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
 const MAX_IO: u32 = 1024 * 1024;
+/// The memory budget's unit.
+const BUDGET_UNIT: u64 = 4096;
 /// Longest file name, in bytes (as on Linux file systems; statfs says the same).
 const NAME_MAX: usize = 255;
 /// Files whose last-opened version is remembered (for keeping the kernel page cache).
@@ -83,6 +85,8 @@ pub struct GranaryFs {
     /// the kernel requires), its version and how many handles use it.
     backings: Arc<Mutex<HashMap<u64, Backing>>>,
     deadline: Deadline,
+    /// The memory budget of reads in flight, in 4 KiB units (`--max-memory`).
+    budget: Arc<tokio::sync::Semaphore>,
     /// Open handles in passthrough mode: fh → (inode, client lease handle).
     passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
     dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
@@ -124,6 +128,10 @@ impl GranaryFs {
             passthrough_wanted: config.passthrough,
             backings: Arc::new(Mutex::new(HashMap::new())),
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
+            budget: Arc::new(tokio::sync::Semaphore::new(
+                (config.max_memory / BUDGET_UNIT).clamp(MAX_IO as u64 / BUDGET_UNIT, 1 << 40)
+                    as usize,
+            )),
             deadline: Deadline {
                 limit: config.op_timeout,
                 metrics: metrics.clone(),
@@ -300,9 +308,21 @@ impl Filesystem for GranaryFs {
         }
         let client = self.client.clone();
         let dl = self.deadline.clone();
+        let budget = self.budget.clone();
         self.rt.spawn(async move {
-            match dl.run("read", client.read(&file, offset, u64::from(size))).await {
-                Ok(data) => reply.data(&data),
+            // The read's buffer comes out of the mount's memory budget (waiting for room
+            // counts against the deadline); the permit is held until the reply is sent.
+            let units = u64::from(size).div_ceil(BUDGET_UNIT).max(1) as u32;
+            let read = async {
+                let permit = budget
+                    .acquire_many_owned(units)
+                    .await
+                    .map_err(|e| granary_client::ClientError::Internal(e.to_string()))?;
+                let data = client.read(&file, offset, u64::from(size)).await?;
+                Ok((permit, data))
+            };
+            match dl.run("read", read).await {
+                Ok((_permit, data)) => reply.data(&data),
                 Err(e) => {
                     tracing::error!(inode = ino.0, path = %file.path, offset, size, error = %e, "read failed");
                     reply.error(errno(&e))

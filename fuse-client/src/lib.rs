@@ -32,6 +32,9 @@ pub enum FuseError {
     },
 }
 
+/// Default budget of read buffers in flight.
+pub const DEFAULT_MAX_MEMORY: u64 = 1 << 30;
+
 /// Default deadline of a mount operation.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -57,6 +60,8 @@ pub struct FuseConfig {
     pub passthrough: bool,
     /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
     pub op_timeout: Duration,
+    /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
+    pub max_memory: u64,
 }
 
 impl FuseConfig {
@@ -70,6 +75,7 @@ impl FuseConfig {
             read_ahead: DEFAULT_READ_AHEAD,
             passthrough: true,
             op_timeout: DEFAULT_OP_TIMEOUT,
+            max_memory: DEFAULT_MAX_MEMORY,
         }
     }
 }
