@@ -186,3 +186,95 @@ fn sixty_four_files_read_at_once_stay_within_the_memory_budget() {
         overhead / MIB
     );
 }
+
+/// 20,000 files of 128 KiB plus a 96 MiB file and a fio-written file, built once per target
+/// dir (2.6 GiB) and reused by later runs.
+fn small_files() -> std::path::PathBuf {
+    let base = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let dir = base.join("fuse-small-files-v1");
+    let marker = base.join("fuse-small-files-v1.done");
+    if marker.exists() {
+        return dir;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    sh(&format!(
+        "python3 -c 'import os,sys\nd=sys.argv[1]\nfor i in range(20000):\n p=os.path.join(d,\"s%02d\"%(i%40),\"f%05d.bin\"%i)\n os.makedirs(os.path.dirname(p),exist_ok=True)\n open(p,\"wb\").write(os.urandom(128*1024))' '{}'",
+        dir.display()
+    ))
+    .unwrap();
+    random_file(&dir.join("big/96mib.bin"), 96 * MIB).unwrap();
+    // A file fio can verify later: every 1 MiB block carries its own checksum header.
+    sh(&format!(
+        "fio --name=make --filename='{}' --rw=write --bs=1M --size=64M --verify=crc32c --do_verify=0 --output=/dev/null",
+        dir.join("fio/verify.bin").display()
+    ))
+    .unwrap();
+    std::fs::write(&marker, "").unwrap();
+    dir
+}
+
+#[test]
+fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
+    let src = small_files();
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-programs-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let c = Cluster::start(root, 1, "4GiB", &src).unwrap();
+    let mnt = c.data();
+
+    // Python, 8 readers: open().read() of every small file, SHA-256 against the source.
+    let digests = |d: &std::path::Path| {
+        sh(&format!(
+            "cd '{}' && python3 -c 'import hashlib,glob\nfrom concurrent.futures import ThreadPoolExecutor\nfs=sorted(glob.glob(\"s*/*.bin\"))\ndef h(p):\n return p+\" \"+hashlib.sha256(open(p,\"rb\").read()).hexdigest()\nwith ThreadPoolExecutor(8) as ex:\n print(\"\\n\".join(ex.map(h,fs)))'",
+            d.display()
+        ))
+        .unwrap()
+    };
+    let want = digests(&src);
+    assert_eq!(want.lines().count(), 20_000);
+    assert!(digests(&mnt) == want, "python read different bytes");
+
+    // tar and cp -r copy the tree out; it matches the source.
+    let expected = tree_sums(&src).unwrap();
+    let out = root.join("untarred");
+    std::fs::create_dir_all(&out).unwrap();
+    sh(&format!(
+        "tar cf - -C '{}' . | tar xf - -C '{}'",
+        mnt.display(),
+        out.display()
+    ))
+    .unwrap();
+    assert!(
+        tree_sums(&out).unwrap() == expected,
+        "tar copied different bytes"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+    let copied = root.join("copied");
+    sh(&format!("cp -r '{}' '{}'", mnt.display(), copied.display())).unwrap();
+    assert!(
+        tree_sums(&copied).unwrap() == expected,
+        "cp -r copied different bytes"
+    );
+    std::fs::remove_dir_all(&copied).unwrap();
+
+    // dd with 1 MiB blocks.
+    let big = "big/96mib.bin";
+    assert_eq!(
+        sh(&format!(
+            "dd if='{}' bs=1M status=none | sha256sum",
+            mnt.join(big).display()
+        ))
+        .unwrap(),
+        sh(&format!("sha256sum < '{}'", src.join(big).display())).unwrap()
+    );
+
+    // fio checks every block of the file it wrote, read back through the mount.
+    drop_page_cache(&mnt.join("fio")).unwrap();
+    sh(&format!(
+        "fio --name=check --filename='{}' --rw=read --bs=1M --size=64M --verify=crc32c --verify_only --verify_fatal=1 --output=/dev/null",
+        mnt.join("fio/verify.bin").display()
+    ))
+    .unwrap();
+}
