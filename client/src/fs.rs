@@ -93,6 +93,29 @@ fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
     out.freeze()
 }
 
+/// A file's block size (0 in its status: the default).
+fn block_size(file: &pb::FileStatus) -> u64 {
+    if file.block_size == 0 {
+        granary_common::DEFAULT_BLOCK_SIZE
+    } else {
+        file.block_size
+    }
+}
+
+/// The bytes `[offset, end)` of a file as (block index, offset in the block, length) pieces.
+fn block_ranges(offset: u64, end: u64, bs: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        (pos < end).then(|| {
+            let index = pos / bs;
+            let in_block = pos - index * bs;
+            let n = (bs - in_block).min(end - pos);
+            pos += n;
+            (index, in_block, n)
+        })
+    })
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -249,31 +272,22 @@ impl FileSystem {
             return Ok(Bytes::new());
         }
         let end = file.length.min(offset.saturating_add(len));
-        let bs = if file.block_size == 0 {
-            granary_common::DEFAULT_BLOCK_SIZE
-        } else {
-            file.block_size
-        };
+        let bs = block_size(file);
         self.warm_next_block(file, offset, end, bs);
         let mut parts: Vec<Bytes> = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let index = pos / bs;
-            let block_start = index * bs;
-            let in_block = pos - block_start;
-            let n = (bs - in_block).min(end - pos);
+        for (index, in_block, n) in block_ranges(offset, end, bs) {
             let data = self
-                .read_block_range(file, index, block_start, in_block, n)
+                .read_block_range(file, index, index * bs, in_block, n)
                 .await?;
             if data.len() as u64 != n {
                 return Err(ClientError::Internal(format!(
-                    "short read of {} at {pos}: wanted {n} bytes, got {}",
+                    "short read of {} at {}: wanted {n} bytes, got {}",
                     file.path,
+                    index * bs + in_block,
                     data.len()
                 )));
             }
             parts.push(data);
-            pos += n;
         }
         Ok(join(parts, end - offset))
     }
@@ -286,18 +300,10 @@ impl FileSystem {
             return None;
         }
         let end = file.length.min(offset.saturating_add(len));
-        let bs = if file.block_size == 0 {
-            granary_common::DEFAULT_BLOCK_SIZE
-        } else {
-            file.block_size
-        };
+        let bs = block_size(file);
         let mut parts: Vec<Bytes> = Vec::new();
         let mut reads = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let index = pos / bs;
-            let in_block = pos - index * bs;
-            let n = (bs - in_block).min(end - pos);
+        for (index, in_block, n) in block_ranges(offset, end, bs) {
             let id = pb::BlockId {
                 inode: file.inode,
                 version: file.version,
@@ -307,7 +313,6 @@ impl FileSystem {
             let data = lease.read(in_block, n).ok()?;
             reads.push((lease.worker_id, data.len() as u64));
             parts.push(data);
-            pos += n;
         }
         for (worker, n) in reads {
             self.short_circuit.count_read(worker, n);
@@ -630,11 +635,7 @@ impl FileSystem {
     /// after checking every page's CRC32C. The kernel then reads the block file itself: no
     /// daemon, no checksums on the way (see docs/semantics.md).
     pub async fn open_passthrough(&self, file: &pb::FileStatus) -> Option<PassthroughFile> {
-        let bs = if file.block_size == 0 {
-            granary_common::DEFAULT_BLOCK_SIZE
-        } else {
-            file.block_size
-        };
+        let bs = block_size(file);
         if file.length == 0 || file.length > bs || file.kind != pb::FileKind::File as i32 {
             return None;
         }
@@ -840,5 +841,21 @@ impl FileSystem {
                 self.read_timeout()
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_ranges;
+
+    #[test]
+    fn ranges_split_at_block_boundaries() {
+        let v: Vec<_> = block_ranges(90, 250, 100).collect();
+        assert_eq!(v, vec![(0, 90, 10), (1, 0, 100), (2, 0, 50)]);
+        assert_eq!(block_ranges(5, 5, 100).count(), 0);
+        assert_eq!(
+            block_ranges(0, 100, 100).collect::<Vec<_>>(),
+            vec![(0, 0, 100)]
+        );
     }
 }
