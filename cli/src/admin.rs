@@ -33,6 +33,22 @@ fn mtime(ms: i64) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
 
+/// `persisted` (the under-store has it), `pending` (written async-through, being
+/// uploaded), `not-persisted` (must-cache: only in the cache), `writing` (not closed yet).
+fn persist_name(s: &pb::FileStatus) -> &'static str {
+    if s.kind == pb::FileKind::Directory as i32 {
+        return "persisted";
+    }
+    if !s.complete {
+        return "writing";
+    }
+    match pb::PersistState::try_from(s.persist_state) {
+        Ok(pb::PersistState::Pending) => "pending",
+        Ok(pb::PersistState::NotPersisted) => "not-persisted",
+        _ => "persisted",
+    }
+}
+
 fn status_json(s: &pb::FileStatus) -> serde_json::Value {
     json!({
         "path": s.path,
@@ -45,6 +61,8 @@ fn status_json(s: &pb::FileStatus) -> serde_json::Value {
         "mtime_ms": s.mtime_ms,
         "mount_point": s.is_mount_point,
         "complete": s.complete,
+        "persisted": persist_name(s),
+        "persist_worker": s.persist_worker,
         "ufs": s.ufs.as_ref().map(|u| json!({"mount_id": u.mount_id, "path": u.path})),
         "fingerprint": s.fingerprint.as_ref().map(|f| json!({
             "etag": f.etag, "size": f.size, "mtime_ms": f.mtime_ms, "version_id": f.version_id,
@@ -209,6 +227,14 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 println!("block size:  {}", format_size(s.block_size));
                 println!("mode:        {:o}", s.mode);
                 println!("modified:    {}", mtime(s.mtime_ms));
+                if s.kind != pb::FileKind::Directory as i32 {
+                    let by = if s.persist_worker != 0 {
+                        format!(" (on worker {})", s.persist_worker)
+                    } else {
+                        String::new()
+                    };
+                    println!("persisted:   {}{by}", persist_name(&s));
+                }
                 if let Some(u) = &s.ufs {
                     println!(
                         "under-store: mount {} path {}",

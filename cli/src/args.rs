@@ -61,9 +61,9 @@ pub enum Command {
         after_help = "Examples:\n  granary worker --master 10.0.0.1:19998 --listen 0.0.0.0:29999 --advertise 10.0.0.7:29999 \\\n      --cache-dir /nvme/granary --cache-size 500GiB\n  granary worker decommission 7 --master 10.0.0.1:19998\n  granary worker recommission 7 --master 10.0.0.1:19998"
     )]
     Worker(WorkerArgs),
-    /// Mount the namespace with FUSE (read-only for now).
+    /// Mount the namespace with FUSE (reads, and sequential writes of new files).
     #[command(
-        after_help = "Example:\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/granary"
+        after_help = "Examples:\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/granary\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/ckpt --write-mode async-through --async-replicas 2\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/data --read-only"
     )]
     Fuse(FuseArgs),
     /// Manage under-store mounts.
@@ -129,6 +129,23 @@ pub struct FuseOpts {
     /// root), e.g. 4MiB; 0 keeps the kernel's 128 KiB.
     #[arg(long, env = "GRANARY_READ_AHEAD", value_parser = size, default_value = "4MiB")]
     pub read_ahead: u64,
+    /// Refuse every change through this mount (EROFS).
+    #[arg(long, env = "GRANARY_READ_ONLY")]
+    pub read_only: bool,
+    /// How files written through this mount reach the under-store: cache-through (close
+    /// returns once the store has the file), async-through (close returns once it is cached
+    /// on --async-replicas workers; uploaded in the background, pinned until then),
+    /// must-cache (cached only, not durable) or through (store only). Default: each
+    /// mount's write_mode option, else cache-through.
+    #[arg(long, env = "GRANARY_WRITE_MODE", value_parser = write_mode)]
+    pub write_mode: Option<granary_client::WriteMode>,
+    /// Workers that hold an async-through file before close returns.
+    #[arg(long, env = "GRANARY_ASYNC_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub async_replicas: u32,
+}
+
+fn write_mode(s: &str) -> Result<granary_client::WriteMode, String> {
+    s.parse()
 }
 
 #[derive(Debug, Args)]

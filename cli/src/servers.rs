@@ -42,6 +42,9 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.passthrough = !o.no_passthrough && !o.no_short_circuit;
     c.op_timeout = o.op_timeout;
     c.max_memory = o.max_memory;
+    c.read_only = o.read_only;
+    c.write_mode = o.write_mode;
+    c.async_replicas = o.async_replicas as usize;
     c
 }
 

@@ -22,12 +22,23 @@ pub enum ClientError {
     Stale(String),
     #[error("{0}")]
     Internal(String),
+    /// A refusal with a precise POSIX meaning (errno, message).
+    #[error("{1}")]
+    Posix(i32, String),
 }
 
 impl ClientError {
     pub fn from_status(s: tonic::Status) -> Self {
         use tonic::Code;
         let msg = s.message().to_string();
+        if let Some(n) = s
+            .metadata()
+            .get(granary_proto::ERRNO_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            return Self::Posix(n, msg);
+        }
         match s.code() {
             Code::NotFound => Self::NotFound(msg),
             Code::AlreadyExists => Self::AlreadyExists(msg),

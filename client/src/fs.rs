@@ -358,7 +358,7 @@ impl FileSystem {
         });
     }
 
-    async fn live_workers(&self) -> Vec<pb::WorkerInfo> {
+    pub(crate) async fn live_workers(&self) -> Vec<pb::WorkerInfo> {
         {
             let v = lock(&self.view);
             if v.fetched.is_some_and(|t| t.elapsed() < WORKERS_TTL) {
@@ -384,7 +384,10 @@ impl FileSystem {
         }
     }
 
-    fn worker_client(&self, address: &str) -> Result<WorkerServiceClient<Channel>, ClientError> {
+    pub(crate) fn worker_client(
+        &self,
+        address: &str,
+    ) -> Result<WorkerServiceClient<Channel>, ClientError> {
         let mut v = lock(&self.view);
         if let Some(c) = v.clients.get(address) {
             return Ok(c.clone());
@@ -449,6 +452,10 @@ impl FileSystem {
                         .get(&w.worker_id)
                         .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
                 });
+            }
+            if file.persist_worker != 0 {
+                // A file not in the under-store (yet): the worker that wrote it has it.
+                candidates.sort_by_key(|w| w.worker_id != file.persist_worker);
             }
             for w in candidates {
                 if self.short_circuit.applies_to(&w) {

@@ -12,7 +12,9 @@ pub mod master;
 pub mod metrics;
 pub mod mounts;
 pub mod placement;
+pub mod write;
 
 pub use error::ClientError;
 pub use fs::FileSystem;
 pub use master::MasterClient;
+pub use write::{FileWriter, WriteMode};

@@ -322,6 +322,88 @@ impl MasterClient {
             .ok_or_else(|| ClientError::Internal("master returned no status".into()))
     }
 
+    /// Creates a file to write (`overwrite`: replace an existing one, same inode, new
+    /// version). The answer carries the version the written pages are cached under.
+    pub async fn create_file(
+        &self,
+        path: &str,
+        mode: u32,
+        overwrite: bool,
+    ) -> Result<pb::FileStatus, ClientError> {
+        let request_id = Self::request_id();
+        let r = self
+            .call(|mut c| {
+                let req = self.request(pb::CreateFileRequest {
+                    path: path.to_string(),
+                    mode,
+                    block_size: 0,
+                    request_id,
+                    overwrite,
+                });
+                async move { c.create_file(req).await }
+            })
+            .await?;
+        r.status
+            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+    }
+
+    /// Completes a written file (the request's `request_id` is filled in here).
+    pub async fn complete_file(
+        &self,
+        mut req: pb::CompleteFileRequest,
+    ) -> Result<pb::FileStatus, ClientError> {
+        req.request_id = Self::request_id();
+        let r = self
+            .call(|mut c| {
+                let req = self.request(req.clone());
+                async move { c.complete_file(req).await }
+            })
+            .await?;
+        r.status
+            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+    }
+
+    /// Records that a pending file was uploaded; false when the upload is stale.
+    pub async fn file_persisted(&self, req: pb::FilePersistedRequest) -> Result<bool, ClientError> {
+        let r = self
+            .call(|mut c| {
+                let req = self.request(req.clone());
+                async move { c.file_persisted(req).await }
+            })
+            .await?;
+        Ok(r.recorded)
+    }
+
+    pub async fn delete(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
+        let request_id = Self::request_id();
+        self.call(|mut c| {
+            let req = self.request(pb::DeleteRequest {
+                path: path.to_string(),
+                recursive,
+                request_id,
+            });
+            async move { c.delete(req).await }
+        })
+        .await?;
+        Ok(())
+    }
+
+    pub async fn rename(&self, src: &str, dst: &str) -> Result<pb::FileStatus, ClientError> {
+        let request_id = Self::request_id();
+        let r = self
+            .call(|mut c| {
+                let req = self.request(pb::RenameRequest {
+                    src: src.to_string(),
+                    dst: dst.to_string(),
+                    request_id,
+                });
+                async move { c.rename(req).await }
+            })
+            .await?;
+        r.status
+            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+    }
+
     pub async fn add_mount(
         &self,
         path: &str,

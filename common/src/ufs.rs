@@ -289,6 +289,16 @@ impl Ufs {
     }
 }
 
+/// The fingerprint of an object as its metadata (a listing, a HEAD) describes it.
+pub fn fingerprint_of(o: &object_store::ObjectMeta) -> granary_proto::Fingerprint {
+    granary_proto::Fingerprint {
+        etag: o.e_tag.clone().unwrap_or_default(),
+        size: o.size,
+        mtime_ms: o.last_modified.timestamp_millis(),
+        version_id: o.version.clone().unwrap_or_default(),
+    }
+}
+
 /// Is `key` a credential whose value must never be shown?
 pub fn is_secret_key(key: &str) -> bool {
     let k = key.to_ascii_lowercase();
@@ -471,6 +481,15 @@ impl UfsSpec {
             .get("part_concurrency")
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(DEFAULT_PART_CONCURRENCY)
+    }
+
+    /// The directory of a `file://` mount (None for object stores).
+    pub fn local_dir(&self) -> Option<std::path::PathBuf> {
+        let url = Url::parse(&self.uri).ok()?;
+        if url.scheme() != "file" {
+            return None;
+        }
+        url.to_file_path().ok()
     }
 
     pub fn read_only(&self) -> bool {

@@ -15,5 +15,6 @@ pub fn errno(e: &ClientError) -> Errno {
         ClientError::Timeout(_) => Errno::EIO,
         ClientError::Stale(_) => Errno::ESTALE,
         ClientError::PermissionDenied(_) => Errno::EACCES,
+        ClientError::Posix(n, _) => Errno::from_i32(*n),
     }
 }

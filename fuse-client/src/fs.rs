@@ -8,8 +8,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
+    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, Request, WriteFlags,
 };
 use granary_client::FileSystem;
 use granary_proto as pb;
@@ -90,6 +91,9 @@ pub struct GranaryFs {
     /// Open handles in passthrough mode: fh → (inode, client lease handle).
     passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
     dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
+    /// Files open for writing, and the mount's write settings.
+    writes: crate::write::Writes,
+    read_only: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -115,7 +119,7 @@ impl GranaryFs {
             .map(|m| (m.uid(), m.gid()))
             .unwrap_or((0, 0));
         Self {
-            client,
+            client: client.clone(),
             rt,
             attr_ttl: config.attr_timeout,
             entry_ttl: config.entry_timeout,
@@ -137,6 +141,30 @@ impl GranaryFs {
                 metrics: metrics.clone(),
             },
             dirs: Arc::new(Mutex::new(HashMap::new())),
+            writes: crate::write::Writes::new(
+                client.clone(),
+                config.write_mode,
+                config.async_replicas.max(1),
+                config.op_timeout,
+            ),
+            read_only: config.read_only,
+        }
+    }
+
+    /// A name the kernel passed, checked: ENAMETOOLONG, or ENOENT when not UTF-8.
+    fn name_of(name: &OsStr) -> Result<String, Errno> {
+        if name.len() > NAME_MAX {
+            return Err(Errno::ENAMETOOLONG);
+        }
+        name.to_str().map(str::to_string).ok_or(Errno::ENOENT)
+    }
+
+    /// Refuses a change on a read-only mount.
+    fn writable(&self) -> Result<(), Errno> {
+        if self.read_only {
+            Err(Errno::EROFS)
+        } else {
+            Ok(())
         }
     }
 }
@@ -181,6 +209,9 @@ impl Filesystem for GranaryFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let _ = config.set_max_readahead(MAX_IO);
         let _ = config.set_max_write(MAX_IO);
+        // O_TRUNC arrives with the open (else the kernel truncates by setattr first, which
+        // a whole-object write cannot tell from a resize).
+        let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         if self.passthrough_wanted {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
                 Ok(()) => {
@@ -225,9 +256,16 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
+        let writes = self.writes.clone();
         self.rt.spawn(async move {
             match dl.run("getattr", client.stat_inode(ino.0)).await {
-                Ok(s) => reply.attr(&ttl, &attr_of(&s, uid, gid)),
+                Ok(mut s) => {
+                    // Being written through this mount: its size so far.
+                    if let Some(n) = writes.size_of(ino.0) {
+                        s.length = n;
+                    }
+                    reply.attr(&ttl, &attr_of(&s, uid, gid))
+                }
                 Err(e) => {
                     tracing::warn!(inode = ino.0, error = %e, "getattr failed");
                     reply.error(errno(&e))
@@ -238,7 +276,7 @@ impl Filesystem for GranaryFs {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
-            reply.error(Errno::EROFS);
+            self.open_for_write(ino, flags, reply);
             return;
         }
         let client = self.client.clone();
@@ -342,6 +380,7 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         lock(&self.files).remove(&fh.0);
+        self.writes.release(fh.0, &self.rt);
         if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {
             {
                 let _rt = self.rt.enter(); // the lease release is sent from a task
@@ -465,22 +504,230 @@ impl Filesystem for GranaryFs {
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
-        if mask.contains(fuser::AccessFlags::W_OK) {
+        if mask.contains(fuser::AccessFlags::W_OK) && self.read_only {
             reply.error(Errno::EROFS);
         } else {
             reply.ok();
         }
     }
 
-    // Everything that would change the namespace or data: read-only for now.
-    fn setattr(
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = match self.writable().and_then(|()| Self::name_of(name)) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let writes = self.writes.clone();
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let open = async {
+                let path = writes.child_path(parent.0, &name).await?;
+                let dir = writes.client.stat_inode(parent.0).await?;
+                let mount = dir.ufs.as_ref().map(|u| u.mount_id);
+                writes
+                    .open(fh, &path, mode & !umask & 0o7777, false, mount)
+                    .await
+            };
+            match dl.run("create", open).await {
+                Ok(s) => reply.created(
+                    &ttl,
+                    &attr_of(&s, uid, gid),
+                    Generation(0),
+                    FileHandle(fh),
+                    FopenFlags::FOPEN_DIRECT_IO,
+                ),
+                Err(e) => {
+                    tracing::warn!(parent = parent.0, %name, error = %e, "create failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn write(
         &self,
         _req: &Request,
         _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let Some(h) = self.writes.handle(fh.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let data = bytes::Bytes::copy_from_slice(data);
+        let writes = self.writes.clone();
+        self.rt.spawn(async move {
+            match writes.write(&h, offset, data).await {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(e),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let Some(h) = self.writes.handle(fh.0) else {
+            return reply.ok();
+        };
+        let writes = self.writes.clone();
+        self.rt.spawn(async move {
+            match writes.flush(&h).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            }
+        });
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let Some(h) = self.writes.handle(fh.0) else {
+            return reply.ok();
+        };
+        let writes = self.writes.clone();
+        self.rt.spawn(async move {
+            match writes.fsync(&h).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            }
+        });
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = match self.writable().and_then(|()| Self::name_of(name)) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let writes = self.writes.clone();
+        let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let made = async {
+                let path = writes.child_path(parent.0, &name).await?;
+                writes
+                    .client
+                    .master
+                    .mkdir(&path, false, mode & !umask & 0o7777)
+                    .await
+            };
+            match dl.run("mkdir", made).await {
+                Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
+                Err(e) => {
+                    tracing::warn!(parent = parent.0, %name, error = %e, "mkdir failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove(parent, name, false, reply);
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove(parent, name, true, reply);
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let names = self
+            .writable()
+            .and_then(|()| Ok((Self::name_of(name)?, Self::name_of(newname)?)));
+        let (name, newname) = match names {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        if flags.contains(RenameFlags::RENAME_EXCHANGE)
+            || flags.contains(RenameFlags::RENAME_WHITEOUT)
+        {
+            return reply.error(Errno::EINVAL);
+        }
+        let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        let writes = self.writes.clone();
+        let opened = self.opened.clone();
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let moved = async {
+                let src = writes.child_path(parent.0, &name).await?;
+                let dst = writes.child_path(newparent.0, &newname).await?;
+                if noreplace {
+                    match writes.client.lookup(newparent.0, &newname).await {
+                        Ok(_) => {
+                            return Err(granary_client::ClientError::AlreadyExists(dst));
+                        }
+                        Err(granary_client::ClientError::NotFound(_)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                writes.client.master.rename(&src, &dst).await
+            };
+            match dl.run("rename", moved).await {
+                Ok(s) => {
+                    lock(&opened).remove(&s.inode);
+                    reply.ok()
+                }
+                Err(e) => {
+                    tracing::warn!(%name, %newname, error = %e, "rename failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    /// Sizes: only what the file already has (a truncate to 0 of a file being written from
+    /// its start, `ftruncate` to the current size); anything else is EOPNOTSUPP. Mode,
+    /// owner and times are accepted and not stored (the under-store has no place for them;
+    /// `cp -p` and `touch` keep working).
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
         _mode: Option<u32>,
         _uid: Option<u32>,
         _gid: Option<u32>,
-        _size: Option<u64>,
+        size: Option<u64>,
         _atime: Option<fuser::TimeOrNow>,
         _mtime: Option<fuser::TimeOrNow>,
         _ctime: Option<SystemTime>,
@@ -491,7 +738,120 @@ impl Filesystem for GranaryFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        reply.error(Errno::EROFS);
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let client = self.client.clone();
+        let writes = self.writes.clone();
+        let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            match dl.run("setattr", client.stat_inode(ino.0)).await {
+                Ok(mut s) => {
+                    if let Some(n) = writes.size_of(ino.0) {
+                        s.length = n;
+                    }
+                    if size.is_some_and(|n| n != s.length) {
+                        tracing::warn!(inode = ino.0, path = %s.path, from = s.length, to = ?size, "resizing a file is not supported");
+                        return reply.error(Errno::EOPNOTSUPP);
+                    }
+                    reply.attr(&ttl, &attr_of(&s, uid, gid))
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+}
+
+impl GranaryFs {
+    /// Opens an existing file for writing: with O_TRUNC (or when it is empty) it is
+    /// replaced by what is written; appending to or rewriting a file with data is
+    /// EOPNOTSUPP.
+    fn open_for_write(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let truncate = flags.0 & libc::O_TRUNC != 0;
+        let append = flags.0 & libc::O_APPEND != 0;
+        let writes = self.writes.clone();
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let opened = self.opened.clone();
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let open = async {
+                let s = writes.client.stat_inode(ino.0).await?;
+                if s.kind == pb::FileKind::Directory as i32 {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::EISDIR,
+                        format!("{} is a directory", s.path),
+                    ));
+                }
+                if !truncate && (append || s.length > 0) {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::EOPNOTSUPP,
+                        format!(
+                            "{}: files are written whole; open with O_TRUNC to replace it (appending and rewriting in place are not supported)",
+                            s.path
+                        ),
+                    ));
+                }
+                let mount = s.ufs.as_ref().map(|u| u.mount_id);
+                writes.open(fh, &s.path, s.mode, true, mount).await
+            };
+            match dl.run("open", open).await {
+                Ok(s) => {
+                    lock(&opened).remove(&s.inode);
+                    reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
+                }
+                Err(e) => {
+                    tracing::warn!(inode = ino.0, error = %e, "open for writing failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    /// unlink (`dir` false) and rmdir (`dir` true).
+    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+        let name = match self.writable().and_then(|()| Self::name_of(name)) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let writes = self.writes.clone();
+        let opened = self.opened.clone();
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let removed = async {
+                let entry = writes.client.lookup(parent.0, &name).await?;
+                let is_dir = entry.kind == pb::FileKind::Directory as i32;
+                if dir && !is_dir {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::ENOTDIR,
+                        format!("{} is not a directory", entry.path),
+                    ));
+                }
+                if !dir && is_dir {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::EISDIR,
+                        format!("{} is a directory", entry.path),
+                    ));
+                }
+                writes.client.master.delete(&entry.path, false).await?;
+                Ok(entry.inode)
+            };
+            match dl.run(if dir { "rmdir" } else { "unlink" }, removed).await {
+                Ok(inode) => {
+                    lock(&opened).remove(&inode);
+                    reply.ok()
+                }
+                Err(e) => {
+                    if !matches!(e, granary_client::ClientError::NotFound(_)) {
+                        tracing::warn!(%name, error = %e, "remove failed");
+                    }
+                    reply.error(errno(&e))
+                }
+            }
+        });
     }
 }
 

@@ -3,10 +3,12 @@
 //! Every callback hands its work to the tokio runtime and replies from the task, so no
 //! kernel reader thread ever waits on the network; every network wait has a deadline
 //! (client side), so an operation fails with an errno instead of hanging the mount.
-//! Read-only for now: every write attempt gets `EROFS`.
+//! Writes are sequential (checkpoints, outputs) in the mount's write mode; `--read-only`
+//! answers every change with `EROFS`.
 
 mod error;
 mod fs;
+mod write;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -62,6 +64,13 @@ pub struct FuseConfig {
     pub op_timeout: Duration,
     /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
     pub max_memory: u64,
+    /// Refuse every change with EROFS.
+    pub read_only: bool,
+    /// Write mode of every file written through this mount (None: each mount's
+    /// `write_mode` option, cache-through when unset).
+    pub write_mode: Option<granary_client::WriteMode>,
+    /// Workers holding an async-through file before close returns.
+    pub async_replicas: usize,
 }
 
 impl FuseConfig {
@@ -76,6 +85,9 @@ impl FuseConfig {
             passthrough: true,
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
+            read_only: false,
+            write_mode: None,
+            async_replicas: 1,
         }
     }
 }
@@ -107,9 +119,11 @@ pub fn mount(
     c.mount_options = vec![
         MountOption::FSName("granary".into()),
         MountOption::Subtype("granary".into()),
-        MountOption::RO,
         MountOption::NoAtime,
     ];
+    if config.read_only {
+        c.mount_options.push(MountOption::RO);
+    }
     if config.allow_other {
         c.acl = SessionACL::All;
     }

@@ -16,6 +16,10 @@ pub enum MasterError {
     NotADirectory { path: String },
     #[error("directory not empty: {path}")]
     NotEmpty { path: String },
+    #[error("cannot move {src} to {dst}: they are in different mounts (copy, then delete)")]
+    CrossMount { src: String, dst: String },
+    #[error("is a directory: {path}")]
+    IsADirectory { path: String },
     #[error("{path} is in the read-only mount {mount}")]
     ReadOnly { path: String, mount: String },
     #[error("{message}")]
@@ -84,6 +88,15 @@ impl From<granary_common::ufs::UfsError> for MasterError {
     }
 }
 
+/// Linux errno values sent in the `ERRNO_KEY` metadata.
+mod libc_errno {
+    pub const ENOTDIR: i32 = 20;
+    pub const EISDIR: i32 = 21;
+    pub const EXDEV: i32 = 18;
+    pub const EROFS: i32 = 30;
+    pub const ENOTEMPTY: i32 = 39;
+}
+
 /// Metadata key carrying the leader's address on a `NotLeader` status.
 pub const LEADER_HINT_KEY: &str = "granary-leader";
 
@@ -97,6 +110,8 @@ impl From<MasterError> for tonic::Status {
             MasterError::FailedPrecondition { .. }
             | MasterError::NotADirectory { .. }
             | MasterError::NotEmpty { .. }
+            | MasterError::CrossMount { .. }
+            | MasterError::IsADirectory { .. }
             | MasterError::ReadOnly { .. } => Code::FailedPrecondition,
             MasterError::NotLeader { .. }
             | MasterError::Unavailable { .. }
@@ -105,6 +120,21 @@ impl From<MasterError> for tonic::Status {
             MasterError::PermissionDenied { .. } => Code::PermissionDenied,
         };
         let mut status = tonic::Status::new(code, e.to_string());
+        // The precise POSIX outcome, for the FUSE client (codes alone merge several).
+        let errno = match &e {
+            MasterError::NotADirectory { .. } => Some(libc_errno::ENOTDIR),
+            MasterError::NotEmpty { .. } => Some(libc_errno::ENOTEMPTY),
+            MasterError::CrossMount { .. } => Some(libc_errno::EXDEV),
+            MasterError::IsADirectory { .. } => Some(libc_errno::EISDIR),
+            MasterError::ReadOnly { .. } => Some(libc_errno::EROFS),
+            _ => None,
+        };
+        if let Some(n) = errno {
+            status.metadata_mut().insert(
+                granary_proto::ERRNO_KEY,
+                n.to_string().parse().expect("digits"),
+            );
+        }
         if let MasterError::NotLeader {
             leader_hint: Some(hint),
         } = &e

@@ -12,3 +12,7 @@ pub use v1::*;
 
 /// Largest gRPC message Granary sends or accepts (block reads stream 1 MiB chunks).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// gRPC metadata key carrying the Linux errno that fits an error precisely (ENOTEMPTY,
+/// ENOTDIR, EXDEV, EISDIR, EROFS…), where the status code alone would merge several.
+pub const ERRNO_KEY: &str = "granary-errno";

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod service;
 pub mod store;
 pub mod ufs_fetch;
+pub mod writes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -177,6 +178,21 @@ pub async fn start(
         ufs_fetch::Fetcher::new(master.clone(), store.clone(), metrics.clone())
             .with_worker_id(worker_id),
     );
+    let writes = writes::Writes::open(
+        &config.cache_dir,
+        fetcher.clone(),
+        master.clone(),
+        metrics.clone(),
+        worker_id,
+    )
+    .map_err(|e| WorkerError::Config(format!("cannot open the write journal: {e}")))?;
+    let resumed = writes.resume();
+    if resumed > 0 {
+        tracing::info!(
+            files = resumed,
+            "resuming uploads of files written async-through"
+        );
+    }
     let registered = Arc::new(AtomicBool::new(false));
     let hb = heartbeat::Heartbeat {
         master,
@@ -193,6 +209,7 @@ pub async fn start(
         worker_id,
         fetcher,
         metrics,
+        writes,
     })
     .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);

@@ -124,6 +124,18 @@ pub struct WorkerMetrics {
     pub tier_demoted_pages: Family<Tier, Counter>,
     /// Pages copied up to the top tier when read from a lower one.
     pub tier_promoted_pages: Family<Tier, Counter>,
+    /// Bytes received from clients writing files.
+    pub written_bytes: Counter<u64, AtomicU64>,
+    /// Bytes of written files uploaded to under-stores.
+    pub uploaded_bytes: Counter<u64, AtomicU64>,
+    pub write_failures: Counter<u64, AtomicU64>,
+    pub upload_failures: Counter<u64, AtomicU64>,
+    /// Async-through files whose upload the master recorded.
+    pub persisted_files: Counter<u64, AtomicU64>,
+    /// Async-through files journaled here and not persisted yet (uploading or replicas).
+    pub pending_uploads: Gauge<i64, AtomicI64>,
+    /// Async-through writes uploaded before close returned (the cache could not pin them).
+    pub async_writes_uploaded_at_close: Counter<u64, AtomicU64>,
 }
 
 impl WorkerMetrics {
@@ -284,6 +296,41 @@ impl WorkerMetrics {
                 "granary_worker_cache_pages",
                 "Cached pages",
                 m.cache_pages.clone(),
+            );
+            r.register(
+                "granary_worker_written_bytes",
+                "Bytes received from clients writing files",
+                m.written_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_uploaded_bytes",
+                "Bytes of written files uploaded to under-stores",
+                m.uploaded_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_write_failures",
+                "File writes that failed (the client was told)",
+                m.write_failures.clone(),
+            );
+            r.register(
+                "granary_worker_upload_failures",
+                "Background uploads of async-through files that failed (retried)",
+                m.upload_failures.clone(),
+            );
+            r.register(
+                "granary_worker_persisted_files",
+                "Async-through files uploaded and recorded by the master",
+                m.persisted_files.clone(),
+            );
+            r.register(
+                "granary_worker_pending_uploads",
+                "Async-through files journaled here and not persisted yet",
+                m.pending_uploads.clone(),
+            );
+            r.register(
+                "granary_worker_async_writes_uploaded_at_close",
+                "Async-through writes uploaded before close returned because the cache could not pin them",
+                m.async_writes_uploaded_at_close.clone(),
             );
         }
         m

@@ -7,6 +7,8 @@
 //! it; a loaded one keeps its metadata, and the failure is recorded, counted and retried
 //! with backoff.
 
+mod writes;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex};
@@ -545,6 +547,10 @@ impl Namespace {
     /// HEADs a file's object: a changed one gets its new fingerprint (and version, noted
     /// stale for workers); a vanished one makes its directory list again and is not found.
     async fn check_object(&self, mount: &Mount, file: Inode) -> Result<Inode, MasterError> {
+        if file.not_in_store() {
+            // Written through Granary and not (yet) in the store: nothing to compare.
+            return Ok(file);
+        }
         let path = file.ufs_path.clone();
         tokio::time::timeout(UFS_DEADLINE, self.check_object_now(mount, file))
             .await

@@ -31,6 +31,15 @@ fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterE
     Ok(s)
 }
 
+fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
+    crate::state::Fingerprint {
+        etag: f.etag,
+        size: f.size,
+        mtime_ms: f.mtime_ms,
+        version_id: f.version_id,
+    }
+}
+
 fn one(core: &MasterCore, out: ApplyOutput) -> Result<Response<pb::GetStatusResponse>, Status> {
     match out {
         ApplyOutput::Inode(i) => Ok(Response::new(pb::GetStatusResponse {
@@ -153,6 +162,8 @@ impl MasterService for MasterRpc {
         req: Request<pb::MkdirRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let r = req.into_inner();
+        self.core.ensure_leader()?;
+        self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
         let out = self
             .core
             .propose_request(
@@ -173,6 +184,8 @@ impl MasterService for MasterRpc {
         req: Request<pb::CreateFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let r = req.into_inner();
+        self.core.ensure_leader()?;
+        self.core.ns.prepare_create(&r.path, r.overwrite).await?;
         let out = self
             .core
             .propose_request(
@@ -181,10 +194,15 @@ impl MasterService for MasterRpc {
                     mode: r.mode,
                     block_size: r.block_size,
                     now_ms: granary_common::now_ms(),
+                    overwrite: r.overwrite,
                 },
                 r.request_id,
             )
             .await?;
+        if let ApplyOutput::Inode(i) = &out {
+            // A replaced file's old pages are of no use any more.
+            self.core.blocks.note_stale(i.id, i.version);
+        }
         one(&self.core, out)
     }
 
@@ -199,13 +217,11 @@ impl MasterService for MasterRpc {
                 Command::CompleteFile {
                     inode: r.inode,
                     length: r.length,
-                    fingerprint: r.fingerprint.map(|f| crate::state::Fingerprint {
-                        etag: f.etag,
-                        size: f.size,
-                        mtime_ms: f.mtime_ms,
-                        version_id: f.version_id,
-                    }),
+                    fingerprint: r.fingerprint.map(fingerprint_of),
                     now_ms: granary_common::now_ms(),
+                    version: (r.version != 0).then_some(r.version),
+                    persist: crate::state::Persist::from_proto(r.persist_state),
+                    persist_worker: r.persist_worker,
                 },
                 r.request_id,
             )
@@ -213,11 +229,35 @@ impl MasterService for MasterRpc {
         one(&self.core, out)
     }
 
+    async fn file_persisted(
+        &self,
+        req: Request<pb::FilePersistedRequest>,
+    ) -> Result<Response<pb::FilePersistedResponse>, Status> {
+        let r = req.into_inner();
+        let fp = r.fingerprint.ok_or_else(|| {
+            Status::invalid_argument("the uploaded object's fingerprint is missing")
+        })?;
+        let out = self
+            .core
+            .propose(Command::FilePersisted {
+                inode: r.inode,
+                version: r.version,
+                fingerprint: fingerprint_of(fp),
+                ufs_path: r.ufs_path,
+            })
+            .await?;
+        Ok(Response::new(pb::FilePersistedResponse {
+            recorded: matches!(out, ApplyOutput::Inode(_)),
+        }))
+    }
+
     async fn delete(
         &self,
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
         let r = req.into_inner();
+        self.core.ensure_leader()?;
+        let inode = self.core.ns.delete_in_store(&r.path, r.recursive).await?;
         self.core
             .propose_request(
                 Command::Delete {
@@ -227,6 +267,10 @@ impl MasterService for MasterRpc {
                 r.request_id,
             )
             .await?;
+        // Workers drop the removed file's cached pages (pinned ones of a pending write too).
+        if inode.kind == crate::state::Kind::File {
+            self.core.blocks.note_stale(inode.id, 0);
+        }
         Ok(Response::new(pb::DeleteResponse {}))
     }
 
@@ -235,6 +279,8 @@ impl MasterService for MasterRpc {
         req: Request<pb::RenameRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let r = req.into_inner();
+        self.core.ensure_leader()?;
+        self.core.ns.rename_in_store(&r.src, &r.dst).await?;
         let out = self
             .core
             .propose_request(

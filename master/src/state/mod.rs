@@ -511,23 +511,6 @@ impl<'a> Txn<'a> {
         self.sm.mounts()
     }
 
-    fn mount_containing(&self, path: &str) -> Result<Option<Mount>, MasterError> {
-        Ok(self
-            .mounts()?
-            .into_iter()
-            .find(|m| paths::is_within(path, &m.path)))
-    }
-
-    fn refuse_in_mount(&self, path: &str) -> Result<(), MasterError> {
-        if let Some(m) = self.mount_containing(path)? {
-            return Err(MasterError::precondition(format!(
-                "{path} is inside the mount {} ({}); changing mounted under-stores is not supported yet",
-                m.path, m.spec.uri
-            )));
-        }
-        Ok(())
-    }
-
     fn root(&self) -> Result<Inode, MasterError> {
         self.inode(ROOT_INODE)?
             .ok_or_else(|| MasterError::corrupt("root inode is missing"))
@@ -549,14 +532,21 @@ impl<'a> Txn<'a> {
         Ok(cur)
     }
 
+    /// A new directory under `parent`; inside a mount it belongs to the mount (made here,
+    /// so kept while the under-store shows nothing under it).
     fn new_dir(
         &mut self,
-        parent: u64,
+        parent: &Inode,
         name: &str,
         mode: u32,
         now_ms: i64,
     ) -> Result<Inode, MasterError> {
-        let inode = Inode::directory(self.alloc_inode()?, parent, name, mode, now_ms);
+        let mut inode = Inode::directory(self.alloc_inode()?, parent.id, name, mode, now_ms);
+        if let Some(m) = parent.mount_id {
+            inode.mount_id = Some(m);
+            inode.ufs_path = child_ufs_path(parent, name);
+            inode.created = true;
+        }
         self.link(&inode)?;
         Ok(inode)
     }
@@ -570,7 +560,7 @@ impl<'a> Txn<'a> {
             cur = match self.child(cur.id, comp)? {
                 Some(c) if c.kind == Kind::Directory => c,
                 Some(_) => return Err(MasterError::NotADirectory { path: walked }),
-                None => self.new_dir(cur.id, comp, mode, now_ms)?,
+                None => self.new_dir(&cur, comp, mode, now_ms)?,
             };
         }
         Ok(cur)
@@ -676,13 +666,29 @@ impl<'a> Txn<'a> {
                 mode,
                 block_size,
                 now_ms,
-            } => self.create_file(path, *mode, *block_size, *now_ms),
+                overwrite,
+            } => self.create_file(path, *mode, *block_size, *now_ms, *overwrite),
             Command::CompleteFile {
                 inode,
                 length,
                 fingerprint,
                 now_ms,
-            } => self.complete_file(*inode, *length, fingerprint.clone(), *now_ms),
+                version,
+                persist,
+                persist_worker,
+            } => self.complete_file(
+                *inode,
+                *length,
+                fingerprint.clone(),
+                *now_ms,
+                (*version, *persist, *persist_worker),
+            ),
+            Command::FilePersisted {
+                inode,
+                version,
+                fingerprint,
+                ufs_path,
+            } => self.file_persisted(*inode, *version, fingerprint, ufs_path),
             Command::Delete { path, recursive } => self.delete_path(path, *recursive),
             Command::Rename { src, dst, now_ms } => self.rename(src, dst, *now_ms),
         }
@@ -720,7 +726,7 @@ impl<'a> Txn<'a> {
                         })
                     }
                     Some(existing) => existing,
-                    None => self.new_dir(parent.id, last, DEFAULT_DIR_MODE, now_ms)?,
+                    None => self.new_dir(&parent, last, DEFAULT_DIR_MODE, now_ms)?,
                 }
             }
         };
@@ -840,14 +846,13 @@ impl<'a> Txn<'a> {
             fingerprint: fp,
             version,
             mount_id: Some(mount_id),
-            ufs_path: if d.ufs_path.is_empty() {
-                e.name.clone()
-            } else {
-                format!("{}/{}", d.ufs_path, e.name)
-            },
+            ufs_path: child_ufs_path(d, &e.name),
             is_mount_point: false,
             children_loaded: false,
             complete: true,
+            persist: Persist::Persisted,
+            persist_worker: 0,
+            created: false,
         };
         self.link(&inode)?;
         Ok(inode)
@@ -920,11 +925,13 @@ impl<'a> Txn<'a> {
                 }
             }
             match listed.get(child.name.as_str()) {
+                _ if child.being_written() => {}
                 Some(e) if e.kind == child.kind => {
                     if let (Kind::File, Some(fp)) = (e.kind, &e.fingerprint) {
                         self.set_fingerprint(&mut child, fp)?;
                     }
                 }
+                None if child.kept_when_unlisted(now_ms) => {}
                 // Gone from the store, or a file became a directory (or back).
                 _ => self.remove_subtree(&child, true)?,
             }
@@ -965,7 +972,7 @@ impl<'a> Txn<'a> {
                 continue;
             }
             match self.child(dir, &e.name)? {
-                Some(c) if moved_on(&c) => {}
+                Some(c) if moved_on(&c) || c.being_written() => {}
                 Some(mut c) if c.kind == e.kind => {
                     if let (Kind::File, Some(fp)) = (e.kind, &e.fingerprint) {
                         self.set_fingerprint(&mut c, fp)?;
@@ -982,7 +989,7 @@ impl<'a> Txn<'a> {
         }
         for name in &batch.removed {
             if let Some(c) = self.child(dir, name)? {
-                if !moved_on(&c) {
+                if !moved_on(&c) && !c.kept_when_unlisted(now_ms) {
                     self.remove_subtree(&c, true)?;
                 }
             }
@@ -1024,7 +1031,6 @@ impl<'a> Txn<'a> {
         now_ms: i64,
     ) -> Result<ApplyOutput, MasterError> {
         let path = paths::normalize(path)?;
-        self.refuse_in_mount(&path)?;
         let comps = paths::components(&path)?;
         let Some((last, parents)) = comps.split_last() else {
             return if recursive {
@@ -1052,7 +1058,7 @@ impl<'a> Txn<'a> {
             Some(c) if recursive && c.kind == Kind::Directory => Ok(ApplyOutput::Inode(c)),
             Some(_) => Err(MasterError::AlreadyExists { path }),
             None => Ok(ApplyOutput::Inode(
-                self.new_dir(parent.id, last, mode, now_ms)?,
+                self.new_dir(&parent, last, mode, now_ms)?,
             )),
         }
     }
@@ -1063,9 +1069,9 @@ impl<'a> Txn<'a> {
         mode: u32,
         block_size: u64,
         now_ms: i64,
+        overwrite: bool,
     ) -> Result<ApplyOutput, MasterError> {
         let path = paths::normalize(path)?;
-        self.refuse_in_mount(&path)?;
         let comps = paths::components(&path)?;
         let Some((last, parents)) = comps.split_last() else {
             return Err(MasterError::AlreadyExists { path });
@@ -1075,19 +1081,36 @@ impl<'a> Txn<'a> {
         if parent.kind != Kind::Directory {
             return Err(MasterError::NotADirectory { path: parent_path });
         }
-        if self.child(parent.id, last)?.is_some() {
-            return Err(MasterError::AlreadyExists { path });
+        let mode = if mode == 0 {
+            DEFAULT_FILE_MODE
+        } else {
+            mode & 0o7777
+        };
+        if let Some(mut old) = self.child(parent.id, last)? {
+            if !overwrite {
+                return Err(MasterError::AlreadyExists { path });
+            }
+            if old.kind != Kind::File {
+                return Err(MasterError::IsADirectory { path });
+            }
+            // Same inode (an open file handle keeps naming it), a new version.
+            old.version = write_version(old.id, old.version, now_ms);
+            old.length = 0;
+            old.mtime_ms = now_ms;
+            old.complete = false;
+            old.created = true;
+            old.persist = Persist::Persisted;
+            old.persist_worker = 0;
+            self.put_inode(&old)?;
+            return Ok(ApplyOutput::Inode(old));
         }
+        let id = self.alloc_inode()?;
         let inode = Inode {
-            id: self.alloc_inode()?,
+            id,
             parent: parent.id,
             name: last.to_string(),
             kind: Kind::File,
-            mode: if mode == 0 {
-                DEFAULT_FILE_MODE
-            } else {
-                mode & 0o7777
-            },
+            mode,
             mtime_ms: now_ms,
             length: 0,
             block_size: if block_size == 0 {
@@ -1096,12 +1119,19 @@ impl<'a> Txn<'a> {
                 block_size
             },
             fingerprint: None,
-            version: 0,
-            mount_id: None,
-            ufs_path: String::new(),
+            version: write_version(id, 0, now_ms),
+            mount_id: parent.mount_id,
+            ufs_path: if parent.mount_id.is_some() {
+                child_ufs_path(&parent, last)
+            } else {
+                String::new()
+            },
             is_mount_point: false,
             children_loaded: true,
             complete: false,
+            persist: Persist::Persisted,
+            persist_worker: 0,
+            created: true,
         };
         self.link(&inode)?;
         Ok(ApplyOutput::Inode(inode))
@@ -1113,12 +1143,19 @@ impl<'a> Txn<'a> {
         length: u64,
         fp: Option<Fingerprint>,
         now_ms: i64,
+        (version, persist, persist_worker): (Option<u64>, Persist, u64),
     ) -> Result<ApplyOutput, MasterError> {
         let mut inode = self
             .inode(id)?
             .ok_or_else(|| MasterError::not_found(format!("inode {id}")))?;
         if inode.kind != Kind::File {
             return Err(MasterError::invalid(format!("inode {id} is not a file")));
+        }
+        if version.is_some_and(|v| v != inode.version) {
+            return Err(MasterError::precondition(format!(
+                "{} was replaced while it was being written",
+                inode.name
+            )));
         }
         if inode.complete {
             return Err(MasterError::precondition(format!(
@@ -1128,10 +1165,50 @@ impl<'a> Txn<'a> {
         inode.length = length;
         inode.mtime_ms = now_ms;
         if let Some(fp) = fp {
-            inode.version = version_of(&fp.to_proto());
+            if version.is_none() {
+                inode.version = version_of(&fp.to_proto());
+            }
             inode.fingerprint = Some(fp);
+        } else if version.is_some() {
+            inode.fingerprint = None;
         }
+        // A file outside any mount has nowhere to be persisted.
+        inode.persist = if inode.mount_id.is_none() && persist == Persist::Persisted {
+            Persist::NotPersisted
+        } else {
+            persist
+        };
+        inode.persist_worker = if persist != Persist::Persisted {
+            persist_worker
+        } else {
+            0
+        };
         inode.complete = true;
+        self.put_inode(&inode)?;
+        Ok(ApplyOutput::Inode(inode))
+    }
+
+    fn file_persisted(
+        &mut self,
+        id: u64,
+        version: u64,
+        fp: &Fingerprint,
+        ufs_path: &str,
+    ) -> Result<ApplyOutput, MasterError> {
+        let Some(mut inode) = self.inode(id)? else {
+            return Ok(ApplyOutput::None);
+        };
+        if inode.kind != Kind::File
+            || inode.version != version
+            || !inode.complete
+            || inode.persist != Persist::Pending
+            || inode.ufs_path != ufs_path
+        {
+            return Ok(ApplyOutput::None);
+        }
+        inode.fingerprint = Some(fp.clone());
+        inode.persist = Persist::Persisted;
+        inode.persist_worker = 0;
         self.put_inode(&inode)?;
         Ok(ApplyOutput::Inode(inode))
     }
@@ -1147,12 +1224,11 @@ impl<'a> Txn<'a> {
                 "{path} is a mount point; use `granary mount remove {path}`"
             )));
         }
-        self.refuse_in_mount(&path)?;
         if inode.kind == Kind::Directory && !recursive && !self.child_ids(inode.id)?.is_empty() {
             return Err(MasterError::NotEmpty { path });
         }
         self.remove_subtree(&inode, true)?;
-        Ok(ApplyOutput::None)
+        Ok(ApplyOutput::Inode(inode))
     }
 
     fn rename(&mut self, src: &str, dst: &str, now_ms: i64) -> Result<ApplyOutput, MasterError> {
@@ -1161,14 +1237,17 @@ impl<'a> Txn<'a> {
         if src == "/" || dst == "/" {
             return Err(MasterError::invalid("the root directory cannot be renamed"));
         }
-        self.refuse_in_mount(&src)?;
-        self.refuse_in_mount(&dst)?;
         if paths::is_within(&dst, &src) {
             return Err(MasterError::invalid(format!(
                 "cannot move {src} into itself ({dst})"
             )));
         }
         let mut inode = self.resolve(&src)?;
+        if inode.is_mount_point {
+            return Err(MasterError::precondition(format!(
+                "{src} is a mount point; mount points cannot be renamed"
+            )));
+        }
         let dcomps = paths::components(&dst)?;
         let Some((last, parents)) = dcomps.split_last() else {
             return Err(MasterError::invalid("bad destination"));
@@ -1178,16 +1257,80 @@ impl<'a> Txn<'a> {
         if parent.kind != Kind::Directory {
             return Err(MasterError::NotADirectory { path: parent_path });
         }
-        if self.child(parent.id, last)?.is_some() {
-            return Err(MasterError::AlreadyExists { path: dst });
+        if parent.mount_id != inode.mount_id {
+            return Err(MasterError::CrossMount { src, dst });
+        }
+        if let Some(existing) = self.child(parent.id, last)? {
+            // POSIX rename: a file replaces a file, a directory an empty directory.
+            match (inode.kind, existing.kind) {
+                _ if existing.id == inode.id => return Ok(ApplyOutput::Inode(inode)),
+                (Kind::File, Kind::File) => {}
+                (Kind::Directory, Kind::Directory)
+                    if self.child_ids(existing.id)?.is_empty() && !existing.is_mount_point => {}
+                (Kind::Directory, Kind::Directory) => {
+                    return Err(MasterError::NotEmpty { path: dst })
+                }
+                (Kind::File, Kind::Directory) => {
+                    return Err(MasterError::IsADirectory { path: dst })
+                }
+                (Kind::Directory, Kind::File) => {
+                    return Err(MasterError::NotADirectory { path: dst })
+                }
+            }
+            self.remove_subtree(&existing, true)?;
         }
         self.delete(child_key(inode.parent, &inode.name));
         inode.parent = parent.id;
         inode.name = last.to_string();
         inode.mtime_ms = now_ms;
+        if inode.mount_id.is_some() {
+            inode.ufs_path = child_ufs_path(&parent, last);
+            inode.created = true;
+        }
         self.link(&inode)?;
+        if inode.kind == Kind::Directory && inode.mount_id.is_some() {
+            self.rebase_ufs_paths(&inode)?;
+        }
         Ok(ApplyOutput::Inode(inode))
     }
+
+    /// After a directory of a mount moved: every entry below takes its new store path.
+    fn rebase_ufs_paths(&mut self, dir: &Inode) -> Result<(), MasterError> {
+        let mut stack = vec![dir.clone()];
+        while let Some(d) = stack.pop() {
+            for id in self.child_ids(d.id)? {
+                let Some(mut c) = self.inode(id)? else {
+                    continue;
+                };
+                c.ufs_path = child_ufs_path(&d, &c.name);
+                self.put_inode(&c)?;
+                if c.kind == Kind::Directory {
+                    stack.push(c);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The store path of `name` inside directory `dir` of a mount.
+fn child_ufs_path(dir: &Inode, name: &str) -> String {
+    if dir.ufs_path.is_empty() {
+        name.to_string()
+    } else {
+        format!("{}/{}", dir.ufs_path, name)
+    }
+}
+
+/// The version of a file written through Granary: unique per write (inode, the version it
+/// replaces, the proposer's clock), fixed at create so pages are cached while it is written.
+fn write_version(inode: u64, previous: u64, now_ms: i64) -> u64 {
+    granary_common::ids::stable_hash(&[
+        b"granary-write",
+        &inode.to_le_bytes(),
+        &previous.to_le_bytes(),
+        &now_ms.to_le_bytes(),
+    ])
 }
 
 /// Converts a stored inode to its wire form.
@@ -1213,6 +1356,8 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
         is_mount_point: inode.is_mount_point,
         complete: inode.complete,
         version: inode.version,
+        persist_state: inode.persist.to_proto() as i32,
+        persist_worker: inode.persist_worker,
         ..Default::default()
     }
 }

@@ -116,11 +116,21 @@ impl Model {
                 if src == "/" || dst == "/" || is_within(dst, src) {
                     return false;
                 }
-                if self.is_dir(src).is_none()
-                    || self.is_dir(&parent(dst)) != Some(true)
-                    || self.is_dir(dst).is_some()
-                {
+                let Some(src_dir) = self.is_dir(src) else {
                     return false;
+                };
+                if self.is_dir(&parent(dst)) != Some(true) {
+                    return false;
+                }
+                // POSIX: a file replaces a file, a directory an empty directory.
+                match self.is_dir(dst) {
+                    None => {}
+                    _ if src == dst => return true,
+                    Some(d) if d != src_dir => return false,
+                    Some(true) if self.has_children(dst) => return false,
+                    Some(_) => {
+                        self.0.remove(dst.as_str());
+                    }
                 }
                 let moved: Vec<(String, bool)> = self
                     .0
@@ -164,7 +174,7 @@ proptest! {
         for (i, op) in ops.iter().enumerate() {
             let cmd = match op {
                 Op::Mkdir(p, r) => Command::Mkdir { path: p.clone(), recursive: *r, mode: 0, now_ms: 1 },
-                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1 },
+                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1, overwrite: false },
                 Op::Delete(p, r) => Command::Delete { path: p.clone(), recursive: *r },
                 Op::Rename(a, b) => Command::Rename { src: a.clone(), dst: b.clone(), now_ms: 1 },
             };

@@ -82,10 +82,51 @@ pub struct Inode {
     pub children_loaded: bool,
     #[serde(default = "yes")]
     pub complete: bool,
+    /// Whether the under-store holds this version (files written through Granary).
+    #[serde(default)]
+    pub persist: Persist,
+    /// For `Persist::Pending`: the worker uploading it.
+    #[serde(default)]
+    pub persist_worker: u64,
+    /// Made through Granary inside a mount (mkdir, a written file): a re-listing that does
+    /// not show it yet (a directory with nothing uploaded under it, a file just uploaded
+    /// while the listing ran) keeps it.
+    #[serde(default)]
+    pub created: bool,
 }
 
 fn yes() -> bool {
     true
+}
+
+/// Persistence of a file's current version.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Persist {
+    /// The under-store has it (every file listed from one).
+    #[default]
+    Persisted,
+    /// Written async-through: cached and pinned on workers, being uploaded.
+    Pending,
+    /// Written must-cache (or outside any mount): cached only, not durable.
+    NotPersisted,
+}
+
+impl Persist {
+    pub fn to_proto(self) -> granary_proto::PersistState {
+        match self {
+            Persist::Persisted => granary_proto::PersistState::Persisted,
+            Persist::Pending => granary_proto::PersistState::Pending,
+            Persist::NotPersisted => granary_proto::PersistState::NotPersisted,
+        }
+    }
+
+    pub fn from_proto(p: i32) -> Self {
+        match granary_proto::PersistState::try_from(p) {
+            Ok(granary_proto::PersistState::Pending) => Persist::Pending,
+            Ok(granary_proto::PersistState::NotPersisted) => Persist::NotPersisted,
+            _ => Persist::Persisted,
+        }
+    }
 }
 
 impl Inode {
@@ -107,9 +148,36 @@ impl Inode {
             is_mount_point: false,
             children_loaded: true,
             complete: true,
+            persist: Persist::Persisted,
+            persist_worker: 0,
+            created: false,
         }
     }
+
+    /// A re-listing of its directory that does not show this entry leaves it alone: being
+    /// written, not uploaded yet, a directory made here, or a file uploaded so recently
+    /// that the listing may predate it.
+    pub fn kept_when_unlisted(&self, now_ms: i64) -> bool {
+        !self.complete
+            || self.persist != Persist::Persisted
+            || (self.created
+                && (self.kind == Kind::Directory || self.mtime_ms > now_ms - RECENT_WRITE_MS))
+    }
+
+    /// A file whose current version the store does not hold (being written, pending,
+    /// must-cache): its object is not compared with the store.
+    pub fn not_in_store(&self) -> bool {
+        self.kind == Kind::File && (!self.complete || self.persist != Persist::Persisted)
+    }
+
+    /// A re-listing leaves its fingerprint alone (the upload records it).
+    pub fn being_written(&self) -> bool {
+        !self.complete || self.persist == Persist::Pending
+    }
 }
+
+/// How long a file uploaded through Granary is kept when a listing does not show it.
+pub const RECENT_WRITE_MS: i64 = 60_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mount {
@@ -204,12 +272,30 @@ pub enum Command {
         mode: u32,
         block_size: u64,
         now_ms: i64,
+        /// Replace an existing file: same inode, new version, empty until completed.
+        #[serde(default)]
+        overwrite: bool,
     },
     CompleteFile {
         inode: u64,
         length: u64,
         fingerprint: Option<Fingerprint>,
         now_ms: i64,
+        /// The version it was created with; the file must still have it (None: older
+        /// proposers, the version follows the fingerprint).
+        #[serde(default)]
+        version: Option<u64>,
+        #[serde(default)]
+        persist: Persist,
+        #[serde(default)]
+        persist_worker: u64,
+    },
+    /// A pending file was uploaded: record the store's fingerprint, keep the version.
+    FilePersisted {
+        inode: u64,
+        version: u64,
+        fingerprint: Fingerprint,
+        ufs_path: String,
     },
     Delete {
         path: String,

@@ -175,6 +175,7 @@ fn namespace_mutations_outside_mounts() {
                 mode: 0,
                 block_size: 0,
                 now_ms: 1,
+                overwrite: false,
             },
         )
         .unwrap()
@@ -189,6 +190,9 @@ fn namespace_mutations_outside_mounts() {
             length: 10,
             fingerprint: None,
             now_ms: 2,
+            version: None,
+            persist: Persist::Persisted,
+            persist_worker: 0,
         },
     )
     .unwrap();
@@ -236,39 +240,153 @@ fn namespace_mutations_outside_mounts() {
 }
 
 #[test]
-fn writes_inside_mounts_are_refused() {
+fn writes_inside_mounts_keep_store_paths_and_persistence() {
     let (_d, sm) = open();
-    sm.apply(
-        1,
-        &Command::AddMount {
-            path: "/m".into(),
-            spec: spec("file:///a"),
-            now_ms: 1,
-        },
-    )
+    let mut n = 0;
+    let mut apply = |cmd: Command| {
+        n += 1;
+        sm.apply(n, &cmd)
+    };
+    apply(Command::AddMount {
+        path: "/m".into(),
+        spec: spec("file:///a"),
+        now_ms: 1,
+    })
     .unwrap();
-    let err = sm
-        .apply(
-            2,
-            &Command::Mkdir {
-                path: "/m/x".into(),
-                recursive: true,
-                mode: 0,
-                now_ms: 1,
-            },
-        )
-        .unwrap_err();
-    assert!(matches!(err, MasterError::FailedPrecondition { .. }));
-    let err = sm
-        .apply(
-            3,
-            &Command::Delete {
-                path: "/m".into(),
-                recursive: true,
-            },
-        )
-        .unwrap_err();
-    assert!(matches!(err, MasterError::FailedPrecondition { .. }));
+    let Ok(ApplyOutput::Inode(d)) = apply(Command::Mkdir {
+        path: "/m/x/y".into(),
+        recursive: true,
+        mode: 0,
+        now_ms: 1,
+    }) else {
+        panic!()
+    };
+    assert_eq!(
+        (d.mount_id, d.ufs_path.as_str(), d.created),
+        (Some(1), "x/y", true)
+    );
+    let create = |path: &str, overwrite: bool| Command::CreateFile {
+        path: path.into(),
+        mode: 0,
+        block_size: 0,
+        now_ms: 5,
+        overwrite,
+    };
+    let Ok(ApplyOutput::Inode(f)) = apply(create("/m/x/y/ckpt", false)) else {
+        panic!()
+    };
+    assert_eq!(f.ufs_path, "x/y/ckpt");
+    assert!(!f.complete && f.version != 0);
+    // Pending: cached on worker 7, not in the store yet.
+    let Ok(ApplyOutput::Inode(f)) = apply(Command::CompleteFile {
+        inode: f.id,
+        length: 100,
+        fingerprint: None,
+        now_ms: 6,
+        version: Some(f.version),
+        persist: Persist::Pending,
+        persist_worker: 7,
+    }) else {
+        panic!()
+    };
+    assert_eq!(
+        (f.persist, f.persist_worker, f.length),
+        (Persist::Pending, 7, 100)
+    );
+    // A listing of x that shows nothing keeps the made directory and the pending file.
+    let x = sm.resolve_loaded("/m/x").unwrap().unwrap();
+    apply(Command::SyncDir {
+        dir: x.id,
+        mount_id: 1,
+        entries: vec![],
+        now_ms: 10_000_000,
+        block_size: 0,
+        seen: None,
+        batch: None,
+    })
+    .unwrap();
+    let y = sm.resolve_loaded("/m/x/y").unwrap().unwrap();
+    apply(Command::SyncDir {
+        dir: y.id,
+        mount_id: 1,
+        entries: vec![],
+        now_ms: 10_000_000,
+        block_size: 0,
+        seen: None,
+        batch: None,
+    })
+    .unwrap();
+    assert!(sm.resolve_loaded("/m/x/y/ckpt").unwrap().is_some());
+    // Moving the directory moves the store paths below it.
+    apply(Command::Rename {
+        src: "/m/x".into(),
+        dst: "/m/z".into(),
+        now_ms: 7,
+    })
+    .unwrap();
+    let f2 = sm.resolve_loaded("/m/z/y/ckpt").unwrap().unwrap();
+    assert_eq!((f2.id, f2.ufs_path.as_str()), (f.id, "z/y/ckpt"));
+    // An upload recorded for the old path is stale; for the new one it is kept, and the
+    // version stays (cached pages stay valid).
+    let fp = Fingerprint {
+        etag: "\"e1\"".into(),
+        size: 100,
+        mtime_ms: 8,
+        version_id: String::new(),
+    };
+    let persisted = |path: &str| Command::FilePersisted {
+        inode: f.id,
+        version: f.version,
+        fingerprint: fp.clone(),
+        ufs_path: path.into(),
+    };
+    assert_eq!(apply(persisted("x/y/ckpt")).unwrap(), ApplyOutput::None);
+    let Ok(ApplyOutput::Inode(p)) = apply(persisted("z/y/ckpt")) else {
+        panic!()
+    };
+    assert_eq!((p.persist, p.version), (Persist::Persisted, f.version));
+    assert_eq!(p.fingerprint, Some(fp));
+    // Replacing it keeps the inode, with a new version.
+    let Ok(ApplyOutput::Inode(r)) = apply(create("/m/z/y/ckpt", true)) else {
+        panic!()
+    };
+    assert_eq!(r.id, f.id);
+    assert_ne!(r.version, f.version);
+    assert!(!r.complete);
+    assert!(matches!(
+        apply(create("/m/z/y/ckpt", false)),
+        Err(MasterError::AlreadyExists { .. })
+    ));
+    // Completing with the replaced version is refused.
+    assert!(matches!(
+        apply(Command::CompleteFile {
+            inode: f.id,
+            length: 1,
+            fingerprint: None,
+            now_ms: 9,
+            version: Some(f.version),
+            persist: Persist::Persisted,
+            persist_worker: 0,
+        }),
+        Err(MasterError::FailedPrecondition { .. })
+    ));
+    // Out of the mount, and the mount point itself: refused, nothing changed.
+    assert!(matches!(
+        apply(Command::Rename {
+            src: "/m/z".into(),
+            dst: "/elsewhere".into(),
+            now_ms: 9,
+        }),
+        Err(MasterError::CrossMount { .. })
+    ));
+    assert!(matches!(
+        apply(Command::Delete {
+            path: "/m".into(),
+            recursive: true,
+        }),
+        Err(MasterError::FailedPrecondition { .. })
+    ));
+    assert!(sm.resolve_loaded("/m/z/y/ckpt").unwrap().is_some());
 }
 
 fn mkdir_cmd(path: &str) -> Command {

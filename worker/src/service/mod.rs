@@ -26,7 +26,10 @@ pub struct WorkerRpc {
     pub worker_id: u64,
     pub fetcher: Arc<Fetcher>,
     pub metrics: WorkerMetrics,
+    pub writes: Arc<crate::writes::Writes>,
 }
+
+type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Status>> + Send>>;
 
 /// Byte geometry of one read request, validated.
 #[derive(Clone, Copy)]
@@ -133,6 +136,24 @@ impl WorkerRpc {
 #[tonic::async_trait]
 impl WorkerService for WorkerRpc {
     type ReadBlockStream = ReadStream;
+    type WriteFileStream = WriteStream;
+
+    async fn write_file(
+        &self,
+        req: Request<tonic::Streaming<pb::WriteFileRequest>>,
+    ) -> Result<Response<WriteStream>, Status> {
+        let mut inbound = req.into_inner();
+        let header = match inbound.next().await {
+            Some(Ok(m)) => m
+                .header
+                .ok_or_else(|| Status::invalid_argument("the first message needs the header"))?,
+            Some(Err(e)) => return Err(e),
+            None => return Err(Status::invalid_argument("an empty write stream")),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(self.writes.clone().receive(header, inbound, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
 
     async fn read_block(
         &self,

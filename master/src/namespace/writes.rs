@@ -1,0 +1,300 @@
+//! The leader's side of namespace changes inside mounts: what the under-store must do before
+//! the change is proposed (delete objects, move them), and the checks that make a refused
+//! change change nothing (read-only mounts, cross-mount moves).
+//!
+//! The under-store goes first: a delete or move that fails there is not recorded, so the
+//! namespace never claims what the store does not show. Both are idempotent, so a retried
+//! request (same request id) that finds the work done succeeds.
+
+use futures::StreamExt;
+use granary_common::paths;
+use object_store::{ObjectStore as _, ObjectStoreExt as _};
+
+use super::Namespace;
+use crate::error::MasterError;
+use crate::mounts::find_mount;
+use crate::state::{Inode, Kind, Mount, Persist};
+
+/// Objects moved or deleted at once when a directory of an object store changes.
+const OBJECT_OPS_IN_FLIGHT: usize = 16;
+
+impl Namespace {
+    /// The mount `inode` belongs to, refusing a change when it is read-only.
+    fn writable_mount(&self, inode: &Inode, path: &str) -> Result<Option<Mount>, MasterError> {
+        let Some(id) = inode.mount_id else {
+            return Ok(None);
+        };
+        let mount = find_mount(&self.sm, id)?;
+        if mount.spec.read_only() {
+            return Err(MasterError::ReadOnly {
+                path: path.to_string(),
+                mount: mount.path.clone(),
+            });
+        }
+        Ok(Some(mount))
+    }
+
+    /// The parent of `path`, loaded from its under-store, and the entry itself if it exists
+    /// (looked up in the store too, so a create never shadows an object it did not list).
+    async fn parent_and_entry(&self, path: &str) -> Result<(Inode, Option<Inode>), MasterError> {
+        let path = paths::normalize(path)?;
+        let comps = paths::components(&path)?;
+        let Some((last, parents)) = comps.split_last() else {
+            return Err(MasterError::AlreadyExists { path });
+        };
+        paths::validate_name(last)?;
+        let parent_path = format!("/{}", parents.join("/"));
+        let parent = self.resolve(&parent_path).await?;
+        if parent.kind != Kind::Directory {
+            return Err(MasterError::NotADirectory { path: parent_path });
+        }
+        let entry = self.child_of(parent.clone(), last).await?;
+        Ok((parent, entry))
+    }
+
+    /// Checks before a file is created (or replaced) at `path`.
+    pub async fn prepare_create(&self, path: &str, overwrite: bool) -> Result<(), MasterError> {
+        let (parent, entry) = self.parent_and_entry(path).await?;
+        self.writable_mount(&parent, path)?;
+        match entry {
+            Some(_) if !overwrite => Err(MasterError::AlreadyExists {
+                path: path.to_string(),
+            }),
+            Some(e) if e.kind == Kind::Directory => Err(MasterError::IsADirectory {
+                path: path.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks before a directory is made at `path`.
+    pub async fn prepare_mkdir(&self, path: &str, recursive: bool) -> Result<(), MasterError> {
+        match self.parent_and_entry(path).await {
+            Ok((parent, entry)) => {
+                self.writable_mount(&parent, path)?;
+                match entry {
+                    Some(e) if !(recursive && e.kind == Kind::Directory) => {
+                        Err(MasterError::AlreadyExists {
+                            path: path.to_string(),
+                        })
+                    }
+                    _ => Ok(()),
+                }
+            }
+            // `mkdir -p` of a path whose parents are missing: they are made in the apply.
+            Err(MasterError::NotFound { .. }) if recursive => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes `path` from its under-store (everything below it with `recursive`), before
+    /// the removal is proposed. Returns the entry.
+    pub async fn delete_in_store(&self, path: &str, recursive: bool) -> Result<Inode, MasterError> {
+        let path = paths::normalize(path)?;
+        let inode = self.resolve(&path).await?;
+        if inode.is_mount_point {
+            return Err(MasterError::precondition(format!(
+                "{path} is a mount point; use `granary mount remove {path}`"
+            )));
+        }
+        let Some(mount) = self.writable_mount(&inode, &path)? else {
+            return Ok(inode);
+        };
+        if inode.kind == Kind::Directory {
+            // Emptiness is judged on what the store holds, not only on what was listed.
+            let dir = self.ensure_loaded(inode.clone()).await?;
+            if !recursive && !self.sm.children(dir.id, None, 1)?.is_empty() {
+                return Err(MasterError::NotEmpty { path });
+            }
+        }
+        let ufs = self.ufs.get(&mount)?;
+        let scrub = |e: object_store::Error| MasterError::Unavailable {
+            message: mount
+                .spec
+                .scrub(&format!("deleting {path} in the under-store: {e}")),
+        };
+        match inode.kind {
+            // An unfinished file has nothing in the store yet (a replaced file's old object
+            // stays: it was never overwritten).
+            Kind::File
+                if inode.complete
+                    && (inode.persist == Persist::Persisted || inode.persist_worker != 0) =>
+            {
+                match ufs.store.delete(&ufs.path_of(&inode.ufs_path)).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(scrub(e)),
+                }
+            }
+            Kind::File => {}
+            Kind::Directory => {
+                let prefix = ufs.path_of(&inode.ufs_path);
+                let objects: Vec<_> = ufs
+                    .store
+                    .list(Some(&prefix))
+                    .map(|m| m.map(|m| m.location))
+                    .collect::<Vec<_>>()
+                    .await
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .map_err(scrub)?;
+                let results: Vec<_> = futures::stream::iter(objects)
+                    .map(|p| {
+                        let store = ufs.store.clone();
+                        async move { store.delete(&p).await }
+                    })
+                    .buffer_unordered(OBJECT_OPS_IN_FLIGHT)
+                    .collect()
+                    .await;
+                for r in results {
+                    match r {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(scrub(e)),
+                    }
+                }
+                if let Some(dir) = mount.spec.local_dir() {
+                    // A local store keeps directories of its own.
+                    let local = dir.join(&inode.ufs_path);
+                    match std::fs::remove_dir_all(&local) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => {
+                            return Err(MasterError::Unavailable {
+                                message: format!("removing {}: {e}", local.display()),
+                            })
+                        }
+                    }
+                }
+            }
+        }
+        Ok(inode)
+    }
+
+    /// Moves `src` to `dst` in the under-store (copy + delete where the store has no
+    /// rename), before the move is proposed. Both must be in the same mount.
+    pub async fn rename_in_store(&self, src: &str, dst: &str) -> Result<(), MasterError> {
+        let src = paths::normalize(src)?;
+        let dst = paths::normalize(dst)?;
+        if paths::is_within(&dst, &src) {
+            return Err(MasterError::invalid(format!(
+                "cannot move {src} into itself ({dst})"
+            )));
+        }
+        let inode = self.resolve(&src).await?;
+        let (parent, existing) = self.parent_and_entry(&dst).await?;
+        if parent.mount_id != inode.mount_id {
+            return Err(MasterError::CrossMount { src, dst });
+        }
+        let Some(mount) = self.writable_mount(&inode, &src)? else {
+            return Ok(());
+        };
+        if inode.is_mount_point {
+            return Err(MasterError::precondition(format!(
+                "{src} is a mount point; mount points cannot be renamed"
+            )));
+        }
+        if let Some(e) = &existing {
+            if e.kind == Kind::Directory && inode.kind == Kind::File {
+                return Err(MasterError::IsADirectory { path: dst });
+            }
+            if e.kind == Kind::File && inode.kind == Kind::Directory {
+                return Err(MasterError::NotADirectory { path: dst });
+            }
+            if e.kind == Kind::Directory {
+                let d = self.ensure_loaded(e.clone()).await?;
+                if !self.sm.children(d.id, None, 1)?.is_empty() {
+                    return Err(MasterError::NotEmpty { path: dst });
+                }
+            }
+        }
+        let to_rel = if parent.ufs_path.is_empty() {
+            paths::components(&dst)?
+                .last()
+                .copied()
+                .unwrap_or("")
+                .to_string()
+        } else {
+            format!(
+                "{}/{}",
+                parent.ufs_path,
+                paths::components(&dst)?.last().copied().unwrap_or("")
+            )
+        };
+        let ufs = self.ufs.get(&mount)?;
+        let scrub = |e: object_store::Error| MasterError::Unavailable {
+            message: mount
+                .spec
+                .scrub(&format!("moving {src} to {dst} in the under-store: {e}")),
+        };
+        let from = ufs.path_of(&inode.ufs_path);
+        let to = ufs.path_of(&to_rel);
+        if let Some(dir) = mount.spec.local_dir() {
+            // A local store renames in one step (files and whole directories).
+            let (a, b) = (dir.join(&inode.ufs_path), dir.join(&to_rel));
+            if inode.kind == Kind::File && inode.persist != Persist::Persisted && !a.exists() {
+                return Ok(());
+            }
+            if let Some(p) = b.parent() {
+                let _ = std::fs::create_dir_all(p);
+            }
+            if b.is_dir() {
+                let _ = std::fs::remove_dir(&b);
+            }
+            return match std::fs::rename(&a, &b) {
+                Ok(()) => Ok(()),
+                // A directory made here with nothing in it yet, or a retried move.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(MasterError::Unavailable {
+                    message: format!("moving {} to {}: {e}", a.display(), b.display()),
+                }),
+            };
+        }
+        match inode.kind {
+            Kind::File => {
+                if inode.persist != Persist::Persisted {
+                    // Not in the store yet: its upload goes to the new path.
+                    return Ok(());
+                }
+                match ufs.store.rename(&from, &to).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(scrub(e)),
+                }
+            }
+            Kind::Directory => {
+                let objects: Vec<_> = ufs
+                    .store
+                    .list(Some(&from))
+                    .map(|m| m.map(|m| m.location))
+                    .collect::<Vec<_>>()
+                    .await
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .map_err(scrub)?;
+                let from_s = from.as_ref().to_string();
+                let to_s = to.as_ref().to_string();
+                let results: Vec<_> = futures::stream::iter(objects)
+                    .map(|p| {
+                        let store = ufs.store.clone();
+                        let rest = p.as_ref()[from_s.len()..].to_string();
+                        let target = object_store::path::Path::parse(format!("{to_s}{rest}"));
+                        async move {
+                            let target = target.map_err(|e| object_store::Error::Generic {
+                                store: "granary",
+                                source: Box::new(e),
+                            })?;
+                            store.rename(&p, &target).await
+                        }
+                    })
+                    .buffer_unordered(OBJECT_OPS_IN_FLIGHT)
+                    .collect()
+                    .await;
+                for r in results {
+                    match r {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(scrub(e)),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,641 @@
+//! Writes: files created through Granary (checkpoints, outputs), received from a client,
+//! journaled on local disk, cached as pages, and uploaded to the under-store.
+//!
+//! Layout under `--cache-dir`: `writes/<inode>-<version>.data` holds the bytes as received,
+//! `writes/<inode>-<version>.json` what the write is ([`Journal`]). A journal marked
+//! `closed` is a finished async-through write that is not uploaded yet: it is the durable
+//! local copy. At start every closed journal resumes its upload (or, for a replica, its
+//! watch); an unclosed one is an interrupted write (its client saw the failure) and is
+//! removed.
+//!
+//! Guarantees: an async-through file's pages are pinned (never evicted) until the master
+//! records it persisted; the journal is removed only after that (or when the file was
+//! removed or replaced meanwhile). A cache-through or through write answers only after the
+//! under-store has the whole object.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use granary_client::master::MasterClient;
+use granary_proto as pb;
+use object_store::ObjectStoreExt as _;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use crate::metrics::WorkerMetrics;
+use crate::ufs_fetch::Fetcher;
+
+/// How often a replica checks whether its file was persisted.
+const REPLICA_CHECK: Duration = Duration::from_secs(2);
+/// How long the persisting worker may be missing before a replica uploads instead.
+const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
+/// Longest pause between retries of a failed upload.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Journal {
+    pub inode: u64,
+    pub version: u64,
+    pub block_size: u64,
+    pub mount_id: u64,
+    pub ufs_path: String,
+    pub mode: i32,
+    /// This worker uploads it (false: a replica).
+    pub persist: bool,
+    pub length: u64,
+    pub closed: bool,
+}
+
+pub struct Writes {
+    dir: PathBuf,
+    fetcher: Arc<Fetcher>,
+    master: MasterClient,
+    metrics: WorkerMetrics,
+    worker_id: u64,
+    /// Journals with a task uploading or watching them.
+    active: Mutex<HashSet<(u64, u64)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn io_status(what: &str, e: std::io::Error) -> Status {
+    if e.raw_os_error() == Some(28) {
+        return Status::resource_exhausted(format!("{what}: the worker's disk is full"));
+    }
+    Status::internal(format!("{what}: {e}"))
+}
+
+impl Writes {
+    pub fn open(
+        cache_dir: &Path,
+        fetcher: Arc<Fetcher>,
+        master: MasterClient,
+        metrics: WorkerMetrics,
+        worker_id: u64,
+    ) -> std::io::Result<Arc<Self>> {
+        let dir = cache_dir.join("writes");
+        std::fs::create_dir_all(&dir)?;
+        Ok(Arc::new(Self {
+            dir,
+            fetcher,
+            master,
+            metrics,
+            worker_id,
+            active: Mutex::new(HashSet::new()),
+        }))
+    }
+
+    fn paths(&self, inode: u64, version: u64) -> (PathBuf, PathBuf) {
+        let base = format!("{inode:016x}-{version:016x}");
+        (
+            self.dir.join(format!("{base}.data")),
+            self.dir.join(format!("{base}.json")),
+        )
+    }
+
+    fn save(&self, j: &Journal) -> std::io::Result<()> {
+        let (_, meta) = self.paths(j.inode, j.version);
+        let tmp = meta.with_extension("json.tmp");
+        let body = serde_json::to_vec(j).map_err(std::io::Error::other)?;
+        let f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut &f, &body)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &meta)?;
+        std::fs::File::open(&self.dir)?.sync_all()
+    }
+
+    fn remove(&self, inode: u64, version: u64) {
+        let (data, meta) = self.paths(inode, version);
+        let _ = std::fs::remove_file(meta);
+        let _ = std::fs::remove_file(data);
+    }
+
+    /// Resumes what a previous run left: closed journals are uploaded (or watched), others
+    /// removed. Returns how many were resumed.
+    pub fn resume(self: &Arc<Self>) -> usize {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        let mut resumed = 0;
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.extension().and_then(|x| x.to_str()) != Some("json") {
+                continue;
+            }
+            let journal: Option<Journal> = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            match journal {
+                Some(j) if j.closed => {
+                    self.fetcher.store.pin(j.inode);
+                    tracing::info!(
+                        inode = j.inode,
+                        bytes = j.length,
+                        "resuming the upload of a file written async-through"
+                    );
+                    self.spawn_background(j);
+                    resumed += 1;
+                }
+                Some(j) => {
+                    tracing::warn!(
+                        inode = j.inode,
+                        "removing the journal of a write interrupted before it finished"
+                    );
+                    self.remove(j.inode, j.version);
+                }
+                None => {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        self.metrics.pending_uploads.set(resumed as i64);
+        resumed
+    }
+
+    /// Serves one WriteFile stream; answers go to `tx`.
+    pub async fn receive(
+        self: Arc<Self>,
+        header: pb::WriteFileHeader,
+        mut inbound: tonic::Streaming<pb::WriteFileRequest>,
+        tx: mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
+    ) {
+        let (inode, version, mode) = (header.inode, header.version, header.mode);
+        let out = self.clone().receive_inner(header, &mut inbound, &tx).await;
+        if let Err(e) = out {
+            tracing::warn!(inode, error = %e.message(), "write failed");
+            self.metrics.write_failures.inc();
+            let active = lock(&self.active).contains(&(inode, version));
+            if !active {
+                self.remove(inode, version);
+                if mode == pb::WriteMode::AsyncThrough as i32 {
+                    self.fetcher.store.unpin(inode);
+                }
+            }
+            let _ = tx.send(Err(e)).await;
+        }
+    }
+
+    async fn receive_inner(
+        self: Arc<Self>,
+        h: pb::WriteFileHeader,
+        inbound: &mut tonic::Streaming<pb::WriteFileRequest>,
+        tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
+    ) -> Result<(), Status> {
+        let mode = pb::WriteMode::try_from(h.mode)
+            .map_err(|_| Status::invalid_argument(format!("unknown write mode {}", h.mode)))?;
+        if h.inode == 0 || h.version == 0 {
+            return Err(Status::invalid_argument(
+                "the header needs an inode and a version",
+            ));
+        }
+        let ufs = h.ufs.clone();
+        if ufs.is_none() && mode != pb::WriteMode::MustCache {
+            return Err(Status::invalid_argument(
+                "a file outside any mount can only be written must-cache",
+            ));
+        }
+        let block_size = if h.block_size == 0 {
+            granary_common::DEFAULT_BLOCK_SIZE
+        } else {
+            h.block_size
+        };
+        let mut journal = Journal {
+            inode: h.inode,
+            version: h.version,
+            block_size,
+            mount_id: ufs.as_ref().map(|u| u.mount_id).unwrap_or(0),
+            ufs_path: ufs.as_ref().map(|u| u.path.clone()).unwrap_or_default(),
+            mode: h.mode,
+            persist: h.persist || mode != pb::WriteMode::AsyncThrough,
+            length: 0,
+            closed: false,
+        };
+        let (data_path, _) = self.paths(h.inode, h.version);
+        let save = |j: &Journal| {
+            self.save(j)
+                .map_err(|e| io_status("saving the write journal", e))
+        };
+        save(&journal)?;
+        let mut file = tokio::fs::File::create(&data_path)
+            .await
+            .map_err(|e| io_status("creating the write journal", e))?;
+        let caching = mode != pb::WriteMode::Through;
+        let pinned = mode == pb::WriteMode::AsyncThrough;
+        if pinned {
+            self.fetcher.store.pin(h.inode);
+        }
+        let mut pages = PageCutter::new(
+            (h.inode, h.version),
+            block_size,
+            self.fetcher.store.page_size,
+        );
+        let mut cache_full = false;
+        let mut offset = 0u64;
+        while let Some(msg) = inbound.next().await {
+            let msg = msg.map_err(|e| Status::aborted(format!("the client went away: {e}")))?;
+            if msg.abort {
+                return Err(Status::aborted("the client gave the write up"));
+            }
+            if !msg.data.is_empty() {
+                file.write_all(&msg.data)
+                    .await
+                    .map_err(|e| io_status("writing the journal", e))?;
+                offset += msg.data.len() as u64;
+                self.metrics.written_bytes.inc_by(msg.data.len() as u64);
+                if caching && !cache_full {
+                    for (key, page) in pages.push(&msg.data) {
+                        if !self.cache_page(key, page).await {
+                            cache_full = true;
+                            break;
+                        }
+                    }
+                }
+            }
+            if msg.sync {
+                file.sync_data()
+                    .await
+                    .map_err(|e| io_status("syncing the journal", e))?;
+                let _ = tx
+                    .send(Ok(pb::WriteFileResponse {
+                        synced: offset,
+                        ..Default::default()
+                    }))
+                    .await;
+            }
+        }
+        if caching && !cache_full {
+            if let Some((key, page)) = pages.finish() {
+                cache_full = !self.cache_page(key, page).await;
+            }
+        }
+        file.sync_all()
+            .await
+            .map_err(|e| io_status("syncing the journal", e))?;
+        drop(file);
+        journal.length = offset;
+        let answer =
+            |fingerprint: Option<pb::Fingerprint>, persisted: bool| pb::WriteFileResponse {
+                synced: offset,
+                fingerprint,
+                done: true,
+                persisted,
+            };
+        match mode {
+            pb::WriteMode::MustCache => {
+                self.remove(h.inode, h.version);
+                if cache_full {
+                    return Err(Status::resource_exhausted(
+                        "the worker's cache cannot hold the file (must-cache writes are only cached)",
+                    ));
+                }
+                let _ = tx.send(Ok(answer(None, false))).await;
+            }
+            pb::WriteMode::AsyncThrough if !(cache_full && journal.persist) => {
+                journal.closed = true;
+                save(&journal)?;
+                let _ = tx.send(Ok(answer(None, false))).await;
+                self.metrics.pending_uploads.inc();
+                self.spawn_background(journal);
+            }
+            _ => {
+                if mode == pb::WriteMode::AsyncThrough {
+                    // The cache cannot hold it pinned: it is uploaded before the answer.
+                    self.metrics.async_writes_uploaded_at_close.inc();
+                }
+                let fp = self.upload(&journal).await.map_err(|e| {
+                    Status::unavailable(format!("uploading to the under-store failed: {e}"))
+                })?;
+                self.remove(h.inode, h.version);
+                if pinned {
+                    self.fetcher.store.unpin(h.inode);
+                }
+                let _ = tx.send(Ok(answer(Some(fp), true))).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Caches one page of a file being written; false when the cache cannot admit it.
+    async fn cache_page(&self, key: crate::store::PageKey, page: Bytes) -> bool {
+        let store = self.fetcher.store.clone();
+        tokio::task::spawn_blocking(move || match store.reserve(&key, page.len() as u64) {
+            Some(r) => store.commit(r, key, &page).is_ok(),
+            None => false,
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Uploads a journal's bytes to its file's current under-store path; the object's
+    /// fingerprint.
+    async fn upload(&self, j: &Journal) -> Result<pb::Fingerprint, String> {
+        self.upload_to(j, &j.ufs_path, j.mount_id).await
+    }
+
+    async fn upload_to(
+        &self,
+        j: &Journal,
+        ufs_path: &str,
+        mount_id: u64,
+    ) -> Result<pb::Fingerprint, String> {
+        let ufs = self
+            .fetcher
+            .stores
+            .get(&self.master, mount_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let path = ufs.path_of(ufs_path);
+        let (data, _) = self.paths(j.inode, j.version);
+        let mut src = tokio::fs::File::open(&data)
+            .await
+            .map_err(|e| format!("opening the journal: {e}"))?;
+        let mut w = object_store::buffered::BufWriter::with_capacity(
+            ufs.store.clone(),
+            path.clone(),
+            UPLOAD_PART,
+        );
+        let copied = tokio::io::copy(&mut src, &mut w).await;
+        match copied {
+            Ok(n) if n == j.length => {}
+            Ok(n) => {
+                let _ = w.abort().await;
+                return Err(format!(
+                    "the journal holds {n} bytes, expected {}",
+                    j.length
+                ));
+            }
+            Err(e) => {
+                let _ = w.abort().await;
+                return Err(e.to_string());
+            }
+        }
+        w.shutdown().await.map_err(|e| e.to_string())?;
+        let meta = ufs.store.head(&path).await.map_err(|e| e.to_string())?;
+        if meta.size != j.length {
+            return Err(format!(
+                "the store holds {} bytes after the upload, expected {}",
+                meta.size, j.length
+            ));
+        }
+        self.metrics.uploaded_bytes.inc_by(j.length);
+        Ok(granary_common::ufs::fingerprint_of(&meta))
+    }
+
+    fn spawn_background(self: &Arc<Self>, j: Journal) {
+        if !lock(&self.active).insert((j.inode, j.version)) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let key = (j.inode, j.version);
+            if j.persist {
+                me.persist(j).await;
+            } else {
+                me.watch(j).await;
+            }
+            lock(&me.active).remove(&key);
+            me.metrics.pending_uploads.dec();
+        });
+    }
+
+    /// Ends a journal: unpins the file's pages and removes the local copy.
+    fn finish(&self, j: &Journal) {
+        self.fetcher.store.unpin(j.inode);
+        self.remove(j.inode, j.version);
+    }
+
+    /// The file as the master knows it now: None when it is gone or was replaced.
+    async fn current(&self, j: &Journal) -> Result<Option<pb::FileStatus>, String> {
+        match self
+            .master
+            .get_status(pb::path_or_id::Target::Inode(j.inode))
+            .await
+        {
+            Ok(s) if s.version == j.version => Ok(Some(s)),
+            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Uploads an async-through file until the master records it (retrying with backoff
+    /// through store and master outages).
+    async fn persist(&self, j: Journal) {
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            match self.persist_once(&j).await {
+                Ok(()) => {
+                    self.finish(&j);
+                    return;
+                }
+                Err(e) => {
+                    self.metrics.upload_failures.inc();
+                    tracing::warn!(inode = j.inode, error = %e, retry_in = ?backoff, "uploading a file written async-through failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    async fn persist_once(&self, j: &Journal) -> Result<(), String> {
+        let Some(status) = self.current(j).await? else {
+            tracing::info!(
+                inode = j.inode,
+                "the file was removed or replaced before its upload; dropping it"
+            );
+            return Ok(());
+        };
+        if status.persist_state != pb::PersistState::Pending as i32 {
+            return Ok(());
+        }
+        let ufs = status
+            .ufs
+            .ok_or_else(|| "the file is not in a mount".to_string())?;
+        let fp = self.upload_to(j, &ufs.path, ufs.mount_id).await?;
+        let recorded = self
+            .master
+            .file_persisted(pb::FilePersistedRequest {
+                inode: j.inode,
+                version: j.version,
+                fingerprint: Some(fp),
+                ufs_path: ufs.path.clone(),
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        if recorded {
+            tracing::info!(inode = j.inode, path = %ufs.path, bytes = j.length, "file persisted");
+            self.metrics.persisted_files.inc();
+            return Ok(());
+        }
+        // Moved or removed while it was uploading: the object just written is stale.
+        let now = self.current(j).await?;
+        let moved = now
+            .as_ref()
+            .and_then(|s| s.ufs.as_ref())
+            .is_some_and(|u| u.path != ufs.path);
+        if now.is_none() || moved {
+            if let Ok(store) = self.fetcher.stores.get(&self.master, ufs.mount_id).await {
+                let _ = store.store.delete(&store.path_of(&ufs.path)).await;
+            }
+        }
+        if moved {
+            return Err(format!("{} moved during its upload", ufs.path));
+        }
+        Ok(())
+    }
+
+    /// A replica of an async-through file: kept (pinned) until the file is persisted;
+    /// uploads it if the persisting worker stays gone.
+    async fn watch(&self, j: Journal) {
+        let mut missing_since: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::time::sleep(REPLICA_CHECK).await;
+            let status = match self.current(&j).await {
+                Ok(Some(s)) => s,
+                Ok(None) => break,
+                Err(_) => continue,
+            };
+            if status.persist_state != pb::PersistState::Pending as i32 {
+                break;
+            }
+            let owner_live = self
+                .master
+                .cluster_info(false)
+                .await
+                .map(|c| {
+                    c.workers
+                        .iter()
+                        .any(|w| w.worker_id == status.persist_worker && w.state != "lost")
+                })
+                .unwrap_or(true);
+            if owner_live || status.persist_worker == self.worker_id {
+                missing_since = None;
+                continue;
+            }
+            let since = *missing_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= TAKEOVER_AFTER {
+                tracing::warn!(
+                    inode = j.inode,
+                    worker = status.persist_worker,
+                    "the persisting worker is gone; this replica uploads the file"
+                );
+                self.persist(j).await;
+                return;
+            }
+        }
+        self.finish(&j);
+    }
+}
+
+/// Bytes per part of an upload.
+const UPLOAD_PART: usize = 16 * 1024 * 1024;
+
+/// Cuts a written byte stream into the pages of its blocks.
+struct PageCutter {
+    file: (u64, u64),
+    block_size: u64,
+    page_size: u64,
+    /// File offset of `buf`'s first byte.
+    start: u64,
+    buf: BytesMut,
+}
+
+impl PageCutter {
+    fn new(file: (u64, u64), block_size: u64, page_size: u64) -> Self {
+        Self {
+            file,
+            block_size,
+            page_size,
+            start: 0,
+            buf: BytesMut::new(),
+        }
+    }
+
+    fn key(&self) -> crate::store::PageKey {
+        let block = self.start / self.block_size;
+        let page = (self.start % self.block_size) / self.page_size;
+        ((self.file.0, self.file.1, block as u32), page as u32)
+    }
+
+    /// Bytes until the end of the current page (pages end at block ends too).
+    fn room(&self) -> usize {
+        let in_block = self.start % self.block_size;
+        let page_end = ((in_block / self.page_size) + 1) * self.page_size;
+        (page_end.min(self.block_size) - in_block) as usize
+    }
+
+    /// Adds bytes; returns the pages they complete.
+    fn push(&mut self, mut data: &[u8]) -> Vec<(crate::store::PageKey, Bytes)> {
+        let mut out = Vec::new();
+        while !data.is_empty() {
+            let want = self.room() - self.buf.len();
+            let take = want.min(data.len());
+            self.buf.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            if self.buf.len() == self.room() {
+                let key = self.key();
+                let page = self.buf.split().freeze();
+                self.start += page.len() as u64;
+                out.push((key, page));
+            }
+        }
+        out
+    }
+
+    /// The last, partial page.
+    fn finish(&mut self) -> Option<(crate::store::PageKey, Bytes)> {
+        if self.buf.is_empty() {
+            return None;
+        }
+        let key = self.key();
+        let page = self.buf.split().freeze();
+        self.start += page.len() as u64;
+        Some((key, page))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PageCutter;
+
+    #[test]
+    fn pages_end_at_page_and_block_boundaries() {
+        // Blocks of 10 bytes, pages of 4: pages 0..4, 4..8, 8..10 per block.
+        let mut c = PageCutter::new((7, 9), 10, 4);
+        let data: Vec<u8> = (0..23).collect();
+        let mut pages = Vec::new();
+        for chunk in data.chunks(3) {
+            pages.extend(c.push(chunk));
+        }
+        pages.extend(c.finish());
+        let got: Vec<(u32, u32, usize, u8)> = pages
+            .iter()
+            .map(|((k, p), b)| (k.2, *p, b.len(), b[0]))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 0, 4, 0),
+                (0, 1, 4, 4),
+                (0, 2, 2, 8),
+                (1, 0, 4, 10),
+                (1, 1, 4, 14),
+                (1, 2, 2, 18),
+                (2, 0, 3, 20),
+            ]
+        );
+        let all: Vec<u8> = pages.iter().flat_map(|(_, b)| b.to_vec()).collect();
+        assert_eq!(all, data);
+    }
+}
