@@ -48,7 +48,7 @@ pub const PART_SIZE_RANGE: std::ops::RangeInclusive<u64> = 64 * 1024..=256 * 102
 pub const PART_CONCURRENCY_RANGE: std::ops::RangeInclusive<usize> = 1..=64;
 
 /// Accepted `write_mode` values (writes arrive with the FUSE write path).
-pub const WRITE_MODES: &[&str] = &["cache-through", "async-through", "through"];
+pub const WRITE_MODES: &[&str] = &["cache-through", "async-through", "must-cache", "through"];
 
 fn parse_sync(v: &str) -> Option<SyncPolicy> {
     match v.trim().to_ascii_lowercase().as_str() {

@@ -46,6 +46,9 @@ pub struct Proc {
     pub name: String,
     pub child: Child,
     pub log: PathBuf,
+    /// Length of the log when this process started (a restarted process appends to the
+    /// same log; its lines are the ones after this).
+    log_start: usize,
 }
 
 impl Proc {
@@ -72,6 +75,7 @@ impl Proc {
             .create(true)
             .append(true)
             .open(&log)?;
+        let log_start = f.metadata()?.len() as usize;
         let mut cmd = Command::new(program);
         if let Some(d) = cwd {
             cmd.current_dir(d);
@@ -88,6 +92,7 @@ impl Proc {
             name: name.to_string(),
             child,
             log,
+            log_start,
         })
     }
 
@@ -109,7 +114,9 @@ impl Proc {
                     )));
                 }
                 let text = self.log_text();
-                text.lines()
+                text.get(self.log_start..)
+                    .unwrap_or_default()
+                    .lines()
                     .rev()
                     .find_map(|l| {
                         l.find(marker)
@@ -1131,6 +1138,7 @@ impl Bench {
             .create(true)
             .append(true)
             .open(&log)?;
+        let log_start = err.metadata()?.len() as usize;
         let stdout = std::fs::File::create(&out)?;
         let child = Command::new(granary_bin())
             .args(&args)
@@ -1145,6 +1153,7 @@ impl Bench {
                 name: name.to_string(),
                 child,
                 log,
+                log_start,
             },
             out,
             acks,

@@ -359,6 +359,12 @@ impl TestStore {
         }
     }
 
+    /// Where `s3s-fs` keeps object `key` (None for other stores): tests read what the store
+    /// holds without going through Granary.
+    pub fn object_file(&self, key: &str) -> Option<PathBuf> {
+        (self.kind == StoreKind::S3).then(|| self.root.join(&self.bucket).join(key))
+    }
+
     /// Replaces (or creates) one object.
     pub fn put(&self, key: &str, file: &Path) -> Result<()> {
         match self.kind {
