@@ -678,7 +678,7 @@ fn a_changed_under_store_object_is_refused_not_mixed() {
 }
 
 #[test]
-fn writes_through_the_mount_get_erofs() {
+fn a_read_only_mount_refuses_every_change_with_erofs() {
     let root = workdir();
     let (src, _) = small_dataset(root.path());
     let master = Master::start(root.path()).unwrap();
@@ -691,7 +691,7 @@ fn writes_through_the_mount_get_erofs() {
         &master.addr,
     ])
     .unwrap();
-    let fuse = Fuse::start(root.path(), &master.addr).unwrap();
+    let fuse = Fuse::start_opts(root.path(), "mnt", &master.addr, &["--read-only"]).unwrap();
     let d = fuse.mountpoint.join("data");
     for cmd in [
         format!("echo x > '{}/new.txt'", d.display()),

@@ -358,3 +358,91 @@ fn must_cache_files_stay_out_of_the_store_and_are_read_from_the_writer() {
         + w2.metric("granary_worker_ufs_read_bytes_total");
     assert_eq!(store_reads, 0.0);
 }
+
+#[test]
+fn an_async_through_replica_uploads_the_file_when_the_persisting_worker_dies() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-replica-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let s3 = TestStore::s3(root, "rep", "rep-access", "rep-secret-key-1").unwrap();
+    let master = Master::start(root).unwrap();
+    let mut workers = vec![
+        Worker::start(root, "w1", &master.addr, "1GiB").unwrap(),
+        Worker::start(root, "w2", &master.addr, "1GiB").unwrap(),
+    ];
+    wait_live_workers(&master.addr, 2).unwrap();
+    mount_s3(&master.addr, &s3, "/s3", &["sync_interval=never"]);
+    let fuse = Fuse::start_opts(
+        root,
+        "mnt",
+        &master.addr,
+        &[
+            "--write-mode",
+            "async-through",
+            "--async-replicas",
+            "2",
+            "--no-passthrough",
+        ],
+    )
+    .unwrap();
+    sh(&format!("ls '{}'", fuse.mountpoint.join("s3").display())).unwrap();
+    s3.proc.signal("STOP").unwrap();
+    struct Resume<'a>(&'a TestStore);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.proc.signal("CONT");
+        }
+    }
+    let resume = Resume(&s3);
+    let out = checkpoint(&fuse.mountpoint.join("s3/opt.pt"), 40 * MIB + 77, None);
+    // Both workers hold it before close returns.
+    for w in &workers {
+        assert_eq!(w.metric("granary_worker_pending_uploads"), 1.0);
+    }
+    let stat = granary_ok(&[
+        "fs",
+        "stat",
+        "/s3/opt.pt",
+        "--json",
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&stat).unwrap();
+    assert_eq!(v["persisted"], "pending");
+    let owner = v["persist_worker"].as_u64().unwrap();
+    // The persisting worker dies with the store still stopped; the replica takes over.
+    let ids: Vec<u64> = workers
+        .iter()
+        .map(|w| {
+            std::fs::read_to_string(w.cache_dir.join("worker-id"))
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(0)
+        })
+        .collect();
+    let dead = ids
+        .iter()
+        .position(|id| *id == owner)
+        .expect("the persisting worker is one of ours");
+    workers[dead].proc.kill9().unwrap();
+    drop(resume);
+    poll(
+        "the replica to persist the file",
+        Duration::from_secs(120),
+        || (persisted(&master.addr, "/s3/opt.pt") == "persisted").then_some(()),
+    )
+    .unwrap();
+    let object = s3.object_file("opt.pt").unwrap();
+    assert_eq!(sha_of(&object).as_deref(), Some(out[0].as_str()));
+    let survivor = &workers[1 - dead];
+    assert_eq!(survivor.metric("granary_worker_persisted_files_total"), 1.0);
+    poll(
+        "the replica's journal to clear",
+        Duration::from_secs(10),
+        || (survivor.metric("granary_worker_pending_uploads") == 0.0).then_some(()),
+    )
+    .unwrap();
+}

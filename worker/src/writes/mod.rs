@@ -35,6 +35,8 @@ use crate::ufs_fetch::Fetcher;
 const REPLICA_CHECK: Duration = Duration::from_secs(2);
 /// How long the persisting worker may be missing before a replica uploads instead.
 const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
+/// How long a journal waits for its client to commit the file before it is dropped.
+const UNCOMMITTED_GIVE_UP: Duration = Duration::from_secs(600);
 /// Longest pause between retries of a failed upload.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -304,9 +306,9 @@ impl Writes {
             pb::WriteMode::AsyncThrough if !(cache_full && journal.persist) => {
                 journal.closed = true;
                 save(&journal)?;
-                let _ = tx.send(Ok(answer(None, false))).await;
                 self.metrics.pending_uploads.inc();
                 self.spawn_background(journal);
+                let _ = tx.send(Ok(answer(None, false))).await;
             }
             _ => {
                 if mode == pb::WriteMode::AsyncThrough {
@@ -432,13 +434,25 @@ impl Writes {
     /// through store and master outages).
     async fn persist(&self, j: Journal) {
         let mut backoff = Duration::from_millis(500);
+        let started = tokio::time::Instant::now();
         loop {
             match self.persist_once(&j).await {
                 Ok(()) => {
                     self.finish(&j);
                     return;
                 }
-                Err(e) => {
+                Err(Retry::Uncommitted) if started.elapsed() > UNCOMMITTED_GIVE_UP => {
+                    tracing::warn!(
+                        inode = j.inode,
+                        "the client never committed the file; dropping its journal"
+                    );
+                    self.finish(&j);
+                    return;
+                }
+                Err(Retry::Uncommitted) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(Retry::Failed(e)) => {
                     self.metrics.upload_failures.inc();
                     tracing::warn!(inode = j.inode, error = %e, retry_in = ?backoff, "uploading a file written async-through failed; retrying");
                     tokio::time::sleep(backoff).await;
@@ -448,21 +462,28 @@ impl Writes {
         }
     }
 
-    async fn persist_once(&self, j: &Journal) -> Result<(), String> {
-        let Some(status) = self.current(j).await? else {
+    async fn persist_once(&self, j: &Journal) -> Result<(), Retry> {
+        let Some(status) = self.current(j).await.map_err(Retry::Failed)? else {
             tracing::info!(
                 inode = j.inode,
                 "the file was removed or replaced before its upload; dropping it"
             );
             return Ok(());
         };
+        if !status.complete {
+            // The client commits it once every worker answered: shortly.
+            return Err(Retry::Uncommitted);
+        }
         if status.persist_state != pb::PersistState::Pending as i32 {
             return Ok(());
         }
         let ufs = status
             .ufs
-            .ok_or_else(|| "the file is not in a mount".to_string())?;
-        let fp = self.upload_to(j, &ufs.path, ufs.mount_id).await?;
+            .ok_or_else(|| Retry::Failed("the file is not in a mount".to_string()))?;
+        let fp = self
+            .upload_to(j, &ufs.path, ufs.mount_id)
+            .await
+            .map_err(Retry::Failed)?;
         let recorded = self
             .master
             .file_persisted(pb::FilePersistedRequest {
@@ -472,14 +493,14 @@ impl Writes {
                 ufs_path: ufs.path.clone(),
             })
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Retry::Failed(e.to_string()))?;
         if recorded {
             tracing::info!(inode = j.inode, path = %ufs.path, bytes = j.length, "file persisted");
             self.metrics.persisted_files.inc();
             return Ok(());
         }
         // Moved or removed while it was uploading: the object just written is stale.
-        let now = self.current(j).await?;
+        let now = self.current(j).await.map_err(Retry::Failed)?;
         let moved = now
             .as_ref()
             .and_then(|s| s.ufs.as_ref())
@@ -490,7 +511,10 @@ impl Writes {
             }
         }
         if moved {
-            return Err(format!("{} moved during its upload", ufs.path));
+            return Err(Retry::Failed(format!(
+                "{} moved during its upload",
+                ufs.path
+            )));
         }
         Ok(())
     }
@@ -499,6 +523,7 @@ impl Writes {
     /// uploads it if the persisting worker stays gone.
     async fn watch(&self, j: Journal) {
         let mut missing_since: Option<tokio::time::Instant> = None;
+        let started = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(REPLICA_CHECK).await;
             let status = match self.current(&j).await {
@@ -506,6 +531,12 @@ impl Writes {
                 Ok(None) => break,
                 Err(_) => continue,
             };
+            if !status.complete {
+                if started.elapsed() > UNCOMMITTED_GIVE_UP {
+                    break;
+                }
+                continue;
+            }
             if status.persist_state != pb::PersistState::Pending as i32 {
                 break;
             }
@@ -536,6 +567,13 @@ impl Writes {
         }
         self.finish(&j);
     }
+}
+
+/// Why an upload attempt must be tried again.
+enum Retry {
+    /// The master does not have the file committed yet.
+    Uncommitted,
+    Failed(String),
 }
 
 /// Bytes per part of an upload.
