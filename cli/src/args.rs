@@ -97,6 +97,11 @@ pub struct FuseOpts {
     /// How long the kernel caches name lookups.
     #[arg(long, env = "GRANARY_ENTRY_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub entry_timeout: Duration,
+    /// How long the kernel remembers that a name does not exist (0s: ask every time).
+    /// Objects added to the under-store by others show up after at most this long (plus
+    /// the mount's sync_interval); files created through this mount show up at once.
+    #[arg(long, env = "GRANARY_NEGATIVE_TIMEOUT", value_parser = duration, default_value = "1s")]
+    pub negative_timeout: Duration,
     /// Kernel request threads.
     #[arg(long, env = "GRANARY_FUSE_THREADS", default_value_t = 4)]
     pub fuse_threads: usize,

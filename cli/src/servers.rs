@@ -36,6 +36,7 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     let mut c = FuseConfig::new(mount);
     c.attr_timeout = o.attr_timeout;
     c.entry_timeout = o.entry_timeout;
+    c.negative_timeout = o.negative_timeout;
     c.threads = o.fuse_threads;
     c.allow_other = o.allow_other;
     c.read_ahead = o.read_ahead;

@@ -31,7 +31,12 @@ struct WorkerView {
     workers: Vec<pb::WorkerInfo>,
     suspects: HashMap<u64, Instant>,
     clients: HashMap<String, WorkerServiceClient<Channel>>,
+    /// Reads in flight per worker (a bounded pool: more reads wait for a slot).
+    slots: HashMap<String, Arc<tokio::sync::Semaphore>>,
 }
+
+/// Reads one client keeps in flight to one worker; more wait (within their deadline).
+pub const MAX_READS_PER_WORKER: usize = 64;
 
 /// Counters of where read bytes came from (for tests and `report`).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -780,6 +785,11 @@ impl FileSystem {
         len: u64,
     ) -> Result<Bytes, ClientError> {
         let mut client = self.worker_client(address)?;
+        let slots = lock(&self.view)
+            .slots
+            .entry(address.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_READS_PER_WORKER)))
+            .clone();
         let mut req = tonic::Request::new(pb::ReadBlockRequest {
             block: Some(desc.clone()),
             offset,
@@ -789,6 +799,11 @@ impl FileSystem {
         });
         req.set_timeout(self.read_timeout());
         let fut = async move {
+            // Waiting for a slot counts against the read's deadline.
+            let _slot = slots
+                .acquire_owned()
+                .await
+                .map_err(|e| ClientError::Internal(e.to_string()))?;
             let mut stream = client.read_block(req).await?.into_inner();
             // Chunks are kept as they arrive and joined once (a one-chunk read is not copied).
             let mut chunks: Vec<Bytes> = Vec::new();

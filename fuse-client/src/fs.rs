@@ -55,8 +55,21 @@ struct Backing {
     opens: usize,
 }
 
-/// One entry of an open directory's snapshot: inode, type, name.
-type DirEntry = (u64, FileType, String);
+/// An open directory: its entries fetched so far, page by page as `readdir` gets to them
+/// (a directory of millions of names shows its first entries at once and never needs all
+/// of them in memory before the first reply).
+struct DirHandle {
+    /// ".", ".." and the entries listed so far, in order (offset i+1 follows entry i).
+    entries: Vec<(String, pb::FileStatus)>,
+    /// Where the next page starts ("" once every page is fetched).
+    next: String,
+    done: bool,
+}
+
+type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
+
+/// Entries fetched per page of a directory listing.
+const DIR_PAGE: u32 = 1000;
 
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
 const MAX_IO: u32 = 1024 * 1024;
@@ -64,6 +77,8 @@ const MAX_IO: u32 = 1024 * 1024;
 const BUDGET_UNIT: u64 = 4096;
 /// Longest file name, in bytes (as on Linux file systems; statfs says the same).
 const NAME_MAX: usize = 255;
+/// How long a statfs answer is reused.
+const CAPACITY_TTL: Duration = Duration::from_secs(5);
 /// Files whose last-opened version is remembered (for keeping the kernel page cache).
 const OPENED_TRACKED: usize = 100_000;
 
@@ -72,6 +87,9 @@ pub struct GranaryFs {
     rt: tokio::runtime::Handle,
     attr_ttl: Duration,
     entry_ttl: Duration,
+    negative_ttl: Duration,
+    /// The last cluster capacity answer for statfs: when, (capacity, used, files).
+    capacity: Arc<Mutex<Option<(std::time::Instant, (u64, u64, u64))>>>,
     uid: u32,
     gid: u32,
     next_fh: AtomicU64,
@@ -90,7 +108,7 @@ pub struct GranaryFs {
     budget: Arc<tokio::sync::Semaphore>,
     /// Open handles in passthrough mode: fh → (inode, client lease handle).
     passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
-    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
+    dirs: Dirs,
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
     read_only: bool,
@@ -123,6 +141,8 @@ impl GranaryFs {
             rt,
             attr_ttl: config.attr_timeout,
             entry_ttl: config.entry_timeout,
+            negative_ttl: config.negative_timeout,
+            capacity: Arc::new(Mutex::new(None)),
             uid,
             gid,
             next_fh: AtomicU64::new(1),
@@ -212,6 +232,9 @@ impl Filesystem for GranaryFs {
         // O_TRUNC arrives with the open (else the kernel truncates by setattr first, which
         // a whole-object write cannot tell from a resize).
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
+        // Listings carry attributes; the kernel decides per directory whether to ask.
+        let _ = config
+            .add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
         if self.passthrough_wanted {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
                 Ok(()) => {
@@ -238,10 +261,17 @@ impl Filesystem for GranaryFs {
         };
         let client = self.client.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        let negative = self.negative_ttl;
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             match dl.run("lookup", client.lookup(parent.0, &name)).await {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
+                // A negative entry (node id 0): the kernel remembers the miss for a while.
+                Err(granary_client::ClientError::NotFound(_)) if !negative.is_zero() => {
+                    let mut none = attr_of(&pb::FileStatus::default(), uid, gid);
+                    none.ino = INodeNo(0);
+                    reply.entry(&negative, &none, Generation(0))
+                }
                 Err(e) => {
                     if !matches!(e, granary_client::ClientError::NotFound(_)) {
                         tracing::warn!(parent = parent.0, %name, error = %e, "lookup failed");
@@ -403,25 +433,31 @@ impl Filesystem for GranaryFs {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            let dir = match dl.run("opendir", client.stat_inode(ino.0)).await {
-                Ok(d) => d,
-                Err(e) => return reply.error(errno(&e)),
+            let opened = async {
+                let dir = client.stat_inode(ino.0).await?;
+                if dir.kind != pb::FileKind::Directory as i32 {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::ENOTDIR,
+                        format!("{} is not a directory", dir.path),
+                    ));
+                }
+                let parent = pb::FileStatus {
+                    inode: dir.parent.max(1),
+                    kind: pb::FileKind::Directory as i32,
+                    ..Default::default()
+                };
+                let mut h = DirHandle {
+                    entries: vec![(".".into(), dir), ("..".into(), parent)],
+                    next: String::new(),
+                    done: false,
+                };
+                // The first page now: a listing that fails fails the open.
+                h.fetch_page(&client, ino.0).await?;
+                Ok(h)
             };
-            if dir.kind != pb::FileKind::Directory as i32 {
-                return reply.error(Errno::ENOTDIR);
-            }
-            match dl
-                .run("opendir", client.list(pb::path_or_id::Target::Inode(ino.0)))
-                .await
-            {
-                Ok(entries) => {
-                    let mut v = Vec::with_capacity(entries.len() + 2);
-                    v.push((ino.0, FileType::Directory, ".".to_string()));
-                    v.push((dir.parent.max(1), FileType::Directory, "..".to_string()));
-                    for e in &entries {
-                        v.push((e.inode, kind_of(e), e.name.clone()));
-                    }
-                    lock(&dirs).insert(fh, Arc::new(v));
+            match dl.run("opendir", opened).await {
+                Ok(h) => {
+                    lock(&dirs).insert(fh, Arc::new(tokio::sync::Mutex::new(h)));
                     reply.opened(FileHandle(fh), FopenFlags::empty());
                 }
                 Err(e) => {
@@ -435,21 +471,76 @@ impl Filesystem for GranaryFs {
     fn readdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let Some(entries) = lock(&self.dirs).get(&fh.0).cloned() else {
-            reply.error(Errno::EBADF);
-            return;
+        let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
+            return reply.error(Errno::EBADF);
         };
-        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
-            if reply.add(INodeNo(*ino), (i + 1) as u64, *kind, name) {
-                break;
+        let client = self.client.clone();
+        let dl = self.deadline.clone();
+        self.rt.spawn(async move {
+            let mut h = h.lock().await;
+            if let Err(e) = dl
+                .run("readdir", h.fetch_past(&client, ino.0, offset))
+                .await
+            {
+                return reply.error(errno(&e));
             }
-        }
-        reply.ok();
+            for (i, (name, s)) in h.entries.iter().enumerate().skip(offset as usize) {
+                if reply.add(INodeNo(s.inode), (i + 1) as u64, kind_of(s), name) {
+                    break;
+                }
+            }
+            reply.ok();
+        });
+    }
+
+    /// Entries with their attributes (the kernel then needs no lookup per entry: `ls -l`
+    /// and `os.scandir` + `stat` cost one listing).
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: fuser::ReplyDirectoryPlus,
+    ) {
+        let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
+            return reply.error(Errno::EBADF);
+        };
+        let client = self.client.clone();
+        let dl = self.deadline.clone();
+        let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        let writes = self.writes.clone();
+        self.rt.spawn(async move {
+            let mut h = h.lock().await;
+            if let Err(e) = dl
+                .run("readdir", h.fetch_past(&client, ino.0, offset))
+                .await
+            {
+                return reply.error(errno(&e));
+            }
+            for (i, (name, s)) in h.entries.iter().enumerate().skip(offset as usize) {
+                let mut attr = attr_of(s, uid, gid);
+                if let Some(n) = writes.size_of(s.inode) {
+                    attr.size = n;
+                }
+                if reply.add(
+                    INodeNo(s.inode),
+                    (i + 1) as u64,
+                    name,
+                    &ttl,
+                    &attr,
+                    Generation(0),
+                ) {
+                    break;
+                }
+            }
+            reply.ok();
+        });
     }
 
     fn releasedir(
@@ -464,30 +555,11 @@ impl Filesystem for GranaryFs {
         reply.ok();
     }
 
+    /// Answered from the cluster capacity fetched at most [`CAPACITY_TTL`] ago (`df` and
+    /// training launchers call statfs often); a failed refresh answers the last known.
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let client = self.client.clone();
-        let dl = self.deadline.clone();
-        self.rt.spawn(async move {
-            const BSIZE: u64 = 4096;
-            let (cap, used, files) = match dl.run("statfs", client.master.cluster_info(false)).await
-            {
-                Ok(info) => {
-                    let cap: u64 = info
-                        .workers
-                        .iter()
-                        .filter_map(|w| w.stats.as_ref())
-                        .map(|s| s.capacity_bytes)
-                        .sum();
-                    let used: u64 = info
-                        .workers
-                        .iter()
-                        .filter_map(|w| w.stats.as_ref())
-                        .map(|s| s.used_bytes)
-                        .sum();
-                    (cap, used, info.inode_count)
-                }
-                Err(_) => (0, 0, 0),
-            };
+        const BSIZE: u64 = 4096;
+        let answer = |reply: ReplyStatfs, (cap, used, files): (u64, u64, u64)| {
             let blocks = cap / BSIZE;
             let free = cap.saturating_sub(used) / BSIZE;
             reply.statfs(
@@ -497,9 +569,33 @@ impl Filesystem for GranaryFs {
                 files,
                 0,
                 BSIZE as u32,
-                255,
+                NAME_MAX as u32,
                 BSIZE as u32,
             );
+        };
+        let cached = *lock(&self.capacity);
+        if let Some((at, v)) = cached {
+            if at.elapsed() < CAPACITY_TTL {
+                return answer(reply, v);
+            }
+        }
+        let client = self.client.clone();
+        let dl = self.deadline.clone();
+        let capacity = self.capacity.clone();
+        self.rt.spawn(async move {
+            match dl.run("statfs", client.master.cluster_info(false)).await {
+                Ok(info) => {
+                    let stats = || info.workers.iter().filter_map(|w| w.stats.as_ref());
+                    let v = (
+                        stats().map(|s| s.capacity_bytes).sum(),
+                        stats().map(|s| s.used_bytes).sum(),
+                        info.inode_count,
+                    );
+                    *lock(&capacity) = Some((std::time::Instant::now(), v));
+                    answer(reply, v)
+                }
+                Err(_) => answer(reply, cached.map(|(_, v)| v).unwrap_or((0, 0, 0))),
+            }
         });
     }
 
@@ -852,6 +948,40 @@ impl GranaryFs {
                 }
             }
         });
+    }
+}
+
+impl DirHandle {
+    /// Fetches the next page of the listing.
+    async fn fetch_page(
+        &mut self,
+        client: &FileSystem,
+        dir: u64,
+    ) -> Result<(), granary_client::ClientError> {
+        if self.done {
+            return Ok(());
+        }
+        let (entries, next) = client
+            .list_page(pb::path_or_id::Target::Inode(dir), &self.next, DIR_PAGE)
+            .await?;
+        self.entries
+            .extend(entries.into_iter().map(|e| (e.name.clone(), e)));
+        self.done = next.is_empty();
+        self.next = next;
+        Ok(())
+    }
+
+    /// Fetches pages until entry `offset` is known (or the listing ends).
+    async fn fetch_past(
+        &mut self,
+        client: &FileSystem,
+        dir: u64,
+        offset: u64,
+    ) -> Result<(), granary_client::ClientError> {
+        while !self.done && self.entries.len() as u64 <= offset {
+            self.fetch_page(client, dir).await?;
+        }
+        Ok(())
     }
 }
 

@@ -48,8 +48,10 @@ pub struct FuseConfig {
     pub mountpoint: PathBuf,
     /// How long the kernel may cache attributes.
     pub attr_timeout: Duration,
-    /// How long the kernel may cache name lookups (and negative lookups).
+    /// How long the kernel may cache name lookups.
     pub entry_timeout: Duration,
+    /// How long the kernel may remember that a name does not exist (0: ask every time).
+    pub negative_timeout: Duration,
     /// Kernel request reader threads.
     pub threads: usize,
     /// Let other users than the mounting one use the mount (`allow_other`).
@@ -79,6 +81,7 @@ impl FuseConfig {
             mountpoint,
             attr_timeout: Duration::from_secs(1),
             entry_timeout: Duration::from_secs(1),
+            negative_timeout: Duration::from_secs(1),
             threads: 4,
             allow_other: false,
             read_ahead: DEFAULT_READ_AHEAD,
