@@ -29,6 +29,10 @@ pub struct ClientMetrics {
     pub worker_failures: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
     pub passthrough_opens: Counter<u64, AtomicU64>,
+    /// Bytes fetched ahead of sequential readers (adaptive prefetch of the mount).
+    pub prefetched_bytes: Counter<u64, AtomicU64>,
+    /// Bytes of reads answered from what was fetched ahead.
+    pub prefetch_hit_bytes: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -53,6 +57,16 @@ impl ClientMetrics {
                 "granary_client_short_circuit_leases",
                 "Short-circuit leases taken from same-host workers",
                 self.short_circuit_leases.clone(),
+            );
+            r.register(
+                "granary_client_prefetched_bytes",
+                "Bytes fetched ahead of sequential readers (the window doubles per sequential read up to 32 MiB, drawn from --max-memory)",
+                self.prefetched_bytes.clone(),
+            );
+            r.register(
+                "granary_client_prefetch_hit_bytes",
+                "Bytes of reads answered from what was fetched ahead",
+                self.prefetch_hit_bytes.clone(),
             );
             r.register(
                 "granary_client_passthrough_opens",

@@ -77,6 +77,9 @@ const MAX_IO: u32 = 1024 * 1024;
 const BUDGET_UNIT: u64 = 4096;
 /// Longest file name, in bytes (as on Linux file systems; statfs says the same).
 const NAME_MAX: usize = 255;
+/// Cluster cache capacity, used bytes and inode count (what statfs reports).
+type Capacity = (u64, u64, u64);
+
 /// How long a statfs answer is reused.
 const CAPACITY_TTL: Duration = Duration::from_secs(5);
 /// Files whose last-opened version is remembered (for keeping the kernel page cache).
@@ -89,7 +92,7 @@ pub struct GranaryFs {
     entry_ttl: Duration,
     negative_ttl: Duration,
     /// The last cluster capacity answer for statfs: when, (capacity, used, files).
-    capacity: Arc<Mutex<Option<(std::time::Instant, (u64, u64, u64))>>>,
+    capacity: Arc<Mutex<Option<(std::time::Instant, Capacity)>>>,
     uid: u32,
     gid: u32,
     next_fh: AtomicU64,
@@ -112,6 +115,8 @@ pub struct GranaryFs {
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
     read_only: bool,
+    /// Adaptive prefetch state of each open file handle.
+    readahead: Arc<Mutex<HashMap<u64, Arc<Mutex<crate::prefetch::Readahead>>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -168,6 +173,7 @@ impl GranaryFs {
                 config.op_timeout,
             ),
             read_only: config.read_only,
+            readahead: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -374,6 +380,37 @@ impl Filesystem for GranaryFs {
             reply.data(&data);
             return;
         }
+        // A sequential reader's bytes may already be fetched ahead (in flight or done).
+        let ra = lock(&self.readahead).entry(fh.0).or_default().clone();
+        let ahead = {
+            let _rt = self.rt.enter(); // prefetches are spawned on the runtime
+            lock(&ra).read(
+                &self.client,
+                &file,
+                &self.budget,
+                BUDGET_UNIT,
+                offset,
+                u64::from(size),
+            )
+        };
+        if let Some(parts) = ahead {
+            let dl = self.deadline.clone();
+            let client = self.client.clone();
+            self.rt.spawn(async move {
+                match dl.run("read", crate::prefetch::assemble(parts)).await {
+                    Ok(data) => {
+                        client.metrics.prefetch_hit_bytes.inc_by(data.len() as u64);
+                        reply.data(&data)
+                    }
+                    Err(e) => {
+                        lock(&ra).forget();
+                        tracing::error!(inode = ino.0, path = %file.path, offset, size, error = %e, "read failed");
+                        reply.error(errno(&e))
+                    }
+                }
+            });
+            return;
+        }
         let client = self.client.clone();
         let dl = self.deadline.clone();
         let budget = self.budget.clone();
@@ -410,6 +447,7 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         lock(&self.files).remove(&fh.0);
+        lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {
             {

@@ -8,6 +8,7 @@
 
 mod error;
 mod fs;
+mod prefetch;
 mod write;
 
 use std::path::{Path, PathBuf};

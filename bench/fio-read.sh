@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# fio through the FUSE mount of `granary local`, warm (every byte cached on the worker),
+# against the same fio job on the local disk in the same run. The page cache is dropped
+# before every job (root), so both sides read from the disk: the raw job the source files,
+# Granary the worker's block files (short-circuit through the daemon, or FUSE passthrough
+# for files of one block).
+#
+#   bench/fio-read.sh [SIZE_MIB]     (default 1024; root, fio)
+#
+# Jobs (bench/fio/*.fio): seq-read (1 MiB sequential, one file of SIZE_MIB), rand-read
+# (4 KiB random, 4 readers, 10 s), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
+# one-block files). Three alternating rounds each, medians. Uses $GRANARY_BIN, else the
+# debug binary scripts/test builds.
+set -euo pipefail
+size_mib="${1:-1024}"
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/lib.sh"
+[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+local_workdir fio
+mkdir -p "$work/ufs/blocks" "$work/mnt"
+head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/seq.bin"
+for i in $(seq 1 $((size_mib / 64))); do
+  head -c $((64 * 1024 * 1024)) /dev/urandom > "$work/ufs/blocks/b$i.bin"
+done
+GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
+  --cache-size "$((size_mib * 3))MiB" > "$work/local.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
+mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
+# Warm the cache: everything read once through the mount (and checked).
+cmp -s "$work/ufs/seq.bin" "$work/mnt/seq.bin" || { echo "bytes differ"; exit 1; }
+for f in "$work"/ufs/blocks/*.bin; do
+  cmp -s "$f" "$work/mnt/blocks/$(basename "$f")" || { echo "bytes differ: $f"; exit 1; }
+done
+cat "$work"/mnt/blocks/*.bin > /dev/null # first passthrough opens check every CRC32C
+
+# fio JOB DIR FILE -> "MB/s IOPS"
+run_fio() {
+  sync; echo 1 > /proc/sys/vm/drop_caches
+  DIR="$2" FILE="$3" fio --output-format=json "$here/fio/$1.fio" |
+    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print(f"{j["bw_bytes"]/1e6:.0f} {j["iops"]:.0f}")'
+}
+median() { python3 -c "import sys,statistics; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
+report() { # name unit raw... -- granary...
+  local name=$1 col=$2; shift 2
+  local raws=() grs=()
+  while [ "$1" != "--" ]; do raws+=("$1"); shift; done; shift
+  grs=("$@")
+  local r g
+  r=$(median "${raws[@]}"); g=$(median "${grs[@]}")
+  printf '%-11s raw %8.0f %s   granary %8.0f %s   %.2fx   (rounds: raw %s | granary %s)\n' \
+    "$name" "$r" "$col" "$g" "$col" "$(python3 -c "print($g / $r)")" "${raws[*]}" "${grs[*]}"
+}
+declare -A raw_bw gr_bw raw_iops gr_iops
+for job in seq-read rand-read files-read; do
+  case $job in
+    files-read) rdir="$work/ufs/blocks"; gdir="$work/mnt/blocks"; file="";;
+    *) rdir="$work/ufs"; gdir="$work/mnt"; file="seq.bin";;
+  esac
+  rb=() gb=() ri=() gi=()
+  for _ in 1 2 3; do
+    read -r b i < <(run_fio "$job" "$rdir" "$file"); rb+=("$b"); ri+=("$i")
+    read -r b i < <(run_fio "$job" "$gdir" "$file"); gb+=("$b"); gi+=("$i")
+  done
+  if [ "$job" = rand-read ]; then
+    report "$job" IOPS "${ri[@]}" -- "${gi[@]}"
+  else
+    report "$job" MB/s "${rb[@]}" -- "${gb[@]}"
+  fi
+done
+echo "binary: $bin; ${size_mib} MiB per job; page cache dropped before every job"

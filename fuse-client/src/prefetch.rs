@@ -1,0 +1,198 @@
+//! Adaptive prefetch per open file: a reader that keeps reading where it left off gets a
+//! read-ahead window that doubles with every sequential read (up to [`MAX_WINDOW`]); a
+//! jump elsewhere drops what was fetched ahead and closes the window. Every byte fetched
+//! ahead holds its share of the mount's memory budget until it is read or dropped, and is
+//! only fetched when the budget has room right now (prefetch never waits for memory, so
+//! it cannot starve reads), so 1,000 open files cannot hold more than the budget.
+//!
+//! The kernel's own read-ahead (4 MiB) already keeps a few 1 MiB reads in flight; this
+//! window goes further for readers of data that is not on this node (peer workers, the
+//! under-store), where each read waits a round trip.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures::future::{BoxFuture, FutureExt, Shared};
+use granary_client::{ClientError, FileSystem};
+use granary_proto as pb;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Unit of prefetch (aligned in the file).
+pub const CHUNK: u64 = 1024 * 1024;
+/// Smallest and largest window ahead of a sequential reader.
+pub const MIN_WINDOW: u64 = 2 * CHUNK;
+pub const MAX_WINDOW: u64 = 32 * CHUNK;
+/// How far from where the last read ended a read still counts as sequential (the kernel
+/// sends its read-ahead requests concurrently, so they arrive slightly out of order).
+const SLACK: u64 = 8 * CHUNK;
+
+type Fetch = Shared<BoxFuture<'static, Result<Bytes, ClientError>>>;
+
+struct Chunk {
+    len: u64,
+    data: Fetch,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// What one read does to the window (kept apart from the fetching, to be testable).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Window {
+    /// Where the last read ended.
+    next: u64,
+    /// Bytes to keep fetched ahead of the reader (0: not sequential).
+    pub size: u64,
+    reads: u64,
+}
+
+impl Window {
+    /// Records a read of `[offset, offset + len)`; true when it continues a sequential run.
+    pub fn on_read(&mut self, offset: u64, len: u64) -> bool {
+        let sequential = self.reads > 0 && offset.abs_diff(self.next) <= SLACK.max(self.size);
+        self.size = match (sequential, self.size) {
+            (false, _) => 0,
+            (true, 0) => MIN_WINDOW,
+            (true, s) => (s * 2).min(MAX_WINDOW),
+        };
+        self.next = self.next.max(offset + len);
+        if !sequential {
+            self.next = offset + len;
+        }
+        self.reads += 1;
+        sequential
+    }
+}
+
+/// The prefetch state of one open file.
+#[derive(Default)]
+pub struct Readahead {
+    window: Window,
+    /// Chunks fetched or being fetched, by their offset in the file.
+    ahead: BTreeMap<u64, Chunk>,
+}
+
+/// Units of the memory budget (4 KiB each) for `bytes`.
+fn units(bytes: u64, unit: u64) -> u32 {
+    bytes.div_ceil(unit).max(1) as u32
+}
+
+impl Readahead {
+    /// Bytes `[offset, offset + len)` if chunks fetched ahead hold all of them (awaiting
+    /// those still in flight); None otherwise. Also moves the window and starts the
+    /// fetches it now wants.
+    pub fn read(
+        &mut self,
+        client: &Arc<FileSystem>,
+        file: &Arc<pb::FileStatus>,
+        budget: &Arc<Semaphore>,
+        unit: u64,
+        offset: u64,
+        len: u64,
+    ) -> Option<Vec<(Fetch, u64, u64)>> {
+        let len = len.min(file.length.saturating_sub(offset));
+        if !self.window.on_read(offset, len) {
+            self.ahead.clear();
+            return None;
+        }
+        // Chunks entirely behind the reader are done with.
+        let first = offset / CHUNK * CHUNK;
+        self.ahead = self.ahead.split_off(&first);
+        let served = self.covering(offset, len);
+        // Fill the window from the end of this read.
+        let end = (offset + len + self.window.size).min(file.length);
+        // From the chunk holding the furthest end read so far (the kernel's concurrent
+        // read-ahead requests may already have read up to there).
+        let mut at = self.window.next.max(offset + len) / CHUNK * CHUNK;
+        while at < end {
+            if let std::collections::btree_map::Entry::Vacant(slot) = self.ahead.entry(at) {
+                let n = CHUNK.min(file.length - at);
+                let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
+                    break; // no room right now: fetch nothing more ahead
+                };
+                let (c, f) = (client.clone(), file.clone());
+                let fut: BoxFuture<'static, Result<Bytes, ClientError>> =
+                    async move { c.read(&f, at, n).await }.boxed();
+                let data = fut.shared();
+                tokio::spawn(data.clone()); // runs whether or not a reader waits yet
+                client.metrics.prefetched_bytes.inc_by(n);
+                slot.insert(Chunk {
+                    len: n,
+                    data,
+                    _permit: permit,
+                });
+            }
+            at += CHUNK;
+        }
+        served
+    }
+
+    /// Drops everything fetched ahead (after a failed fetch: a retried read starts afresh).
+    pub fn forget(&mut self) {
+        self.ahead.clear();
+        self.window = Window::default();
+    }
+
+    /// The chunks holding every byte of `[offset, offset + len)`, as (fetch, from, to)
+    /// slices; None when one is missing.
+    fn covering(&self, offset: u64, len: u64) -> Option<Vec<(Fetch, u64, u64)>> {
+        if len == 0 {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < offset + len {
+            let start = pos / CHUNK * CHUNK;
+            let c = self.ahead.get(&start)?;
+            let to = (offset + len).min(start + c.len);
+            if to <= pos {
+                return None;
+            }
+            out.push((c.data.clone(), pos - start, to - start));
+            pos = to;
+        }
+        Some(out)
+    }
+}
+
+/// Joins the slices of prefetched chunks (awaiting those in flight).
+pub async fn assemble(parts: Vec<(Fetch, u64, u64)>) -> Result<Bytes, ClientError> {
+    if parts.len() == 1 {
+        let (f, a, b) = parts.into_iter().next().unwrap_or_else(|| unreachable!());
+        return Ok(f.await?.slice(a as usize..b as usize));
+    }
+    let mut out = BytesMut::new();
+    for (f, a, b) in parts {
+        out.extend_from_slice(&f.await?[a as usize..b as usize]);
+    }
+    Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_grows_while_sequential_and_closes_on_a_jump() {
+        let mut w = Window::default();
+        let m = CHUNK;
+        assert!(!w.on_read(0, m)); // the first read proves nothing
+        assert_eq!(w.size, 0);
+        assert!(w.on_read(m, m));
+        assert_eq!(w.size, MIN_WINDOW);
+        // The kernel's read-ahead arrives a little out of order: still sequential.
+        assert!(w.on_read(3 * m, m));
+        assert!(w.on_read(2 * m, m));
+        assert_eq!(w.size, 4 * MIN_WINDOW);
+        for i in 4..20 {
+            w.on_read(i * m, m);
+        }
+        assert_eq!(w.size, MAX_WINDOW);
+        // A jump far away: random access, no window.
+        assert!(!w.on_read(900 * m, 4096));
+        assert_eq!(w.size, 0);
+        // Random 4 KiB reads stay without one.
+        assert!(!w.on_read(100 * m, 4096));
+        assert!(!w.on_read(500 * m, 4096));
+        assert_eq!(w.size, 0);
+    }
+}
