@@ -43,6 +43,7 @@ start() { # write mode
   mountpoint -q "$work/mnt" || { cat "$work/local-$1.log"; exit 1; }
 }
 stop() { kill -INT "$pid"; wait "$pid" || true; pid=""; }
+save "$work/raw/warmup.pt" > /dev/null; rm -f "$work/raw/warmup.pt"; sync
 raw=$(save "$work/raw/a.pt"); rm -f "$work/raw/a.pt"; sync
 rawsync=$(save "$work/raw/b.pt" fsync); rm -f "$work/raw/b.pt"; sync
 start async-through

@@ -37,8 +37,8 @@ cat "$work"/mnt/blocks/*.bin > /dev/null # first passthrough opens check every C
 # fio JOB DIR FILE -> "MB/s IOPS"
 run_fio() {
   sync; echo 1 > /proc/sys/vm/drop_caches
-  DIR="$2" FILE="$3" fio --output-format=json "$here/fio/$1.fio" |
-    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print(f"{j["bw_bytes"]/1e6:.0f} {j["iops"]:.0f}")'
+  DIR="$2" FILE="$3" fio --readonly --output-format=json "$here/fio/$1.fio" |
+    python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"] / 1e6, j["iops"]))'
 }
 median() { python3 -c "import sys,statistics; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
 report() { # name unit raw... -- granary...

@@ -8,7 +8,8 @@
 # Passes: raw disk (page cache dropped), Granary cold (every file fetched from the
 # under-store folder and cached), Granary warm from the worker's disk (page cache dropped:
 # one-block files are opened in FUSE passthrough), and both again from the page cache.
-# Uses $GRANARY_BIN, else the debug binary scripts/test builds.
+# Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags
+# to `granary local` (e.g. "--no-passthrough").
 set -euo pipefail
 files="${1:-20000}"
 kib="${2:-128}"
@@ -46,7 +47,7 @@ took = time.monotonic() - t
 print(f"{len(paths)} {total} {took:.3f} {digest.hexdigest()[:16]}")
 PY
 GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
-  --cache-size "$((files * kib / 1024 * 2 + 1024))MiB" > "$work/local.log" 2>&1 &
+  --cache-size "$((files * kib / 1024 * 2 + 1024))MiB" ${GRANARY_FLAGS:-} > "$work/local.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }

@@ -118,6 +118,11 @@ pub struct FuseOpts {
     /// kernel reads the worker's block file directly and the daemon sees no reads.
     #[arg(long, env = "GRANARY_NO_PASSTHROUGH")]
     pub no_passthrough: bool,
+    /// Smallest file opened in passthrough mode; smaller ones are read through the daemon
+    /// (their open cost outweighs the copy passthrough saves, and re-reads come from the
+    /// kernel page cache).
+    #[arg(long, env = "GRANARY_PASSTHROUGH_MIN_SIZE", value_parser = size, default_value = "1MiB")]
+    pub passthrough_min_size: u64,
     /// Deadline of every mount operation that waits on the network (a read, a lookup): on
     /// expiry it fails with EIO, is logged and counted, and the mount carries on.
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]

@@ -81,7 +81,14 @@ pub struct FileSystem {
     sequential: Mutex<HashMap<u64, (u64, u64)>>,
     /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
     read_timeout_ms: std::sync::atomic::AtomicU64,
+    /// Statuses seen lately (lookups, listings), by inode: an open within `status_ttl` of
+    /// one uses it instead of asking the master again (0: never).
+    recent: Mutex<HashMap<u64, (Instant, pb::FileStatus)>>,
+    status_ttl_ms: std::sync::atomic::AtomicU64,
 }
+
+/// Statuses kept for opens (older ones are dropped when the map is full).
+const RECENT_STATUSES: usize = 100_000;
 
 /// Files whose read position is remembered for sequential detection.
 const SEQUENTIAL_TRACKED: usize = 4096;
@@ -142,6 +149,8 @@ impl FileSystem {
             read_timeout_ms: std::sync::atomic::AtomicU64::new(
                 DEFAULT_READ_TIMEOUT.as_millis() as u64
             ),
+            recent: Mutex::new(HashMap::new()),
+            status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -192,6 +201,44 @@ impl FileSystem {
         }
     }
 
+    /// Lets an open use a status the client saw less than `ttl` ago (a lookup, a listing)
+    /// instead of asking the master again — the same staleness the kernel's attribute
+    /// cache already allows. Files of `validate_on_open` mounts are always asked for.
+    pub fn set_status_ttl(&self, ttl: Duration) {
+        self.status_ttl_ms
+            .store(ttl.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn remember(&self, s: &pb::FileStatus) {
+        if self
+            .status_ttl_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 0
+        {
+            return;
+        }
+        let mut r = lock(&self.recent);
+        if r.len() >= RECENT_STATUSES {
+            r.clear();
+        }
+        r.insert(s.inode, (Instant::now(), s.clone()));
+    }
+
+    /// Forgets what the client saw of `inode` (it changed through this client).
+    pub fn forget_status(&self, inode: u64) {
+        lock(&self.recent).remove(&inode);
+    }
+
+    fn recent_status(&self, inode: u64) -> Option<pb::FileStatus> {
+        let ttl = self
+            .status_ttl_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let r = lock(&self.recent);
+        let (at, s) = r.get(&inode)?;
+        (at.elapsed().as_millis() < u128::from(ttl) && !s.validate_on_open && s.complete)
+            .then(|| s.clone())
+    }
+
     pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
         self.master
             .get_status(pb::path_or_id::Target::Path(path.to_string()))
@@ -200,19 +247,30 @@ impl FileSystem {
 
     /// The status of a file being opened (validate-on-open mounts check the object first).
     pub async fn open_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
-        self.master
+        if let Some(s) = self.recent_status(inode) {
+            return Ok(s);
+        }
+        let s = self
+            .master
             .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
-            .await
+            .await?;
+        self.remember(&s);
+        Ok(s)
     }
 
     pub async fn stat_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
-        self.master
+        let s = self
+            .master
             .get_status(pb::path_or_id::Target::Inode(inode))
-            .await
+            .await?;
+        self.remember(&s);
+        Ok(s)
     }
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
-        self.master.lookup(parent, name).await
+        let s = self.master.lookup(parent, name).await?;
+        self.remember(&s);
+        Ok(s)
     }
 
     /// One page of a directory listing, in name order after `after`.
@@ -226,6 +284,9 @@ impl FileSystem {
             .master
             .list_page(target, after.to_string(), page_size, false)
             .await?;
+        for e in &r.entries {
+            self.remember(e);
+        }
         Ok((r.entries, r.next_page_token))
     }
 

@@ -319,6 +319,7 @@ impl FileWriter {
                     .await;
             }
         }
+        self.fs.forget_status(self.status.inode);
         if let Err(e) = self.fs.master.delete(&self.status.path, false).await {
             tracing::warn!(path = %self.status.path, error = %e, "cannot remove an abandoned file");
         }
@@ -350,7 +351,9 @@ impl FileWriter {
                 ))
             }
         };
-        self.fs
+        self.fs.forget_status(self.status.inode);
+        let done = self
+            .fs
             .master
             .complete_file(pb::CompleteFileRequest {
                 inode: self.status.inode,
@@ -361,7 +364,9 @@ impl FileWriter {
                 persist_state: persist as i32,
                 persist_worker: worker,
             })
-            .await
+            .await?;
+        self.fs.remember(&done);
+        Ok(done)
     }
 }
 

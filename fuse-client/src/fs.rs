@@ -103,6 +103,8 @@ pub struct GranaryFs {
     /// Passthrough asked for and granted by the kernel at mount.
     passthrough: Arc<AtomicBool>,
     passthrough_wanted: bool,
+    /// Smaller files are read through the daemon (see `FuseConfig::passthrough_min_size`).
+    passthrough_min: u64,
     /// The kernel's backing file of each inode open in passthrough mode (one per inode, as
     /// the kernel requires), its version and how many handles use it.
     backings: Arc<Mutex<HashMap<u64, Backing>>>,
@@ -155,6 +157,7 @@ impl GranaryFs {
             opened: Arc::new(Mutex::new(HashMap::new())),
             passthrough: Arc::new(AtomicBool::new(false)),
             passthrough_wanted: config.passthrough,
+            passthrough_min: config.passthrough_min_size,
             backings: Arc::new(Mutex::new(HashMap::new())),
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
             budget: Arc::new(tokio::sync::Semaphore::new(
@@ -319,6 +322,7 @@ impl Filesystem for GranaryFs {
         let files = self.files.clone();
         let opened = self.opened.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let pt_min = self.passthrough_min;
         let pt = Passthrough {
             on: self.passthrough.clone(),
             backings: self.backings.clone(),
@@ -329,7 +333,7 @@ impl Filesystem for GranaryFs {
             match dl.run("open", client.open_inode(ino.0)).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
-                    let reply = if pt.on.load(Ordering::Relaxed) {
+                    let reply = if pt.on.load(Ordering::Relaxed) && s.length >= pt_min {
                         match pt.try_open(&client, &s, fh, reply).await {
                             Some(r) => r,
                             None => {
@@ -835,7 +839,9 @@ impl Filesystem for GranaryFs {
                         Err(e) => return Err(e),
                     }
                 }
-                writes.client.master.rename(&src, &dst).await
+                let moved = writes.client.master.rename(&src, &dst).await?;
+                writes.client.forget_status(moved.inode);
+                Ok(moved)
             };
             match dl.run("rename", moved).await {
                 Ok(s) => {
@@ -971,6 +977,7 @@ impl GranaryFs {
                     ));
                 }
                 writes.client.master.delete(&entry.path, false).await?;
+                writes.client.forget_status(entry.inode);
                 Ok(entry.inode)
             };
             match dl.run(if dir { "rmdir" } else { "unlink" }, removed).await {

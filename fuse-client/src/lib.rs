@@ -41,6 +41,9 @@ pub const DEFAULT_MAX_MEMORY: u64 = 1 << 30;
 /// Default deadline of a mount operation.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Default smallest file opened in passthrough mode.
+pub const DEFAULT_PASSTHROUGH_MIN_SIZE: u64 = 1024 * 1024;
+
 /// Default kernel read-ahead of a mount.
 pub const DEFAULT_READ_AHEAD: u64 = 4 * 1024 * 1024;
 
@@ -63,6 +66,10 @@ pub struct FuseConfig {
     /// Open files wholly cached on this node's worker in FUSE passthrough mode (when the
     /// kernel supports it).
     pub passthrough: bool,
+    /// Files smaller than this are read through the daemon even when passthrough is
+    /// possible: for them the open's cost (a lease and a backing file per open) outweighs
+    /// the copy it saves, and the kernel page cache serves re-reads without any open cost.
+    pub passthrough_min_size: u64,
     /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
     pub op_timeout: Duration,
     /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
@@ -87,6 +94,7 @@ impl FuseConfig {
             allow_other: false,
             read_ahead: DEFAULT_READ_AHEAD,
             passthrough: true,
+            passthrough_min_size: DEFAULT_PASSTHROUGH_MIN_SIZE,
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
             read_only: false,
@@ -118,6 +126,8 @@ pub fn mount(
 ) -> Result<fuser::BackgroundSession, FuseError> {
     check_mountpoint(&config.mountpoint)?;
     client.set_read_timeout(config.op_timeout);
+    // An open may use the status a lookup or listing fetched within the attribute timeout.
+    client.set_status_ttl(config.attr_timeout);
     let fs = GranaryFs::new(client, config, runtime);
     let mut c = Config::default();
     c.mount_options = vec![

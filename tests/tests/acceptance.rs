@@ -593,12 +593,13 @@ fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
     drop_page_cache(&mp).unwrap();
     assert_eq!(tree_sums(&mp).unwrap(), expected);
     let text = scrape(&metrics).unwrap();
-    // The second pass came from the cache: in passthrough (every file is one block).
+    // The second pass came from the cache: in passthrough for the two files of at least
+    // 1 MiB (every file is one block; smaller ones are read through the daemon).
     assert_eq!(
         metric(&text, "granary_worker_ufs_read_bytes_total"),
         Some(total as f64)
     );
-    assert!(metric(&text, "granary_client_passthrough_opens_total").unwrap() >= 3.0);
+    assert!(metric(&text, "granary_client_passthrough_opens_total").unwrap() >= 2.0);
     // The master refreshes its gauges periodically.
     poll(
         "granary_master_inodes to count the tree",

@@ -18,8 +18,23 @@ pub struct MasterRpc {
 const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
 
+/// Marks a file whose mount validates every open (clients then never open it from a
+/// cached status).
+fn mark_validated(core: &MasterCore, s: &mut pb::FileStatus, inode: &Inode) {
+    if let (crate::state::Kind::File, Some(m)) = (inode.kind, inode.mount_id) {
+        s.validate_on_open = core
+            .ns
+            .sm
+            .mount(m)
+            .ok()
+            .flatten()
+            .is_some_and(|m| m.spec.validate_on_open());
+    }
+}
+
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
     let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
+    mark_validated(core, &mut s, inode);
     if let Some(sync) = core.ns.sync_info(inode.id) {
         s.sync_failures = sync.failures;
         s.sync_error = sync.last_error.unwrap_or_default();
@@ -135,6 +150,18 @@ impl MasterService for MasterRpc {
         let is_dir = dir.kind == crate::state::Kind::Directory;
         let dir_path = self.core.ns.sm.path_of(&dir).map_err(Status::from)?;
         let children = self.core.ns.list(dir, after, limit).await?;
+        // One mount for the whole page: does it validate every open?
+        let validated = match children.first().and_then(|c| c.mount_id) {
+            Some(m) => self
+                .core
+                .ns
+                .sm
+                .mount(m)
+                .ok()
+                .flatten()
+                .is_some_and(|m| m.spec.validate_on_open()),
+            None => false,
+        };
         let next_page_token = if is_dir && children.len() == limit {
             children.last().map(|c| c.name.clone()).unwrap_or_default()
         } else {
@@ -148,7 +175,9 @@ impl MasterService for MasterRpc {
                 } else {
                     dir_path.clone()
                 };
-                to_status(c, p)
+                let mut s = to_status(c, p);
+                s.validate_on_open = validated && c.kind == crate::state::Kind::File;
+                s
             })
             .collect();
         Ok(Response::new(pb::ListStatusResponse {

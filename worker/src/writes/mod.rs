@@ -229,45 +229,62 @@ impl Writes {
                 .map_err(|e| io_status("saving the write journal", e))
         };
         save(&journal)?;
-        let mut file = tokio::fs::File::create(&data_path)
-            .await
+        let file = std::fs::File::create(&data_path)
             .map_err(|e| io_status("creating the write journal", e))?;
         let caching = mode != pb::WriteMode::Through;
         let pinned = mode == pb::WriteMode::AsyncThrough;
         if pinned {
             self.fetcher.store.pin(h.inode);
         }
-        let mut pages = PageCutter::new(
-            (h.inode, h.version),
-            block_size,
-            self.fetcher.store.page_size,
-        );
-        let mut cache_full = false;
+        let mut sink = Some(Sink {
+            file,
+            pages: PageCutter::new(
+                (h.inode, h.version),
+                block_size,
+                self.fetcher.store.page_size,
+            ),
+            store: self.fetcher.store.clone(),
+            caching,
+            cache_full: false,
+        });
+        // Runs one step of disk work off the async threads, handing the sink back.
+        async fn blocking(
+            sink: &mut Option<Sink>,
+            step: impl FnOnce(&mut Sink) -> std::io::Result<()> + Send + 'static,
+        ) -> std::io::Result<()> {
+            let Some(mut s) = sink.take() else {
+                return Err(std::io::Error::other("the journal is gone"));
+            };
+            let (s, r) = tokio::task::spawn_blocking(move || {
+                let r = step(&mut s);
+                (s, r)
+            })
+            .await
+            .map_err(std::io::Error::other)?;
+            *sink = Some(s);
+            r
+        }
         let mut offset = 0u64;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(|e| Status::aborted(format!("the client went away: {e}")))?;
             if msg.abort {
                 return Err(Status::aborted("the client gave the write up"));
             }
-            if !msg.data.is_empty() {
-                file.write_all(&msg.data)
-                    .await
-                    .map_err(|e| io_status("writing the journal", e))?;
-                offset += msg.data.len() as u64;
-                self.metrics.written_bytes.inc_by(msg.data.len() as u64);
-                if caching && !cache_full {
-                    for (key, page) in pages.push(&msg.data) {
-                        if !self.cache_page(key, page).await {
-                            cache_full = true;
-                            break;
-                        }
+            let (n, sync) = (msg.data.len() as u64, msg.sync);
+            if n > 0 || sync {
+                blocking(&mut sink, move |s| {
+                    s.take(&msg.data)?;
+                    if sync {
+                        s.file.sync_data()?;
                     }
-                }
+                    Ok(())
+                })
+                .await
+                .map_err(|e| io_status("writing the journal", e))?;
+                offset += n;
+                self.metrics.written_bytes.inc_by(n);
             }
-            if msg.sync {
-                file.sync_data()
-                    .await
-                    .map_err(|e| io_status("syncing the journal", e))?;
+            if sync {
                 let _ = tx
                     .send(Ok(pb::WriteFileResponse {
                         synced: offset,
@@ -276,15 +293,14 @@ impl Writes {
                     .await;
             }
         }
-        if caching && !cache_full {
-            if let Some((key, page)) = pages.finish() {
-                cache_full = !self.cache_page(key, page).await;
-            }
-        }
-        file.sync_all()
-            .await
-            .map_err(|e| io_status("syncing the journal", e))?;
-        drop(file);
+        blocking(&mut sink, |s| {
+            s.finish();
+            s.file.sync_all()
+        })
+        .await
+        .map_err(|e| io_status("syncing the journal", e))?;
+        let cache_full = sink.as_ref().is_none_or(|s| s.cache_full);
+        drop(sink);
         journal.length = offset;
         let answer =
             |fingerprint: Option<pb::Fingerprint>, persisted: bool| pb::WriteFileResponse {
@@ -326,17 +342,6 @@ impl Writes {
             }
         }
         Ok(())
-    }
-
-    /// Caches one page of a file being written; false when the cache cannot admit it.
-    async fn cache_page(&self, key: crate::store::PageKey, page: Bytes) -> bool {
-        let store = self.fetcher.store.clone();
-        tokio::task::spawn_blocking(move || match store.reserve(&key, page.len() as u64) {
-            Some(r) => store.commit(r, key, &page).is_ok(),
-            None => false,
-        })
-        .await
-        .unwrap_or(false)
     }
 
     /// Uploads a journal's bytes to its file's current under-store path; the object's
@@ -578,6 +583,50 @@ enum Retry {
 
 /// Bytes per part of an upload.
 const UPLOAD_PART: usize = 16 * 1024 * 1024;
+
+/// The receiving end of one write: the journal file and the pages being cut from it.
+struct Sink {
+    file: std::fs::File,
+    pages: PageCutter,
+    store: Arc<crate::store::TieredStore>,
+    caching: bool,
+    /// The cache refused a page: nothing more of this file is cached.
+    cache_full: bool,
+}
+
+impl Sink {
+    /// Appends bytes to the journal and caches the pages they complete.
+    fn take(&mut self, data: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        self.file.write_all(data)?;
+        if self.caching && !self.cache_full {
+            for (key, page) in self.pages.push(data) {
+                if !self.cache(key, &page) {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Caches the last, partial page.
+    fn finish(&mut self) {
+        if self.caching && !self.cache_full {
+            if let Some((key, page)) = self.pages.finish() {
+                self.cache(key, &page);
+            }
+        }
+    }
+
+    fn cache(&mut self, key: crate::store::PageKey, page: &[u8]) -> bool {
+        let ok = match self.store.reserve(&key, page.len() as u64) {
+            Some(r) => self.store.commit(r, key, page).is_ok(),
+            None => false,
+        };
+        self.cache_full = !ok;
+        ok
+    }
+}
 
 /// Cuts a written byte stream into the pages of its blocks.
 struct PageCutter {
