@@ -671,7 +671,13 @@ impl Filesystem for GranaryFs {
             let open = async {
                 let path = writes.child_path(parent.0, &name).await?;
                 let dir = writes.client.stat_inode(parent.0).await?;
-                let mount = dir.ufs.as_ref().map(|u| u.mount_id);
+                let Some(mount) = dir.ufs.as_ref().map(|u| u.mount_id) else {
+                    return Err(granary_client::ClientError::Posix(
+                        libc::EROFS,
+                        format!("{path}: files can only be written inside a mounted under-store"),
+                    ));
+                };
+                let mount = Some(mount);
                 writes
                     .open(fh, &path, mode & !umask & 0o7777, false, mount)
                     .await

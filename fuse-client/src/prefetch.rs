@@ -18,7 +18,7 @@ use granary_client::{ClientError, FileSystem};
 use granary_proto as pb;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Unit of prefetch (aligned in the file).
+/// Unit of prefetch: chunks end at multiples of it in the file (the first may start anywhere).
 pub const CHUNK: u64 = 1024 * 1024;
 /// Smallest and largest window ahead of a sequential reader.
 pub const MIN_WINDOW: u64 = 2 * CHUNK;
@@ -69,6 +69,8 @@ pub struct Readahead {
     window: Window,
     /// Chunks fetched or being fetched, by their offset in the file.
     ahead: BTreeMap<u64, Chunk>,
+    /// The end of the furthest chunk fetched so far.
+    fetched_to: u64,
 }
 
 /// Units of the memory budget (4 KiB each) for `bytes`.
@@ -92,36 +94,38 @@ impl Readahead {
         let len = len.min(file.length.saturating_sub(offset));
         if !self.window.on_read(offset, len) {
             self.ahead.clear();
+            self.fetched_to = 0;
             return None;
         }
         // Chunks entirely behind the reader are done with.
-        let first = offset / CHUNK * CHUNK;
-        self.ahead = self.ahead.split_off(&first);
+        self.ahead.retain(|start, c| start + c.len > offset);
         let served = self.covering(offset, len);
-        // Fill the window from the end of this read.
+        // Fill the window, from the furthest byte read or fetched so far (never a byte
+        // twice: the kernel's concurrent read-ahead may already have read up to there).
         let end = (offset + len + self.window.size).min(file.length);
-        // From the chunk holding the furthest end read so far (the kernel's concurrent
-        // read-ahead requests may already have read up to there).
-        let mut at = self.window.next.max(offset + len) / CHUNK * CHUNK;
+        let mut at = self.window.next.max(self.fetched_to);
         while at < end {
-            if let std::collections::btree_map::Entry::Vacant(slot) = self.ahead.entry(at) {
-                let n = CHUNK.min(file.length - at);
-                let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
-                    break; // no room right now: fetch nothing more ahead
-                };
-                let (c, f) = (client.clone(), file.clone());
-                let fut: BoxFuture<'static, Result<Bytes, ClientError>> =
-                    async move { c.read(&f, at, n).await }.boxed();
-                let data = fut.shared();
-                tokio::spawn(data.clone()); // runs whether or not a reader waits yet
-                client.metrics.prefetched_bytes.inc_by(n);
-                slot.insert(Chunk {
+            // Up to the next chunk boundary (the first chunk may be partial).
+            let n = (CHUNK - at % CHUNK).min(file.length - at);
+            let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
+                break; // no room right now: fetch nothing more ahead
+            };
+            let (c, f) = (client.clone(), file.clone());
+            let fut: BoxFuture<'static, Result<Bytes, ClientError>> =
+                async move { c.read(&f, at, n).await }.boxed();
+            let data = fut.shared();
+            tokio::spawn(data.clone()); // runs whether or not a reader waits yet
+            client.metrics.prefetched_bytes.inc_by(n);
+            self.ahead.insert(
+                at,
+                Chunk {
                     len: n,
                     data,
                     _permit: permit,
-                });
-            }
-            at += CHUNK;
+                },
+            );
+            at += n;
+            self.fetched_to = at;
         }
         served
     }
@@ -130,6 +134,7 @@ impl Readahead {
     pub fn forget(&mut self) {
         self.ahead.clear();
         self.window = Window::default();
+        self.fetched_to = 0;
     }
 
     /// The chunks holding every byte of `[offset, offset + len)`, as (fetch, from, to)
@@ -141,12 +146,11 @@ impl Readahead {
         let mut out = Vec::new();
         let mut pos = offset;
         while pos < offset + len {
-            let start = pos / CHUNK * CHUNK;
-            let c = self.ahead.get(&start)?;
-            let to = (offset + len).min(start + c.len);
-            if to <= pos {
+            let (&start, c) = self.ahead.range(..=pos).next_back()?;
+            if pos >= start + c.len {
                 return None;
             }
+            let to = (offset + len).min(start + c.len);
             out.push((c.data.clone(), pos - start, to - start));
             pos = to;
         }

@@ -290,6 +290,8 @@ fn namespace_changes_through_the_mount_reach_the_store_and_bad_writes_change_not
             .collect::<Vec<_>>(),
         ["ckpt", "empty", "note.txt", "zeros.bin"]
     );
+    // Outside every mount there is no store to write to.
+    assert!(fails("touch ../outside").contains("Read-only file system"));
     let name = "n".repeat(256);
     assert!(fails(&format!("touch out/{name}")).contains("File name too long"));
 

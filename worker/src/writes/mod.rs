@@ -73,7 +73,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 fn io_status(what: &str, e: std::io::Error) -> Status {
     if e.raw_os_error() == Some(28) {
-        return Status::resource_exhausted(format!("{what}: the worker's disk is full"));
+        let mut s = Status::resource_exhausted(format!("{what}: the worker's disk is full"));
+        // ENOSPC through the mount.
+        s.metadata_mut().insert(
+            pb::ERRNO_KEY,
+            tonic::metadata::MetadataValue::from_static("28"),
+        );
+        return s;
     }
     Status::internal(format!("{what}: {e}"))
 }
@@ -212,6 +218,12 @@ impl Writes {
         } else {
             h.block_size
         };
+        if block_size < self.fetcher.store.page_size {
+            return Err(Status::invalid_argument(format!(
+                "block size {block_size} is below the worker's page size {}",
+                self.fetcher.store.page_size
+            )));
+        }
         let mut journal = Journal {
             inode: h.inode,
             version: h.version,
