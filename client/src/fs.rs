@@ -85,7 +85,13 @@ pub struct FileSystem {
     /// one uses it instead of asking the master again (0: never).
     recent: Mutex<HashMap<u64, (Instant, pb::FileStatus)>>,
     status_ttl_ms: std::sync::atomic::AtomicU64,
+    /// The entry listed after each file (by inode): a reader of a folder of small files
+    /// leases the next ones with the one it opens.
+    next_in_dir: Mutex<HashMap<u64, u64>>,
 }
+
+/// Files after the one being read whose block files are leased with it.
+const LEASE_AHEAD_FILES: usize = 32;
 
 /// Statuses kept for opens (older ones are dropped when the map is full).
 const RECENT_STATUSES: usize = 100_000;
@@ -151,6 +157,7 @@ impl FileSystem {
             ),
             recent: Mutex::new(HashMap::new()),
             status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
+            next_in_dir: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -286,6 +293,15 @@ impl FileSystem {
             .await?;
         for e in &r.entries {
             self.remember(e);
+        }
+        {
+            let mut next = lock(&self.next_in_dir);
+            if next.len() >= RECENT_STATUSES {
+                next.clear();
+            }
+            for pair in r.entries.windows(2) {
+                next.insert(pair[0].inode, pair[1].inode);
+            }
         }
         Ok((r.entries, r.next_page_token))
     }
@@ -640,11 +656,57 @@ impl FileSystem {
         first_page: u32,
         replaces: Option<u64>,
     ) -> Option<Arc<LocalLease>> {
+        let more = if id.index == 0 && first_page == 0 {
+            self.small_files_after(id.inode)
+        } else {
+            Vec::new()
+        };
         let l = self
-            .ask_lease(w, id, first_page, replaces, 0, false)
+            .ask_lease_more(w, id, first_page, replaces, 0, false, more)
             .await?;
         self.short_circuit.keep(id, l.clone());
         Some(l)
+    }
+
+    /// The blocks of the small files listed after `inode` (up to [`LEASE_AHEAD_FILES`]) that
+    /// have no lease yet: leased together with it, a loader reading a folder file by file
+    /// costs one lease request per batch rather than per file.
+    fn small_files_after(&self, inode: u64) -> Vec<pb::BlockId> {
+        if lock(&self.recent).get(&inode).is_none_or(|(_, s)| {
+            s.length > self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES)
+        }) {
+            return Vec::new();
+        }
+        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        let next = lock(&self.next_in_dir);
+        let recent = lock(&self.recent);
+        let mut out = Vec::new();
+        let mut cur = inode;
+        for _ in 0..LEASE_AHEAD_FILES * 2 {
+            let Some(n) = next.get(&cur).copied() else {
+                break;
+            };
+            cur = n;
+            let Some((_, s)) = recent.get(&n) else {
+                continue;
+            };
+            if s.kind != pb::FileKind::File as i32 || s.length == 0 || s.length > small {
+                continue;
+            }
+            let id = pb::BlockId {
+                inode: s.inode,
+                version: s.version,
+                index: 0,
+            };
+            if self.short_circuit.lease(&id).is_some() || self.short_circuit.recently_missing(&id) {
+                continue;
+            }
+            out.push(id);
+            if out.len() == LEASE_AHEAD_FILES {
+                break;
+            }
+        }
+        out
     }
 
     /// Asks `w` for a lease (see [`crate::local`]) and opens the block file.
@@ -657,6 +719,30 @@ impl FileSystem {
         hold_ms: u64,
         whole_block: bool,
     ) -> Option<Arc<LocalLease>> {
+        self.ask_lease_more(
+            w,
+            id,
+            first_page,
+            replaces,
+            hold_ms,
+            whole_block,
+            Vec::new(),
+        )
+        .await
+    }
+
+    /// [`ask_lease`](Self::ask_lease), also leasing `more` blocks (kept for later reads).
+    #[allow(clippy::too_many_arguments)]
+    async fn ask_lease_more(
+        &self,
+        w: &pb::WorkerInfo,
+        id: &pb::BlockId,
+        first_page: u32,
+        replaces: Option<u64>,
+        hold_ms: u64,
+        whole_block: bool,
+        more: Vec<pb::BlockId>,
+    ) -> Option<Arc<LocalLease>> {
         let mut client = self.worker_client(&w.address).ok()?;
         let bytes_read = self.short_circuit.take_unreported(w.worker_id);
         let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
@@ -666,6 +752,7 @@ impl FileSystem {
             release_lease: replaces.unwrap_or(0),
             hold_ms,
             whole_block,
+            more,
         });
         req.set_timeout(LEASE_TIMEOUT);
         let sent = Instant::now();
@@ -692,6 +779,14 @@ impl FileSystem {
             Ok(l) => {
                 self.short_circuit.set_page_size(r.page_size);
                 self.metrics.short_circuit_leases.inc();
+                for m in &r.more {
+                    let (Some(block), Ok(l)) = (m.block, LocalLease::open(w.worker_id, m, sent))
+                    else {
+                        continue;
+                    };
+                    self.metrics.short_circuit_leases.inc();
+                    self.short_circuit.keep(&block, Arc::new(l));
+                }
                 Some(Arc::new(l))
             }
             Err(e) => {

@@ -377,6 +377,7 @@ mod tests {
             lease_ms,
             lease_id: 1,
             window_pages: 16,
+            ..Default::default()
         };
         let l = LocalLease::open(1, &r, Instant::now()).unwrap();
         (d, l)

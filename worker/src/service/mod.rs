@@ -19,6 +19,8 @@ pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 const PAGE_PARALLELISM: usize = 4;
 /// How long a short-circuit lease holds a block's pages.
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
+/// Extra blocks one lease request may ask for (`more`).
+const MAX_MORE_LEASES: usize = 64;
 /// Longest lease a client may ask for (`hold_ms`).
 pub const MAX_LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -264,24 +266,41 @@ impl WorkerService for WorkerRpc {
             Status::not_found("the page is not cached here (or leases hold their share)")
         })?;
         self.metrics.short_circuit_leases.inc();
-        let path = std::path::absolute(&lease.path)
-            .map_err(|e| Status::internal(format!("block file path: {e}")))?;
-        Ok(Response::new(pb::LeaseLocalBlockResponse {
-            path: path.to_string_lossy().into_owned(),
-            page_size: store.page_size,
-            pages: lease
-                .pages
-                .iter()
-                .map(|&(index, length, crc32c)| pb::LocalPage {
-                    index,
-                    length,
-                    crc32c,
-                })
-                .collect(),
-            lease_ms: hold.as_millis() as u64,
-            lease_id: lease.id,
-            window_pages: max_pages,
-        }))
+        let answer = |lease: crate::store::Lease, block: pb::BlockId, window: u32| {
+            let path = std::path::absolute(&lease.path)
+                .map_err(|e| Status::internal(format!("block file path: {e}")))?;
+            Ok::<_, Status>(pb::LeaseLocalBlockResponse {
+                path: path.to_string_lossy().into_owned(),
+                page_size: store.page_size,
+                pages: lease
+                    .pages
+                    .iter()
+                    .map(|&(index, length, crc32c)| pb::LocalPage {
+                        index,
+                        length,
+                        crc32c,
+                    })
+                    .collect(),
+                lease_ms: hold.as_millis() as u64,
+                lease_id: lease.id,
+                window_pages: window,
+                more: Vec::new(),
+                block: Some(block),
+            })
+        };
+        let mut out = answer(lease, id, max_pages)?;
+        // The blocks the client expects to read next: leased now when cached, each its own
+        // lease (no cached page: simply left out).
+        for more in r.more.iter().take(MAX_MORE_LEASES) {
+            let until = std::time::Instant::now() + hold;
+            let window = crate::store::LEASE_WINDOW_PAGES;
+            if let Some(l) = store.lease_pages(&block_key(more), 0, window, until, None) {
+                self.metrics.short_circuit_leases.inc();
+                out.more.push(answer(l, *more, window)?);
+            }
+        }
+        self.metrics.active_leases.set(store.lease_stats().0 as i64);
+        Ok(Response::new(out))
     }
 
     async fn get_cache_info(
