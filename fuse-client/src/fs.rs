@@ -731,16 +731,7 @@ impl Filesystem for GranaryFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        let Some(h) = self.writes.handle(fh.0) else {
-            return reply.ok();
-        };
-        let writes = self.writes.clone();
-        self.rt.spawn(async move {
-            match writes.flush(&h).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(e),
-            }
-        });
+        self.on_writer(fh, reply, |w, h| async move { w.flush(&h).await });
     }
 
     fn fsync(
@@ -751,16 +742,7 @@ impl Filesystem for GranaryFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(h) = self.writes.handle(fh.0) else {
-            return reply.ok();
-        };
-        let writes = self.writes.clone();
-        self.rt.spawn(async move {
-            match writes.fsync(&h).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(e),
-            }
-        });
+        self.on_writer(fh, reply, |w, h| async move { w.fsync(&h).await });
     }
 
     fn mkdir(
@@ -910,6 +892,25 @@ impl Filesystem for GranaryFs {
 }
 
 impl GranaryFs {
+    /// Runs `op` on the write handle `fh` in a task and replies with its outcome; a handle
+    /// that is not being written (a reader's) has nothing to do: ok.
+    fn on_writer<F, Fut>(&self, fh: FileHandle, reply: ReplyEmpty, op: F)
+    where
+        F: FnOnce(crate::write::Writes, Arc<tokio::sync::Mutex<crate::write::WriteHandle>>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), Errno>> + Send + 'static,
+    {
+        let Some(h) = self.writes.handle(fh.0) else {
+            return reply.ok();
+        };
+        let fut = op(self.writes.clone(), h);
+        self.rt.spawn(async move {
+            match fut.await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            }
+        });
+    }
+
     /// Opens an existing file for writing: with O_TRUNC (or when it is empty) it is
     /// replaced by what is written; appending to or rewriting a file with data is
     /// EOPNOTSUPP.

@@ -132,7 +132,7 @@ impl From<MasterError> for tonic::Status {
         if let Some(n) = errno {
             status.metadata_mut().insert(
                 granary_proto::ERRNO_KEY,
-                n.to_string().parse().expect("digits"),
+                tonic::metadata::MetadataValue::from(n),
             );
         }
         if let MasterError::NotLeader {

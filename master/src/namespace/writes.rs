@@ -128,29 +128,13 @@ impl Namespace {
             Kind::File => {}
             Kind::Directory => {
                 let prefix = ufs.path_of(&inode.ufs_path);
-                let objects: Vec<_> = ufs
-                    .store
-                    .list(Some(&prefix))
-                    .map(|m| m.map(|m| m.location))
-                    .collect::<Vec<_>>()
-                    .await
-                    .into_iter()
-                    .collect::<Result<_, _>>()
-                    .map_err(scrub)?;
-                let results: Vec<_> = futures::stream::iter(objects)
-                    .map(|p| {
-                        let store = ufs.store.clone();
-                        async move { store.delete(&p).await }
-                    })
-                    .buffer_unordered(OBJECT_OPS_IN_FLIGHT)
-                    .collect()
-                    .await;
-                for r in results {
-                    match r {
-                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => return Err(scrub(e)),
-                    }
-                }
+                let store = ufs.store.clone();
+                for_each_object(&ufs, &prefix, move |p| {
+                    let store = store.clone();
+                    async move { store.delete(&p).await }
+                })
+                .await
+                .map_err(scrub)?;
                 if let Some(dir) = mount.spec.local_dir() {
                     // A local store keeps directories of its own.
                     let local = dir.join(&inode.ufs_path);
@@ -260,41 +244,57 @@ impl Namespace {
                 }
             }
             Kind::Directory => {
-                let objects: Vec<_> = ufs
-                    .store
-                    .list(Some(&from))
-                    .map(|m| m.map(|m| m.location))
-                    .collect::<Vec<_>>()
-                    .await
-                    .into_iter()
-                    .collect::<Result<_, _>>()
-                    .map_err(scrub)?;
-                let from_s = from.as_ref().to_string();
-                let to_s = to.as_ref().to_string();
-                let results: Vec<_> = futures::stream::iter(objects)
-                    .map(|p| {
-                        let store = ufs.store.clone();
-                        let rest = p.as_ref()[from_s.len()..].to_string();
-                        let target = object_store::path::Path::parse(format!("{to_s}{rest}"));
-                        async move {
-                            let target = target.map_err(|e| object_store::Error::Generic {
-                                store: "granary",
-                                source: Box::new(e),
-                            })?;
-                            store.rename(&p, &target).await
-                        }
-                    })
-                    .buffer_unordered(OBJECT_OPS_IN_FLIGHT)
-                    .collect()
-                    .await;
-                for r in results {
-                    match r {
-                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => return Err(scrub(e)),
+                let (from_s, to_s) = (from.as_ref().to_string(), to.as_ref().to_string());
+                let store = ufs.store.clone();
+                for_each_object(&ufs, &from, move |p| {
+                    let store = store.clone();
+                    let rest = p.as_ref()[from_s.len()..].to_string();
+                    let target = object_store::path::Path::parse(format!("{to_s}{rest}"));
+                    async move {
+                        let target = target.map_err(|e| object_store::Error::Generic {
+                            store: "granary",
+                            source: Box::new(e),
+                        })?;
+                        store.rename(&p, &target).await
                     }
-                }
+                })
+                .await
+                .map_err(scrub)?;
                 Ok(())
             }
         }
     }
+}
+
+/// Runs `op` on every object under `prefix`, [`OBJECT_OPS_IN_FLIGHT`] at a time; an object
+/// already gone counts as done (a retried request), any other failure is returned.
+async fn for_each_object<F, Fut>(
+    ufs: &granary_common::ufs::Ufs,
+    prefix: &object_store::path::Path,
+    op: F,
+) -> Result<(), object_store::Error>
+where
+    F: Fn(object_store::path::Path) -> Fut,
+    Fut: std::future::Future<Output = Result<(), object_store::Error>>,
+{
+    let objects: Vec<_> = ufs
+        .store
+        .list(Some(prefix))
+        .map(|m| m.map(|m| m.location))
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let results: Vec<_> = futures::stream::iter(objects)
+        .map(op)
+        .buffer_unordered(OBJECT_OPS_IN_FLIGHT)
+        .collect()
+        .await;
+    for r in results {
+        match r {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
