@@ -97,9 +97,11 @@ impl Readahead {
             self.fetched_to = 0;
             return None;
         }
-        // Chunks entirely behind the reader are done with.
-        self.ahead.retain(|start, c| start + c.len > offset);
-        let served = self.covering(offset, len);
+        // Chunks well behind the reader are done with (the kernel's concurrent requests
+        // arrive slightly out of order: a chunk just behind may still be asked for).
+        let behind = offset.saturating_sub(SLACK);
+        self.ahead.retain(|start, c| start + c.len > behind);
+        let served = self.covering(client, file, offset, len);
         // Fill the window, from the furthest byte read or fetched so far (never a byte
         // twice: the kernel's concurrent read-ahead may already have read up to there).
         let end = (offset + len + self.window.size).min(file.length);
@@ -137,22 +139,42 @@ impl Readahead {
         self.fetched_to = 0;
     }
 
-    /// The chunks holding every byte of `[offset, offset + len)`, as (fetch, from, to)
-    /// slices; None when one is missing.
-    fn covering(&self, offset: u64, len: u64) -> Option<Vec<(Fetch, u64, u64)>> {
-        if len == 0 {
+    /// `[offset, offset + len)` as (fetch, from, to) slices: of the chunks fetched ahead
+    /// where they hold it, of direct reads for the gaps between them (so a read that
+    /// overlaps a chunk never fetches those bytes again). None when no chunk overlaps it.
+    fn covering(
+        &self,
+        client: &Arc<FileSystem>,
+        file: &Arc<pb::FileStatus>,
+        offset: u64,
+        len: u64,
+    ) -> Option<Vec<(Fetch, u64, u64)>> {
+        let end = offset + len;
+        if len == 0 || !self.ahead.range(..end).any(|(s, c)| s + c.len > offset) {
             return None;
         }
+        let direct = |at: u64, n: u64| -> (Fetch, u64, u64) {
+            let (c, f) = (client.clone(), file.clone());
+            let fut: BoxFuture<'static, Result<Bytes, ClientError>> =
+                async move { c.read(&f, at, n).await }.boxed();
+            (fut.shared(), 0, n)
+        };
         let mut out = Vec::new();
         let mut pos = offset;
-        while pos < offset + len {
-            let (&start, c) = self.ahead.range(..=pos).next_back()?;
-            if pos >= start + c.len {
-                return None;
+        while pos < end {
+            match self.ahead.range(..=pos).next_back() {
+                Some((&start, c)) if pos < start + c.len => {
+                    let to = end.min(start + c.len);
+                    out.push((c.data.clone(), pos - start, to - start));
+                    pos = to;
+                }
+                _ => {
+                    // A gap: up to the next chunk (or the end of the read).
+                    let to = self.ahead.range(pos..end).next().map_or(end, |(&s, _)| s);
+                    out.push(direct(pos, to - pos));
+                    pos = to;
+                }
             }
-            let to = (offset + len).min(start + c.len);
-            out.push((c.data.clone(), pos - start, to - start));
-            pos = to;
         }
         Some(out)
     }
