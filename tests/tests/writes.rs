@@ -448,3 +448,51 @@ fn an_async_through_replica_uploads_the_file_when_the_persisting_worker_dies() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_pending_upload_completes_across_a_master_restart() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-mrestart-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let s3 = TestStore::s3(root, "restart", "mr-access", "mr-secret-key-1").unwrap();
+    let mut master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_s3(&master.addr, &s3, "/s3", &["sync_interval=never"]);
+    let fuse = Fuse::start_opts(
+        root,
+        "mnt",
+        &master.addr,
+        &["--write-mode", "async-through", "--no-passthrough"],
+    )
+    .unwrap();
+    sh(&format!("ls '{}'", fuse.mountpoint.join("s3").display())).unwrap();
+    s3.proc.signal("STOP").unwrap();
+    struct Resume<'a>(&'a TestStore);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.proc.signal("CONT");
+        }
+    }
+    let resume = Resume(&s3);
+    let out = checkpoint(&fuse.mountpoint.join("s3/m.pt"), 20 * MIB + 3, None);
+    assert_eq!(persisted(&master.addr, "/s3/m.pt"), "pending");
+    // The master dies and comes back (same data, same address) while the upload waits.
+    master.proc.kill9().unwrap();
+    let (data, port) = (master.data_dir.clone(), master.port);
+    master = Master::start_on(root, &data, port).unwrap();
+    drop(resume);
+    poll(
+        "the file to be persisted after the master restart",
+        Duration::from_secs(120),
+        || (persisted(&master.addr, "/s3/m.pt") == "persisted").then_some(()),
+    )
+    .unwrap();
+    assert_eq!(
+        sha_of(&s3.object_file("m.pt").unwrap()).as_deref(),
+        Some(out[0].as_str())
+    );
+    assert_eq!(w.metric("granary_worker_persisted_files_total"), 1.0);
+}
