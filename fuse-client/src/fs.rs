@@ -117,6 +117,8 @@ pub struct GranaryFs {
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
     read_only: bool,
+    /// Budget units prefetch leaves to reads (half of the budget).
+    prefetch_reserve: u32,
     /// Adaptive prefetch state of each open file handle.
     readahead: Arc<Mutex<HashMap<u64, Arc<Mutex<crate::prefetch::Readahead>>>>>,
 }
@@ -177,6 +179,9 @@ impl GranaryFs {
             ),
             read_only: config.read_only,
             readahead: Arc::new(Mutex::new(HashMap::new())),
+            prefetch_reserve: ((config.max_memory / BUDGET_UNIT)
+                .clamp(MAX_IO as u64 / BUDGET_UNIT, 1 << 30)
+                / 2) as u32,
         }
     }
 
@@ -393,6 +398,7 @@ impl Filesystem for GranaryFs {
                 &file,
                 &self.budget,
                 BUDGET_UNIT,
+                self.prefetch_reserve,
                 offset,
                 u64::from(size),
             )

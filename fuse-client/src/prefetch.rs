@@ -2,8 +2,10 @@
 //! read-ahead window that doubles with every sequential read (up to [`MAX_WINDOW`]); a
 //! jump elsewhere drops what was fetched ahead and closes the window. Every byte fetched
 //! ahead holds its share of the mount's memory budget until it is read or dropped, and is
-//! only fetched when the budget has room right now (prefetch never waits for memory, so
-//! it cannot starve reads), so 1,000 open files cannot hold more than the budget.
+//! only fetched when the budget has room right now beyond a reserve of half of it
+//! (prefetch never waits for memory, and never takes the half that reads waiting for
+//! memory need: chunks held for readers that themselves wait cannot starve the mount), so
+//! 1,000 open files cannot hold more than the budget.
 //!
 //! The kernel's own read-ahead (4 MiB) already keeps a few 1 MiB reads in flight; this
 //! window goes further for readers of data that is not on this node (peer workers, the
@@ -88,6 +90,7 @@ impl Readahead {
         file: &Arc<pb::FileStatus>,
         budget: &Arc<Semaphore>,
         unit: u64,
+        reserve: u32,
         offset: u64,
         len: u64,
     ) -> Option<Vec<(Fetch, u64, u64)>> {
@@ -109,6 +112,12 @@ impl Readahead {
         while at < end {
             // Up to the next chunk boundary (the first chunk may be partial).
             let n = (CHUNK - at % CHUNK).min(file.length - at);
+            // Prefetch never takes the last `reserve` units: reads that wait for memory
+            // always find some, so chunks held for readers that are themselves waiting
+            // cannot starve the mount.
+            if budget.available_permits() < (units(n, unit) + reserve) as usize {
+                break;
+            }
             let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
                 break; // no room right now: fetch nothing more ahead
             };

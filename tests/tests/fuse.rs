@@ -171,10 +171,19 @@ fn sixty_four_files_read_at_once_stay_within_the_memory_budget() {
                 })
             })
             .collect();
-        for r in readers {
-            r.join().unwrap();
+        {
+            // The sampler stops even when a reader fails (else the scope would wait on it).
+            struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            let _stop = Stop(&stop);
+            for r in readers {
+                r.join().unwrap();
+            }
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
         sampler.join().unwrap()
     });
     assert!(idle > 0 && peak >= idle);
