@@ -117,8 +117,8 @@ pub struct GranaryFs {
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
     read_only: bool,
-    /// Budget units prefetch leaves to reads (half of the budget).
-    prefetch_reserve: u32,
+    /// The memory budget as prefetch uses it: the same semaphore, half left to reads.
+    prefetch_budget: crate::prefetch::Budget,
     /// Adaptive prefetch state of each open file handle.
     readahead: Arc<Mutex<HashMap<u64, Arc<Mutex<crate::prefetch::Readahead>>>>>,
 }
@@ -141,6 +141,9 @@ fn kind_of(s: &pb::FileStatus) -> FileType {
 impl GranaryFs {
     pub fn new(client: Arc<FileSystem>, config: &FuseConfig, rt: tokio::runtime::Handle) -> Self {
         let metrics = client.metrics.clone();
+        let budget_units =
+            (config.max_memory / BUDGET_UNIT).clamp(MAX_IO as u64 / BUDGET_UNIT, 1 << 40);
+        let budget = Arc::new(tokio::sync::Semaphore::new(budget_units as usize));
         use std::os::unix::fs::MetadataExt;
         let (uid, gid) = std::fs::metadata("/proc/self")
             .map(|m| (m.uid(), m.gid()))
@@ -162,10 +165,7 @@ impl GranaryFs {
             passthrough_min: config.passthrough_min_size,
             backings: Arc::new(Mutex::new(HashMap::new())),
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
-            budget: Arc::new(tokio::sync::Semaphore::new(
-                (config.max_memory / BUDGET_UNIT).clamp(MAX_IO as u64 / BUDGET_UNIT, 1 << 40)
-                    as usize,
-            )),
+            budget: budget.clone(),
             deadline: Deadline {
                 limit: config.op_timeout,
                 metrics: metrics.clone(),
@@ -179,9 +179,11 @@ impl GranaryFs {
             ),
             read_only: config.read_only,
             readahead: Arc::new(Mutex::new(HashMap::new())),
-            prefetch_reserve: ((config.max_memory / BUDGET_UNIT)
-                .clamp(MAX_IO as u64 / BUDGET_UNIT, 1 << 30)
-                / 2) as u32,
+            prefetch_budget: crate::prefetch::Budget {
+                memory: budget.clone(),
+                unit: BUDGET_UNIT,
+                reserve: (budget_units / 2).min(u64::from(u32::MAX)) as u32,
+            },
         }
     }
 
@@ -396,9 +398,7 @@ impl Filesystem for GranaryFs {
             lock(&ra).read(
                 &self.client,
                 &file,
-                &self.budget,
-                BUDGET_UNIT,
-                self.prefetch_reserve,
+                &self.prefetch_budget,
                 offset,
                 u64::from(size),
             )

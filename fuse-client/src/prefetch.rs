@@ -80,6 +80,15 @@ fn units(bytes: u64, unit: u64) -> u32 {
     bytes.div_ceil(unit).max(1) as u32
 }
 
+/// The mount's memory budget as prefetch sees it.
+pub struct Budget {
+    /// Permits of `unit` bytes each.
+    pub memory: Arc<Semaphore>,
+    pub unit: u64,
+    /// Units prefetch always leaves to reads.
+    pub reserve: u32,
+}
+
 impl Readahead {
     /// Bytes `[offset, offset + len)` if chunks fetched ahead hold all of them (awaiting
     /// those still in flight); None otherwise. Also moves the window and starts the
@@ -88,12 +97,16 @@ impl Readahead {
         &mut self,
         client: &Arc<FileSystem>,
         file: &Arc<pb::FileStatus>,
-        budget: &Arc<Semaphore>,
-        unit: u64,
-        reserve: u32,
+        budget: &Budget,
         offset: u64,
         len: u64,
     ) -> Option<Vec<(Fetch, u64, u64)>> {
+        let Budget {
+            memory: budget,
+            unit,
+            reserve,
+        } = budget;
+        let (unit, reserve) = (*unit, *reserve);
         let len = len.min(file.length.saturating_sub(offset));
         if !self.window.on_read(offset, len) {
             self.ahead.clear();
@@ -115,7 +128,7 @@ impl Readahead {
             // Prefetch never takes the last `reserve` units: reads that wait for memory
             // always find some, so chunks held for readers that are themselves waiting
             // cannot starve the mount.
-            if budget.available_permits() < (units(n, unit) + reserve) as usize {
+            if budget.available_permits() < units(n, unit) as usize + reserve as usize {
                 break;
             }
             let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
