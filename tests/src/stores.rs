@@ -359,6 +359,13 @@ impl TestStore {
         }
     }
 
+    /// Stops the server's process (SIGSTOP: its socket still accepts, nothing answers)
+    /// until the returned guard is dropped (SIGCONT), also when the test fails.
+    pub fn pause(&self) -> Result<Paused<'_>> {
+        self.proc.signal("STOP")?;
+        Ok(Paused(self))
+    }
+
     /// Where `s3s-fs` keeps object `key` (None for other stores): tests read what the store
     /// holds without going through Granary.
     pub fn object_file(&self, key: &str) -> Option<PathBuf> {
@@ -388,5 +395,14 @@ impl TestStore {
                 .args(["azure-put", &self.url(), &self.bucket, key])
                 .arg(file)),
         }
+    }
+}
+
+/// A stopped test server (see [`TestStore::pause`]); resumed when dropped.
+pub struct Paused<'a>(&'a TestStore);
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.proc.signal("CONT");
     }
 }

@@ -39,14 +39,7 @@ fn a_hung_under_store_fails_uncached_reads_with_eio_and_the_mount_lives() {
     let listing = sh(&format!("ls '{}'", dir.display())).unwrap();
 
     // The store stops answering (its process is stopped, its socket still accepts).
-    s3.proc.signal("STOP").unwrap();
-    struct Resume<'a>(&'a TestStore);
-    impl Drop for Resume<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.proc.signal("CONT");
-        }
-    }
-    let resume = Resume(&s3);
+    let resume = s3.pause().unwrap();
 
     let t = Instant::now();
     let out = std::process::Command::new("cat")

@@ -108,14 +108,7 @@ fn a_checkpoint_written_async_through_survives_a_worker_kill_and_cache_through_w
     sh(&format!("ls '{}'", fast.mountpoint.join("s3").display())).unwrap();
 
     // async-through: the store is stopped for the whole write and close.
-    s3.proc.signal("STOP").unwrap();
-    struct Resume<'a>(&'a TestStore);
-    impl Drop for Resume<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.proc.signal("CONT");
-        }
-    }
-    let resume = Resume(&s3);
+    let resume = s3.pause().unwrap();
     let size = 2048 * MIB + 12_345;
     let target = fast.mountpoint.join("s3/model.pt");
     let t = Instant::now();
@@ -390,14 +383,7 @@ fn an_async_through_replica_uploads_the_file_when_the_persisting_worker_dies() {
     )
     .unwrap();
     sh(&format!("ls '{}'", fuse.mountpoint.join("s3").display())).unwrap();
-    s3.proc.signal("STOP").unwrap();
-    struct Resume<'a>(&'a TestStore);
-    impl Drop for Resume<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.proc.signal("CONT");
-        }
-    }
-    let resume = Resume(&s3);
+    let resume = s3.pause().unwrap();
     let out = checkpoint(&fuse.mountpoint.join("s3/opt.pt"), 40 * MIB + 77, None);
     // Both workers hold it before close returns.
     for w in &workers {
@@ -469,14 +455,7 @@ fn a_pending_upload_completes_across_a_master_restart() {
     )
     .unwrap();
     sh(&format!("ls '{}'", fuse.mountpoint.join("s3").display())).unwrap();
-    s3.proc.signal("STOP").unwrap();
-    struct Resume<'a>(&'a TestStore);
-    impl Drop for Resume<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.proc.signal("CONT");
-        }
-    }
-    let resume = Resume(&s3);
+    let resume = s3.pause().unwrap();
     let out = checkpoint(&fuse.mountpoint.join("s3/m.pt"), 20 * MIB + 3, None);
     assert_eq!(persisted(&master.addr, "/s3/m.pt"), "pending");
     // The master dies and comes back (same data, same address) while the upload waits.
