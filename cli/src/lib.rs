@@ -11,8 +11,23 @@ use std::process::ExitCode;
 use args::{Cli, Command};
 
 /// Runs a parsed command line and maps the outcome to an exit code.
+/// Raises the soft limit on open files to the hard one: a worker keeps a block file open per
+/// cached block in use and a client one per short-circuit lease, and the usual soft limit
+/// (1,024) is far below what a busy node needs.
+fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open files limit");
+            }
+        }
+    }
+}
+
 pub fn main(cli: Cli) -> ExitCode {
     granary_common::logging::init();
+    raise_open_files_limit();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("granary")

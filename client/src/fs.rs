@@ -3,6 +3,7 @@
 //! worker can serve.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -88,6 +89,8 @@ pub struct FileSystem {
     /// The entry listed after each file (by inode): a reader of a folder of small files
     /// leases the next ones with the one it opens.
     next_in_dir: Mutex<HashMap<u64, u64>>,
+    /// A background lease request for the small files ahead of a reader is in flight.
+    leasing_ahead: AtomicBool,
 }
 
 /// Files after the one being read whose block files are leased with it.
@@ -158,6 +161,7 @@ impl FileSystem {
             recent: Mutex::new(HashMap::new()),
             status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
             next_in_dir: Mutex::new(HashMap::new()),
+            leasing_ahead: AtomicBool::new(false),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -250,6 +254,12 @@ impl FileSystem {
         self.master
             .get_status(pb::path_or_id::Target::Path(path.to_string()))
             .await
+    }
+
+    /// The status an open may use without asking the master (seen within the status TTL;
+    /// never for validate-on-open mounts).
+    pub fn cached_open_status(&self, inode: u64) -> Option<pb::FileStatus> {
+        self.recent_status(inode)
     }
 
     /// The status of a file being opened (validate-on-open mounts check the object first).
@@ -377,7 +387,12 @@ impl FileSystem {
     /// Reads a range only from short-circuit leases already held (no network, no lease
     /// request; blocking file I/O): the FUSE mount's fast path for warm data on this node.
     /// `None` when any part of the range is not covered — then use [`read`](Self::read).
-    pub fn read_leased(&self, file: &pb::FileStatus, offset: u64, len: u64) -> Option<Bytes> {
+    pub fn read_leased(
+        self: &Arc<Self>,
+        file: &pb::FileStatus,
+        offset: u64,
+        len: u64,
+    ) -> Option<Bytes> {
         if file.kind != pb::FileKind::File as i32 || offset >= file.length || len == 0 {
             return None;
         }
@@ -396,11 +411,84 @@ impl FileSystem {
             reads.push((lease.worker_id, data.len() as u64));
             parts.push(data);
         }
+        if let [(worker, _)] = reads[..] {
+            if offset == 0 {
+                self.lease_further_ahead(file, worker);
+            }
+        }
         for (worker, n) in reads {
             self.short_circuit.count_read(worker, n);
             self.metrics.add_read("short_circuit", n);
         }
         Some(join(parts, end - offset))
+    }
+
+    /// A file opened for reading was closed: the lease on its block file (one-block small
+    /// files) is given back, so files read once do not keep the worker's leased share full
+    /// until their leases expire.
+    pub fn closed(&self, file: &pb::FileStatus) {
+        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        if file.kind == pb::FileKind::File as i32 && file.length > 0 && file.length <= small {
+            self.short_circuit.done_with(&pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index: 0,
+            });
+        }
+    }
+
+    /// A loader reading a folder of small files under leases taken ahead (see
+    /// [`small_files_after`](Self::small_files_after)): once it is halfway through them,
+    /// the next files are leased in the background, so readers never wait for a lease
+    /// request — and several reader threads do not all ask for the same files at once.
+    fn lease_further_ahead(self: &Arc<Self>, file: &pb::FileStatus, worker_id: u64) {
+        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        if file.length > small {
+            return;
+        }
+        let target = {
+            let next = lock(&self.next_in_dir);
+            let mut cur = file.inode;
+            for _ in 0..LEASE_AHEAD_FILES / 2 {
+                let Some(&n) = next.get(&cur) else {
+                    return;
+                };
+                cur = n;
+            }
+            cur
+        };
+        let Some(s) = lock(&self.recent).get(&target).map(|(_, s)| s.clone()) else {
+            return;
+        };
+        if s.kind != pb::FileKind::File as i32 || s.length == 0 || s.length > small {
+            return;
+        }
+        let id = pb::BlockId {
+            inode: s.inode,
+            version: s.version,
+            index: 0,
+        };
+        if self.short_circuit.lease(&id).is_some() || self.short_circuit.recently_missing(&id) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.leasing_ahead.swap(true, Ordering::AcqRel) {
+            return; // one such request at a time
+        }
+        let me = self.clone();
+        rt.spawn(async move {
+            let w = me
+                .live_workers()
+                .await
+                .into_iter()
+                .find(|w| w.worker_id == worker_id);
+            if let Some(w) = w {
+                me.take_lease(&w, &id, 0, None).await;
+            }
+            me.leasing_ahead.store(false, Ordering::Release);
+        });
     }
 
     /// A sequential reader in the second half of a block: asks the next block's worker for
@@ -753,6 +841,7 @@ impl FileSystem {
             hold_ms,
             whole_block,
             more,
+            release_leases: self.short_circuit.take_done(w.worker_id),
         });
         req.set_timeout(LEASE_TIMEOUT);
         let sent = Instant::now();
@@ -909,13 +998,21 @@ impl FileSystem {
     /// Reports bytes read by short-circuit to their workers (their
     /// `granary_worker_short_circuit_bytes_total`).
     pub async fn report_short_circuit(&self) {
-        let pending = self.short_circuit.take_all_unreported();
+        let mut pending: HashMap<u64, u64> = self
+            .short_circuit
+            .take_all_unreported()
+            .into_iter()
+            .collect();
+        for w in self.short_circuit.workers_with_done() {
+            pending.entry(w).or_default();
+        }
         if pending.is_empty() {
             return;
         }
         let workers = self.live_workers().await;
         for (worker_id, bytes) in pending {
             let Some(w) = workers.iter().find(|w| w.worker_id == worker_id) else {
+                self.short_circuit.take_done(worker_id);
                 continue; // gone: nobody to report to
             };
             let Ok(mut client) = self.worker_client(&w.address) else {
@@ -924,6 +1021,7 @@ impl FileSystem {
             let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
                 block: None,
                 bytes_read: bytes,
+                release_leases: self.short_circuit.take_done(worker_id),
                 ..Default::default()
             });
             req.set_timeout(LEASE_TIMEOUT);

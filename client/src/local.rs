@@ -37,6 +37,8 @@ const REVERIFY_AFTER: Duration = Duration::from_secs(600);
 const MAX_VERIFIED: usize = 100_000;
 /// Leases kept open (one file descriptor each).
 const MAX_LEASES: usize = 1024;
+/// Released leases queued per worker (beyond it they just expire).
+const MAX_DONE: usize = 4096;
 /// A lease is renewed when less than this is left (a read started in it must finish in it).
 const RENEW_MARGIN: Duration = Duration::from_secs(2);
 /// How long a worker whose files this client cannot open is not tried again.
@@ -222,6 +224,8 @@ pub struct ShortCircuit {
     not_local: Mutex<HashMap<u64, Instant>>,
     /// The workers' page size, learnt from their leases (to name the first page wanted).
     page_size: AtomicU64,
+    /// Leases this client is done with, to be released on their worker: worker → ids.
+    done: Mutex<HashMap<u64, Vec<u64>>>,
 }
 
 impl ShortCircuit {
@@ -235,6 +239,7 @@ impl ShortCircuit {
             unreported: Mutex::new(HashMap::new()),
             not_local: Mutex::new(HashMap::new()),
             page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
+            done: Mutex::new(HashMap::new()),
         }
     }
 
@@ -280,13 +285,50 @@ impl ShortCircuit {
         }
     }
 
+    /// The reader is done with block `id` (its file was closed): forgets its lease and
+    /// queues its release on the worker — unless a read is using it at this moment (then
+    /// it simply expires). A later read takes a new lease.
+    pub fn done_with(&self, id: &pb::BlockId) {
+        let lease = {
+            let mut m = lock(&self.leases);
+            let key = (id.inode, id.version, id.index);
+            match m.get(&key) {
+                Some(l) if Arc::strong_count(l) == 1 => m.remove(&key),
+                _ => None,
+            }
+        };
+        if let Some(l) = lease {
+            let mut d = lock(&self.done);
+            let ids = d.entry(l.worker_id).or_default();
+            if ids.len() < MAX_DONE {
+                ids.push(l.id);
+            }
+        }
+    }
+
+    /// The leases to release on `worker_id` (see [`done_with`](Self::done_with)).
+    pub fn take_done(&self, worker_id: u64) -> Vec<u64> {
+        lock(&self.done).remove(&worker_id).unwrap_or_default()
+    }
+
+    /// The workers that have leases to release.
+    pub fn workers_with_done(&self) -> Vec<u64> {
+        lock(&self.done).keys().copied().collect()
+    }
+
     pub fn keep(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
         let mut m = lock(&self.leases);
         if m.len() >= MAX_LEASES {
             let now = Instant::now();
             m.retain(|_, l| l.usable(now));
             if m.len() >= MAX_LEASES {
-                m.clear();
+                // Drop the oldest quarter, not all: the rest are leases taken ahead for
+                // files about to be read (clearing them all made a loader re-lease each
+                // small file several times).
+                let mut taken: Vec<Instant> = m.values().map(|l| l.taken).collect();
+                taken.sort_unstable();
+                let cut = taken[MAX_LEASES / 4];
+                m.retain(|_, l| l.taken > cut);
             }
         }
         m.insert((id.inode, id.version, id.index), lease);
@@ -410,5 +452,56 @@ mod tests {
     fn a_lease_about_to_end_asks_for_renewal() {
         let (_d, l) = lease_over(&[1, 2, 3], 4096, 1_000);
         assert_eq!(l.read(0, 3), Err(Miss::Expiring));
+    }
+
+    #[test]
+    fn a_full_lease_table_keeps_the_newest_leases() {
+        let (_d, l) = lease_over(&[1, 2, 3], 4096, 60_000);
+        let sc = ShortCircuit::new("n".into());
+        let id = |i: u64| pb::BlockId {
+            inode: i,
+            version: 1,
+            index: 0,
+        };
+        let total = MAX_LEASES as u64 + 10;
+        for i in 0..total {
+            let f = l.file.try_clone().unwrap();
+            let lease = LocalLease {
+                worker_id: 1,
+                id: i,
+                first: 0,
+                window: 16,
+                file: f,
+                page_size: 4096,
+                pages: l.pages.clone(),
+                until: l.until,
+                taken: l.taken + Duration::from_millis(i),
+            };
+            sc.keep(&id(i), Arc::new(lease));
+        }
+        // The oldest were dropped, the leases just taken (ahead of reads) are all kept.
+        assert!(sc.lease(&id(0)).is_none());
+        assert!((total - 700..total).all(|i| sc.lease(&id(i)).is_some()));
+        assert!(lock(&sc.leases).len() <= MAX_LEASES);
+    }
+
+    #[test]
+    fn a_lease_in_use_is_not_released_when_its_file_closes() {
+        let (_d, l) = lease_over(&[1, 2, 3], 4096, 60_000);
+        let sc = ShortCircuit::new("n".into());
+        let id = pb::BlockId {
+            inode: 7,
+            version: 1,
+            index: 0,
+        };
+        sc.keep(&id, Arc::new(l));
+        let reading = sc.lease(&id).unwrap();
+        sc.done_with(&id);
+        assert!(sc.take_done(1).is_empty(), "a read holds it");
+        drop(reading);
+        sc.done_with(&id);
+        assert_eq!(sc.take_done(1), vec![1]);
+        assert!(sc.lease(&id).is_none());
+        assert!(sc.take_done(1).is_empty());
     }
 }

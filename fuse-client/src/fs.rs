@@ -123,6 +123,31 @@ pub struct GranaryFs {
     readahead: Arc<Mutex<HashMap<u64, Arc<Mutex<crate::prefetch::Readahead>>>>>,
 }
 
+/// Ends an open of `s` for reading: the handle's status is kept, and the kernel keeps its
+/// page cache of the file when this mount's previous open saw the same version.
+fn opened_file(
+    opened: &Mutex<HashMap<u64, u64>>,
+    files: &Mutex<HashMap<u64, Arc<pb::FileStatus>>>,
+    fh: u64,
+    s: pb::FileStatus,
+    reply: ReplyOpen,
+) {
+    let same = {
+        let mut o = lock(opened);
+        if o.len() >= OPENED_TRACKED && !o.contains_key(&s.inode) {
+            o.clear();
+        }
+        o.insert(s.inode, s.version) == Some(s.version)
+    };
+    lock(files).insert(fh, Arc::new(s));
+    let flags = if same {
+        FopenFlags::FOPEN_KEEP_CACHE
+    } else {
+        FopenFlags::empty()
+    };
+    reply.opened(FileHandle(fh), flags);
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -325,11 +350,20 @@ impl Filesystem for GranaryFs {
             self.open_for_write(ino, flags, reply);
             return;
         }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let pt_min = self.passthrough_min;
+        // A file whose status is fresh and that will not be opened in passthrough: answer on
+        // this thread (a hop to the runtime costs more than the rest of the open).
+        if let Some(s) = self.client.cached_open_status(ino.0) {
+            if s.kind == pb::FileKind::File as i32
+                && !(self.passthrough.load(Ordering::Relaxed) && s.length >= pt_min)
+            {
+                return opened_file(&self.opened, &self.files, fh, s, reply);
+            }
+        }
         let client = self.client.clone();
         let files = self.files.clone();
         let opened = self.opened.clone();
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let pt_min = self.passthrough_min;
         let pt = Passthrough {
             on: self.passthrough.clone(),
             backings: self.backings.clone(),
@@ -351,20 +385,7 @@ impl Filesystem for GranaryFs {
                     } else {
                         reply
                     };
-                    let same = {
-                        let mut o = lock(&opened);
-                        if o.len() >= OPENED_TRACKED && !o.contains_key(&s.inode) {
-                            o.clear();
-                        }
-                        o.insert(s.inode, s.version) == Some(s.version)
-                    };
-                    lock(&files).insert(fh, Arc::new(s));
-                    let flags = if same {
-                        FopenFlags::FOPEN_KEEP_CACHE
-                    } else {
-                        FopenFlags::empty()
-                    };
-                    reply.opened(FileHandle(fh), flags);
+                    opened_file(&opened, &files, fh, s, reply);
                 }
                 Err(e) => reply.error(errno(&e)),
             }
@@ -387,7 +408,11 @@ impl Filesystem for GranaryFs {
             return;
         };
         // Warm data on this node under a short-circuit lease: read it on this thread.
-        if let Some(data) = self.client.read_leased(&file, offset, u64::from(size)) {
+        let leased = {
+            let _rt = self.rt.enter(); // leases of the files ahead are asked for from a task
+            self.client.read_leased(&file, offset, u64::from(size))
+        };
+        if let Some(data) = leased {
             reply.data(&data);
             return;
         }
@@ -456,7 +481,9 @@ impl Filesystem for GranaryFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        lock(&self.files).remove(&fh.0);
+        if let Some(file) = lock(&self.files).remove(&fh.0) {
+            self.client.closed(&file);
+        }
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {

@@ -21,6 +21,8 @@ const PAGE_PARALLELISM: usize = 4;
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
 /// Extra blocks one lease request may ask for (`more`).
 const MAX_MORE_LEASES: usize = 64;
+/// Leases one request may release (`release_leases`).
+const MAX_RELEASED: usize = 4096;
 /// Longest lease a client may ask for (`hold_ms`).
 pub const MAX_LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -236,6 +238,10 @@ impl WorkerService for WorkerRpc {
         self.metrics.short_circuit_bytes.inc_by(r.bytes_read);
         let store = &self.fetcher.store;
         let replaces = (r.release_lease != 0).then_some(r.release_lease);
+        if !r.release_leases.is_empty() {
+            store.release_many(&r.release_leases[..r.release_leases.len().min(MAX_RELEASED)]);
+            self.metrics.active_leases.set(store.lease_stats().0 as i64);
+        }
         let Some(id) = r.block else {
             // A report of bytes read, and/or the end of a lease.
             if let Some(old) = replaces {

@@ -20,7 +20,7 @@
 //! empty and the client reads over gRPC). Stale-version and corrupt pages are dropped even
 //! when held.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
@@ -86,6 +86,8 @@ struct Inner {
     pinned: HashSet<u64>,
     /// Short-circuit leases by id: their pages and until when.
     leases: HashMap<u64, (Vec<PageKey>, Instant)>,
+    /// The same leases ordered by expiry, so expiring them never scans every lease.
+    lease_expiry: BTreeSet<(Instant, u64)>,
     /// How many leases hold each page.
     leased: HashMap<PageKey, u32>,
     leased_bytes: u64,
@@ -114,24 +116,19 @@ impl Inner {
 
     /// Ends the leases that expired by `now`; their pages become evictable again.
     fn expire_leases(&mut self, now: Instant) {
-        if !self.leases.values().any(|(_, until)| *until <= now) {
-            return;
-        }
-        let expired: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, (_, until))| *until <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
+        while let Some(&(until, id)) = self.lease_expiry.first() {
+            if until > now {
+                break;
+            }
             self.end_lease(id);
         }
     }
 
     fn end_lease(&mut self, id: u64) {
-        let Some((keys, _)) = self.leases.remove(&id) else {
+        let Some((keys, until)) = self.leases.remove(&id) else {
             return;
         };
+        self.lease_expiry.remove(&(until, id));
         for k in keys {
             let last = match self.leased.get_mut(&k) {
                 Some(n) if *n > 1 => {
@@ -277,6 +274,7 @@ impl PageStore {
                 removed: HashSet::new(),
                 pinned: HashSet::new(),
                 leases: HashMap::new(),
+                lease_expiry: BTreeSet::new(),
                 leased: HashMap::new(),
                 leased_bytes: 0,
                 next_lease: 1,
@@ -584,6 +582,7 @@ impl PageStore {
         let id = inner.next_lease;
         inner.next_lease += 1;
         inner.leases.insert(id, (keys, until));
+        inner.lease_expiry.insert((until, id));
         drop(inner);
         Some(Lease {
             id,
@@ -596,6 +595,14 @@ impl PageStore {
     /// Ends a lease now (its pages become evictable again unless otherwise held).
     pub fn release(&self, id: u64) {
         self.lock().end_lease(id);
+    }
+
+    /// [`release`](Self::release) of several leases at once (unknown ids are ignored).
+    pub fn release_many(&self, ids: &[u64]) {
+        let mut inner = self.lock();
+        for &id in ids {
+            inner.end_lease(id);
+        }
     }
 
     /// Leases that have not expired, and the bytes they hold.

@@ -343,6 +343,20 @@ impl TieredStore {
         }
     }
 
+    /// [`release`](Self::release) of several leases (one lock per tier).
+    pub fn release_many(&self, ids: &[u64]) {
+        for (i, t) in self.tiers.iter().enumerate() {
+            let mine: Vec<u64> = ids
+                .iter()
+                .filter(|&&id| (id & ((1 << TIER_BITS) - 1)) as usize == i)
+                .map(|&id| id >> TIER_BITS)
+                .collect();
+            if !mine.is_empty() {
+                t.release_many(&mine);
+            }
+        }
+    }
+
     /// Leases in force and the bytes they hold, all tiers.
     pub fn lease_stats(&self) -> (usize, u64) {
         self.tiers.iter().fold((0, 0), |(n, b), t| {
