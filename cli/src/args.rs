@@ -75,6 +75,66 @@ pub enum Command {
     /// Show the cluster: masters, workers, capacity, cache hits and misses.
     #[command(after_help = "Examples:\n  granary report\n  granary report --json | jq .hit_ratio")]
     Report(ReportArgs),
+    /// Cache a file or a folder cluster-wide before it is read (a job run by the masters).
+    #[command(
+        after_help = "The masters split the work into tasks for the workers that own the blocks, retry\nfailures and keep the job's state replicated: it survives a master failover. Without\n--detach the progress is shown until every byte is cached (Ctrl-C detaches; the job\nkeeps running). Exit status 0 only when every file was cached.\n\nExamples:\n  granary load /datasets/imagenet\n  granary load /datasets/imagenet/train --replicas 2\n  granary load /datasets/laion --detach && granary job status 1 --watch"
+    )]
+    Load(LoadArgs),
+    /// Follow, list and cancel jobs (granary load).
+    #[command(subcommand)]
+    Job(JobCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// File or folder (Granary path) to cache.
+    pub path: String,
+    /// Workers that cache each block: its owner, then the next ones in placement order.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub replicas: u32,
+    /// Start the job and return at once (its id is printed).
+    #[arg(long)]
+    pub detach: bool,
+    /// Print the job as JSON at the end (or at once with --detach); no progress output.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub master: MasterAddr,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// List the jobs the masters keep (the last 200).
+    #[command(after_help = "Examples:\n  granary job list\n  granary job list --json")]
+    List {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Show a job: progress, bytes read from under-stores, failed files with their reason.
+    #[command(
+        after_help = "With --watch, follows the job until it ends; the exit status is then 0 only when it\nsucceeded.\n\nExamples:\n  granary job status 3\n  granary job status 3 --watch\n  granary job status 3 --json | jq .failed"
+    )]
+    Status {
+        id: u64,
+        #[arg(long)]
+        json: bool,
+        /// Follow the job until it ends.
+        #[arg(long)]
+        watch: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Stop a running job (what it cached stays cached).
+    #[command(after_help = "Examples:\n  granary job cancel 3")]
+    Cancel {
+        id: u64,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
 }
 
 #[derive(Debug, Args, Clone)]

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod args;
 pub mod config;
+pub mod jobs;
 pub mod servers;
 
 use std::process::ExitCode;
@@ -79,5 +80,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Mount(c) => admin::mount(c).await,
         Command::Fs(c) => admin::fs(c).await,
         Command::Report(a) => admin::report(a).await,
+        Command::Load(a) => jobs::load(a).await,
+        Command::Job(c) => jobs::job(c).await,
     }
 }

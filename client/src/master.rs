@@ -524,6 +524,53 @@ impl MasterClient {
     }
 
     /// Stops placing blocks on worker `worker_id` (it keeps serving peers until stopped).
+    /// Starts a job (`kind` "load") on `path`; retried with one request id across leader
+    /// changes, so it starts once.
+    pub async fn start_job(
+        &self,
+        kind: &str,
+        path: &str,
+        replicas: u32,
+    ) -> Result<pb::JobInfo, ClientError> {
+        let request_id = Self::request_id();
+        self.call(|mut c| {
+            let req = self.request(pb::StartJobRequest {
+                kind: kind.to_string(),
+                path: path.to_string(),
+                replicas,
+                request_id,
+            });
+            async move { c.start_job(req).await }
+        })
+        .await
+    }
+
+    /// A job with up to `max_failed` of its failed files (0: 1,000).
+    pub async fn get_job(&self, id: u64, max_failed: u32) -> Result<pb::JobInfo, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::GetJobRequest { id, max_failed });
+            async move { c.get_job(req).await }
+        })
+        .await
+    }
+
+    pub async fn list_jobs(&self) -> Result<Vec<pb::JobInfo>, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::ListJobsRequest {});
+            async move { c.list_jobs(req).await }
+        })
+        .await
+        .map(|r| r.jobs)
+    }
+
+    pub async fn cancel_job(&self, id: u64) -> Result<pb::JobInfo, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::GetJobRequest { id, max_failed: 0 });
+            async move { c.cancel_job(req).await }
+        })
+        .await
+    }
+
     pub async fn decommission_worker(&self, worker_id: u64) -> Result<(), ClientError> {
         self.call(|mut c| {
             let req = self.request(pb::DecommissionWorkerRequest { worker_id });

@@ -20,6 +20,7 @@ pub struct MasterCore {
     pub blocks: std::sync::Arc<BlockLocations>,
     pub workers: WorkerRegistry,
     pub heartbeat_interval: Duration,
+    pub jobs: crate::jobs::JobRunner,
 }
 
 impl MasterCore {

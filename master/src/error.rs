@@ -6,6 +6,8 @@ use thiserror::Error;
 pub enum MasterError {
     #[error("no such file or directory: {path}")]
     NotFound { path: String },
+    #[error("no such job: {id} (`granary job list` shows the jobs kept)")]
+    NoSuchJob { id: u64 },
     #[error("already exists: {path}")]
     AlreadyExists { path: String },
     #[error("{message}")]
@@ -104,7 +106,7 @@ impl From<MasterError> for tonic::Status {
     fn from(e: MasterError) -> Self {
         use tonic::Code;
         let code = match &e {
-            MasterError::NotFound { .. } => Code::NotFound,
+            MasterError::NotFound { .. } | MasterError::NoSuchJob { .. } => Code::NotFound,
             MasterError::AlreadyExists { .. } => Code::AlreadyExists,
             MasterError::InvalidArgument { .. } => Code::InvalidArgument,
             MasterError::FailedPrecondition { .. }

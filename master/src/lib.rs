@@ -11,6 +11,7 @@
 pub mod blocks;
 pub mod core;
 pub mod error;
+pub mod jobs;
 pub mod metrics;
 pub mod mounts;
 pub mod namespace;
@@ -188,6 +189,7 @@ pub async fn start(
         blocks,
         workers: workers::WorkerRegistry::new(config.worker_timeout),
         heartbeat_interval: config.heartbeat_interval,
+        jobs: jobs::JobRunner::default(),
     });
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
@@ -216,6 +218,7 @@ pub async fn start(
                         core.sweep();
                         master_metrics.refresh(&core);
                         core.retry_failed_listings();
+                        core.run_jobs();
                     }
                 }
             }

@@ -493,6 +493,53 @@ impl MasterService for MasterRpc {
         Ok(Response::new(self.core.cluster_info().await?))
     }
 
+    async fn start_job(
+        &self,
+        req: Request<pb::StartJobRequest>,
+    ) -> Result<Response<pb::JobInfo>, Status> {
+        let r = req.into_inner();
+        let job = self
+            .core
+            .start_job(&r.kind, &r.path, r.replicas.max(1), r.request_id)
+            .await?;
+        Ok(Response::new(self.core.job_info(job.id, 0)?))
+    }
+
+    async fn get_job(
+        &self,
+        req: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::JobInfo>, Status> {
+        let r = req.into_inner();
+        self.core.ensure_leader()?;
+        self.core.read_barrier().await?;
+        let max = if r.max_failed == 0 {
+            1000
+        } else {
+            r.max_failed as usize
+        };
+        Ok(Response::new(self.core.job_info(r.id, max)?))
+    }
+
+    async fn list_jobs(
+        &self,
+        _req: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        self.core.ensure_leader()?;
+        self.core.read_barrier().await?;
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: self.core.job_list()?,
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::JobInfo>, Status> {
+        let r = req.into_inner();
+        let job = self.core.cancel_job(r.id).await?;
+        Ok(Response::new(self.core.job_info(job.id, 1000)?))
+    }
+
     async fn decommission_worker(
         &self,
         req: Request<pb::DecommissionWorkerRequest>,

@@ -3,6 +3,7 @@
 //! index in one atomic batch, so after a crash the state is exactly "all entries up to
 //! `applied`" and Raft re-delivers the rest.
 
+pub mod jobs;
 pub mod records;
 
 use std::collections::BTreeMap;
@@ -601,6 +602,42 @@ impl<'a> Txn<'a> {
         match cmd {
             Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
             Command::RemoveMount { path } => self.remove_mount(path),
+            Command::CreateJob {
+                kind,
+                path,
+                replicas,
+                now_ms,
+            } => Ok(ApplyOutput::Job(
+                self.create_job(kind, path, *replicas, *now_ms)?,
+            )),
+            Command::JobPlanned {
+                id,
+                total_files,
+                total_bytes,
+            } => Ok(ApplyOutput::Job(self.job_planned(
+                *id,
+                *total_files,
+                *total_bytes,
+            )?)),
+            Command::JobProgress {
+                id,
+                done,
+                failed,
+                fetched_bytes,
+            } => Ok(ApplyOutput::Job(self.job_progress(
+                *id,
+                done,
+                failed,
+                *fetched_bytes,
+            )?)),
+            Command::FinishJob {
+                id,
+                state,
+                error,
+                now_ms,
+            } => Ok(ApplyOutput::Job(
+                self.finish_job(*id, *state, error, *now_ms)?,
+            )),
             Command::DecommissionWorker { worker_id } => {
                 self.put(decommissioned_key(*worker_id), Vec::new());
                 Ok(ApplyOutput::None)

@@ -306,6 +306,37 @@ pub enum Command {
         dst: String,
         now_ms: i64,
     },
+    /// A new job (see `state::jobs`).
+    CreateJob {
+        kind: String,
+        path: String,
+        replicas: u32,
+        now_ms: i64,
+    },
+    /// The job's files are enumerated: it runs.
+    JobPlanned {
+        id: u64,
+        total_files: u64,
+        total_bytes: u64,
+    },
+    /// Files the job finished or gave up on since the last report.
+    JobProgress {
+        id: u64,
+        #[serde(default)]
+        done: Vec<super::jobs::DoneFile>,
+        #[serde(default)]
+        failed: Vec<super::jobs::FailedFile>,
+        #[serde(default)]
+        fetched_bytes: u64,
+    },
+    /// The job ended (succeeded, failed, cancelled); nothing changes if it already had.
+    FinishJob {
+        id: u64,
+        state: super::jobs::JobState,
+        #[serde(default)]
+        error: String,
+        now_ms: i64,
+    },
 }
 
 /// One batch of a directory's re-listing (see `Command::SyncDir`).
@@ -323,6 +354,7 @@ pub enum ApplyOutput {
     None,
     Inode(Inode),
     Mount(Mount),
+    Job(super::jobs::Job),
 }
 
 /// What a Raft log entry carries: a command, the client's request id (0 = none) and the

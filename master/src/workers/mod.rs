@@ -19,8 +19,9 @@ pub struct WorkerEntry {
 
 pub struct WorkerRegistry {
     workers: Mutex<HashMap<u64, WorkerEntry>>,
-    /// The leader term this registry was built in.
+    /// The leader term this registry was built in, and since when.
     term: Mutex<u64>,
+    term_started: Mutex<Instant>,
     /// A worker silent for this long is lost: not offered to clients, its blocks forgotten.
     pub timeout: Duration,
 }
@@ -30,6 +31,7 @@ impl WorkerRegistry {
         Self {
             workers: Mutex::new(HashMap::new()),
             term: Mutex::new(0),
+            term_started: Mutex::new(Instant::now()),
             timeout,
         }
     }
@@ -54,7 +56,20 @@ impl WorkerRegistry {
         }
         *t = term;
         self.lock().clear();
+        match self.term_started.lock() {
+            Ok(mut g) => *g = Instant::now(),
+            Err(p) => *p.into_inner() = Instant::now(),
+        }
         true
+    }
+
+    /// How long this registry has been rebuilt for the current term (workers re-register
+    /// within a heartbeat or two of a new leader).
+    pub fn term_age(&self) -> Duration {
+        match self.term_started.lock() {
+            Ok(g) => g.elapsed(),
+            Err(p) => p.into_inner().elapsed(),
+        }
     }
 
     pub fn register(&self, id: u64, address: String, host: String, stats: pb::WorkerStats) {

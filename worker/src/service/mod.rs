@@ -17,6 +17,65 @@ use crate::ufs_fetch::{BlockRef, Fetcher, Source};
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
 /// Pages of one request fetched concurrently on a miss.
 const PAGE_PARALLELISM: usize = 4;
+/// Blocks one `LoadBlocks` task may carry.
+const MAX_LOAD_BLOCKS: usize = 256;
+/// Blocks of one load task fetched at once.
+const LOAD_PARALLELISM: usize = 8;
+
+/// Caches every page of one block (a load task): pages already cached cost nothing, the
+/// others are fetched as a read would fetch them (from a peer holding them, else the
+/// under-store, in parts). Returns the bytes of the pages that were not cached, or why the block is not all cached.
+async fn load_block(fetcher: &Arc<Fetcher>, desc: pb::BlockDescriptor) -> Result<u64, String> {
+    let id = desc.id.ok_or("the block id is missing")?;
+    if desc.ufs.is_none() {
+        return Err("the block has no under-store location".into());
+    }
+    let bs = if desc.block_size == 0 {
+        granary_common::DEFAULT_BLOCK_SIZE
+    } else {
+        desc.block_size
+    };
+    let start = u64::from(id.index)
+        .checked_mul(bs)
+        .filter(|s| *s < desc.file_length)
+        .ok_or_else(|| format!("block {} is past the end of the file", id.index))?;
+    let block = Arc::new(BlockRef {
+        len: bs.min(desc.file_length - start),
+        start,
+        key: block_key(&id),
+        desc,
+    });
+    let ps = fetcher.store.page_size;
+    let pages = block.len.div_ceil(ps);
+    let missing: Vec<u64> = (0..pages)
+        .filter(|&p| !fetcher.store.contains(&(block.key, p as u32)))
+        .collect();
+    if !missing.is_empty() && fetcher.sequential(&block, missing[0] * ps, block.len) {
+        fetcher.read_ahead(&block, missing[0]);
+    }
+    let mut fetched = 0u64;
+    let mut results = futures::stream::iter(missing)
+        .map(|p| {
+            let block = &block;
+            async move { (p, fetcher.page(block, p, true).await) }
+        })
+        .buffered(PAGE_PARALLELISM);
+    while let Some((p, r)) = results.next().await {
+        match r {
+            Ok((data, _)) => {
+                // Not cached when the task looked: fetched by it (or by a reader meanwhile).
+                fetched += data.len() as u64;
+                if !fetcher.cached_after_fetch(&(block.key, p as u32)).await {
+                    return Err(format!(
+                        "page {p} was fetched but not cached (the cache is full of pinned or leased pages, or refused it)"
+                    ));
+                }
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(fetched)
+}
 /// How long a short-circuit lease holds a block's pages.
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
 /// Extra blocks one lease request may ask for (`more`).
@@ -228,6 +287,40 @@ impl WorkerService for WorkerRpc {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn load_blocks(
+        &self,
+        req: Request<pb::LoadBlocksRequest>,
+    ) -> Result<Response<pb::LoadBlocksResponse>, Status> {
+        let blocks = req.into_inner().blocks;
+        if blocks.len() > MAX_LOAD_BLOCKS {
+            return Err(Status::invalid_argument(format!(
+                "a load task may carry at most {MAX_LOAD_BLOCKS} blocks, not {}",
+                blocks.len()
+            )));
+        }
+        let fetcher = self.fetcher.clone();
+        let results = futures::stream::iter(blocks)
+            .map(|desc| {
+                let fetcher = fetcher.clone();
+                async move {
+                    let id = desc.id.unwrap_or_default();
+                    let (error, fetched_bytes) = match load_block(&fetcher, desc).await {
+                        Ok(n) => (String::new(), n),
+                        Err(e) => (e, 0),
+                    };
+                    pb::LoadResult {
+                        block: Some(id),
+                        error,
+                        fetched_bytes,
+                    }
+                }
+            })
+            .buffer_unordered(LOAD_PARALLELISM)
+            .collect()
+            .await;
+        Ok(Response::new(pb::LoadBlocksResponse { results }))
     }
 
     async fn lease_local_block(

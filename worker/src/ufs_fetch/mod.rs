@@ -433,6 +433,21 @@ impl Fetcher {
         )))
     }
 
+    /// Whether page `key` is cached once its fetch is done with it (a fetched page reaches
+    /// its readers before it is written to the cache; it stays in flight until then).
+    pub async fn cached_after_fetch(&self, key: &PageKey) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if self.store.contains(key) {
+                return true;
+            }
+            if !lock(&self.inflight).contains_key(key) || std::time::Instant::now() > deadline {
+                return self.store.contains(key);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// Notes a read of `block` ending at byte `end` (block offset) and tells whether it
     /// continued the previous one (or starts the block): a sequential reader.
     pub fn sequential(&self, block: &BlockRef, offset: u64, end: u64) -> bool {

@@ -1,0 +1,593 @@
+//! Runs jobs on the leader. A load job enumerates the files below its path, hands their
+//! blocks to the workers that own them (the same placement clients use, so a later read
+//! finds each block where it looks first) in batched tasks — many small files per task, a
+//! task per block for big files — a few tasks in flight per worker, retries failed blocks
+//! with backoff (placing them again: a worker that died meanwhile is replaced) and records
+//! its progress through Raft every half second. What is recorded is what the next leader
+//! resumes from (see [`crate::state::jobs`]).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use granary_proto as pb;
+use granary_proto::worker_service_client::WorkerServiceClient;
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::jobs::{DoneFile, FailedFile, Job, JobState};
+use crate::state::{ApplyOutput, Command, Inode, Kind};
+
+/// Blocks one task carries at most.
+const TASK_BLOCKS: usize = 64;
+/// Bytes one task carries at most (a bigger block is a task of its own).
+const TASK_BYTES: u64 = 256 << 20;
+/// Tasks in flight per worker.
+const TASKS_PER_WORKER: usize = 2;
+/// Attempts per block before its file is reported failed.
+const ATTEMPTS: u32 = 3;
+/// Deadline of one task.
+const TASK_TIMEOUT: Duration = Duration::from_secs(600);
+/// How often progress is recorded (and cancellation noticed).
+const REPORT_EVERY: Duration = Duration::from_millis(500);
+/// Entries listed per directory page while enumerating.
+const LIST_PAGE: usize = 1000;
+
+/// Jobs this master is running (leader only).
+#[derive(Default)]
+pub struct JobRunner {
+    running: Mutex<HashSet<u64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl MasterCore {
+    /// Starts a job (replicated), run by the leader from the next tick on.
+    pub async fn start_job(
+        self: &Arc<Self>,
+        kind: &str,
+        path: &str,
+        replicas: u32,
+        request_id: u64,
+    ) -> Result<Job, MasterError> {
+        if kind != "load" {
+            return Err(MasterError::invalid(format!(
+                "unknown job kind {kind:?} (known: load)"
+            )));
+        }
+        if !(1..=8).contains(&replicas) {
+            return Err(MasterError::invalid(format!(
+                "replicas must be 1 to 8, not {replicas}"
+            )));
+        }
+        self.ensure_leader()?;
+        let path = granary_common::paths::normalize(path)?;
+        // Refuse a path that does not exist now, rather than a job that fails at once.
+        self.ns.resolve(&path).await?;
+        let cmd = Command::CreateJob {
+            kind: kind.to_string(),
+            path,
+            replicas,
+            now_ms: granary_common::now_ms(),
+        };
+        let job = match self.propose_request(cmd, request_id).await? {
+            ApplyOutput::Job(j) => j,
+            _ => return Err(MasterError::corrupt("unexpected result of CreateJob")),
+        };
+        tracing::info!(id = job.id, path = %job.path, replicas, "load job started");
+        self.run_jobs();
+        Ok(job)
+    }
+
+    /// Cancels a job that has not finished (a finished one is returned as it is).
+    pub async fn cancel_job(&self, id: u64) -> Result<Job, MasterError> {
+        self.ensure_leader()?;
+        self.read_barrier().await?;
+        if self.ns.sm.job(id)?.is_none() {
+            return Err(MasterError::NoSuchJob { id });
+        }
+        let cmd = Command::FinishJob {
+            id,
+            state: JobState::Cancelled,
+            error: String::new(),
+            now_ms: granary_common::now_ms(),
+        };
+        match self.propose(cmd).await? {
+            ApplyOutput::Job(j) => Ok(j),
+            _ => Err(MasterError::corrupt("unexpected result of FinishJob")),
+        }
+    }
+
+    /// A job as the CLI shows it, with up to `max_failed` failed files.
+    pub fn job_info(&self, id: u64, max_failed: usize) -> Result<pb::JobInfo, MasterError> {
+        let job = self.ns.sm.job(id)?.ok_or(MasterError::NoSuchJob { id })?;
+        let failed = self.ns.sm.job_failed(id, max_failed)?;
+        Ok(to_info(&job, failed))
+    }
+
+    /// Every kept job (no failed lists).
+    pub fn job_list(&self) -> Result<Vec<pb::JobInfo>, MasterError> {
+        Ok(self
+            .ns
+            .sm
+            .jobs()?
+            .iter()
+            .map(|j| to_info(j, Vec::new()))
+            .collect())
+    }
+
+    /// Starts a runner for every unfinished job that has none (leader only; called every
+    /// tick, so a new leader picks up the jobs of the last one).
+    pub fn run_jobs(self: &Arc<Self>) {
+        if !self.raft.status.is_leader() {
+            return;
+        }
+        let Ok(jobs) = self.ns.sm.jobs() else {
+            return;
+        };
+        for job in jobs.into_iter().filter(|j| !j.state.finished()) {
+            if !lock(&self.jobs.running).insert(job.id) {
+                continue;
+            }
+            let core = self.clone();
+            tokio::spawn(async move {
+                let id = job.id;
+                if let Err(e) = run(&core, job).await {
+                    tracing::warn!(job = id, error = %e, "job runner stopped; resumed on a later tick");
+                    // Not leader, shutting down, or a failure worth another try later.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                lock(&core.jobs.running).remove(&id);
+            });
+        }
+    }
+}
+
+fn to_info(job: &Job, failed: Vec<FailedFile>) -> pb::JobInfo {
+    pb::JobInfo {
+        id: job.id,
+        kind: job.kind.clone(),
+        path: job.path.clone(),
+        replicas: job.replicas,
+        state: job.state.as_str().to_string(),
+        created_ms: job.created_ms.max(0) as u64,
+        finished_ms: job.finished_ms.max(0) as u64,
+        total_files: job.total_files,
+        total_bytes: job.total_bytes,
+        done_files: job.done_files,
+        done_bytes: job.done_bytes,
+        failed_files: job.failed_files,
+        failed: failed
+            .into_iter()
+            .map(|f| pb::FailedFile {
+                path: f.path,
+                reason: f.reason,
+            })
+            .collect(),
+        fetched_bytes: job.fetched_bytes,
+        error: job.error.clone(),
+    }
+}
+
+/// One file being loaded.
+struct Loading {
+    inode: Inode,
+    path: String,
+    /// Block copies not settled yet.
+    remaining: usize,
+    error: Option<String>,
+}
+
+/// One copy of one block to cache.
+#[derive(Clone)]
+struct Item {
+    inode: u64,
+    index: u32,
+    /// 0: the block's owner; n: the (n+1)-th worker in placement order.
+    rank: usize,
+    attempt: u32,
+    len: u64,
+}
+
+async fn propose_job(core: &MasterCore, cmd: Command) -> Result<Job, MasterError> {
+    match core.propose(cmd).await? {
+        ApplyOutput::Job(j) => Ok(j),
+        _ => Err(MasterError::corrupt("unexpected result of a job command")),
+    }
+}
+
+/// Every file at or below `root`, with its path (directories listed from the under-store
+/// where they were not yet).
+async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)>, MasterError> {
+    let root_path = core.ns.sm.path_of(&root)?;
+    if root.kind != Kind::Directory {
+        return Ok(vec![(root, root_path)]);
+    }
+    let mut files = Vec::new();
+    let mut dirs = VecDeque::from([(root, root_path)]);
+    while let Some((dir, path)) = dirs.pop_front() {
+        let mut after: Option<String> = None;
+        loop {
+            let page = core
+                .ns
+                .list(dir.clone(), after.as_deref(), LIST_PAGE)
+                .await?;
+            let full = page.len() == LIST_PAGE;
+            after = page.last().map(|i| i.name.clone());
+            for child in page {
+                let p = granary_common::paths::join(&path, &child.name);
+                match child.kind {
+                    Kind::Directory => dirs.push_back((child, p)),
+                    _ => files.push((child, p)),
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+    }
+    Ok(files)
+}
+
+fn block_count(inode: &Inode, default_bs: u64) -> (u64, u32) {
+    let bs = if inode.block_size == 0 {
+        default_bs
+    } else {
+        inode.block_size
+    };
+    (bs, inode.length.div_ceil(bs) as u32)
+}
+
+fn descriptor(inode: &Inode, path: &str, index: u32) -> Option<pb::BlockDescriptor> {
+    let st = crate::state::to_status(inode, path.to_string());
+    Some(pb::BlockDescriptor {
+        id: Some(pb::BlockId {
+            inode: inode.id,
+            version: inode.version,
+            index,
+        }),
+        ufs: Some(st.ufs?),
+        fingerprint: st.fingerprint,
+        file_length: st.length,
+        block_size: st.block_size,
+    })
+}
+
+/// The live workers, as clients see them (same order and weights).
+fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
+    let decommissioned = core.ns.sm.decommissioned().unwrap_or_default();
+    core.workers
+        .all()
+        .into_iter()
+        .filter(|w| core.workers.state_of(w, decommissioned.contains(&w.id)) == "live")
+        .map(|w| pb::WorkerInfo {
+            worker_id: w.id,
+            address: w.address,
+            host: w.host,
+            state: "live".into(),
+            stats: Some(w.stats),
+            ..Default::default()
+        })
+        .collect()
+}
+
+async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
+    let id = job.id;
+    core.ensure_leader()?;
+    core.read_barrier().await?;
+    // A new leader knows no workers until they re-register: placing blocks on the few
+    // known so far would cache them away from their owners (and fetch them again).
+    while core.workers.term_age() < core.heartbeat_interval * 3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let root = match core.ns.resolve(&job.path).await {
+        Ok(r) => r,
+        Err(e @ MasterError::NotFound { .. }) => {
+            let cmd = Command::FinishJob {
+                id,
+                state: JobState::Failed,
+                error: e.to_string(),
+                now_ms: granary_common::now_ms(),
+            };
+            propose_job(core, cmd).await?;
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let files = enumerate(core, root).await?;
+    let total_bytes: u64 = files.iter().map(|(f, _)| f.length).sum();
+    let mut job = if job.state == JobState::Planning
+        || job.total_files != files.len() as u64
+        || job.total_bytes != total_bytes
+    {
+        let cmd = Command::JobPlanned {
+            id,
+            total_files: files.len() as u64,
+            total_bytes,
+        };
+        propose_job(core, cmd).await?
+    } else {
+        job
+    };
+    tracing::info!(
+        job = id,
+        files = files.len(),
+        bytes = total_bytes,
+        "load job planned"
+    );
+    let done = core.ns.sm.job_done(id)?;
+    let failed_before: HashSet<u64> = core
+        .ns
+        .sm
+        .job_failed(id, usize::MAX)?
+        .into_iter()
+        .map(|f| f.inode)
+        .collect();
+
+    let replicas = job.replicas.max(1) as usize;
+    let mut loading: HashMap<u64, Loading> = HashMap::new();
+    let mut queue: VecDeque<Item> = VecDeque::new();
+    let mut report = Report::default();
+    for (inode, path) in files {
+        if done.contains(&inode.id) || failed_before.contains(&inode.id) {
+            continue;
+        }
+        if inode.length == 0 {
+            report.done.push(DoneFile {
+                inode: inode.id,
+                length: 0,
+            });
+            continue;
+        }
+        if inode.mount_id.is_none() || !inode.complete {
+            report.failed.push(FailedFile {
+                inode: inode.id,
+                path,
+                reason: "not in an under-store (written through Granary and not persisted, or still being written)".into(),
+            });
+            continue;
+        }
+        let (bs, blocks) = block_count(&inode, core.ns.block_size);
+        for index in 0..blocks {
+            let len = bs.min(inode.length - u64::from(index) * bs);
+            for rank in 0..replicas {
+                queue.push_back(Item {
+                    inode: inode.id,
+                    index,
+                    rank,
+                    attempt: 0,
+                    len,
+                });
+            }
+        }
+        loading.insert(
+            inode.id,
+            Loading {
+                remaining: blocks as usize * replicas,
+                inode,
+                path,
+                error: None,
+            },
+        );
+    }
+
+    let mut delayed: Vec<(Instant, Item)> = Vec::new();
+    let mut per_worker: HashMap<u64, usize> = HashMap::new();
+    let mut in_flight = FuturesUnordered::new();
+    let mut last_report = Instant::now();
+    let mut workers = live_workers(core);
+    let mut workers_at = Instant::now();
+    loop {
+        // Retries whose backoff is over go back in the queue.
+        let now = Instant::now();
+        delayed.retain(|(at, item)| {
+            if *at <= now {
+                queue.push_back(item.clone());
+                false
+            } else {
+                true
+            }
+        });
+        if workers_at.elapsed() > Duration::from_secs(1) {
+            workers = live_workers(core);
+            workers_at = Instant::now();
+        }
+        // Fill every worker's free task slots from the queue, in queue order.
+        if !queue.is_empty() && !workers.is_empty() {
+            let mut batches: HashMap<u64, (pb::WorkerInfo, Vec<Item>, u64)> = HashMap::new();
+            let mut rest = VecDeque::new();
+            while let Some(item) = queue.pop_front() {
+                let Some(f) = loading.get(&item.inode) else {
+                    continue;
+                };
+                let block = pb::BlockId {
+                    inode: item.inode,
+                    version: f.inode.version,
+                    index: item.index,
+                };
+                let order = granary_client::placement::order_workers(&block, &workers);
+                let Some(w) = order.get(item.rank.min(order.len() - 1)) else {
+                    rest.push_back(item);
+                    continue;
+                };
+                let busy = per_worker.get(&w.worker_id).copied().unwrap_or(0);
+                let b = batches
+                    .entry(w.worker_id)
+                    .or_insert_with(|| (w.clone(), Vec::new(), 0));
+                let full = b.1.len() >= TASK_BLOCKS || (b.2 > 0 && b.2 + item.len > TASK_BYTES);
+                if busy >= TASKS_PER_WORKER || full {
+                    rest.push_back(item);
+                    continue;
+                }
+                b.2 += item.len;
+                b.1.push(item);
+            }
+            queue = rest;
+            for (wid, (w, items, _)) in batches {
+                if items.is_empty() {
+                    continue;
+                }
+                *per_worker.entry(wid).or_default() += 1;
+                let descs: Vec<pb::BlockDescriptor> = items
+                    .iter()
+                    .filter_map(|i| {
+                        let f = loading.get(&i.inode)?;
+                        descriptor(&f.inode, &f.path, i.index)
+                    })
+                    .collect();
+                in_flight.push(async move {
+                    let res = load_on(&w.address, descs).await;
+                    (wid, items, res)
+                });
+            }
+        }
+        let settled = loading.is_empty() && queue.is_empty() && delayed.is_empty();
+        if settled && in_flight.is_empty() {
+            break;
+        }
+        tokio::select! {
+            Some((wid, items, res)) = in_flight.next(), if !in_flight.is_empty() => {
+                if let Some(n) = per_worker.get_mut(&wid) {
+                    *n = n.saturating_sub(1);
+                }
+                let results: HashMap<(u64, u32), Result<u64, String>> = match res {
+                    Ok(r) => r
+                        .results
+                        .into_iter()
+                        .filter_map(|r| {
+                            let b = r.block?;
+                            let v = if r.error.is_empty() { Ok(r.fetched_bytes) } else { Err(r.error) };
+                            Some(((b.inode, b.index), v))
+                        })
+                        .collect(),
+                    Err(e) => items
+                        .iter()
+                        .map(|i| ((i.inode, i.index), Err(e.clone())))
+                        .collect(),
+                };
+                for mut item in items {
+                    let outcome = results
+                        .get(&(item.inode, item.index))
+                        .cloned()
+                        .unwrap_or_else(|| Err("the worker did not answer for this block".into()));
+                    let error = match outcome {
+                        Ok(fetched) => {
+                            report.fetched_bytes += fetched;
+                            None
+                        }
+                        Err(e) if item.attempt + 1 < ATTEMPTS => {
+                            tracing::debug!(job = id, inode = item.inode, block = item.index, error = %e, "load of a block failed; retrying");
+                            let backoff = Duration::from_secs(1 << item.attempt);
+                            item.attempt += 1;
+                            delayed.push((Instant::now() + backoff, item));
+                            continue;
+                        }
+                        Err(e) => Some(e),
+                    };
+                    let Some(f) = loading.get_mut(&item.inode) else {
+                        continue;
+                    };
+                    if let Some(e) = error {
+                        f.error.get_or_insert(e);
+                    }
+                    f.remaining -= 1;
+                    if f.remaining == 0 {
+                        if let Some(f) = loading.remove(&item.inode) {
+                            match f.error {
+                                None => report.done.push(DoneFile { inode: f.inode.id, length: f.inode.length }),
+                                Some(reason) => report.failed.push(FailedFile { inode: f.inode.id, path: f.path, reason }),
+                            }
+                        }
+                    }
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        if last_report.elapsed() >= REPORT_EVERY || report.done.len() >= 4096 {
+            job = report.flush(core, id).await?.unwrap_or(job);
+            last_report = Instant::now();
+            if job.state.finished() {
+                tracing::info!(job = id, state = job.state.as_str(), "job stopped");
+                return Ok(()); // cancelled
+            }
+            if !core.raft.status.is_leader() {
+                return Err(core.raft.not_leader());
+            }
+        }
+    }
+    job = report.flush(core, id).await?.unwrap_or(job);
+    if job.state.finished() {
+        return Ok(());
+    }
+    let state = if job.failed_files == 0 {
+        JobState::Succeeded
+    } else {
+        JobState::Failed
+    };
+    let cmd = Command::FinishJob {
+        id,
+        state,
+        error: String::new(),
+        now_ms: granary_common::now_ms(),
+    };
+    let job = propose_job(core, cmd).await?;
+    tracing::info!(
+        job = id,
+        state = job.state.as_str(),
+        files = job.done_files,
+        failed = job.failed_files,
+        fetched_bytes = job.fetched_bytes,
+        "load job finished"
+    );
+    Ok(())
+}
+
+/// Progress not recorded yet.
+#[derive(Default)]
+struct Report {
+    done: Vec<DoneFile>,
+    failed: Vec<FailedFile>,
+    fetched_bytes: u64,
+}
+
+impl Report {
+    /// Records the progress, if there is any; returns the job as it now stands (from the
+    /// local state when nothing was recorded: a cancellation is seen either way).
+    async fn flush(&mut self, core: &MasterCore, id: u64) -> Result<Option<Job>, MasterError> {
+        if self.done.is_empty() && self.failed.is_empty() && self.fetched_bytes == 0 {
+            return core.ns.sm.job(id);
+        }
+        let cmd = Command::JobProgress {
+            id,
+            done: std::mem::take(&mut self.done),
+            failed: std::mem::take(&mut self.failed),
+            fetched_bytes: std::mem::take(&mut self.fetched_bytes),
+        };
+        propose_job(core, cmd).await.map(Some)
+    }
+}
+
+/// Sends one task to a worker.
+async fn load_on(
+    address: &str,
+    blocks: Vec<pb::BlockDescriptor>,
+) -> Result<pb::LoadBlocksResponse, String> {
+    let ch = granary_common::grpc::channel(address)
+        .map_err(|e| format!("bad worker address {address}: {e}"))?;
+    let mut client = WorkerServiceClient::new(ch)
+        .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+    let mut req = tonic::Request::new(pb::LoadBlocksRequest { blocks });
+    req.set_timeout(TASK_TIMEOUT);
+    match tokio::time::timeout(TASK_TIMEOUT, client.load_blocks(req)).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(format!("worker {address}: {}", s.message())),
+        Err(_) => Err(format!("worker {address} did not finish the task in time")),
+    }
+}

@@ -1,0 +1,425 @@
+//! Jobs (`granary load`) in the replicated state: the job record, the files it has finished
+//! and those that failed. The leader runs a job and records its progress through Raft, so
+//! after a failover the next leader resumes it where the last recorded progress left off
+//! and `granary job status` never goes backwards.
+//!
+//! Keys: `J` + id → [`Job`]; `j` + id + inode → length (a file whose every block is cached,
+//! dropped when the job ends); `f` + id + inode → [`FailedFile`].
+
+use serde::{Deserialize, Serialize};
+
+use super::{from_json, to_json, u64_of, StateMachine, Txn};
+use crate::error::MasterError;
+
+const KEY_NEXT_JOB: &[u8] = b"Mnext_job";
+/// Finished jobs older than this many job ids are forgotten (with their failed lists).
+pub const JOBS_KEPT: u64 = 200;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Files not enumerated yet.
+    Planning,
+    Running,
+    /// Every requested byte is cached.
+    Succeeded,
+    /// Finished; some files could not be cached (see the failed list) or the job could not
+    /// run at all (`error`).
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Planning => "planning",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn finished(self) -> bool {
+        !matches!(self, Self::Planning | Self::Running)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: u64,
+    /// "load".
+    pub kind: String,
+    pub path: String,
+    pub replicas: u32,
+    pub state: JobState,
+    pub created_ms: i64,
+    #[serde(default)]
+    pub finished_ms: i64,
+    #[serde(default)]
+    pub total_files: u64,
+    #[serde(default)]
+    pub total_bytes: u64,
+    #[serde(default)]
+    pub done_files: u64,
+    #[serde(default)]
+    pub done_bytes: u64,
+    #[serde(default)]
+    pub failed_files: u64,
+    #[serde(default)]
+    pub fetched_bytes: u64,
+    #[serde(default)]
+    pub error: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedFile {
+    pub inode: u64,
+    pub path: String,
+    pub reason: String,
+}
+
+/// A file a job finished: every block cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DoneFile {
+    pub inode: u64,
+    pub length: u64,
+}
+
+fn job_key(id: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'J');
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
+fn job_file_key(tag: u8, id: u64, inode: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(17);
+    k.push(tag);
+    k.extend_from_slice(&id.to_be_bytes());
+    k.extend_from_slice(&inode.to_be_bytes());
+    k
+}
+
+impl StateMachine {
+    pub fn job(&self, id: u64) -> Result<Option<Job>, MasterError> {
+        self.get(&job_key(id))?.map(|v| from_json(&v)).transpose()
+    }
+
+    /// Every job kept, oldest first.
+    pub fn jobs(&self) -> Result<Vec<Job>, MasterError> {
+        let mut out = Vec::new();
+        self.scan(b"J", |_, v| {
+            out.push(from_json(v)?);
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+
+    /// The files job `id` has finished (inodes), while it runs.
+    pub fn job_done(&self, id: u64) -> Result<std::collections::HashSet<u64>, MasterError> {
+        let mut out = std::collections::HashSet::new();
+        let mut prefix = vec![b'j'];
+        prefix.extend_from_slice(&id.to_be_bytes());
+        self.scan(&prefix, |k, _| {
+            out.insert(u64_of(&k[9..])?);
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+
+    /// Up to `max` of the files job `id` could not cache, in inode order.
+    pub fn job_failed(&self, id: u64, max: usize) -> Result<Vec<FailedFile>, MasterError> {
+        let mut out = Vec::new();
+        let mut prefix = vec![b'f'];
+        prefix.extend_from_slice(&id.to_be_bytes());
+        self.scan(&prefix, |_, v| {
+            if out.len() >= max {
+                return Ok(false);
+            }
+            out.push(from_json(v)?);
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `f` with each record whose key starts with `prefix`, in key order, until it
+    /// returns false.
+    fn scan(
+        &self,
+        prefix: &[u8],
+        mut f: impl FnMut(&[u8], &[u8]) -> Result<bool, MasterError>,
+    ) -> Result<(), MasterError> {
+        let mut it = self.db.raw_iterator_cf(self.cf()?);
+        it.seek(prefix);
+        while it.valid() {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                break;
+            };
+            if !k.starts_with(prefix) || !f(k, v)? {
+                break;
+            }
+            it.next();
+        }
+        it.status()?;
+        Ok(())
+    }
+}
+
+impl Txn<'_> {
+    fn job(&self, id: u64) -> Result<Job, MasterError> {
+        match self.get(&job_key(id))? {
+            Some(v) => from_json(&v),
+            None => Err(MasterError::NoSuchJob { id }),
+        }
+    }
+
+    fn put_job(&mut self, job: &Job) -> Result<(), MasterError> {
+        let v = to_json(job)?;
+        self.put(job_key(job.id), v);
+        Ok(())
+    }
+
+    /// Deletes every record of job `id` with key prefix `tag` + id.
+    fn delete_job_files(&mut self, tag: u8, id: u64) -> Result<(), MasterError> {
+        let mut prefix = vec![tag];
+        prefix.extend_from_slice(&id.to_be_bytes());
+        let mut keys = Vec::new();
+        self.sm.scan(&prefix, |k, _| {
+            keys.push(k.to_vec());
+            Ok(true)
+        })?;
+        for k in keys {
+            self.delete(k);
+        }
+        Ok(())
+    }
+
+    pub(super) fn create_job(
+        &mut self,
+        kind: &str,
+        path: &str,
+        replicas: u32,
+        now_ms: i64,
+    ) -> Result<Job, MasterError> {
+        let id = self.get_u64(KEY_NEXT_JOB)?.max(1);
+        self.put_u64(KEY_NEXT_JOB, id + 1);
+        // Forget the job that falls out of the kept window, if it finished.
+        if id > JOBS_KEPT {
+            let old = id - JOBS_KEPT;
+            if let Ok(j) = self.job(old) {
+                if j.state.finished() {
+                    self.delete(job_key(old));
+                    self.delete_job_files(b'f', old)?;
+                    self.delete_job_files(b'j', old)?;
+                }
+            }
+        }
+        let job = Job {
+            id,
+            kind: kind.to_string(),
+            path: path.to_string(),
+            replicas,
+            state: JobState::Planning,
+            created_ms: now_ms,
+            finished_ms: 0,
+            total_files: 0,
+            total_bytes: 0,
+            done_files: 0,
+            done_bytes: 0,
+            failed_files: 0,
+            fetched_bytes: 0,
+            error: String::new(),
+        };
+        self.put_job(&job)?;
+        Ok(job)
+    }
+
+    pub(super) fn job_planned(
+        &mut self,
+        id: u64,
+        total_files: u64,
+        total_bytes: u64,
+    ) -> Result<Job, MasterError> {
+        let mut job = self.job(id)?;
+        if job.state == JobState::Planning {
+            job.state = JobState::Running;
+        }
+        job.total_files = total_files;
+        job.total_bytes = total_bytes;
+        self.put_job(&job)?;
+        Ok(job)
+    }
+
+    pub(super) fn job_progress(
+        &mut self,
+        id: u64,
+        done: &[DoneFile],
+        failed: &[FailedFile],
+        fetched_bytes: u64,
+    ) -> Result<Job, MasterError> {
+        let mut job = self.job(id)?;
+        if job.state.finished() {
+            return Ok(job); // a late report of a cancelled job changes nothing
+        }
+        job.fetched_bytes += fetched_bytes;
+        for d in done {
+            let key = job_file_key(b'j', id, d.inode);
+            if self.get(&key)?.is_some() {
+                continue;
+            }
+            let fkey = job_file_key(b'f', id, d.inode);
+            if self.get(&fkey)?.is_some() {
+                self.delete(fkey);
+                job.failed_files = job.failed_files.saturating_sub(1);
+            }
+            self.put(key, d.length.to_be_bytes().to_vec());
+            job.done_files += 1;
+            job.done_bytes += d.length;
+        }
+        for f in failed {
+            let fkey = job_file_key(b'f', id, f.inode);
+            if self.get(&job_file_key(b'j', id, f.inode))?.is_some() || self.get(&fkey)?.is_some() {
+                continue;
+            }
+            self.put(fkey, to_json(f)?);
+            job.failed_files += 1;
+        }
+        self.put_job(&job)?;
+        Ok(job)
+    }
+
+    /// Ends a job (`state` finished) unless it already ended; its done markers go.
+    pub(super) fn finish_job(
+        &mut self,
+        id: u64,
+        state: JobState,
+        error: &str,
+        now_ms: i64,
+    ) -> Result<Job, MasterError> {
+        let mut job = self.job(id)?;
+        if job.state.finished() {
+            return Ok(job);
+        }
+        if !state.finished() {
+            return Err(MasterError::invalid(format!(
+                "a job cannot finish as {}",
+                state.as_str()
+            )));
+        }
+        job.state = state;
+        job.finished_ms = now_ms;
+        job.error = error.to_string();
+        self.delete_job_files(b'j', id)?;
+        self.put_job(&job)?;
+        Ok(job)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{ApplyOutput, Command};
+
+    fn job_of(out: Result<ApplyOutput, MasterError>) -> Job {
+        match out.unwrap() {
+            ApplyOutput::Job(j) => j,
+            o => panic!("not a job: {o:?}"),
+        }
+    }
+
+    #[test]
+    fn progress_counts_each_file_once_and_the_end_keeps_only_failures() {
+        let (_d, sm) = crate::state::tests::open();
+        let create = |i| {
+            sm.apply(
+                i,
+                &Command::CreateJob {
+                    kind: "load".into(),
+                    path: "/data".into(),
+                    replicas: 1,
+                    now_ms: 5,
+                },
+            )
+        };
+        let j = job_of(create(1));
+        assert_eq!((j.id, j.state), (1, JobState::Planning));
+        let planned = Command::JobPlanned {
+            id: 1,
+            total_files: 3,
+            total_bytes: 30,
+        };
+        assert_eq!(job_of(sm.apply(2, &planned)).state, JobState::Running);
+        let done = |inode, length| DoneFile { inode, length };
+        let failed = |inode: u64| FailedFile {
+            inode,
+            path: format!("/data/f{inode}"),
+            reason: "gone".into(),
+        };
+        let progress = Command::JobProgress {
+            id: 1,
+            done: vec![done(10, 10), done(10, 10)],
+            failed: vec![failed(12)],
+            fetched_bytes: 10,
+        };
+        let j = job_of(sm.apply(3, &progress));
+        assert_eq!((j.done_files, j.done_bytes, j.failed_files), (1, 10, 1));
+        // The same report again (a resumed runner) changes no count; a failed file that
+        // is cached later moves from failed to done.
+        let j = job_of(sm.apply(4, &progress));
+        assert_eq!((j.done_files, j.done_bytes, j.failed_files), (1, 10, 1));
+        let later = Command::JobProgress {
+            id: 1,
+            done: vec![done(12, 10)],
+            failed: vec![failed(10)],
+            fetched_bytes: 0,
+        };
+        let j = job_of(sm.apply(5, &later));
+        assert_eq!((j.done_files, j.done_bytes, j.failed_files), (2, 20, 0));
+        assert_eq!(sm.job_done(1).unwrap().len(), 2);
+        let p = Command::JobProgress {
+            id: 1,
+            done: vec![],
+            failed: vec![failed(11)],
+            fetched_bytes: 0,
+        };
+        job_of(sm.apply(6, &p));
+        let finish = |state| Command::FinishJob {
+            id: 1,
+            state,
+            error: String::new(),
+            now_ms: 9,
+        };
+        let j = job_of(sm.apply(7, &finish(JobState::Failed)));
+        assert_eq!((j.state, j.finished_ms), (JobState::Failed, 9));
+        assert!(
+            sm.job_done(1).unwrap().is_empty(),
+            "done markers are dropped"
+        );
+        assert_eq!(sm.job_failed(1, 10).unwrap(), vec![failed(11)]);
+        // A finished job stays as it ended; unknown jobs are refused.
+        assert_eq!(
+            job_of(sm.apply(8, &finish(JobState::Cancelled))).state,
+            JobState::Failed
+        );
+        assert_eq!(
+            sm.apply(
+                9,
+                &Command::JobPlanned {
+                    id: 7,
+                    total_files: 1,
+                    total_bytes: 1
+                }
+            ),
+            Err(MasterError::NoSuchJob { id: 7 })
+        );
+        assert!(sm.apply(10, &finish(JobState::Running)).is_ok());
+        // Ids keep increasing; old finished jobs fall out of the kept window.
+        for i in 0..JOBS_KEPT {
+            job_of(create(11 + i));
+        }
+        assert!(sm.job(1).unwrap().is_none());
+        assert!(sm.job_failed(1, 10).unwrap().is_empty());
+        assert_eq!(sm.jobs().unwrap().len() as u64, JOBS_KEPT);
+    }
+}

@@ -1,0 +1,297 @@
+//! Jobs with real processes: `granary load` over an S3 bucket (s3s-fs) on three workers,
+//! with unreadable objects, and across a kill -9 of the master leader.
+
+use std::path::Path;
+use std::time::Duration;
+
+use granary_tests::stores::TestStore;
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+
+/// Many small files and a few multi-block ones; returns (relative path, length) of each.
+fn dataset(dir: &Path, small: u64, large: u64) -> Vec<(String, u64)> {
+    let mut files = Vec::new();
+    for i in 0..small {
+        let name = format!("small/d{:02}/s{i:05}.jpg", i % 20);
+        let len = 2048 + (i * 7919 % 60) * 1024;
+        random_file(&dir.join(&name), len).unwrap();
+        files.push((name, len));
+    }
+    for i in 0..large {
+        let name = format!("large/l{i}.bin");
+        let len = 80 * MIB + 4097 * i;
+        random_file(&dir.join(&name), len).unwrap();
+        files.push((name, len));
+    }
+    files
+}
+
+fn sum(workers: &[Worker], name: &str) -> f64 {
+    workers.iter().map(|w| w.metric(name)).sum()
+}
+
+fn json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+/// Checks a job's JSON against the documented schema (docs/cli.md): every field, its type.
+fn check_job_schema(j: &serde_json::Value) {
+    let obj = j.as_object().expect("a job is an object");
+    for k in [
+        "id",
+        "replicas",
+        "created_ms",
+        "total_files",
+        "total_bytes",
+        "done_files",
+        "done_bytes",
+        "failed_files",
+        "fetched_bytes",
+    ] {
+        assert!(obj[k].is_u64(), "{k} is not an unsigned integer: {j}");
+    }
+    for k in ["kind", "path", "state"] {
+        assert!(obj[k].is_string(), "{k} is not a string: {j}");
+    }
+    assert!(obj["cached_percent"].is_number(), "cached_percent: {j}");
+    assert!(obj["finished_ms"].is_u64() || obj["finished_ms"].is_null());
+    assert!(obj["error"].is_string() || obj["error"].is_null());
+    assert!(obj["failed"].is_array(), "failed: {j}");
+    for f in obj["failed"].as_array().unwrap() {
+        assert!(f["path"].is_string() && f["reason"].is_string(), "{f}");
+    }
+    assert!(
+        ["planning", "running", "succeeded", "failed", "cancelled"]
+            .contains(&obj["state"].as_str().unwrap()),
+        "state: {j}"
+    );
+    assert_eq!(obj.len(), 16, "unexpected fields: {j}");
+}
+
+#[test]
+fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-jobs-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let files = dataset(&src, 2000, 2);
+    let s3 = TestStore::s3(root, "dataset", "jobs-access", "jobs-secret-key").unwrap();
+    s3.load(&src).unwrap();
+
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    let workers: Vec<Worker> = (1..=3)
+        .map(|i| Worker::start(root, &format!("w{i}"), &addr, "1GiB").unwrap())
+        .collect();
+    wait_live_workers(&addr, 3).unwrap();
+    let mut args = vec!["mount", "add", "/data", "s3://dataset"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", &addr]);
+    granary_ok(&args).unwrap();
+
+    // Bad input changes nothing: exit 1 with one sentence, no job.
+    let out = granary(&["load", "/data/nope", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no such file or directory"), "{err}");
+    assert_eq!(
+        granary(&["load", "/data", "--replicas", "0", "--master", &addr])
+            .status
+            .code(),
+        Some(2)
+    );
+    let out = granary(&["job", "status", "99", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such job: 99"));
+    assert_eq!(
+        json(&granary_ok(&["job", "list", "--json", "--master", &addr]).unwrap()),
+        serde_json::json!([])
+    );
+
+    // The namespace knows every file (listed once); then three objects become unreadable.
+    let mut dirs = vec![
+        "/data".to_string(),
+        "/data/small".into(),
+        "/data/large".into(),
+    ];
+    dirs.extend((0..20).map(|d| format!("/data/small/d{d:02}")));
+    for d in &dirs {
+        granary_ok(&["fs", "ls", d, "--master", &addr]).unwrap();
+    }
+    let broken = [
+        "small/d03/s00003.jpg",
+        "small/d07/s01007.jpg",
+        "large/l1.bin",
+    ];
+    let mut broken_bytes = 0;
+    for b in broken {
+        std::fs::remove_file(s3.object_file(b).unwrap()).unwrap();
+        broken_bytes += files.iter().find(|(n, _)| n == b).unwrap().1;
+    }
+    let total: u64 = files.iter().map(|(_, l)| l).sum();
+
+    let started = std::time::Instant::now();
+    let out = granary(&["load", "/data", "--json", "--master", &addr]);
+    let took = started.elapsed();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("finished with 3 files not cached"),
+        "{stderr}"
+    );
+    let j = json(&String::from_utf8_lossy(&out.stdout));
+    check_job_schema(&j);
+    eprintln!(
+        "load of {} files ({total} bytes) took {took:?}: {j}",
+        files.len()
+    );
+    assert_eq!(j["state"], "failed");
+    assert_eq!(j["total_files"], files.len() as u64);
+    assert_eq!(j["total_bytes"], total);
+    assert_eq!(j["done_files"], files.len() as u64 - 3);
+    assert_eq!(j["done_bytes"], total - broken_bytes);
+    assert_eq!(j["failed_files"], 3);
+    let mut failed: Vec<String> = j["failed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap().to_string())
+        .collect();
+    failed.sort();
+    let mut want: Vec<String> = broken.iter().map(|b| format!("/data/{b}")).collect();
+    want.sort();
+    assert_eq!(failed, want);
+    for f in j["failed"].as_array().unwrap() {
+        assert!(!f["reason"].as_str().unwrap().is_empty(), "{f}");
+    }
+    // Every readable byte came from the store exactly once, spread over the owners.
+    let from_store = sum(&workers, "granary_worker_ufs_read_bytes_total");
+    assert_eq!(from_store, (total - broken_bytes) as f64);
+    assert_eq!(j["fetched_bytes"], total - broken_bytes);
+    for w in &workers {
+        assert!(
+            w.metric("granary_worker_cache_used_bytes") > 0.0,
+            "a worker got no blocks"
+        );
+    }
+
+    // A second load finds everything cached: no store reads at all, same failures.
+    let out = granary(&["load", "/data", "--json", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1));
+    let j2 = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(j2["fetched_bytes"], 0);
+    assert_eq!(j2["done_bytes"], total - broken_bytes);
+    assert_eq!(
+        sum(&workers, "granary_worker_ufs_read_bytes_total"),
+        from_store
+    );
+    // Reads through a mount now cost the store nothing either.
+    let fuse = Fuse::start(root, &addr).unwrap();
+    let readable = |dir: &Path| {
+        sh(&format!(
+            "cd '{}' && find . -type f ! -name l1.bin ! -name s00003.jpg ! -name s01007.jpg -print0 | sort -z | xargs -0 sha256sum",
+            dir.display()
+        ))
+        .unwrap()
+    };
+    let through_mount = readable(&fuse.mountpoint.join("data"));
+    assert_eq!(through_mount.lines().count(), files.len() - 3);
+    assert!(through_mount == readable(&src), "bytes differ");
+    assert_eq!(
+        sum(&workers, "granary_worker_ufs_read_bytes_total"),
+        from_store
+    );
+
+    // list / status / cancel of a finished job.
+    let list = json(&granary_ok(&["job", "list", "--json", "--master", &addr]).unwrap());
+    let list = list.as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    list.iter().for_each(check_job_schema);
+    let st = json(&granary_ok(&["job", "status", "1", "--json", "--master", &addr]).unwrap());
+    check_job_schema(&st);
+    assert_eq!(st["failed"].as_array().unwrap().len(), 3);
+    let human = granary_ok(&["job", "status", "1", "--master", &addr]).unwrap();
+    assert!(human.contains("failed  /data/large/l1.bin"), "{human}");
+    let c = json(&granary_ok(&["job", "cancel", "1", "--json", "--master", &addr]).unwrap());
+    assert_eq!(c["state"], "failed", "a finished job stays as it ended");
+}
+
+#[test]
+fn a_load_survives_a_kill9_of_the_master_leader_and_status_never_goes_back() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-jobs-ha-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let files = dataset(&src, 3000, 3);
+    let total: u64 = files.iter().map(|(_, l)| l).sum();
+    let s3 = TestStore::s3(root, "hadata", "jobs-access", "jobs-secret-key").unwrap();
+    s3.load(&src).unwrap();
+
+    let mut group = MasterGroup::start(root, 3, 0).unwrap();
+    let first = group.wait_leader(Duration::from_secs(30)).unwrap();
+    let addrs = group.addrs();
+    let workers: Vec<Worker> = (1..=3)
+        .map(|i| Worker::start(root, &format!("w{i}"), &addrs, "1GiB").unwrap())
+        .collect();
+    wait_live_workers(&addrs, 3).unwrap();
+    let mut args = vec!["mount", "add", "/data", "s3://hadata"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", &addrs]);
+    granary_ok(&args).unwrap();
+
+    let out = granary_ok(&["load", "/data", "--detach", "--json", "--master", &addrs]).unwrap();
+    let id = json(&out)["id"].as_u64().unwrap();
+    let status = |addrs: &str| -> Option<serde_json::Value> {
+        let id = id.to_string();
+        granary_ok(&["job", "status", &id, "--json", "--master", addrs])
+            .ok()
+            .map(|o| json(&o))
+    };
+    // Kill the leader once some, but not all, files are cached.
+    let before = poll(
+        "part of the dataset loaded",
+        Duration::from_secs(120),
+        || {
+            status(&addrs).filter(|j| {
+                let d = j["done_files"].as_u64().unwrap_or(0);
+                d > 200 && d < files.len() as u64
+            })
+        },
+    )
+    .unwrap();
+    group.kill9(first).unwrap();
+    let second = group.wait_leader(Duration::from_secs(30)).unwrap();
+    assert_ne!(first, second);
+    // Progress never goes back; the job finishes under the new leader.
+    let mut last = before["done_files"].as_u64().unwrap();
+    let done = poll("the load to finish", Duration::from_secs(300), || {
+        let j = status(&addrs)?;
+        let d = j["done_files"].as_u64().unwrap();
+        assert!(d >= last, "done_files went from {last} back to {d}");
+        last = d;
+        (j["state"] != "running" && j["state"] != "planning").then_some(j)
+    })
+    .unwrap();
+    check_job_schema(&done);
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["done_files"], files.len() as u64);
+    assert_eq!(done["done_bytes"], total);
+    // Each byte from the store exactly once: the new leader's tasks find what the old
+    // one's cached (or still fetches) and fetch only the rest.
+    let from_store = sum(&workers, "granary_worker_ufs_read_bytes_total");
+    assert_eq!(from_store, total as f64, "some bytes were fetched twice");
+}
