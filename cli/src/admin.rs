@@ -68,6 +68,7 @@ fn status_json(s: &pb::FileStatus) -> serde_json::Value {
             "etag": f.etag, "size": f.size, "mtime_ms": f.mtime_ms, "version_id": f.version_id,
         })),
         "version": format!("{:016x}", s.version),
+        "pinned_replicas": s.pinned_replicas,
         "sync": json!({
             "failures": s.sync_failures,
             "error": s.sync_error,
@@ -192,15 +193,22 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
             } else {
                 for e in &entries {
+                    // Pinned entries are marked (with their replicas in the long form).
                     if long {
+                        let pin = match e.pinned_replicas {
+                            0 => "-".to_string(),
+                            n => format!("pinned:{n}"),
+                        };
                         writeln!(
                             out,
-                            "{}\t{:>12}\t{}\t{}",
+                            "{}\t{:>12}\t{}\t{pin}\t{}",
                             kind_name(e),
                             e.length,
                             mtime(e.mtime_ms),
                             e.name
                         )?;
+                    } else if e.pinned_replicas > 0 {
+                        writeln!(out, "{} (pinned)", e.name)?;
                     } else {
                         writeln!(out, "{}", e.name)?;
                     }

@@ -83,6 +83,20 @@ pub enum Command {
     /// Follow, list and cancel jobs (granary load).
     #[command(subcommand)]
     Job(JobCommand),
+    /// Keep a file or folder cached: loaded onto N workers, never evicted, re-replicated
+    /// when a worker is lost.
+    #[command(
+        after_help = "Pinning starts a load of the path (followed like granary load unless --detach). Files\nadded later under a pinned folder are pinned once listed. `granary fs ls` marks\npinned entries; `granary unpin` makes them evictable again (nothing is dropped).\n\nExamples:\n  granary pin /datasets/imagenet/val\n  granary pin /models/llama --replicas 3 --detach\n  granary unpin /datasets/imagenet/val"
+    )]
+    Pin(LoadArgs),
+    /// Undo granary pin: the path's pages become evictable again (nothing is dropped).
+    #[command(after_help = "Examples:\n  granary unpin /datasets/imagenet/val")]
+    Unpin {
+        /// The pinned file or folder.
+        path: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -175,6 +175,26 @@ async fn follow(m: &MasterClient, id: u64, json: bool) -> anyhow::Result<pb::Job
 pub async fn load(a: LoadArgs) -> anyhow::Result<()> {
     let m = master(&a.master)?;
     let j = m.start_job("load", &a.path, a.replicas).await?;
+    started(&m, a, j).await
+}
+
+pub async fn pin(a: LoadArgs) -> anyhow::Result<()> {
+    let m = master(&a.master)?;
+    let j = m.set_pin(&a.path, a.replicas).await?;
+    if !a.json {
+        eprintln!("{} pinned on {} workers", a.path, a.replicas);
+    }
+    started(&m, a, j).await
+}
+
+pub async fn unpin(path: &str, addr: &MasterAddr) -> anyhow::Result<()> {
+    master(addr)?.set_pin(path, 0).await?;
+    println!("{path} unpinned");
+    Ok(())
+}
+
+/// Prints or follows a load job just started (`load`, `pin`).
+async fn started(m: &MasterClient, a: LoadArgs, j: pb::JobInfo) -> anyhow::Result<()> {
     if a.detach {
         if a.json {
             println!("{}", serde_json::to_string_pretty(&job_json(&j))?);
@@ -189,7 +209,7 @@ pub async fn load(a: LoadArgs) -> anyhow::Result<()> {
             j.id, j.path
         );
     }
-    follow(&m, j.id, a.json).await?;
+    follow(m, j.id, a.json).await?;
     let j = m.get_job(j.id, 1000).await?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&job_json(&j))?);

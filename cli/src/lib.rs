@@ -82,5 +82,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Report(a) => admin::report(a).await,
         Command::Load(a) => jobs::load(a).await,
         Command::Job(c) => jobs::job(c).await,
+        Command::Pin(a) => jobs::pin(a).await,
+        Command::Unpin { path, master } => jobs::unpin(&path, &master).await,
     }
 }

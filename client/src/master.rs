@@ -545,6 +545,21 @@ impl MasterClient {
         .await
     }
 
+    /// Pins `path` on `replicas` workers (0: unpins it); pinning returns the load job it
+    /// started, unpinning a job with id 0.
+    pub async fn set_pin(&self, path: &str, replicas: u32) -> Result<pb::JobInfo, ClientError> {
+        let request_id = Self::request_id();
+        self.call(|mut c| {
+            let req = self.request(pb::SetPinRequest {
+                path: path.to_string(),
+                replicas,
+                request_id,
+            });
+            async move { c.set_pin(req).await }
+        })
+        .await
+    }
+
     /// A job with up to `max_failed` of its failed files (0: 1,000).
     pub async fn get_job(&self, id: u64, max_failed: u32) -> Result<pb::JobInfo, ClientError> {
         self.call(|mut c| {

@@ -21,6 +21,7 @@ pub struct MasterCore {
     pub workers: WorkerRegistry,
     pub heartbeat_interval: Duration,
     pub jobs: crate::jobs::JobRunner,
+    pub pins: crate::pins::PinSet,
 }
 
 impl MasterCore {
@@ -194,13 +195,18 @@ impl MasterCore {
     }
 
     /// Periodic housekeeping: declare silent workers lost and forget their blocks.
-    pub fn sweep(&self) {
+    pub fn sweep(self: &std::sync::Arc<Self>) {
+        let mut lost = false;
         for id in self.workers.expire() {
             tracing::warn!(
                 worker = id,
                 "worker lost (no heartbeat); dropping its block locations"
             );
             self.blocks.drop_worker(id);
+            lost = true;
+        }
+        if lost && self.raft.status.is_leader() {
+            self.repin_after_loss();
         }
     }
 }

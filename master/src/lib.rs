@@ -15,6 +15,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod mounts;
 pub mod namespace;
+pub mod pins;
 pub mod raft;
 pub mod service;
 pub mod state;
@@ -190,6 +191,7 @@ pub async fn start(
         workers: workers::WorkerRegistry::new(config.worker_timeout),
         heartbeat_interval: config.heartbeat_interval,
         jobs: jobs::JobRunner::default(),
+        pins: pins::PinSet::default(),
     });
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
@@ -219,6 +221,7 @@ pub async fn start(
                         master_metrics.refresh(&core);
                         core.retry_failed_listings();
                         core.run_jobs();
+                        core.refresh_pins();
                     }
                 }
             }

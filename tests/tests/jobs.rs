@@ -295,3 +295,127 @@ fn a_load_survives_a_kill9_of_the_master_leader_and_status_never_goes_back() {
     let from_store = sum(&workers, "granary_worker_ufs_read_bytes_total");
     assert_eq!(from_store, total as f64, "some bytes were fetched twice");
 }
+
+#[test]
+fn pinned_data_outlives_cache_pressure_and_a_lost_worker_and_keeps_its_replicas() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-pin-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    // Pinned: 300 small files and one of 20 MiB (~32 MiB); the rest: 320 MiB of others.
+    for i in 0..300u64 {
+        random_file(&src.join(format!("hot/h{i:03}.bin")), 40 * 1024 + i).unwrap();
+    }
+    random_file(&src.join("hot/big.bin"), 20 * MIB + 1).unwrap();
+    for i in 0..40u64 {
+        random_file(&src.join(format!("cold/c{i:02}.bin")), 8 * MIB).unwrap();
+    }
+    let s3 = TestStore::s3(root, "pins", "pin-access", "pin-secret-key").unwrap();
+    s3.load(&src).unwrap();
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    // LRU: every page read goes in and pushes another out (no admission filter to hide
+    // behind), so only the pin keeps the hot pages.
+    let mut workers: Vec<Worker> = (1..=3)
+        .map(|i| {
+            let name = format!("w{i}");
+            let cache = root.join(format!("{name}-cache"));
+            Worker::start_opts(root, &name, &addr, "64MiB", &cache, &["--eviction", "lru"]).unwrap()
+        })
+        .collect();
+    wait_live_workers(&addr, 3).unwrap();
+    let mut args = vec!["mount", "add", "/data", "s3://pins"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", &addr]);
+    granary_ok(&args).unwrap();
+
+    let out = granary(&["pin", "/data/nope", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1), "pinning a missing path fails");
+    let j = json(
+        &granary_ok(&[
+            "pin",
+            "/data/hot",
+            "--replicas",
+            "2",
+            "--json",
+            "--master",
+            &addr,
+        ])
+        .unwrap(),
+    );
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let hot_bytes = j["total_bytes"].as_u64().unwrap();
+    assert_eq!(j["done_bytes"], hot_bytes);
+    let ls = granary_ok(&["fs", "ls", "/data", "--master", &addr]).unwrap();
+    assert!(ls.lines().any(|l| l == "hot (pinned)"), "{ls}");
+    assert!(ls.lines().any(|l| l == "cold"), "{ls}");
+    let st = json(&granary_ok(&["fs", "ls", "/data/hot", "--json", "--master", &addr]).unwrap());
+    assert!(st
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["pinned_replicas"] == 2));
+
+    // Far more than the caches hold goes through them; the pinned pages stay.
+    let _ = granary(&["load", "/data/cold", "--master", &addr]);
+    let evicted = sum(&workers, "granary_worker_evicted_bytes_total");
+    assert!(
+        evicted > 100.0 * MIB as f64,
+        "no pressure: {evicted} bytes evicted"
+    );
+    let check = |addr: &str| {
+        json(
+            &granary_ok(&[
+                "load",
+                "/data/hot",
+                "--replicas",
+                "2",
+                "--json",
+                "--master",
+                addr,
+            ])
+            .unwrap(),
+        )
+    };
+    let again = check(&addr);
+    assert_eq!(again["state"], "succeeded");
+    assert_eq!(
+        again["fetched_bytes"], 0,
+        "a pinned page was evicted: {again}"
+    );
+
+    // A worker holding replicas dies: the pin is loaded again onto the two left, from the
+    // surviving copies (no store reads).
+    let store_before = sum(&workers[1..], "granary_worker_ufs_read_bytes_total");
+    workers[0].proc.kill9().unwrap();
+    let jobs_before = json(&granary_ok(&["job", "list", "--json", "--master", &addr]).unwrap())
+        .as_array()
+        .unwrap()
+        .len();
+    let repin = poll("the pin re-replicated", Duration::from_secs(60), || {
+        let list = json(&granary_ok(&["job", "list", "--json", "--master", &addr]).ok()?);
+        let list = list.as_array()?.clone();
+        let j = list.get(jobs_before)?.clone();
+        (j["path"] == "/data/hot" && j["state"] != "running" && j["state"] != "planning")
+            .then_some(j)
+    })
+    .unwrap();
+    assert_eq!(repin["state"], "succeeded", "{repin}");
+    assert_eq!(repin["replicas"], 2);
+    assert_eq!(
+        sum(&workers[1..], "granary_worker_ufs_read_bytes_total"),
+        store_before,
+        "re-replication read the store"
+    );
+    let again = check(&addr);
+    assert_eq!(again["fetched_bytes"], 0, "not back to 2 replicas: {again}");
+
+    // Unpinned: marked no more.
+    granary_ok(&["unpin", "/data/hot", "--master", &addr]).unwrap();
+    let ls = granary_ok(&["fs", "ls", "/data", "--master", &addr]).unwrap();
+    assert!(ls.lines().any(|l| l == "hot"), "{ls}");
+}

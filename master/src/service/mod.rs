@@ -35,6 +35,7 @@ fn mark_validated(core: &MasterCore, s: &mut pb::FileStatus, inode: &Inode) {
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
     let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
     mark_validated(core, &mut s, inode);
+    s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
     if let Some(sync) = core.ns.sync_info(inode.id) {
         s.sync_failures = sync.failures;
         s.sync_error = sync.last_error.unwrap_or_default();
@@ -149,6 +150,13 @@ impl MasterService for MasterRpc {
         let after = (!r.page_token.is_empty()).then_some(r.page_token.as_str());
         let is_dir = dir.kind == crate::state::Kind::Directory;
         let dir_path = self.core.ns.sm.path_of(&dir).map_err(Status::from)?;
+        // The pin covering the directory covers its children (unless they have their own).
+        let dir_pin = self
+            .core
+            .ns
+            .sm
+            .pin_covering(&dir)?
+            .map_or(0, |p| p.replicas);
         let children = self.core.ns.list(dir, after, limit).await?;
         // One mount for the whole page: does it validate every open?
         let validated = match children.first().and_then(|c| c.mount_id) {
@@ -177,9 +185,13 @@ impl MasterService for MasterRpc {
                 };
                 let mut s = to_status(c, p);
                 s.validate_on_open = validated && c.kind == crate::state::Kind::File;
-                s
+                s.pinned_replicas = match self.core.ns.sm.pin_of(c.id)? {
+                    Some(pin) => pin.replicas,
+                    None => dir_pin,
+                };
+                Ok(s)
             })
-            .collect();
+            .collect::<Result<Vec<_>, MasterError>>()?;
         Ok(Response::new(pb::ListStatusResponse {
             entries,
             next_page_token,
@@ -461,7 +473,7 @@ impl MasterService for MasterRpc {
         if !self.core.workers.heartbeat(r.worker_id, r.stats) {
             return Ok(Response::new(pb::WorkerHeartbeatResponse {
                 reregister: true,
-                stale: Vec::new(),
+                ..Default::default()
             }));
         }
         self.core
@@ -477,9 +489,14 @@ impl MasterService for MasterRpc {
                 keep_version,
             })
             .collect();
+        let (pins_changed, pinned_inodes, pins_generation) =
+            crate::pins::heartbeat_pins(&self.core, r.pins_generation);
         Ok(Response::new(pb::WorkerHeartbeatResponse {
             reregister: false,
             stale,
+            pins_changed,
+            pinned_inodes,
+            pins_generation,
         }))
     }
 
@@ -491,6 +508,18 @@ impl MasterService for MasterRpc {
             self.core.ensure_leader()?;
         }
         Ok(Response::new(self.core.cluster_info().await?))
+    }
+
+    async fn set_pin(
+        &self,
+        req: Request<pb::SetPinRequest>,
+    ) -> Result<Response<pb::JobInfo>, Status> {
+        let r = req.into_inner();
+        let job = self.core.set_pin(&r.path, r.replicas, r.request_id).await?;
+        Ok(Response::new(match job {
+            Some(j) => self.core.job_info(j.id, 0)?,
+            None => pb::JobInfo::default(),
+        }))
     }
 
     async fn start_job(

@@ -145,7 +145,7 @@ impl StateMachine {
 
     /// Calls `f` with each record whose key starts with `prefix`, in key order, until it
     /// returns false.
-    fn scan(
+    pub(super) fn scan(
         &self,
         prefix: &[u8],
         mut f: impl FnMut(&[u8], &[u8]) -> Result<bool, MasterError>,

@@ -4,6 +4,7 @@
 //! `applied`" and Raft re-delivers the rest.
 
 pub mod jobs;
+pub mod pins;
 pub mod records;
 
 use std::collections::BTreeMap;
@@ -580,6 +581,7 @@ impl<'a> Txn<'a> {
             }
             if id != inode.id || unlink {
                 self.delete(inode_key(id));
+                self.drop_pin(id);
                 removed += 1;
             }
         }
@@ -602,6 +604,9 @@ impl<'a> Txn<'a> {
         match cmd {
             Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
             Command::RemoveMount { path } => self.remove_mount(path),
+            Command::SetPin { path, replicas } => {
+                Ok(ApplyOutput::Inode(self.set_pin(path, *replicas)?))
+            }
             Command::CreateJob {
                 kind,
                 path,

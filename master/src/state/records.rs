@@ -306,6 +306,11 @@ pub enum Command {
         dst: String,
         now_ms: i64,
     },
+    /// Pins a path with `replicas` (0: unpins it); see `state::pins`.
+    SetPin {
+        path: String,
+        replicas: u32,
+    },
     /// A new job (see `state::jobs`).
     CreateJob {
         kind: String,

@@ -74,6 +74,7 @@ impl Heartbeat {
         let mut interval = self.interval;
         let mut need_register = true;
         let mut logged_failure = false;
+        let mut pins_generation = 0u64;
         loop {
             if need_register {
                 match self.register().await {
@@ -104,11 +105,19 @@ impl Heartbeat {
                         stats: Some(self.stats()),
                         added_blocks: added,
                         removed_blocks: removed,
+                        pins_generation,
                     })
                     .await
                 {
                     Ok(r) if r.reregister => need_register = true,
                     Ok(r) => {
+                        if r.pins_changed {
+                            let set: std::collections::HashSet<u64> =
+                                r.pinned_inodes.iter().copied().collect();
+                            tracing::info!(files = set.len(), "pinned files updated");
+                            self.store.set_pinned(&set);
+                            pins_generation = r.pins_generation;
+                        }
                         let files: Vec<(u64, u64)> =
                             r.stale.iter().map(|f| (f.inode, f.keep_version)).collect();
                         let freed = self.store.drop_stale_many(&files);

@@ -84,6 +84,9 @@ struct Inner {
     removed: HashSet<BlockKey>,
     /// Inodes whose pages are never evicted.
     pinned: HashSet<u64>,
+    /// Inodes the master says are pinned (`granary pin`); kept apart from the write path's
+    /// pins so neither undoes the other.
+    master_pinned: HashSet<u64>,
     /// Short-circuit leases by id: their pages and until when.
     leases: HashMap<u64, (Vec<PageKey>, Instant)>,
     /// The same leases ordered by expiry, so expiring them never scans every lease.
@@ -102,7 +105,9 @@ struct Inner {
 
 impl Inner {
     fn held(&self, key: &PageKey) -> bool {
-        self.pinned.contains(&key.0 .0) || self.leased.contains_key(key)
+        self.pinned.contains(&key.0 .0)
+            || self.master_pinned.contains(&key.0 .0)
+            || self.leased.contains_key(key)
     }
 
     /// The cached pages of one inode (every version and block).
@@ -273,6 +278,7 @@ impl PageStore {
                 added: HashSet::new(),
                 removed: HashSet::new(),
                 pinned: HashSet::new(),
+                master_pinned: HashSet::new(),
                 leases: HashMap::new(),
                 lease_expiry: BTreeSet::new(),
                 leased: HashMap::new(),
@@ -511,21 +517,32 @@ impl PageStore {
         true
     }
 
-    /// Makes the pinned set exactly `inodes` (the master's list).
+    /// Makes the master's pinned set exactly `inodes` (`granary pin`): their pages, and
+    /// those cached later, are never evicted; pages of inodes no longer listed become
+    /// evictable again (unless pinned by a write or leased).
     pub fn set_pinned(&self, inodes: &HashSet<u64>) {
-        let current: Vec<u64> = self.lock().pinned.iter().copied().collect();
-        for i in current {
-            if !inodes.contains(&i) {
-                self.unpin(i);
+        let mut inner = self.lock();
+        let gone: Vec<u64> = inner.master_pinned.difference(inodes).copied().collect();
+        let new: Vec<u64> = inodes.difference(&inner.master_pinned).copied().collect();
+        inner.master_pinned = inodes.clone();
+        for inode in new {
+            for k in inner.inode_pages(inode) {
+                inner.policy.remove(&k);
             }
         }
-        for &i in inodes {
-            self.pin(i);
+        for inode in gone {
+            for k in inner.inode_pages(inode) {
+                if !inner.held(&k) {
+                    inner.policy.insert(k);
+                }
+            }
         }
     }
 
+    /// Inodes whose pages are never evicted (by a write or by the master).
     pub fn pinned(&self) -> HashSet<u64> {
-        self.lock().pinned.clone()
+        let inner = self.lock();
+        inner.pinned.union(&inner.master_pinned).copied().collect()
     }
 
     /// Grants a short-circuit lease until `until` on the cached pages of block `b` from

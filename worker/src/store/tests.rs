@@ -176,3 +176,29 @@ fn held_pages_stay_until_unpinned_or_the_lease_ends() {
         "nothing cached, no lease"
     );
 }
+
+#[test]
+fn master_pins_and_write_pins_do_not_undo_each_other() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 4 * 4096);
+    // One single-page file per inode.
+    let k = |inode: u64| ((inode, 1, 0), 0);
+    for i in 0..4 {
+        assert!(fill(&s, k(i), i as u8));
+    }
+    // Inode 0 pinned by a write and by the master; inode 1 by the master.
+    s.pin(0);
+    s.set_pinned(&[0, 1].into_iter().collect());
+    s.unpin(0); // the write is persisted: the master's pin still holds it
+    for i in 4..12 {
+        fill(&s, k(i), i as u8);
+    }
+    assert!(s.contains(&k(0)) && s.contains(&k(1)));
+    assert!(!s.contains(&k(2)) && !s.contains(&k(3)));
+    // Unpinned by the master: evictable again.
+    s.set_pinned(&Default::default());
+    for i in 12..20 {
+        fill(&s, k(i), i as u8);
+    }
+    assert!(!s.contains(&k(0)) && !s.contains(&k(1)));
+}

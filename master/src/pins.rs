@@ -1,0 +1,193 @@
+//! The leader's view of what is pinned: the pinned files (every file at or below a pin),
+//! recomputed from the replicated pins every few seconds, with a generation the workers
+//! compare in their heartbeats to learn a new set. Pinning a path also loads it (a load
+//! job with the pin's replicas); when a worker is lost, the pins are loaded again, which
+//! brings each pinned block back to its replica count on the workers left.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::jobs::JobState;
+use crate::state::{ApplyOutput, Command, Kind};
+
+/// How often the pinned files are recomputed (new files in pinned folders are pinned
+/// within this long of being listed).
+const REFRESH_EVERY: Duration = Duration::from_secs(3);
+
+#[derive(Default)]
+pub struct PinSet {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    generation: u64,
+    inodes: Arc<HashSet<u64>>,
+    refreshed: Option<Instant>,
+    /// The term the generation counts in (a new leader starts a new series).
+    term: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl PinSet {
+    /// What a worker at `generation` must be told: `Some((generation, set))` when its set
+    /// is out of date.
+    pub fn update_for(&self, generation: u64) -> Option<(u64, Arc<HashSet<u64>>)> {
+        let g = lock(&self.inner);
+        (g.refreshed.is_some() && g.generation != generation)
+            .then(|| (g.generation, g.inodes.clone()))
+    }
+
+    pub fn contains(&self, inode: u64) -> bool {
+        lock(&self.inner).inodes.contains(&inode)
+    }
+}
+
+impl MasterCore {
+    /// Recomputes the pinned files when due (leader only; every tick).
+    pub fn refresh_pins(&self) {
+        if !self.raft.status.is_leader() {
+            return;
+        }
+        let term = self
+            .raft
+            .status
+            .term
+            .load(std::sync::atomic::Ordering::Relaxed);
+        {
+            let g = lock(&self.pins.inner);
+            if g.term == term && g.refreshed.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+                return;
+            }
+        }
+        let set = match self.pinned_files() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot compute the pinned files");
+                return;
+            }
+        };
+        let mut g = lock(&self.pins.inner);
+        if g.term != term {
+            g.term = term;
+            g.generation = term << 32;
+        }
+        if g.refreshed.is_none() || *g.inodes != set {
+            g.generation += 1;
+            g.inodes = Arc::new(set);
+        }
+        g.refreshed = Some(Instant::now());
+    }
+
+    /// Every file at or below a pin (as far as the namespace is listed).
+    fn pinned_files(&self) -> Result<HashSet<u64>, MasterError> {
+        let mut out = HashSet::new();
+        for (inode, _) in self.ns.sm.pins()? {
+            let mut stack = vec![inode];
+            while let Some(id) = stack.pop() {
+                let Some(node) = self.ns.sm.inode(id)? else {
+                    continue;
+                };
+                if node.kind != Kind::Directory {
+                    out.insert(id);
+                    continue;
+                }
+                let mut after: Option<String> = None;
+                loop {
+                    let page = self.ns.sm.children(id, after.as_deref(), 1000)?;
+                    let full = page.len() == 1000;
+                    after = page.last().map(|c| c.name.clone());
+                    stack.extend(page.into_iter().map(|c| c.id));
+                    if !full {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// `granary pin PATH --replicas N` (N = 0: unpin). Pinning starts a load job of the
+    /// path with N replicas, returned.
+    pub async fn set_pin(
+        self: &Arc<Self>,
+        path: &str,
+        replicas: u32,
+        request_id: u64,
+    ) -> Result<Option<crate::state::jobs::Job>, MasterError> {
+        if replicas > 8 {
+            return Err(MasterError::invalid(format!(
+                "replicas must be 1 to 8, not {replicas}"
+            )));
+        }
+        self.ensure_leader()?;
+        let path = granary_common::paths::normalize(path)?;
+        self.ns.resolve(&path).await?;
+        let cmd = Command::SetPin {
+            path: path.clone(),
+            replicas,
+        };
+        match self.propose_request(cmd, request_id).await? {
+            ApplyOutput::Inode(_) => {}
+            _ => return Err(MasterError::corrupt("unexpected result of SetPin")),
+        }
+        // The workers learn the new set at their next heartbeat.
+        lock(&self.pins.inner).refreshed = None;
+        self.refresh_pins();
+        if replicas == 0 {
+            tracing::info!(path = %path, "unpinned");
+            return Ok(None);
+        }
+        tracing::info!(path = %path, replicas, "pinned");
+        let job = self.start_job("load", &path, replicas, 0).await?;
+        Ok(Some(job))
+    }
+
+    /// After a worker is lost: load every pin again (unless a load of it runs already),
+    /// so pinned blocks get back to their replica count on the workers left.
+    pub fn repin_after_loss(self: &Arc<Self>) {
+        let core = self.clone();
+        tokio::spawn(async move {
+            let (Ok(pins), Ok(jobs)) = (core.ns.sm.pins(), core.ns.sm.jobs()) else {
+                return;
+            };
+            for (inode, pin) in pins {
+                let Ok(Some(node)) = core.ns.sm.inode(inode) else {
+                    continue;
+                };
+                let Ok(path) = core.ns.sm.path_of(&node) else {
+                    continue;
+                };
+                let running = jobs.iter().any(|j| {
+                    j.path == path && j.replicas >= pin.replicas && j.state == JobState::Running
+                });
+                if running {
+                    continue;
+                }
+                match core.start_job("load", &path, pin.replicas, 0).await {
+                    Ok(j) => {
+                        tracing::info!(path = %path, job = j.id, replicas = pin.replicas, "re-replicating a pin after a worker loss")
+                    }
+                    Err(e) => tracing::warn!(path = %path, error = %e, "cannot re-replicate a pin"),
+                }
+            }
+        });
+    }
+}
+
+/// The pin fields of a heartbeat answer for a worker at `generation`.
+pub fn heartbeat_pins(core: &MasterCore, generation: u64) -> (bool, Vec<u64>, u64) {
+    match core.pins.update_for(generation) {
+        Some((g, set)) => (true, set.iter().copied().collect(), g),
+        None => (false, Vec::new(), generation),
+    }
+}

@@ -1,0 +1,77 @@
+//! Pins (`granary pin`) in the replicated state: `P` + inode → replicas. A pinned file or
+//! directory (everything below it) is loaded onto `replicas` workers and never evicted
+//! there; the leader tells the workers which inodes are pinned.
+
+use serde::{Deserialize, Serialize};
+
+use super::{from_json, to_json, u64_of, StateMachine, Txn};
+use crate::error::MasterError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pin {
+    pub replicas: u32,
+}
+
+fn pin_key(inode: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'P');
+    k.extend_from_slice(&inode.to_be_bytes());
+    k
+}
+
+impl StateMachine {
+    /// Every pin: (inode, pin).
+    pub fn pins(&self) -> Result<Vec<(u64, Pin)>, MasterError> {
+        let mut out = Vec::new();
+        self.scan(b"P", |k, v| {
+            out.push((u64_of(&k[1..])?, from_json(v)?));
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+
+    pub fn pin_of(&self, inode: u64) -> Result<Option<Pin>, MasterError> {
+        self.get(&pin_key(inode))?
+            .map(|v| from_json(&v))
+            .transpose()
+    }
+
+    /// The pin that covers `inode`: its own, or its nearest pinned ancestor's.
+    pub fn pin_covering(&self, inode: &super::Inode) -> Result<Option<Pin>, MasterError> {
+        let mut cur = inode.clone();
+        loop {
+            if let Some(p) = self.pin_of(cur.id)? {
+                return Ok(Some(p));
+            }
+            if cur.id == super::ROOT_INODE {
+                return Ok(None);
+            }
+            cur = match self.inode(cur.parent)? {
+                Some(p) => p,
+                None => return Ok(None),
+            };
+        }
+    }
+}
+
+impl Txn<'_> {
+    /// Pins `path` with `replicas` (0: unpins it). Returns the inode.
+    pub(super) fn set_pin(
+        &mut self,
+        path: &str,
+        replicas: u32,
+    ) -> Result<super::Inode, MasterError> {
+        let inode = self.resolve(path)?;
+        if replicas == 0 {
+            self.delete(pin_key(inode.id));
+        } else {
+            self.put(pin_key(inode.id), to_json(&Pin { replicas })?);
+        }
+        Ok(inode)
+    }
+
+    /// A deleted inode takes its pin with it.
+    pub(super) fn drop_pin(&mut self, inode: u64) {
+        self.delete(pin_key(inode));
+    }
+}
