@@ -89,6 +89,25 @@ pub enum Command {
         after_help = "Pinning starts a load of the path (followed like granary load unless --detach). Files\nadded later under a pinned folder are pinned once listed. `granary fs ls` marks\npinned entries; `granary unpin` makes them evictable again (nothing is dropped).\n\nExamples:\n  granary pin /datasets/imagenet/val\n  granary pin /models/llama --replicas 3 --detach\n  granary unpin /datasets/imagenet/val"
     )]
     Pin(LoadArgs),
+    /// Drop the cached copies of a file or folder on every worker (the under-store keeps
+    /// the data; the next read fetches it again).
+    #[command(
+        after_help = "Refuses pinned data (unpin it first) and files not in the under-store yet (written\nthrough Granary, upload pending) unless --force, which loses them. Workers drop the\npages at their next heartbeat.\n\nExamples:\n  granary free /datasets/old-run/shard-0001.tar\n  granary free -R /datasets/old-run"
+    )]
+    Free {
+        /// File or folder (Granary path).
+        path: String,
+        /// Free everything below a folder.
+        #[arg(short = 'R', long)]
+        recursive: bool,
+        /// Also free files whose only copies are cached (they are lost).
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
     /// Undo granary pin: the path's pages become evictable again (nothing is dropped).
     #[command(after_help = "Examples:\n  granary unpin /datasets/imagenet/val")]
     Unpin {

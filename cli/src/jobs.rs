@@ -187,6 +187,38 @@ pub async fn pin(a: LoadArgs) -> anyhow::Result<()> {
     started(&m, a, j).await
 }
 
+pub async fn free(
+    path: &str,
+    recursive: bool,
+    force: bool,
+    json: bool,
+    addr: &MasterAddr,
+) -> anyhow::Result<()> {
+    let r = master(addr)?.free(path, recursive, force).await?;
+    if json {
+        let v = serde_json::json!({
+            "path": path,
+            "files": r.files,
+            "cached_files": r.cached_files,
+            "workers": r.workers,
+            "unpersisted_files": r.unpersisted_files,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "freeing {path}: {} files, {} of them cached on {} workers (dropped at their next heartbeat)",
+            r.files, r.cached_files, r.workers
+        );
+        if r.unpersisted_files > 0 {
+            println!(
+                "{} files were not in the under-store: their data is gone",
+                r.unpersisted_files
+            );
+        }
+    }
+    Ok(())
+}
+
 pub async fn unpin(path: &str, addr: &MasterAddr) -> anyhow::Result<()> {
     master(addr)?.set_pin(path, 0).await?;
     println!("{path} unpinned");

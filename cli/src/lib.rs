@@ -83,6 +83,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Load(a) => jobs::load(a).await,
         Command::Job(c) => jobs::job(c).await,
         Command::Pin(a) => jobs::pin(a).await,
+        Command::Free {
+            path,
+            recursive,
+            force,
+            json,
+            master,
+        } => jobs::free(&path, recursive, force, json, &master).await,
         Command::Unpin { path, master } => jobs::unpin(&path, &master).await,
     }
 }

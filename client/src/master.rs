@@ -560,6 +560,24 @@ impl MasterClient {
         .await
     }
 
+    /// Drops the cached copies of `path` on every worker (see the master's `Free`).
+    pub async fn free(
+        &self,
+        path: &str,
+        recursive: bool,
+        force: bool,
+    ) -> Result<pb::FreeResponse, ClientError> {
+        self.call(|mut c| {
+            let req = self.request(pb::FreeRequest {
+                path: path.to_string(),
+                recursive,
+                force,
+            });
+            async move { c.free(req).await }
+        })
+        .await
+    }
+
     /// A job with up to `max_failed` of its failed files (0: 1,000).
     pub async fn get_job(&self, id: u64, max_failed: u32) -> Result<pb::JobInfo, ClientError> {
         self.call(|mut c| {

@@ -11,6 +11,7 @@
 pub mod blocks;
 pub mod core;
 pub mod error;
+pub mod free;
 pub mod jobs;
 pub mod metrics;
 pub mod mounts;

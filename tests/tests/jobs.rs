@@ -224,6 +224,24 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
     assert!(human.contains("failed  /data/large/l1.bin"), "{human}");
     let c = json(&granary_ok(&["job", "cancel", "1", "--json", "--master", &addr]).unwrap());
     assert_eq!(c["state"], "failed", "a finished job stays as it ended");
+
+    // free: a folder needs -R; then every worker drops every page, and the next load
+    // fetches everything again.
+    let out = granary(&["free", "/data", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use -R"));
+    let freed = json(&granary_ok(&["free", "-R", "/data", "--json", "--master", &addr]).unwrap());
+    assert_eq!(freed["files"], files.len() as u64);
+    assert_eq!(freed["cached_files"], files.len() as u64 - 3);
+    poll(
+        "the workers to drop the freed pages",
+        Duration::from_secs(30),
+        || (sum(&workers, "granary_worker_cache_used_bytes") == 0.0).then_some(()),
+    )
+    .unwrap();
+    let out = granary(&["load", "/data", "--json", "--master", &addr]);
+    let j3 = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(j3["fetched_bytes"], total - broken_bytes);
 }
 
 #[test]
@@ -352,6 +370,11 @@ fn pinned_data_outlives_cache_pressure_and_a_lost_worker_and_keeps_its_replicas(
     assert_eq!(j["done_bytes"], hot_bytes);
     let ls = granary_ok(&["fs", "ls", "/data", "--master", &addr]).unwrap();
     assert!(ls.lines().any(|l| l == "hot (pinned)"), "{ls}");
+    for p in ["/data/hot/h001.bin", "/data"] {
+        let out = granary(&["free", "-R", p, "--master", &addr]);
+        assert_eq!(out.status.code(), Some(1), "freeing pinned {p}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("is pinned"));
+    }
     assert!(ls.lines().any(|l| l == "cold"), "{ls}");
     let st = json(&granary_ok(&["fs", "ls", "/data/hot", "--json", "--master", &addr]).unwrap());
     assert!(st

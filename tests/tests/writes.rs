@@ -124,6 +124,14 @@ fn a_checkpoint_written_async_through_survives_a_worker_kill_and_cache_through_w
         "the store has the object although it was stopped during the write"
     );
     assert_eq!(persisted(&master.addr, "/s3/model.pt"), "pending");
+    // Its only copies are cached: granary free refuses (without --force), changing nothing.
+    let out = granary(&["free", "-R", "/s3", "--master", &master.addr]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not in the under-store yet (e.g. /s3/model.pt)"),
+        "{err}"
+    );
     // Readable meanwhile, from the writer's cache (the store still hangs).
     drop_page_cache(&target).unwrap();
     assert_eq!(sha_of(&target).as_deref(), Some(want.as_str()));

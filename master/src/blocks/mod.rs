@@ -25,6 +25,9 @@ pub struct BlockLocations {
     /// (0: none), with when it was noted. Workers holding other versions are told to drop
     /// them on their next heartbeat.
     stale: Mutex<HashMap<u64, (u64, std::time::Instant)>>,
+    /// Files freed (`granary free`), per worker holding some of their blocks: told once,
+    /// on its next heartbeat, to drop every page of them.
+    freed: Mutex<HashMap<u64, HashSet<u64>>>,
 }
 
 /// How long a noted change is passed on to workers (a worker away longer re-registers with
@@ -145,6 +148,44 @@ impl BlockLocations {
             .into_iter()
             .filter(|(inode, keep)| held.iter().any(|k| k.0 == *inode && k.1 != *keep))
             .collect()
+    }
+
+    /// Queues `inodes` to be dropped by every worker holding blocks of them. Returns
+    /// (files with cached blocks, workers holding some).
+    pub fn free(&self, inodes: &HashSet<u64>) -> (usize, usize) {
+        let mut per_worker: HashMap<u64, HashSet<u64>> = HashMap::new();
+        {
+            let inner = self.lock();
+            for (w, keys) in &inner.by_worker {
+                for k in keys {
+                    if inodes.contains(&k.0) {
+                        per_worker.entry(*w).or_default().insert(k.0);
+                    }
+                }
+            }
+        }
+        let files: HashSet<u64> = per_worker.values().flatten().copied().collect();
+        let workers = per_worker.len();
+        let mut freed = match self.freed.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        for (w, set) in per_worker {
+            freed.entry(w).or_default().extend(set);
+        }
+        (files.len(), workers)
+    }
+
+    /// The freed files `worker` must drop now (each handed out once).
+    pub fn take_freed(&self, worker: u64) -> Vec<u64> {
+        let mut freed = match self.freed.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        freed
+            .remove(&worker)
+            .map(|s| s.into_iter().collect())
+            .unwrap_or_default()
     }
 
     pub fn block_count(&self, worker: u64) -> u64 {

@@ -479,7 +479,7 @@ impl MasterService for MasterRpc {
         self.core
             .blocks
             .update(r.worker_id, &r.added_blocks, &r.removed_blocks);
-        let stale = self
+        let mut stale: Vec<pb::StaleFile> = self
             .core
             .blocks
             .stale_for(r.worker_id)
@@ -489,6 +489,17 @@ impl MasterService for MasterRpc {
                 keep_version,
             })
             .collect();
+        // Freed files: every version goes.
+        stale.extend(
+            self.core
+                .blocks
+                .take_freed(r.worker_id)
+                .into_iter()
+                .map(|inode| pb::StaleFile {
+                    inode,
+                    keep_version: 0,
+                }),
+        );
         let (pins_changed, pinned_inodes, pins_generation) =
             crate::pins::heartbeat_pins(&self.core, r.pins_generation);
         Ok(Response::new(pb::WorkerHeartbeatResponse {
@@ -508,6 +519,16 @@ impl MasterService for MasterRpc {
             self.core.ensure_leader()?;
         }
         Ok(Response::new(self.core.cluster_info().await?))
+    }
+
+    async fn free(
+        &self,
+        req: Request<pb::FreeRequest>,
+    ) -> Result<Response<pb::FreeResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.core.free(&r.path, r.recursive, r.force).await?,
+        ))
     }
 
     async fn set_pin(

@@ -1,0 +1,89 @@
+//! `granary free`: drops the cached copies of a file, or of everything below a folder, on
+//! every worker. Refuses what a free would lose or undo: pinned data, and files whose only
+//! copies are cached (written through Granary, not in the under-store yet) unless forced.
+
+use std::collections::HashSet;
+
+use granary_proto as pb;
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::{Kind, Persist};
+
+/// Examples of unpersisted files named in a refusal.
+const EXAMPLES: usize = 3;
+
+impl MasterCore {
+    pub async fn free(
+        &self,
+        path: &str,
+        recursive: bool,
+        force: bool,
+    ) -> Result<pb::FreeResponse, MasterError> {
+        self.ensure_leader()?;
+        self.read_barrier().await?;
+        let path = granary_common::paths::normalize(path)?;
+        let root = self.ns.resolve(&path).await?;
+        if root.kind == Kind::Directory && !recursive {
+            return Err(MasterError::precondition(format!(
+                "{path} is a directory: use -R to free everything below it"
+            )));
+        }
+        if self.ns.sm.pin_covering(&root)?.is_some() {
+            return Err(MasterError::precondition(format!(
+                "{path} is pinned: unpin it first (granary unpin)"
+            )));
+        }
+        // Files below it, as far as the namespace is listed (what was never listed was
+        // never cached), and any pin among them.
+        let pinned: HashSet<u64> = self.ns.sm.pins()?.into_iter().map(|(i, _)| i).collect();
+        let mut files = HashSet::new();
+        let mut unpersisted: Vec<String> = Vec::new();
+        let mut unpersisted_count = 0u64;
+        let mut stack = vec![(root, path.clone())];
+        while let Some((node, p)) = stack.pop() {
+            if pinned.contains(&node.id) {
+                return Err(MasterError::precondition(format!(
+                    "{p} (below {path}) is pinned: unpin it first (granary unpin)"
+                )));
+            }
+            if node.kind != Kind::Directory {
+                if node.persist != Persist::Persisted {
+                    unpersisted_count += 1;
+                    if unpersisted.len() < EXAMPLES {
+                        unpersisted.push(p.clone());
+                    }
+                }
+                files.insert(node.id);
+                continue;
+            }
+            let mut after: Option<String> = None;
+            loop {
+                let page = self.ns.sm.children(node.id, after.as_deref(), 1000)?;
+                let full = page.len() == 1000;
+                after = page.last().map(|c| c.name.clone());
+                for c in page {
+                    let cp = granary_common::paths::join(&p, &c.name);
+                    stack.push((c, cp));
+                }
+                if !full {
+                    break;
+                }
+            }
+        }
+        if unpersisted_count > 0 && !force {
+            return Err(MasterError::precondition(format!(
+                "{unpersisted_count} file(s) under {path} are not in the under-store yet (e.g. {}): freeing would lose their only copies; wait until they are persisted (granary fs stat shows it) or use --force",
+                unpersisted.join(", ")
+            )));
+        }
+        let (cached_files, workers) = self.blocks.free(&files);
+        tracing::info!(path = %path, files = files.len(), cached_files, workers, forced_unpersisted = unpersisted_count, "freeing cached copies");
+        Ok(pb::FreeResponse {
+            files: files.len() as u64,
+            cached_files: cached_files as u64,
+            workers: workers as u64,
+            unpersisted_files: unpersisted_count,
+        })
+    }
+}
