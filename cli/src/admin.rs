@@ -69,6 +69,7 @@ fn status_json(s: &pb::FileStatus) -> serde_json::Value {
         })),
         "version": format!("{:016x}", s.version),
         "pinned_replicas": s.pinned_replicas,
+        "ttl": (s.ttl_expires_ms > 0).then(|| json!({"expires_ms": s.ttl_expires_ms, "action": s.ttl_action})),
         "sync": json!({
             "failures": s.sync_failures,
             "error": s.sync_error,

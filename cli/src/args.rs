@@ -108,6 +108,9 @@ pub enum Command {
         #[command(flatten)]
         master: MasterAddr,
     },
+    /// Expire a file or folder after a while: free its cached copies, or delete it.
+    #[command(subcommand)]
+    Ttl(TtlCommand),
     /// Undo granary pin: the path's pages become evictable again (nothing is dropped).
     #[command(after_help = "Examples:\n  granary unpin /datasets/imagenet/val")]
     Unpin {
@@ -648,4 +651,37 @@ pub struct ReportArgs {
     pub json: bool,
     #[command(flatten)]
     pub master: MasterAddr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TtlActionArg {
+    /// Drop the cached copies (the under-store keeps the data).
+    Free,
+    /// Delete the entry — in the under-store too, for mounted paths.
+    Delete,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TtlCommand {
+    /// Set (or replace) the TTL of a path, counted from now.
+    #[command(
+        after_help = "When the TTL is due the leader master frees the path's cached copies (free) or deletes\nit, everything below it included, from Granary and, for mounted paths, from the\nunder-store (delete). A free refused (pinned data, files not persisted yet) is retried\nuntil it succeeds. The TTL survives master failovers; `granary fs stat` shows it.\n\nExamples:\n  granary ttl set /scratch/run-42 7d --action delete\n  granary ttl set /datasets/old 12h --action free"
+    )]
+    Set {
+        path: String,
+        /// How long from now (e.g. 90s, 30m, 12h, 7d).
+        #[arg(value_parser = duration)]
+        ttl: Duration,
+        #[arg(long, value_enum, default_value = "free")]
+        action: TtlActionArg,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Remove the TTL of a path.
+    #[command(after_help = "Examples:\n  granary ttl unset /scratch/run-42")]
+    Unset {
+        path: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
 }

@@ -8,7 +8,7 @@ use granary_client::MasterClient;
 use granary_common::size::format_size;
 use granary_proto as pb;
 
-use crate::args::{JobCommand, LoadArgs, MasterAddr};
+use crate::args::{JobCommand, LoadArgs, MasterAddr, TtlActionArg, TtlCommand};
 
 /// How often a followed job is polled.
 const POLL: Duration = Duration::from_millis(500);
@@ -214,6 +214,38 @@ pub async fn free(
                 "{} files were not in the under-store: their data is gone",
                 r.unpersisted_files
             );
+        }
+    }
+    Ok(())
+}
+
+pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
+    match cmd {
+        TtlCommand::Set {
+            path,
+            ttl,
+            action,
+            master: addr,
+        } => {
+            if ttl.is_zero() {
+                anyhow::bail!("a TTL must be longer than 0s (granary ttl unset removes one)");
+            }
+            let action = match action {
+                TtlActionArg::Free => "free",
+                TtlActionArg::Delete => "delete",
+            };
+            let due = master(&addr)?
+                .set_ttl(&path, ttl.as_millis().max(1) as u64, action)
+                .await?;
+            println!(
+                "{path}: {action} in {} (at {} ms since the epoch)",
+                humantime::format_duration(ttl),
+                due
+            );
+        }
+        TtlCommand::Unset { path, master: addr } => {
+            master(&addr)?.set_ttl(&path, 0, "free").await?;
+            println!("{path}: no TTL");
         }
     }
     Ok(())

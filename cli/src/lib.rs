@@ -83,6 +83,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Load(a) => jobs::load(a).await,
         Command::Job(c) => jobs::job(c).await,
         Command::Pin(a) => jobs::pin(a).await,
+        Command::Ttl(c) => jobs::ttl(c).await,
         Command::Free {
             path,
             recursive,

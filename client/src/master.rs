@@ -560,6 +560,23 @@ impl MasterClient {
         .await
     }
 
+    /// Sets the TTL of `path` (`ttl_ms` 0: removes it); returns when it is due (ms since
+    /// the Unix epoch, 0 when removed).
+    pub async fn set_ttl(&self, path: &str, ttl_ms: u64, action: &str) -> Result<u64, ClientError> {
+        let request_id = Self::request_id();
+        self.call(|mut c| {
+            let req = self.request(pb::SetTtlRequest {
+                path: path.to_string(),
+                ttl_ms,
+                action: action.to_string(),
+                request_id,
+            });
+            async move { c.set_ttl(req).await }
+        })
+        .await
+        .map(|r| r.expires_ms)
+    }
+
     /// Drops the cached copies of `path` on every worker (see the master's `Free`).
     pub async fn free(
         &self,

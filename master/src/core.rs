@@ -22,6 +22,7 @@ pub struct MasterCore {
     pub heartbeat_interval: Duration,
     pub jobs: crate::jobs::JobRunner,
     pub pins: crate::pins::PinSet,
+    pub ttl: crate::ttl::TtlRunner,
 }
 
 impl MasterCore {

@@ -20,6 +20,7 @@ pub mod pins;
 pub mod raft;
 pub mod service;
 pub mod state;
+pub mod ttl;
 pub mod workers;
 
 use std::net::SocketAddr;
@@ -193,6 +194,7 @@ pub async fn start(
         heartbeat_interval: config.heartbeat_interval,
         jobs: jobs::JobRunner::default(),
         pins: pins::PinSet::default(),
+        ttl: ttl::TtlRunner::default(),
     });
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
@@ -223,6 +225,7 @@ pub async fn start(
                         core.retry_failed_listings();
                         core.run_jobs();
                         core.refresh_pins();
+                        core.expire_ttls();
                     }
                 }
             }

@@ -442,3 +442,100 @@ fn pinned_data_outlives_cache_pressure_and_a_lost_worker_and_keeps_its_replicas(
     let ls = granary_ok(&["fs", "ls", "/data", "--master", &addr]).unwrap();
     assert!(ls.lines().any(|l| l == "hot"), "{ls}");
 }
+
+#[test]
+fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-ttl-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let mut sizes = std::collections::BTreeMap::new();
+    for (dir, n) in [("a", 20u64), ("b", 5), ("c", 5)] {
+        for i in 0..n {
+            let name = format!("{dir}/f{i:02}.bin");
+            let len = 100_000 + i * 17;
+            random_file(&src.join(&name), len).unwrap();
+            sizes.insert(name, len);
+        }
+    }
+    let bytes = |prefix: &str| -> u64 {
+        sizes
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let s3 = TestStore::s3(root, "ttls", "ttl-access", "ttl-secret-key").unwrap();
+    s3.load(&src).unwrap();
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    let workers = vec![Worker::start(root, "w1", &addr, "256MiB").unwrap()];
+    wait_live_workers(&addr, 1).unwrap();
+    let mut args = vec!["mount", "add", "/data", "s3://ttls"];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", &addr]);
+    granary_ok(&args).unwrap();
+    granary_ok(&["load", "/data", "--master", &addr]).unwrap();
+    let used = || sum(&workers, "granary_worker_cache_used_bytes") as u64;
+    assert_eq!(used(), bytes(""));
+
+    // Bad input changes nothing.
+    for (args, code) in [
+        (vec!["ttl", "set", "/data/nope", "5s"], 1),
+        (vec!["ttl", "set", "/data/a", "0s"], 1),
+        (vec!["ttl", "set", "/", "5s"], 1),
+        (vec!["ttl", "set", "/data/a", "5s", "--action", "shred"], 2),
+        (vec!["ttl", "set", "/data/a", "soon"], 2),
+    ] {
+        let mut a = args.clone();
+        a.extend(["--master", addr.as_str()]);
+        assert_eq!(granary(&a).status.code(), Some(code), "{args:?}");
+    }
+
+    let set_at = std::time::Instant::now();
+    granary_ok(&["ttl", "set", "/data/a", "3s", "--master", &addr]).unwrap();
+    granary_ok(&[
+        "ttl",
+        "set",
+        "/data/b/f02.bin",
+        "3s",
+        "--action",
+        "delete",
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    granary_ok(&["ttl", "set", "/data/c", "2s", "--master", &addr]).unwrap();
+    granary_ok(&["ttl", "unset", "/data/c", "--master", &addr]).unwrap();
+    let st = json(&granary_ok(&["fs", "stat", "/data/a", "--json", "--master", &addr]).unwrap());
+    assert_eq!(st["ttl"]["action"], "free", "{st}");
+    let c = json(&granary_ok(&["fs", "stat", "/data/c", "--json", "--master", &addr]).unwrap());
+    assert!(c["ttl"].is_null(), "{c}");
+
+    let want = bytes("") - bytes("a/") - sizes["b/f02.bin"];
+    poll("the TTLs to act", Duration::from_secs(20), || {
+        (used() == want).then_some(())
+    })
+    .unwrap();
+    let took = set_at.elapsed();
+    assert!(
+        took >= Duration::from_secs(3),
+        "acted early, after {took:?}"
+    );
+    assert!(took < Duration::from_secs(8), "acted late, after {took:?}");
+    // Deleted: gone from the namespace and the store; freed: still there, re-readable.
+    let ls = granary_ok(&["fs", "ls", "/data/b", "--master", &addr]).unwrap();
+    assert!(!ls.contains("f02.bin") && ls.contains("f01.bin"), "{ls}");
+    assert!(!s3.object_file("b/f02.bin").unwrap().exists());
+    let ls = granary_ok(&["fs", "ls", "/data/a", "--master", &addr]).unwrap();
+    assert_eq!(ls.lines().count(), 20);
+    let st = json(&granary_ok(&["fs", "stat", "/data/a", "--json", "--master", &addr]).unwrap());
+    assert!(st["ttl"].is_null(), "an acted-on TTL is removed: {st}");
+    // The unset TTL (due 2 s after it was set, over 3 s ago) never acted: /data/c is still
+    // cached (its bytes are in `want`).
+    assert_eq!(used(), want);
+}

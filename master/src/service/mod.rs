@@ -36,6 +36,10 @@ fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterE
     let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
     mark_validated(core, &mut s, inode);
     s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
+    if let Some(t) = core.ns.sm.ttl_of(inode.id)? {
+        s.ttl_expires_ms = t.expires_ms.max(0) as u64;
+        s.ttl_action = t.action.as_str().to_string();
+    }
     if let Some(sync) = core.ns.sync_info(inode.id) {
         s.sync_failures = sync.failures;
         s.sync_error = sync.last_error.unwrap_or_default();
@@ -297,21 +301,9 @@ impl MasterService for MasterRpc {
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
         let r = req.into_inner();
-        self.core.ensure_leader()?;
-        let inode = self.core.ns.delete_in_store(&r.path, r.recursive).await?;
         self.core
-            .propose_request(
-                Command::Delete {
-                    path: r.path,
-                    recursive: r.recursive,
-                },
-                r.request_id,
-            )
+            .delete_path(&r.path, r.recursive, r.request_id)
             .await?;
-        // Workers drop the removed file's cached pages (pinned ones of a pending write too).
-        if inode.kind == crate::state::Kind::File {
-            self.core.blocks.note_stale(inode.id, 0);
-        }
         Ok(Response::new(pb::DeleteResponse {}))
     }
 
@@ -519,6 +511,20 @@ impl MasterService for MasterRpc {
             self.core.ensure_leader()?;
         }
         Ok(Response::new(self.core.cluster_info().await?))
+    }
+
+    async fn set_ttl(
+        &self,
+        req: Request<pb::SetTtlRequest>,
+    ) -> Result<Response<pb::SetTtlResponse>, Status> {
+        let r = req.into_inner();
+        let (_, ttl) = self
+            .core
+            .set_ttl(&r.path, r.ttl_ms, &r.action, r.request_id)
+            .await?;
+        Ok(Response::new(pb::SetTtlResponse {
+            expires_ms: ttl.map_or(0, |t| t.expires_ms.max(0) as u64),
+        }))
     }
 
     async fn free(

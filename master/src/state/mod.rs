@@ -6,6 +6,7 @@
 pub mod jobs;
 pub mod pins;
 pub mod records;
+pub mod ttl;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -582,6 +583,7 @@ impl<'a> Txn<'a> {
             if id != inode.id || unlink {
                 self.delete(inode_key(id));
                 self.drop_pin(id);
+                self.drop_ttl(id);
                 removed += 1;
             }
         }
@@ -604,6 +606,11 @@ impl<'a> Txn<'a> {
         match cmd {
             Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
             Command::RemoveMount { path } => self.remove_mount(path),
+            Command::SetTtl { path, ttl } => Ok(ApplyOutput::Inode(self.set_ttl(path, *ttl)?)),
+            Command::EndTtl { inode, was } => {
+                self.end_ttl(*inode, was)?;
+                Ok(ApplyOutput::None)
+            }
             Command::SetPin { path, replicas } => {
                 Ok(ApplyOutput::Inode(self.set_pin(path, *replicas)?))
             }

@@ -306,6 +306,16 @@ pub enum Command {
         dst: String,
         now_ms: i64,
     },
+    /// Sets (or with None removes) the TTL of a path; see `state::ttl`.
+    SetTtl {
+        path: String,
+        ttl: Option<super::ttl::Ttl>,
+    },
+    /// A TTL was acted on: removed unless it changed meanwhile.
+    EndTtl {
+        inode: u64,
+        was: super::ttl::Ttl,
+    },
     /// Pins a path with `replicas` (0: unpins it); see `state::pins`.
     SetPin {
         path: String,

@@ -1,0 +1,136 @@
+//! Acting on TTLs (`granary ttl set PATH DURATION --action free|delete`): the leader checks
+//! the TTLs every tick (0.5 s) and, for each one due, frees the path's cached copies or
+//! deletes the entry (in the under-store too, for mounted paths), then removes the TTL. A
+//! free that is refused (pinned data, files not persisted yet) is retried every tick and
+//! logged once a minute; the TTL stays until it succeeds.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::ttl::{Ttl, TtlAction};
+use crate::state::{ApplyOutput, Command, Inode, Kind};
+
+/// How often a refused TTL action is logged again.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+#[derive(Default)]
+pub struct TtlRunner {
+    busy: AtomicBool,
+    warned: Mutex<HashMap<u64, Instant>>,
+}
+
+impl MasterCore {
+    /// Sets the TTL of `path` to `ttl_ms` from now (0: removes it).
+    pub async fn set_ttl(
+        &self,
+        path: &str,
+        ttl_ms: u64,
+        action: &str,
+        request_id: u64,
+    ) -> Result<(Inode, Option<Ttl>), MasterError> {
+        let action = match action {
+            "free" | "" => TtlAction::Free,
+            "delete" => TtlAction::Delete,
+            other => {
+                return Err(MasterError::invalid(format!(
+                    "unknown TTL action {other:?} (free or delete)"
+                )))
+            }
+        };
+        self.ensure_leader()?;
+        let path = granary_common::paths::normalize(path)?;
+        if path == "/" {
+            return Err(MasterError::invalid("the root cannot have a TTL"));
+        }
+        self.ns.resolve(&path).await?;
+        let ttl = (ttl_ms > 0).then(|| Ttl {
+            expires_ms: granary_common::now_ms().saturating_add(ttl_ms.min(i64::MAX as u64) as i64),
+            action,
+        });
+        match self
+            .propose_request(Command::SetTtl { path, ttl }, request_id)
+            .await?
+        {
+            ApplyOutput::Inode(i) => Ok((i, ttl)),
+            _ => Err(MasterError::corrupt("unexpected result of SetTtl")),
+        }
+    }
+
+    /// Deletes `path` (in the under-store first for mounted paths), as `granary fs rm`.
+    pub async fn delete_path(
+        &self,
+        path: &str,
+        recursive: bool,
+        request_id: u64,
+    ) -> Result<(), MasterError> {
+        self.ensure_leader()?;
+        let inode = self.ns.delete_in_store(path, recursive).await?;
+        self.propose_request(
+            Command::Delete {
+                path: path.to_string(),
+                recursive,
+            },
+            request_id,
+        )
+        .await?;
+        // Workers drop the removed file's cached pages (pinned ones of a pending write too).
+        if inode.kind == Kind::File {
+            self.blocks.note_stale(inode.id, 0);
+        }
+        Ok(())
+    }
+
+    /// Acts on the TTLs that are due (leader only; every tick, one pass at a time).
+    pub fn expire_ttls(self: &Arc<Self>) {
+        if !self.raft.status.is_leader() {
+            return;
+        }
+        let now = granary_common::now_ms();
+        let due: Vec<(u64, Ttl)> = match self.ns.sm.ttls() {
+            Ok(t) => t.into_iter().filter(|(_, t)| t.expires_ms <= now).collect(),
+            Err(_) => return,
+        };
+        if due.is_empty() || self.ttl.busy.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let core = self.clone();
+        tokio::spawn(async move {
+            for (inode, ttl) in due {
+                if let Err(e) = core.act_on_ttl(inode, &ttl).await {
+                    let mut w = match core.ttl.warned.lock() {
+                        Ok(g) => g,
+                        Err(p) => p.into_inner(),
+                    };
+                    if w.get(&inode).is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                        tracing::warn!(inode, action = ttl.action.as_str(), error = %e, "a TTL is due but its action failed; retrying");
+                        w.insert(inode, Instant::now());
+                    }
+                }
+            }
+            core.ttl.busy.store(false, Ordering::Release);
+        });
+    }
+
+    async fn act_on_ttl(&self, inode: u64, ttl: &Ttl) -> Result<(), MasterError> {
+        let Some(node) = self.ns.sm.inode(inode)? else {
+            return Ok(()); // gone already (its TTL went with it)
+        };
+        let path = self.ns.sm.path_of(&node)?;
+        match ttl.action {
+            TtlAction::Free => {
+                let r = self.free(&path, true, false).await?;
+                tracing::info!(path = %path, files = r.files, cached = r.cached_files, "TTL expired: freed");
+            }
+            TtlAction::Delete => {
+                self.delete_path(&path, true, 0).await?;
+                tracing::info!(path = %path, "TTL expired: deleted");
+            }
+        }
+        self.propose(Command::EndTtl { inode, was: *ttl }).await?;
+        Ok(())
+    }
+}
