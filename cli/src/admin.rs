@@ -305,7 +305,14 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
 }
 
 pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
-    let info = master(&a.master)?.cluster_info(false).await?;
+    let m = master(&a.master)?;
+    let info = m.cluster_info(false).await?;
+    let running: Vec<pb::JobInfo> = m
+        .list_jobs()
+        .await?
+        .into_iter()
+        .filter(|j| j.state == "running" || j.state == "planning")
+        .collect();
     let stats: Vec<pb::WorkerStats> = info
         .workers
         .iter()
@@ -326,6 +333,20 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    // Every byte served from a cache (to a client, or to a worker filling its cache) is a
+    // byte the under-stores did not serve.
+    let peer: u64 = stats.iter().map(|s| s.peer_served_bytes).sum();
+    let saved = hit + peer;
+    use granary_worker::metrics::{MissLatency, MISS_BUCKETS};
+    let mut buckets = vec![0u64; MISS_BUCKETS];
+    for s in &stats {
+        for (i, c) in s.miss_latency_buckets.iter().enumerate().take(MISS_BUCKETS) {
+            buckets[i] += c;
+        }
+    }
+    let misses: u64 = buckets.iter().sum();
+    let p50 = MissLatency::quantile_us(&buckets, 0.5).map(|us| us / 1000.0);
+    let p99 = MissLatency::quantile_us(&buckets, 0.99).map(|us| us / 1000.0);
     if a.json {
         let v = json!({
             "leader_id": info.leader_id,
@@ -356,7 +377,10 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
             "cache_hit_bytes": hit,
             "cache_miss_bytes": miss,
             "ufs_read_bytes": ufs,
+            "ufs_bytes_saved": saved,
             "hit_ratio": ratio,
+            "miss_penalty_ms": json!({"p50": p50, "p99": p99, "samples": misses}),
+            "jobs_running": running.iter().map(crate::jobs::job_json).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -407,12 +431,30 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         format_size(cap)
     );
     println!(
-        "Reads: {} from cache, {} missed, hit ratio {:.1}%; {} read from under-stores",
+        "Reads: {} from cache, {} missed, hit ratio {:.1}%; {} read from under-stores, {} saved",
         format_size(hit),
         format_size(miss),
         ratio * 100.0,
-        format_size(ufs)
+        format_size(ufs),
+        format_size(saved)
     );
+    match (p50, p99) {
+        (Some(p50), Some(p99)) => {
+            println!("Miss penalty: p50 {p50:.1} ms, p99 {p99:.1} ms ({misses} page misses)")
+        }
+        _ => println!("Miss penalty: no misses yet"),
+    }
+    if running.is_empty() {
+        println!("Jobs: none running");
+    } else {
+        println!("Jobs running");
+        for j in &running {
+            println!(
+                "  {}  {}  {}  {} of {} files, {} failed",
+                j.id, j.kind, j.path, j.done_files, j.total_files, j.failed_files
+            );
+        }
+    }
     Ok(())
 }
 

@@ -69,6 +69,64 @@ fn check_job_schema(j: &serde_json::Value) {
     assert_eq!(obj.len(), 16, "unexpected fields: {j}");
 }
 
+/// Checks `granary report --json` against the documented schema (docs/cli.md).
+fn check_report_schema(r: &serde_json::Value) {
+    for k in [
+        "leader_id",
+        "inodes",
+        "mounts",
+        "capacity_bytes",
+        "used_bytes",
+        "cache_hit_bytes",
+        "cache_miss_bytes",
+        "ufs_read_bytes",
+        "ufs_bytes_saved",
+    ] {
+        assert!(r[k].is_u64(), "{k}: {r}");
+    }
+    assert!(r["hit_ratio"].is_number());
+    let mp = &r["miss_penalty_ms"];
+    assert!(mp["samples"].is_u64(), "{mp}");
+    for q in ["p50", "p99"] {
+        assert!(mp[q].is_number() || mp[q].is_null(), "{mp}");
+    }
+    r["jobs_running"]
+        .as_array()
+        .expect("jobs_running")
+        .iter()
+        .for_each(check_job_schema);
+    for m in r["masters"].as_array().expect("masters") {
+        assert!(m["id"].is_u64() && m["address"].is_string() && m["role"].is_string());
+        assert!(m["term"].is_u64() && m["commit_index"].is_u64() && m["applied_index"].is_u64());
+    }
+    for w in r["workers"].as_array().expect("workers") {
+        for k in ["address", "host", "state"] {
+            assert!(w[k].is_string(), "{k}: {w}");
+        }
+        for k in [
+            "id",
+            "last_heartbeat_ms_ago",
+            "blocks",
+            "capacity_bytes",
+            "used_bytes",
+            "cache_hit_bytes",
+            "cache_miss_bytes",
+            "ufs_read_bytes",
+            "ufs_requests",
+            "evicted_bytes",
+            "short_circuit_bytes",
+            "peer_served_bytes",
+        ] {
+            assert!(w[k].is_u64(), "{k}: {w}");
+        }
+        for t in w["tiers"].as_array().expect("tiers") {
+            assert!(
+                t["tier"].is_string() && t["capacity_bytes"].is_u64() && t["used_bytes"].is_u64()
+            );
+        }
+    }
+}
+
 #[test]
 fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
     let tmp = tempfile::Builder::new()
@@ -184,6 +242,17 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
             "a worker got no blocks"
         );
     }
+
+    // The report: schema, and the misses the load paid for (one per fetched page).
+    let report = json(&granary_ok(&["report", "--json", "--master", &addr]).unwrap());
+    check_report_schema(&report);
+    let samples = report["miss_penalty_ms"]["samples"].as_u64().unwrap();
+    assert!(samples >= files.len() as u64 - 3, "{report}");
+    assert!(
+        report["miss_penalty_ms"]["p99"].as_f64().unwrap()
+            >= report["miss_penalty_ms"]["p50"].as_f64().unwrap()
+    );
+    assert_eq!(report["ufs_read_bytes"], total - broken_bytes);
 
     // A second load finds everything cached: no store reads at all, same failures.
     let out = granary(&["load", "/data", "--json", "--master", &addr]);

@@ -136,6 +136,71 @@ pub struct WorkerMetrics {
     pub pending_uploads: Gauge<i64, AtomicI64>,
     /// Async-through writes uploaded before close returned (the cache could not pin them).
     pub async_writes_uploaded_at_close: Counter<u64, AtomicU64>,
+    /// Latency of page reads that missed the cache (for the cluster report's p50/p99).
+    pub miss_latency: std::sync::Arc<MissLatency>,
+}
+
+/// Buckets of [`MissLatency`]: bucket `i` counts latencies up to 2^(i/4) µs (about 19 %
+/// apart), the last one everything longer (~36 min).
+pub const MISS_BUCKETS: usize = 128;
+
+/// Latencies of reads that missed the cache, in log-scale buckets of microseconds that
+/// add up across workers (the report merges them and reads quantiles off the sum).
+pub struct MissLatency {
+    buckets: Vec<AtomicU64>,
+}
+
+impl Default for MissLatency {
+    fn default() -> Self {
+        Self {
+            buckets: (0..MISS_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+impl MissLatency {
+    /// The bucket of a latency of `us` microseconds.
+    pub fn bucket(us: u64) -> usize {
+        if us <= 1 {
+            return 0;
+        }
+        ((4.0 * (us as f64).log2()).ceil() as usize).min(MISS_BUCKETS - 1)
+    }
+
+    /// The upper bound of bucket `i`, in microseconds.
+    pub fn bound_us(i: usize) -> f64 {
+        2f64.powf(i as f64 / 4.0)
+    }
+
+    pub fn record(&self, d: std::time::Duration) {
+        let i = Self::bucket(d.as_micros().min(u128::from(u64::MAX)) as u64);
+        self.buckets[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn counts(&self) -> Vec<u64> {
+        self.buckets
+            .iter()
+            .map(|b| b.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
+    }
+
+    /// The `q` quantile (0..1) of bucket `counts`, as the bucket's upper bound in
+    /// microseconds; None without samples.
+    pub fn quantile_us(counts: &[u64], q: f64) -> Option<f64> {
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let want = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= want {
+                return Some(Self::bound_us(i));
+            }
+        }
+        Some(Self::bound_us(counts.len().saturating_sub(1)))
+    }
 }
 
 impl WorkerMetrics {
@@ -334,5 +399,28 @@ impl WorkerMetrics {
             );
         }
         m
+    }
+}
+
+#[cfg(test)]
+mod miss_latency_tests {
+    use super::MissLatency;
+    use std::time::Duration;
+
+    #[test]
+    fn quantiles_come_within_a_bucket_of_the_truth() {
+        let m = MissLatency::default();
+        for ms in 1..=100u64 {
+            m.record(Duration::from_millis(ms));
+        }
+        let c = m.counts();
+        let p50 = MissLatency::quantile_us(&c, 0.5).unwrap();
+        let p99 = MissLatency::quantile_us(&c, 0.99).unwrap();
+        assert!((50_000.0..=50_000.0 * 1.19).contains(&p50), "p50 {p50}");
+        assert!((99_000.0..=99_000.0 * 1.19).contains(&p99), "p99 {p99}");
+        assert_eq!(MissLatency::quantile_us(&[0; 4], 0.5), None);
+        // Workers' buckets add up.
+        let sum: Vec<u64> = c.iter().map(|x| x * 2).collect();
+        assert_eq!(MissLatency::quantile_us(&sum, 0.5), Some(p50));
     }
 }

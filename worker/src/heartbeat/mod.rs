@@ -46,6 +46,7 @@ impl Heartbeat {
                 .collect(),
             short_circuit_bytes: m.short_circuit_bytes.get(),
             peer_served_bytes: m.peer_served_bytes.get(),
+            miss_latency_buckets: m.miss_latency.counts(),
         }
     }
 

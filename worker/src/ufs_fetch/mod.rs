@@ -382,6 +382,7 @@ impl Fetcher {
         cache: bool,
     ) -> Result<(Bytes, Source), FetchError> {
         let key = (block.key, page as u32);
+        let started = std::time::Instant::now();
         for _ in 0..4 {
             if let Some(b) = self.store.get(&key) {
                 return Ok((b, Source::Cache));
@@ -420,7 +421,10 @@ impl Fetcher {
                 Err(_) => None,
             };
             return match outcome {
-                Some(Ok(b)) => Ok((b, Source::UnderStore)),
+                Some(Ok(b)) => {
+                    self.metrics.miss_latency.record(started.elapsed());
+                    Ok((b, Source::UnderStore))
+                }
                 Some(Err(e)) => Err(e),
                 None => Err(FetchError::Unavailable(
                     "the under-store fetch was abandoned".into(),
