@@ -254,10 +254,21 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
     );
     assert_eq!(report["ufs_read_bytes"], total - broken_bytes);
 
-    // A second load finds everything cached: no store reads at all, same failures.
-    let out = granary(&["load", "/data", "--json", "--master", &addr]);
+    // A second load finds everything cached: no store reads at all, same failures. Not
+    // on a terminal and without --json: progress as plain lines, a human summary.
+    let out = granary(&["load", "/data", "--master", &addr]);
     assert_eq!(out.status.code(), Some(1));
-    let j2 = json(&String::from_utf8_lossy(&out.stdout));
+    let plain = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        plain
+            .lines()
+            .any(|l| l.starts_with("job 2: ") && l.contains("% cached, files ")),
+        "{plain}"
+    );
+    assert!(!plain.contains('\r') && !plain.contains("\x1b["), "{plain}");
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(summary.contains("failed  /data/large/l1.bin"), "{summary}");
+    let j2 = json(&granary_ok(&["job", "status", "2", "--json", "--master", &addr]).unwrap());
     assert_eq!(j2["fetched_bytes"], 0);
     assert_eq!(j2["done_bytes"], total - broken_bytes);
     assert_eq!(
@@ -308,9 +319,56 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
         || (sum(&workers, "granary_worker_cache_used_bytes") == 0.0).then_some(()),
     )
     .unwrap();
-    let out = granary(&["load", "/data", "--json", "--master", &addr]);
-    let j3 = json(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(j3["fetched_bytes"], total - broken_bytes);
+    // This load runs under a terminal (a pty): a live progress bar, then the summary.
+    let (code, screen) = under_pty(&["load", "/data", "--master", &addr]);
+    assert_eq!(code, 1, "{screen}");
+    assert!(
+        screen.contains("ETA") && screen.contains("files "),
+        "{screen}"
+    );
+    assert!(
+        screen.contains('\r') || screen.contains("\x1b["),
+        "no redraws: {screen}"
+    );
+    assert!(screen.contains("fetched (not cached before)"), "{screen}");
+    let st = json(&granary_ok(&["job", "status", "3", "--json", "--master", &addr]).unwrap());
+    assert_eq!(st["fetched_bytes"], total - broken_bytes);
+}
+
+/// Runs `granary ARGS` under a pseudo-terminal; returns its exit code and everything it
+/// wrote to the terminal.
+fn under_pty(args: &[&str]) -> (i32, String) {
+    const PTY: &str = r#"
+import os, pty, sys
+pid, fd = pty.fork()
+if pid == 0:
+    os.environ["GRANARY_LOG"] = "warn"
+    os.execv(sys.argv[1], sys.argv[1:])
+out = b""
+while True:
+    try:
+        data = os.read(fd, 65536)
+    except OSError:
+        break
+    if not data:
+        break
+    out += data
+_, status = os.waitpid(pid, 0)
+sys.stdout.buffer.write(out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"#;
+    let bin = granary_bin();
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PTY)
+        .arg(&bin)
+        .args(args)
+        .output()
+        .expect("python3 with pty");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 #[test]
