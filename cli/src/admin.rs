@@ -179,15 +179,30 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
         FsCommand::Ls {
             path,
             long,
+            recursive,
             stale,
             json,
             master: addr,
         } => {
             let client = FileSystem::new(master(&addr)?);
-            let entries = client
-                .list_with(pb::path_or_id::Target::Path(path.clone()), stale)
-                .await
-                .with_context(|| format!("cannot list {path}"))?;
+            let entries = if recursive {
+                walk(&client, &path, stale).await?
+            } else {
+                client
+                    .list_with(pb::path_or_id::Target::Path(path.clone()), stale)
+                    .await
+                    .with_context(|| format!("cannot list {path}"))?
+            };
+            // Recursive listings name entries by their full path.
+            let entries: Vec<pb::FileStatus> = entries
+                .into_iter()
+                .map(|mut e| {
+                    if recursive {
+                        e.name = e.path.clone();
+                    }
+                    e
+                })
+                .collect();
             let mut out = std::io::stdout().lock();
             if json {
                 let v: Vec<_> = entries.iter().map(status_json).collect();
@@ -226,9 +241,46 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 .stat(&path)
                 .await
                 .with_context(|| format!("cannot stat {path}"))?;
+            let cache = cache_state(&client, &s).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&status_json(&s))?);
+                let mut v = status_json(&s);
+                if let (Some(c), Some(obj)) = (&cache, v.as_object_mut()) {
+                    obj.insert("cached_bytes".into(), c.cached_bytes.into());
+                    obj.insert("cached_percent".into(), json!(c.percent()));
+                    obj.insert("replicas".into(), c.min_replicas.into());
+                    obj.insert(
+                        "locations".into(),
+                        json!(c
+                            .locations
+                            .iter()
+                            .map(|(b, w)| json!({"block": b, "workers": w}))
+                            .collect::<Vec<_>>()),
+                    );
+                }
+                println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
+                if let Some(c) = &cache {
+                    println!(
+                        "cached:      {:.1}% ({} of {} bytes), {} replica(s) of every block",
+                        c.percent(),
+                        c.cached_bytes,
+                        s.length,
+                        c.min_replicas
+                    );
+                    for (b, w) in &c.locations {
+                        let ws: Vec<String> = w.iter().map(u64::to_string).collect();
+                        println!("  block {b}: workers {}", ws.join(", "));
+                    }
+                }
+                if s.pinned_replicas > 0 {
+                    println!("pinned:      {} replicas", s.pinned_replicas);
+                }
+                if s.ttl_expires_ms > 0 {
+                    println!(
+                        "ttl:         {} at {} ms since the epoch",
+                        s.ttl_action, s.ttl_expires_ms
+                    );
+                }
                 println!("path:        {}", s.path);
                 println!("kind:        {}", kind_name(&s));
                 println!("inode:       {}", s.inode);
@@ -270,6 +322,76 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 }
             }
         }
+        FsCommand::Rm {
+            path,
+            recursive,
+            master: addr,
+        } => {
+            master(&addr)?
+                .delete(&path, recursive)
+                .await
+                .with_context(|| format!("cannot remove {path}"))?;
+        }
+        FsCommand::Mv {
+            src,
+            dst,
+            master: addr,
+        } => {
+            master(&addr)?
+                .rename(&src, &dst)
+                .await
+                .with_context(|| format!("cannot move {src} to {dst}"))?;
+        }
+        FsCommand::Du {
+            path,
+            summarize,
+            json,
+            master: addr,
+        } => {
+            let client = FileSystem::new(master(&addr)?);
+            let top = client
+                .list_with(pb::path_or_id::Target::Path(path.clone()), false)
+                .await
+                .with_context(|| format!("cannot list {path}"))?;
+            let mut rows: Vec<(String, u64, u64)> = Vec::new();
+            let (mut bytes, mut files) = (0u64, 0u64);
+            for e in top {
+                let (b, f) = if e.kind == pb::FileKind::Directory as i32 {
+                    let below = walk(&client, &e.path, false).await?;
+                    let fs: Vec<_> = below
+                        .iter()
+                        .filter(|x| x.kind != pb::FileKind::Directory as i32)
+                        .collect();
+                    (fs.iter().map(|x| x.length).sum(), fs.len() as u64)
+                } else {
+                    (e.length, 1)
+                };
+                bytes += b;
+                files += f;
+                rows.push((e.path, b, f));
+            }
+            if json {
+                let v = json!({
+                    "path": path,
+                    "bytes": bytes,
+                    "files": files,
+                    "entries": if summarize { Vec::new() } else {
+                        rows.iter().map(|(p, b, f)| json!({"path": p, "bytes": b, "files": f})).collect()
+                    },
+                });
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                if !summarize {
+                    for (p, b, f) in &rows {
+                        println!("{:>10}  {b:>15}  {f:>9} files  {p}", format_size(*b));
+                    }
+                }
+                println!(
+                    "{:>10}  {bytes:>15}  {files:>9} files  {path}",
+                    format_size(bytes)
+                );
+            }
+        }
         FsCommand::Cat { path, master: addr } => {
             let client = FileSystem::new(master(&addr)?);
             let s = client
@@ -302,6 +424,90 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Where a file's blocks are cached, as the leader knows from the workers' reports.
+struct CacheState {
+    cached_bytes: u64,
+    min_replicas: usize,
+    /// (block index, workers holding pages of it)
+    locations: Vec<(u32, Vec<u64>)>,
+    length: u64,
+}
+
+impl CacheState {
+    fn percent(&self) -> f64 {
+        if self.length == 0 {
+            100.0
+        } else {
+            (self.cached_bytes as f64 * 10000.0 / self.length as f64).round() / 100.0
+        }
+    }
+}
+
+/// The cache state of a file (None for directories).
+async fn cache_state(
+    client: &FileSystem,
+    s: &pb::FileStatus,
+) -> anyhow::Result<Option<CacheState>> {
+    if s.kind == pb::FileKind::Directory as i32 {
+        return Ok(None);
+    }
+    let bs = if s.block_size == 0 {
+        granary_common::DEFAULT_BLOCK_SIZE
+    } else {
+        s.block_size
+    };
+    let n = s.length.div_ceil(bs) as u32;
+    let mut st = CacheState {
+        cached_bytes: 0,
+        min_replicas: usize::MAX,
+        locations: Vec::new(),
+        length: s.length,
+    };
+    let ids: Vec<pb::BlockId> = (0..n)
+        .map(|index| pb::BlockId {
+            inode: s.inode,
+            version: s.version,
+            index,
+        })
+        .collect();
+    for chunk in ids.chunks(1000) {
+        for l in client.master.block_locations(chunk.to_vec()).await? {
+            let Some(b) = l.block else { continue };
+            let workers: Vec<u64> = l.workers.iter().map(|w| w.worker_id).collect();
+            let len = bs.min(s.length - u64::from(b.index) * bs);
+            if !workers.is_empty() {
+                st.cached_bytes += len;
+            }
+            st.min_replicas = st.min_replicas.min(workers.len());
+            st.locations.push((b.index, workers));
+        }
+    }
+    if st.min_replicas == usize::MAX {
+        st.min_replicas = 0;
+    }
+    Ok(Some(st))
+}
+
+/// Every entry below `path` (not the path itself), directories first-level before deeper
+/// ones, each directory's entries in name order.
+async fn walk(client: &FileSystem, path: &str, stale: bool) -> anyhow::Result<Vec<pb::FileStatus>> {
+    let mut out = Vec::new();
+    let mut dirs = std::collections::VecDeque::from([path.to_string()]);
+    while let Some(d) = dirs.pop_front() {
+        let entries = client
+            .list_with(pb::path_or_id::Target::Path(d.clone()), stale)
+            .await
+            .with_context(|| format!("cannot list {d}"))?;
+        for e in entries {
+            if e.kind == pb::FileKind::Directory as i32 && e.path != d {
+                dirs.push_back(e.path.clone());
+            }
+            out.push(e);
+        }
+    }
+    Ok(out)
 }
 
 pub async fn report(a: ReportArgs) -> anyhow::Result<()> {

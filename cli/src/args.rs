@@ -586,9 +586,12 @@ pub enum FsCommand {
     #[command(verbatim_doc_comment)]
     Ls {
         path: String,
-        /// Long format: kind, size, mtime, name.
+        /// Long format: kind, size, mtime, pin, name.
         #[arg(short = 'l')]
         long: bool,
+        /// Every entry below the path (full paths), directories included.
+        #[arg(short = 'R', long)]
+        recursive: bool,
         /// Read the first given master's own state, even if it is a follower (may lag).
         #[arg(long)]
         stale: bool,
@@ -640,6 +643,48 @@ pub enum FsCommand {
     #[command(verbatim_doc_comment)]
     Cat {
         path: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Remove a file, or a directory with -R (in the under-store too, for mounted paths).
+    ///
+    /// Examples:
+    ///   granary fs rm /scratch/run-42/ckpt-0001.pt
+    ///   granary fs rm -R /scratch/run-41
+    #[command(verbatim_doc_comment)]
+    Rm {
+        path: String,
+        /// Remove a directory and everything below it.
+        #[arg(short = 'R', short_alias = 'r', long)]
+        recursive: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Rename a file or directory (within one mount; copy + delete where the under-store
+    /// has no rename).
+    ///
+    /// Example: granary fs mv /scratch/run-42/tmp.pt /scratch/run-42/final.pt
+    #[command(verbatim_doc_comment)]
+    Mv {
+        src: String,
+        dst: String,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
+    /// Bytes and files below a path (as far as it is listed: directories are listed from
+    /// their under-stores on the way).
+    ///
+    /// Examples:
+    ///   granary fs du /datasets
+    ///   granary fs du -s /datasets/imagenet --json
+    #[command(verbatim_doc_comment)]
+    Du {
+        path: String,
+        /// Only the total.
+        #[arg(short = 's', long)]
+        summarize: bool,
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         master: MasterAddr,
     },

@@ -281,10 +281,13 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
     let id = job.id;
     core.ensure_leader()?;
     core.read_barrier().await?;
-    // A new leader knows no workers until they re-register: placing blocks on the few
-    // known so far would cache them away from their owners (and fetch them again).
-    while core.workers.term_age() < core.heartbeat_interval * 3 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // A job resumed by a new leader: that leader knows no workers until they re-register,
+    // and placing blocks on the few known so far would cache them away from their owners
+    // (and fetch them again, as the last leader's tasks may already have).
+    if job.state != JobState::Planning {
+        while core.workers.term_age() < core.heartbeat_interval * 3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     let root = match core.ns.resolve(&job.path).await {
         Ok(r) => r,

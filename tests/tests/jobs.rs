@@ -665,4 +665,50 @@ fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
     // The unset TTL (due 2 s after it was set, over 3 s ago) never acted: /data/c is still
     // cached (its bytes are in `want`).
     assert_eq!(used(), want);
+
+    // fs: stat shows where a file is cached; du, ls -R, mv and rm -R.
+    let stat =
+        |p: &str| json(&granary_ok(&["fs", "stat", p, "--json", "--master", &addr]).unwrap());
+    let c0 = stat("/data/c/f00.bin");
+    assert_eq!(
+        (c0["cached_percent"].as_f64(), c0["replicas"].as_u64()),
+        (Some(100.0), Some(1)),
+        "{c0}"
+    );
+    assert_eq!(c0["locations"].as_array().unwrap().len(), 1, "{c0}");
+    // Freed: the worker reports the dropped blocks at its next heartbeat.
+    let a0 = poll(
+        "the freed blocks to leave the locations",
+        Duration::from_secs(10),
+        || {
+            let a0 = stat("/data/a/f00.bin");
+            (a0["cached_percent"].as_f64() == Some(0.0)).then_some(a0)
+        },
+    )
+    .unwrap();
+    assert_eq!(a0["replicas"], 0, "{a0}");
+    let du = json(&granary_ok(&["fs", "du", "-s", "/data", "--json", "--master", &addr]).unwrap());
+    assert_eq!(du["bytes"], bytes("") - sizes["b/f02.bin"]);
+    assert_eq!(du["files"], sizes.len() as u64 - 1);
+    let all = granary_ok(&["fs", "ls", "-R", "/data", "--master", &addr]).unwrap();
+    assert_eq!(all.lines().count(), 3 + sizes.len() - 1, "{all}");
+    assert!(all.lines().any(|l| l == "/data/a/f07.bin"), "{all}");
+    granary_ok(&[
+        "fs",
+        "mv",
+        "/data/c/f00.bin",
+        "/data/c/g00.bin",
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    assert!(s3.object_file("c/g00.bin").unwrap().exists());
+    assert!(!s3.object_file("c/f00.bin").unwrap().exists());
+    let out = granary(&["fs", "rm", "/data/c", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1), "a directory needs -R");
+    assert!(s3.object_file("c/f01.bin").unwrap().exists());
+    granary_ok(&["fs", "rm", "-R", "/data/c", "--master", &addr]).unwrap();
+    assert!(!s3.object_file("c/f01.bin").unwrap().exists());
+    let out = granary(&["fs", "stat", "/data/c", "--master", &addr]);
+    assert_eq!(out.status.code(), Some(1));
 }
