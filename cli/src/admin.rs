@@ -342,6 +342,19 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("cannot move {src} to {dst}"))?;
         }
+        FsCommand::Cp {
+            src,
+            dst,
+            write_mode,
+            force,
+            master: addr,
+        } => {
+            let client = FileSystem::new(master(&addr)?);
+            let n = copy(&client, &src, &dst, write_mode.as_deref(), force)
+                .await
+                .with_context(|| format!("cannot copy {src} to {dst}"))?;
+            eprintln!("copied {n} bytes");
+        }
         FsCommand::Du {
             path,
             summarize,
@@ -424,6 +437,114 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `granary fs cp`: one file, Granary or local (`file:`) on either side. Returns the bytes
+/// copied.
+async fn copy(
+    client: &std::sync::Arc<FileSystem>,
+    src: &str,
+    dst: &str,
+    write_mode: Option<&str>,
+    force: bool,
+) -> anyhow::Result<u64> {
+    use granary_client::WriteMode;
+    const CHUNK: u64 = 4 * 1024 * 1024;
+    let local = |p: &str| p.strip_prefix("file:").map(std::path::PathBuf::from);
+    // The source: a reader of chunks.
+    enum Source {
+        Local(std::fs::File, u64),
+        Granary(Box<pb::FileStatus>),
+    }
+    let source = match local(src) {
+        Some(p) => {
+            let f = std::fs::File::open(&p).with_context(|| format!("{}", p.display()))?;
+            let len = f.metadata()?.len();
+            if f.metadata()?.is_dir() {
+                anyhow::bail!("{} is a directory (fs cp copies files)", p.display());
+            }
+            Source::Local(f, len)
+        }
+        None => {
+            let s = client.stat(src).await?;
+            if s.kind == pb::FileKind::Directory as i32 {
+                anyhow::bail!("{src} is a directory (fs cp copies files)");
+            }
+            Source::Granary(Box::new(s))
+        }
+    };
+    let len = match &source {
+        Source::Local(_, l) => *l,
+        Source::Granary(s) => s.length,
+    };
+    let source = &source;
+    let read = |off: u64| {
+        let n = CHUNK.min(len - off);
+        async move {
+            match &source {
+                Source::Local(f, _) => {
+                    let mut buf = vec![0u8; n as usize];
+                    std::os::unix::fs::FileExt::read_exact_at(f, &mut buf, off)?;
+                    Ok::<bytes::Bytes, anyhow::Error>(buf.into())
+                }
+                Source::Granary(s) => Ok(client.read(s, off, n).await?),
+            }
+        }
+    };
+    match local(dst) {
+        Some(p) => {
+            if p.exists() && !force {
+                anyhow::bail!("{} exists (--force replaces it)", p.display());
+            }
+            let mut out = std::fs::File::create(&p).with_context(|| format!("{}", p.display()))?;
+            let mut off = 0;
+            while off < len {
+                let data = read(off).await?;
+                if data.is_empty() {
+                    anyhow::bail!("unexpected end of data at offset {off}");
+                }
+                out.write_all(&data)?;
+                off += data.len() as u64;
+            }
+            out.sync_all()?;
+        }
+        None => {
+            let mode: WriteMode = match write_mode {
+                Some(m) => m.parse().map_err(anyhow::Error::msg)?,
+                None => mount_write_mode(client, dst).await,
+            };
+            let mut w = client.create_writer(dst, 0o644, force, mode, 1).await?;
+            let mut off = 0;
+            while off < len {
+                let data = read(off).await?;
+                if data.is_empty() {
+                    anyhow::bail!("unexpected end of data at offset {off}");
+                }
+                let n = data.len() as u64;
+                w.write(off, data).await?;
+                off += n;
+            }
+            w.close().await?;
+        }
+    }
+    Ok(len)
+}
+
+/// The `write_mode` option of the mount `path` would be written in (cache-through when
+/// none is set or the path is outside mounts' options).
+async fn mount_write_mode(client: &FileSystem, path: &str) -> granary_client::WriteMode {
+    let Ok(mounts) = client.master.list_mounts().await else {
+        return Default::default();
+    };
+    mounts
+        .iter()
+        .filter(|m| {
+            path == m.path || path.starts_with(&format!("{}/", m.path.trim_end_matches('/')))
+        })
+        .max_by_key(|m| m.path.len())
+        .and_then(|m| m.options.iter().find(|o| o.key == "write_mode"))
+        .and_then(|o| o.value.parse().ok())
+        .unwrap_or_default()
 }
 
 /// Where a file's blocks are cached, as the leader knows from the workers' reports.

@@ -671,6 +671,28 @@ pub enum FsCommand {
         #[command(flatten)]
         master: MasterAddr,
     },
+    /// Copy a file: within Granary, or from/to the local disk with a `file:` prefix. The
+    /// copy is written with the mount's write mode (or --write-mode) like a write through
+    /// the mount; an existing destination is replaced only with --force.
+    ///
+    /// Examples:
+    ///   granary fs cp /datasets/a/labels.csv /scratch/labels.csv
+    ///   granary fs cp file:/tmp/model.pt /checkpoints/run-42/model.pt --write-mode async-through
+    ///   granary fs cp /datasets/a/labels.csv file:/tmp/labels.csv
+    #[command(verbatim_doc_comment)]
+    Cp {
+        src: String,
+        dst: String,
+        /// cache-through, async-through, must-cache or through (default: the mount's
+        /// write_mode option, else cache-through).
+        #[arg(long)]
+        write_mode: Option<String>,
+        /// Replace an existing destination.
+        #[arg(short = 'f', long)]
+        force: bool,
+        #[command(flatten)]
+        master: MasterAddr,
+    },
     /// Bytes and files below a path (as far as it is listed: directories are listed from
     /// their under-stores on the way).
     ///

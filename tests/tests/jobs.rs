@@ -27,6 +27,17 @@ fn dataset(dir: &Path, small: u64, large: u64) -> Vec<(String, u64)> {
     files
 }
 
+/// Mounts bucket `bucket` of `s3` at /data (listed once, never re-listed).
+fn mount_data(master: &str, s3: &TestStore, bucket: &str) {
+    let uri = format!("s3://{bucket}");
+    let mut args = vec!["mount", "add", "/data", uri.as_str()];
+    for o in &s3.options {
+        args.extend(["--option", o.as_str()]);
+    }
+    args.extend(["--option", "sync_interval=never", "--master", master]);
+    granary_ok(&args).unwrap();
+}
+
 fn sum(workers: &[Worker], name: &str) -> f64 {
     workers.iter().map(|w| w.metric(name)).sum()
 }
@@ -145,12 +156,7 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
         .map(|i| Worker::start(root, &format!("w{i}"), &addr, "1GiB").unwrap())
         .collect();
     wait_live_workers(&addr, 3).unwrap();
-    let mut args = vec!["mount", "add", "/data", "s3://dataset"];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", &addr]);
-    granary_ok(&args).unwrap();
+    mount_data(&addr, &s3, "dataset");
 
     // Bad input changes nothing: exit 1 with one sentence, no job.
     let out = granary(&["load", "/data/nope", "--master", &addr]);
@@ -391,12 +397,7 @@ fn a_load_survives_a_kill9_of_the_master_leader_and_status_never_goes_back() {
         .map(|i| Worker::start(root, &format!("w{i}"), &addrs, "1GiB").unwrap())
         .collect();
     wait_live_workers(&addrs, 3).unwrap();
-    let mut args = vec!["mount", "add", "/data", "s3://hadata"];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", &addrs]);
-    granary_ok(&args).unwrap();
+    mount_data(&addrs, &s3, "hadata");
 
     let out = granary_ok(&["load", "/data", "--detach", "--json", "--master", &addrs]).unwrap();
     let id = json(&out)["id"].as_u64().unwrap();
@@ -471,12 +472,7 @@ fn pinned_data_outlives_cache_pressure_and_a_lost_worker_and_keeps_its_replicas(
         })
         .collect();
     wait_live_workers(&addr, 3).unwrap();
-    let mut args = vec!["mount", "add", "/data", "s3://pins"];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", &addr]);
-    granary_ok(&args).unwrap();
+    mount_data(&addr, &s3, "pins");
 
     let out = granary(&["pin", "/data/nope", "--master", &addr]);
     assert_eq!(out.status.code(), Some(1), "pinning a missing path fails");
@@ -600,12 +596,7 @@ fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
     let addr = master.addr.clone();
     let workers = vec![Worker::start(root, "w1", &addr, "256MiB").unwrap()];
     wait_live_workers(&addr, 1).unwrap();
-    let mut args = vec!["mount", "add", "/data", "s3://ttls"];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", &addr]);
-    granary_ok(&args).unwrap();
+    mount_data(&addr, &s3, "ttls");
     granary_ok(&["load", "/data", "--master", &addr]).unwrap();
     let used = || sum(&workers, "granary_worker_cache_used_bytes") as u64;
     assert_eq!(used(), bytes(""));
@@ -711,4 +702,49 @@ fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
     assert!(!s3.object_file("c/f01.bin").unwrap().exists());
     let out = granary(&["fs", "stat", "/data/c", "--master", &addr]);
     assert_eq!(out.status.code(), Some(1));
+
+    // fs cp: within Granary (the copy lands in the store: cache-through), to and from the
+    // local disk; an existing destination needs --force.
+    granary_ok(&[
+        "fs",
+        "cp",
+        "/data/b/f00.bin",
+        "/data/b/copy.bin",
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    let sha = |p: &Path| sh(&format!("sha256sum < '{}'", p.display())).unwrap();
+    assert_eq!(
+        sha(&s3.object_file("b/copy.bin").unwrap()),
+        sha(&src.join("b/f00.bin"))
+    );
+    let out = granary(&[
+        "fs",
+        "cp",
+        "/data/b/f01.bin",
+        "/data/b/copy.bin",
+        "--master",
+        &addr,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "replaced without --force");
+    let local = root.join("out.bin");
+    let to_local = format!("file:{}", local.display());
+    granary_ok(&["fs", "cp", "/data/b/copy.bin", &to_local, "--master", &addr]).unwrap();
+    assert_eq!(sha(&local), sha(&src.join("b/f00.bin")));
+    let from_local = format!("file:{}", src.join("a/f03.bin").display());
+    granary_ok(&[
+        "fs",
+        "cp",
+        &from_local,
+        "/data/b/f01.bin",
+        "-f",
+        "--master",
+        &addr,
+    ])
+    .unwrap();
+    assert_eq!(
+        sha(&s3.object_file("b/f01.bin").unwrap()),
+        sha(&src.join("a/f03.bin"))
+    );
 }

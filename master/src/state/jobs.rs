@@ -87,10 +87,7 @@ pub struct DoneFile {
 }
 
 fn job_key(id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'J');
-    k.extend_from_slice(&id.to_be_bytes());
-    k
+    super::tagged_key(b'J', id)
 }
 
 fn job_file_key(tag: u8, id: u64, inode: u64) -> Vec<u8> {

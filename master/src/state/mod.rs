@@ -51,10 +51,7 @@ pub const DEFAULT_DIR_MODE: u32 = 0o755;
 pub const DEFAULT_FILE_MODE: u32 = 0o644;
 
 fn inode_key(id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'i');
-    k.extend_from_slice(&id.to_be_bytes());
-    k
+    tagged_key(b'i', id)
 }
 
 fn child_prefix(parent: u64) -> Vec<u8> {
@@ -71,22 +68,21 @@ fn child_key(parent: u64, name: &str) -> Vec<u8> {
 }
 
 fn mount_key(id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'm');
-    k.extend_from_slice(&id.to_be_bytes());
-    k
+    tagged_key(b'm', id)
 }
 
 fn member_key(id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'A');
-    k.extend_from_slice(&id.to_be_bytes());
-    k
+    tagged_key(b'A', id)
 }
 
 fn decommissioned_key(id: u64) -> Vec<u8> {
+    tagged_key(b'D', id)
+}
+
+/// `tag` + `id` (big-endian): the key of a record kept per id (jobs, pins, TTLs).
+fn tagged_key(tag: u8, id: u64) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
-    k.push(b'D');
+    k.push(tag);
     k.extend_from_slice(&id.to_be_bytes());
     k
 }

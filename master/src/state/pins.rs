@@ -13,10 +13,7 @@ pub struct Pin {
 }
 
 fn pin_key(inode: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'P');
-    k.extend_from_slice(&inode.to_be_bytes());
-    k
+    super::tagged_key(b'P', inode)
 }
 
 impl StateMachine {

@@ -32,10 +32,7 @@ pub struct Ttl {
 }
 
 fn ttl_key(inode: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'T');
-    k.extend_from_slice(&inode.to_be_bytes());
-    k
+    super::tagged_key(b'T', inode)
 }
 
 impl StateMachine {
