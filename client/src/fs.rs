@@ -460,17 +460,9 @@ impl FileSystem {
         let Some(s) = lock(&self.recent).get(&target).map(|(_, s)| s.clone()) else {
             return;
         };
-        if s.kind != pb::FileKind::File as i32 || s.length == 0 || s.length > small {
+        let Some(id) = self.small_block_to_lease(&s, small) else {
             return;
-        }
-        let id = pb::BlockId {
-            inode: s.inode,
-            version: s.version,
-            index: 0,
         };
-        if self.short_circuit.lease(&id).is_some() || self.short_circuit.recently_missing(&id) {
-            return;
-        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -778,23 +770,30 @@ impl FileSystem {
             let Some((_, s)) = recent.get(&n) else {
                 continue;
             };
-            if s.kind != pb::FileKind::File as i32 || s.length == 0 || s.length > small {
+            let Some(id) = self.small_block_to_lease(s, small) else {
                 continue;
-            }
-            let id = pb::BlockId {
-                inode: s.inode,
-                version: s.version,
-                index: 0,
             };
-            if self.short_circuit.lease(&id).is_some() || self.short_circuit.recently_missing(&id) {
-                continue;
-            }
             out.push(id);
             if out.len() == LEASE_AHEAD_FILES {
                 break;
             }
         }
         out
+    }
+
+    /// The only block of `s` when it is a small file (at most `small` bytes, one lease
+    /// window) with no lease yet and not known to be uncached: worth leasing ahead.
+    fn small_block_to_lease(&self, s: &pb::FileStatus, small: u64) -> Option<pb::BlockId> {
+        if s.kind != pb::FileKind::File as i32 || s.length == 0 || s.length > small {
+            return None;
+        }
+        let id = pb::BlockId {
+            inode: s.inode,
+            version: s.version,
+            index: 0,
+        };
+        let leased = self.short_circuit.lease(&id).is_some();
+        (!leased && !self.short_circuit.recently_missing(&id)).then_some(id)
     }
 
     /// Asks `w` for a lease (see [`crate::local`]) and opens the block file.
