@@ -54,10 +54,7 @@ start_cluster() {
       --cache-dir "$work/$name/w$w" --cache-size "$((dataset_mib * 2))MiB" > "$work/$name-w$w.log" 2>&1 &
     pids+=($!)
   done
-  for _ in $(seq 1 100); do
-    [ "$("$bin" report --json --master "$maddr" | python3 -c 'import json,sys; print(sum(w["state"]=="live" for w in json.load(sys.stdin)["workers"]))')" = "$n" ] && break
-    sleep 0.1
-  done
+  wait_live "$maddr" "$n"
   "$bin" mount add /data s3://data --master "$maddr" "${opts[@]}" > /dev/null
 }
 start_fuse() { # NAME MASTER

@@ -24,3 +24,24 @@ local_cleanup() {
   mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
   rm -rf "$work"
 }
+
+# procs_workdir NAME: sets $work to a fresh folder under /tmp and $pids to an empty list;
+# at exit, stops every process whose PID is in $pids and removes the folder.
+procs_workdir() {
+  work="$(mktemp -d "/tmp/granary-bench-$1-XXXXXX")"
+  pids=()
+  trap procs_cleanup EXIT
+}
+procs_cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+
+# wait_live MASTER N: waits (up to 10 s) until the master reports N live workers.
+wait_live() {
+  for _ in $(seq 1 100); do
+    [ "$("$bin" report --json --master "$1" | python3 -c 'import json,sys; print(sum(w["state"]=="live" for w in json.load(sys.stdin)["workers"]))')" = "$2" ] && return
+    sleep 0.1
+  done
+}

@@ -18,14 +18,7 @@ large_mib="${4:-256}"
 . "$(dirname "$0")/lib.sh"
 [ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
-work="$(mktemp -d /tmp/granary-bench-load-XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+procs_workdir load
 
 mkdir -p "$work/s3/data"
 python3 - "$work/s3/data" "$files" "$kib" "$large" "$large_mib" <<'PY'
@@ -71,10 +64,7 @@ for w in 1 2 3; do
     --cache-dir "$work/w$w" --cache-size "$((total / 1048576 + 1024))MiB" > "$work/w$w.log" 2>&1 &
   pids+=($!)
 done
-for _ in $(seq 1 100); do
-  [ "$("$bin" report --json --master "$maddr" | python3 -c 'import json,sys; print(sum(w["state"]=="live" for w in json.load(sys.stdin)["workers"]))')" = 3 ] && break
-  sleep 0.1
-done
+wait_live "$maddr" 3
 "$bin" mount add /data "${mount_args[@]}" --master "$maddr" > /dev/null
 drop
 t2=$(date +%s.%N)

@@ -10,14 +10,7 @@
 set -euo pipefail
 size_mib="${1:-1024}"
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-peer-XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+procs_workdir peer
 mkdir -p "$work/ufs"
 head -c "$((size_mib * 1048576))" /dev/urandom > "$work/ufs/big.bin"
 mport=$(free_port)
