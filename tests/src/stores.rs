@@ -337,6 +337,23 @@ impl TestStore {
         }
     }
 
+    /// `granary mount add AT <this store> --option …` with the store's own options and
+    /// `extra` ones (`key=value`).
+    pub fn mount(&self, master: &str, at: &str, extra: &[&str]) -> Result<()> {
+        let uri = self.uri();
+        let mut args = vec!["mount", "add", at, uri.as_str()];
+        for o in self
+            .options
+            .iter()
+            .map(String::as_str)
+            .chain(extra.iter().copied())
+        {
+            args.extend(["--option", o]);
+        }
+        args.extend(["--master", master]);
+        crate::granary_ok(&args).map(|_| ())
+    }
+
     /// Uploads every file below `src`, keyed by its relative path.
     pub fn load(&self, src: &Path) -> Result<()> {
         match self.kind {

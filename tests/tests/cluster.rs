@@ -63,12 +63,7 @@ fn three_nodes_read_one_dataset_and_the_store_serves_each_byte_once() {
         })
         .collect();
     wait_live_workers(&addr, 3).unwrap();
-    let mut args = vec!["mount", "add", "/data", "s3://dataset"];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", &addr]);
-    granary_ok(&args).unwrap();
+    s3.mount(&addr, "/data", &["sync_interval=never"]).unwrap();
     let mounts: Vec<Fuse> = (1..=3)
         .map(|i| {
             let node = format!("node{i}");

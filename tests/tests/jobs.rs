@@ -27,17 +27,6 @@ fn dataset(dir: &Path, small: u64, large: u64) -> Vec<(String, u64)> {
     files
 }
 
-/// Mounts bucket `bucket` of `s3` at /data (listed once, never re-listed).
-fn mount_data(master: &str, s3: &TestStore, bucket: &str) {
-    let uri = format!("s3://{bucket}");
-    let mut args = vec!["mount", "add", "/data", uri.as_str()];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    args.extend(["--option", "sync_interval=never", "--master", master]);
-    granary_ok(&args).unwrap();
-}
-
 fn sum(workers: &[Worker], name: &str) -> f64 {
     workers.iter().map(|w| w.metric(name)).sum()
 }
@@ -156,7 +145,7 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
         .map(|i| Worker::start(root, &format!("w{i}"), &addr, "1GiB").unwrap())
         .collect();
     wait_live_workers(&addr, 3).unwrap();
-    mount_data(&addr, &s3, "dataset");
+    s3.mount(&addr, "/data", &["sync_interval=never"]).unwrap();
 
     // Bad input changes nothing: exit 1 with one sentence, no job.
     let out = granary(&["load", "/data/nope", "--master", &addr]);
@@ -397,7 +386,7 @@ fn a_load_survives_a_kill9_of_the_master_leader_and_status_never_goes_back() {
         .map(|i| Worker::start(root, &format!("w{i}"), &addrs, "1GiB").unwrap())
         .collect();
     wait_live_workers(&addrs, 3).unwrap();
-    mount_data(&addrs, &s3, "hadata");
+    s3.mount(&addrs, "/data", &["sync_interval=never"]).unwrap();
 
     let out = granary_ok(&["load", "/data", "--detach", "--json", "--master", &addrs]).unwrap();
     let id = json(&out)["id"].as_u64().unwrap();
@@ -472,7 +461,7 @@ fn pinned_data_outlives_cache_pressure_and_a_lost_worker_and_keeps_its_replicas(
         })
         .collect();
     wait_live_workers(&addr, 3).unwrap();
-    mount_data(&addr, &s3, "pins");
+    s3.mount(&addr, "/data", &["sync_interval=never"]).unwrap();
 
     let out = granary(&["pin", "/data/nope", "--master", &addr]);
     assert_eq!(out.status.code(), Some(1), "pinning a missing path fails");
@@ -596,7 +585,7 @@ fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
     let addr = master.addr.clone();
     let workers = vec![Worker::start(root, "w1", &addr, "256MiB").unwrap()];
     wait_live_workers(&addr, 1).unwrap();
-    mount_data(&addr, &s3, "ttls");
+    s3.mount(&addr, "/data", &["sync_interval=never"]).unwrap();
     granary_ok(&["load", "/data", "--master", &addr]).unwrap();
     let used = || sum(&workers, "granary_worker_cache_used_bytes") as u64;
     assert_eq!(used(), bytes(""));

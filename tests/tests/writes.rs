@@ -63,19 +63,6 @@ fn sha_of(p: &Path) -> Option<String> {
         .and_then(|s| s.split_whitespace().next().map(str::to_string))
 }
 
-fn mount_s3(master: &str, s3: &TestStore, at: &str, extra: &[&str]) {
-    let uri = s3.uri();
-    let mut args = vec!["mount", "add", at, uri.as_str()];
-    for o in &s3.options {
-        args.extend(["--option", o.as_str()]);
-    }
-    for o in extra {
-        args.extend(["--option", o]);
-    }
-    args.extend(["--master", master]);
-    granary_ok(&args).unwrap();
-}
-
 fn persisted(master: &str, path: &str) -> String {
     let out = granary_ok(&["fs", "stat", path, "--json", "--master", master]).unwrap();
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -96,7 +83,8 @@ fn a_checkpoint_written_async_through_survives_a_worker_kill_and_cache_through_w
     let mut w = Worker::start_with(root, "w1", &master.addr, "3GiB", &cache).unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
     // Listed once, never again: nothing below needs the store while it is stopped.
-    mount_s3(&master.addr, &s3, "/s3", &["sync_interval=never"]);
+    s3.mount(&master.addr, "/s3", &["sync_interval=never"])
+        .unwrap();
     let fast = Fuse::start_opts(
         root,
         "ckpt",
@@ -185,8 +173,8 @@ fn namespace_changes_through_the_mount_reach_the_store_and_bad_writes_change_not
     let master = Master::start(root).unwrap();
     let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
-    mount_s3(&master.addr, &s3, "/s3", &[]);
-    mount_s3(&master.addr, &s3, "/ro", &["read_only=true"]);
+    s3.mount(&master.addr, "/s3", &[]).unwrap();
+    s3.mount(&master.addr, "/ro", &["read_only=true"]).unwrap();
     let fuse = Fuse::start_opts(root, "mnt", &master.addr, &["--no-passthrough"]).unwrap();
     let m = fuse.mountpoint.join("s3");
     let store = |k: &str| s3.object_file(k).unwrap();
@@ -340,7 +328,8 @@ fn must_cache_files_stay_out_of_the_store_and_are_read_from_the_writer() {
     let w1 = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
     let w2 = Worker::start(root, "w2", &master.addr, "1GiB").unwrap();
     wait_live_workers(&master.addr, 2).unwrap();
-    mount_s3(&master.addr, &s3, "/s3", &["write_mode=must-cache"]);
+    s3.mount(&master.addr, "/s3", &["write_mode=must-cache"])
+        .unwrap();
     let fuse = Fuse::start_opts(root, "mnt", &master.addr, &["--no-passthrough"]).unwrap();
     random_file(&root.join("in.bin"), 70 * MIB + 9).unwrap();
     let want = sha_of(&root.join("in.bin")).unwrap();
@@ -376,7 +365,8 @@ fn an_async_through_replica_uploads_the_file_when_the_persisting_worker_dies() {
         Worker::start(root, "w2", &master.addr, "1GiB").unwrap(),
     ];
     wait_live_workers(&master.addr, 2).unwrap();
-    mount_s3(&master.addr, &s3, "/s3", &["sync_interval=never"]);
+    s3.mount(&master.addr, "/s3", &["sync_interval=never"])
+        .unwrap();
     let fuse = Fuse::start_opts(
         root,
         "mnt",
@@ -454,7 +444,8 @@ fn a_pending_upload_completes_across_a_master_restart() {
     let mut master = Master::start(root).unwrap();
     let w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
-    mount_s3(&master.addr, &s3, "/s3", &["sync_interval=never"]);
+    s3.mount(&master.addr, "/s3", &["sync_interval=never"])
+        .unwrap();
     let fuse = Fuse::start_opts(
         root,
         "mnt",

@@ -22,13 +22,17 @@ const MAX_LOAD_BLOCKS: usize = 256;
 /// Blocks of one load task fetched at once.
 const LOAD_PARALLELISM: usize = 8;
 
-/// Caches every page of one block (a load task): pages already cached cost nothing, the
-/// others are fetched as a read would fetch them (from a peer holding them, else the
-/// under-store, in parts). Returns the bytes of the pages that were not cached, or why the block is not all cached.
-async fn load_block(fetcher: &Arc<Fetcher>, desc: pb::BlockDescriptor) -> Result<u64, String> {
-    let id = desc.id.ok_or("the block id is missing")?;
+/// Where a described block lies in its file: (first byte, length). Refuses a descriptor
+/// without an id or an under-store location, or a block past the end of the file.
+fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
+    let id = desc
+        .id
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument("the block id is missing"))?;
     if desc.ufs.is_none() {
-        return Err("the block has no under-store location".into());
+        return Err(Status::invalid_argument(
+            "the block has no under-store location",
+        ));
     }
     let bs = if desc.block_size == 0 {
         granary_common::DEFAULT_BLOCK_SIZE
@@ -38,11 +42,21 @@ async fn load_block(fetcher: &Arc<Fetcher>, desc: pb::BlockDescriptor) -> Result
     let start = u64::from(id.index)
         .checked_mul(bs)
         .filter(|s| *s < desc.file_length)
-        .ok_or_else(|| format!("block {} is past the end of the file", id.index))?;
+        .ok_or_else(|| {
+            Status::out_of_range(format!("block {} is past the end of the file", id.index))
+        })?;
+    Ok((start, bs.min(desc.file_length - start)))
+}
+
+/// Caches every page of one block (a load task): pages already cached cost nothing, the
+/// others are fetched as a read would fetch them (from a peer holding them, else the
+/// under-store, in parts). Returns the bytes of the pages that were not cached, or why the block is not all cached.
+async fn load_block(fetcher: &Arc<Fetcher>, desc: pb::BlockDescriptor) -> Result<u64, String> {
+    let (start, len) = block_extent(&desc).map_err(|s| s.message().to_string())?;
     let block = Arc::new(BlockRef {
-        len: bs.min(desc.file_length - start),
+        len,
         start,
-        key: block_key(&id),
+        key: block_key(&desc.id.unwrap_or_default()),
         desc,
     });
     let ps = fetcher.store.page_size;
@@ -98,6 +112,7 @@ type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Statu
 #[derive(Clone, Copy)]
 struct Plan {
     block_start: u64,
+    block_len: u64,
     offset: u64,
     end: u64,
 }
@@ -107,27 +122,7 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
         .block
         .clone()
         .ok_or_else(|| Status::invalid_argument("the block descriptor is missing"))?;
-    let id = desc
-        .id
-        .as_ref()
-        .ok_or_else(|| Status::invalid_argument("the block id is missing"))?;
-    if desc.ufs.is_none() {
-        return Err(Status::invalid_argument(
-            "the block has no under-store location",
-        ));
-    }
-    let bs = if desc.block_size == 0 {
-        granary_common::DEFAULT_BLOCK_SIZE
-    } else {
-        desc.block_size
-    };
-    let block_start = u64::from(id.index)
-        .checked_mul(bs)
-        .filter(|s| *s < desc.file_length)
-        .ok_or_else(|| {
-            Status::out_of_range(format!("block {} is past the end of the file", id.index))
-        })?;
-    let block_len = bs.min(desc.file_length - block_start);
+    let (block_start, block_len) = block_extent(&desc)?;
     if r.length == 0 || r.length > MAX_READ_LENGTH {
         return Err(Status::invalid_argument(format!(
             "read length {} must be between 1 and {MAX_READ_LENGTH}",
@@ -148,6 +143,7 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
         desc,
         Plan {
             block_start,
+            block_len,
             offset: r.offset,
             end,
         },
@@ -227,13 +223,8 @@ impl WorkerService for WorkerRpc {
         let (desc, p) = plan(&r)?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
-        let bs = if desc.block_size == 0 {
-            granary_common::DEFAULT_BLOCK_SIZE
-        } else {
-            desc.block_size
-        };
         let block = Arc::new(BlockRef {
-            len: bs.min(desc.file_length - p.block_start),
+            len: p.block_len,
             start: p.block_start,
             key,
             desc,
