@@ -3,6 +3,10 @@
 # The granary binary: $GRANARY_BIN, else the debug build scripts/test makes.
 bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/granary}"
 
+# Benchmarks run plaintext unless told otherwise (GRANARY_INSECURE=0 with GRANARY_TLS_DIR
+# set; bench/peer-read.sh --tls measures TLS on against off in one run).
+export GRANARY_INSECURE="${GRANARY_INSECURE:-1}"
+
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 

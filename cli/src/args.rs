@@ -33,8 +33,39 @@ pub struct Cli {
     /// top-level keys apply to every command). Command line and GRANARY_* variables win.
     #[arg(long, global = true, env = "GRANARY_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How this process secures its gRPC connections. Every command needs TLS material or an
+/// explicit --insecure (except `granary local`, which makes its own, and `granary cert`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Folder with this process's TLS material: ca.crt (the cluster CA), tls.crt and tls.key
+    /// (its certificate and key) — the layout of `granary cert issue --out` and of a
+    /// Kubernetes TLS Secret.
+    #[arg(long, global = true, env = "GRANARY_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// The cluster CA's certificate (PEM) [default: DIR/ca.crt].
+    #[arg(long, global = true, env = "GRANARY_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// This process's certificate (PEM) [default: DIR/tls.crt].
+    #[arg(long, global = true, env = "GRANARY_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// This process's private key (PEM) [default: DIR/tls.key].
+    #[arg(long, global = true, env = "GRANARY_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Plaintext gRPC with no identities: anyone who reaches a port may do anything. Only
+    /// for a trusted, isolated network.
+    #[arg(
+        long,
+        global = true,
+        env = "GRANARY_INSECURE",
+        value_parser = clap::builder::FalseyValueParser::new()
+    )]
+    pub insecure: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -111,6 +142,9 @@ pub enum Command {
     /// Expire a file or folder after a while: free its cached copies, or delete it.
     #[command(subcommand)]
     Ttl(TtlCommand),
+    /// Create the cluster CA and issue certificates for masters, workers, mounts and admins.
+    #[command(subcommand)]
+    Cert(CertCommand),
     /// Undo granary pin: the path's pages become evictable again (nothing is dropped).
     #[command(after_help = "Examples:\n  granary unpin /datasets/imagenet/val")]
     Unpin {
@@ -119,6 +153,75 @@ pub enum Command {
         #[command(flatten)]
         master: MasterAddr,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CertCommand {
+    /// Create a cluster CA: CA-DIR/ca.crt and CA-DIR/ca.key (keep the key offline or in a
+    /// Secret only `granary cert issue` reads).
+    #[command(
+        after_help = "Examples:\n  granary cert init --ca-dir /etc/granary/ca\n  granary cert init --ca-dir ./ca --days 1825 --name \"ml-cluster CA\""
+    )]
+    Init {
+        /// Where to write ca.crt and ca.key.
+        #[arg(long, value_name = "DIR")]
+        ca_dir: PathBuf,
+        /// Validity of the CA in days.
+        #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        days: u32,
+        /// The CA's common name.
+        #[arg(long, default_value = "Granary cluster CA")]
+        name: String,
+        /// Replace an existing CA (every certificate it issued stops working).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Issue a certificate and key signed by the cluster CA into OUT (ca.crt, tls.crt,
+    /// tls.key), ready for --tls-dir.
+    #[command(
+        after_help = "Roles: node (masters and workers; may serve), admin (mounts, jobs, membership),\nuser (namespace reads and writes; --subtree limits it to one folder).\n\nExamples:\n  granary cert issue master-1 --role node --ca-dir ./ca --out ./tls/master-1\n  granary cert issue worker-7 --role node --ca-dir ./ca --out ./tls/worker-7\n  granary cert issue ops --role admin --ca-dir ./ca --out ~/.granary/tls\n  granary cert issue team-a-mount --role user --subtree /datasets/team-a --ca-dir ./ca --out ./tls/team-a"
+    )]
+    Issue {
+        /// The principal's name (the certificate's common name; shown in logs and errors).
+        name: String,
+        /// Role(s): node, admin, user (repeat or separate with commas).
+        #[arg(long = "role", required = true, value_delimiter = ',', value_parser = role)]
+        roles: Vec<granary_common::tls::Role>,
+        /// The CA folder of `granary cert init`.
+        #[arg(long, value_name = "DIR")]
+        ca_dir: PathBuf,
+        /// Where to write ca.crt, tls.crt and tls.key.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Validity in days.
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        days: u32,
+        /// Limit the principal to this namespace folder (and what is below it).
+        #[arg(long, value_name = "PATH")]
+        subtree: Option<String>,
+        /// Extra DNS name or IP address in the certificate (repeatable), for tools that
+        /// verify servers by address; Granary itself verifies node certificates by role.
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+        /// Overwrite existing files in OUT.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Show what a certificate says: principal, roles, subtree, validity.
+    #[command(
+        after_help = "Examples:\n  granary cert show ./tls/worker-7/tls.crt\n  granary cert show --tls-dir ~/.granary/tls"
+    )]
+    Show {
+        /// Certificate file (PEM) [default: the --tls-dir's tls.crt].
+        file: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn role(s: &str) -> Result<granary_common::tls::Role, String> {
+    granary_common::tls::Role::parse(s)
+        .ok_or_else(|| format!("unknown role {s:?}; expected node, admin or user"))
 }
 
 #[derive(Debug, Args)]

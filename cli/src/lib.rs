@@ -5,6 +5,7 @@ pub mod admin;
 pub mod args;
 pub mod config;
 pub mod jobs;
+pub mod security;
 pub mod servers;
 
 use std::process::ExitCode;
@@ -64,8 +65,24 @@ fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ").replace('\n', " ")
 }
 
+/// Installs the transport security the command runs with (see [`security`]).
+fn secure(cli: &Cli) -> anyhow::Result<()> {
+    use granary_common::tls::Role;
+    let (role, daemon) = match &cli.command {
+        Command::Cert(_) => return Ok(()),
+        Command::Local(_) => return security::install_local(&cli.tls),
+        Command::Master(a) if a.action.is_none() => (Some(Role::Node), true),
+        Command::Worker(a) if a.action.is_none() => (Some(Role::Node), true),
+        Command::Fuse(_) => (None, true),
+        _ => (None, false),
+    };
+    security::install(&cli.tls, role, daemon)
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    secure(&cli)?;
     match cli.command {
+        Command::Cert(c) => security::cert(c, &cli.tls),
         Command::Local(a) => servers::local(a).await,
         Command::Master(a) => match a.action {
             Some(action) => admin::masters(action).await,

@@ -51,10 +51,10 @@ impl ClientError {
                 Self::Unavailable(if msg.is_empty() {
                     "service unavailable".into()
                 } else {
-                    msg
+                    with_tls_hint(msg)
                 })
             }
-            _ => Self::Internal(msg),
+            _ => Self::Internal(with_tls_hint(msg)),
         }
     }
 
@@ -65,6 +65,30 @@ impl ClientError {
             Self::Unavailable(_) | Self::Timeout(_) | Self::Internal(_)
         )
     }
+}
+
+/// A failed connection whose message points at a TLS mismatch gets a hint of the likely
+/// cause (a plaintext client meets a TLS server as an HTTP/2 protocol error).
+fn with_tls_hint(msg: String) -> String {
+    let m = msg.to_ascii_lowercase();
+    let tls_like = [
+        "h2 protocol error",
+        "certificate",
+        "handshake",
+        "tls",
+        "alert",
+        "corrupt message",
+    ]
+    .iter()
+    .any(|w| m.contains(w));
+    if !tls_like {
+        return msg;
+    }
+    let hint = match granary_common::tls::material() {
+        Some(_) => "TLS mismatch: the server may run --insecure, hold a certificate of another CA, or have refused this one",
+        None => "the server may require TLS: pass --tls-dir with a certificate of the cluster CA",
+    };
+    format!("{msg} ({hint})")
 }
 
 impl From<tonic::Status> for ClientError {

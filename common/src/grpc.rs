@@ -3,6 +3,9 @@
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
+use tower::layer::util::{Identity, Stack};
+
+use crate::authz::AuthLayer;
 
 /// Time allowed to establish a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -15,18 +18,27 @@ pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
 /// 64 of the default 16 KiB (less framing work per byte on bulk streams).
 pub const MAX_FRAME: u32 = 1024 * 1024;
 
-/// Normalises `host:port` or a full URI into an `http://` endpoint URI.
+/// Normalises `host:port` or a full URI into an endpoint URI: `https://` when this process
+/// uses TLS ([`crate::tls::install`]), else `http://`.
 pub fn endpoint_uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+    let host_port = addr
+        .strip_prefix("http://")
+        .or_else(|| addr.strip_prefix("https://"))
+        .unwrap_or(addr);
+    match crate::tls::material() {
+        Some(_) => format!("https://{host_port}"),
+        None => format!("http://{host_port}"),
     }
 }
 
-/// A lazily connecting channel to `addr` with Granary's transport settings.
+/// A lazily connecting channel to `addr` with Granary's transport settings (mutual TLS
+/// when this process has TLS material).
 pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(endpoint_uri(addr))?
+    let mut endpoint = Endpoint::from_shared(endpoint_uri(addr))?;
+    if let Some(m) = crate::tls::material() {
+        endpoint = endpoint.tls_config(m.client_config())?;
+    }
+    Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -37,13 +49,25 @@ pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
         .connect_lazy())
 }
 
-/// A server builder with the matching settings.
-pub fn server() -> tonic::transport::Server {
-    tonic::transport::Server::builder()
+/// A server of Granary's services: the matching transport settings, TLS requiring a client
+/// certificate of the cluster CA when this process has TLS material, and the authorization
+/// layer ([`crate::authz`]) in front of every method.
+pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
+
+/// Most concurrent streams one connection may open (a bound on what one peer can hold).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+
+pub fn server() -> Result<Server, tonic::transport::Error> {
+    let mut builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
+    if let Some(m) = crate::tls::material() {
+        builder = builder.tls_config(m.server_config())?;
+    }
+    Ok(builder.layer(AuthLayer::default()))
 }
 
 /// Accepted connections of a bound listener, with Nagle off (a server given its own

@@ -1,17 +1,20 @@
 //! Pieces every Granary crate shares: sizes, paths, ids, the under-store seam, metrics
-//! serving, logging and gRPC channel settings.
+//! serving, logging, gRPC channel settings and transport security (TLS, principals, the
+//! authorization table).
 //!
 //! Invariants kept here:
 //! - a Granary path is absolute, normalised (`/a/b`), and never contains `.`/`..`/empty parts;
 //! - a file version (`version_of`) is a pure function of its under-store fingerprint, so the
 //!   same object version always maps to the same cached pages and a changed one never does.
 
+pub mod authz;
 pub mod grpc;
 pub mod ids;
 pub mod logging;
 pub mod metrics;
 pub mod paths;
 pub mod size;
+pub mod tls;
 pub mod ufs;
 
 /// Default size of a page: the unit a worker fetches, checksums, caches and evicts.

@@ -243,10 +243,13 @@ pub async fn start(
         })
         .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    let mut server = granary_common::grpc::server().map_err(|e| MasterError::Unavailable {
+        message: format!("TLS setup of the master server: {e}"),
+    })?;
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
-        let served = granary_common::grpc::server()
+        let served = server
             .add_service(svc)
             .add_service(raft_svc)
             .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })

@@ -27,6 +27,128 @@ pub fn granary_bin() -> PathBuf {
     dir.join("granary")
 }
 
+/// The test run's TLS material: one cluster CA per test process (made with the real
+/// `granary cert init`/`cert issue`), with a `node`, an `admin` and a `user` identity, each
+/// in a folder for `--tls-dir`. Every process the harness starts uses TLS, unless
+/// `GRANARY_TEST_INSECURE=1` runs the whole suite plaintext (`--insecure`).
+pub struct TestTls {
+    pub dir: PathBuf,
+}
+
+impl TestTls {
+    pub fn get() -> &'static TestTls {
+        static TLS: std::sync::OnceLock<TestTls> = std::sync::OnceLock::new();
+        TLS.get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("granary-test-tls-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let ca = dir.join("ca").to_string_lossy().to_string();
+            let run = |args: &[&str]| {
+                let out = Command::new(granary_bin())
+                    .args(args)
+                    .env("GRANARY_LOG", "warn")
+                    .output()
+                    .expect("running granary cert");
+                assert!(
+                    out.status.success(),
+                    "granary {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            };
+            run(&["cert", "init", "--ca-dir", &ca, "--days", "30"]);
+            for role in ["node", "admin", "user"] {
+                let out = dir.join(role).to_string_lossy().to_string();
+                run(&[
+                    "cert",
+                    "issue",
+                    &format!("test-{role}"),
+                    "--role",
+                    role,
+                    "--ca-dir",
+                    &ca,
+                    "--out",
+                    &out,
+                    "--days",
+                    "30",
+                ]);
+            }
+            TestTls { dir }
+        })
+    }
+
+    /// The `--tls-dir` of an identity (`node`, `admin`, `user`), or of another one issued
+    /// by [`TestTls::issue`].
+    pub fn identity(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The cluster CA's folder (ca.crt, ca.key).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("ca")
+    }
+
+    /// Issues another identity of the test CA (`granary cert issue NAME ARGS..`).
+    pub fn issue(&self, name: &str, args: &[&str]) -> Result<PathBuf> {
+        let out = self.dir.join(name);
+        let (ca, o) = (
+            self.ca().to_string_lossy().to_string(),
+            out.to_string_lossy().to_string(),
+        );
+        let mut all = vec![
+            "cert", "issue", name, "--ca-dir", &ca, "--out", &o, "--force",
+        ];
+        all.extend_from_slice(args);
+        let r = Command::new(granary_bin())
+            .args(&all)
+            .env("GRANARY_LOG", "warn")
+            .output()?;
+        if !r.status.success() {
+            bail!("granary {all:?}: {}", String::from_utf8_lossy(&r.stderr));
+        }
+        Ok(out)
+    }
+}
+
+fn insecure_suite() -> bool {
+    std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1")
+}
+
+/// Sets the transport security of a `granary` command the harness runs: `--insecure` for
+/// an insecure suite, else the TLS identity its role needs (servers `node`, mounts `user`,
+/// admin commands `admin`; `local` and `cert` make or need none). A command that already
+/// names its TLS setting is left alone.
+pub fn secure_command(cmd: &mut Command, args: &[&str]) {
+    // The command and its action, past `--config FILE`.
+    let mut words = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if *a == "--config" {
+            it.next();
+        } else if !a.starts_with('-') {
+            words.push(*a);
+        }
+    }
+    let named = args
+        .iter()
+        .any(|a| a.starts_with("--tls-") || *a == "--insecure");
+    if named || matches!(words.first(), Some(&"cert") | Some(&"local")) {
+        return;
+    }
+    if insecure_suite() {
+        cmd.env("GRANARY_INSECURE", "1");
+        return;
+    }
+    let actions = ["list", "add", "remove", "decommission", "recommission"];
+    let server = !words.get(1).is_some_and(|w| actions.contains(w));
+    // A mount on a node runs with the node's identity (it may read under-stores directly
+    // when no worker can serve); `user` identities are for the security tests.
+    let role = match words.first() {
+        Some(&"master") | Some(&"worker") if server => "node",
+        Some(&"fuse") => "node",
+        _ => "admin",
+    };
+    cmd.env("GRANARY_TLS_DIR", TestTls::get().identity(role));
+}
+
 /// Polls `f` until it returns `Some`, failing after `timeout`.
 pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Result<T> {
     let deadline = Instant::now() + timeout;
@@ -79,6 +201,8 @@ impl Proc {
         let mut cmd = Command::new(program);
         if let Some(d) = cwd {
             cmd.current_dir(d);
+        } else {
+            secure_command(&mut cmd, args);
         }
         let child = cmd
             .args(args)
@@ -172,8 +296,9 @@ impl Drop for Proc {
 
 /// Runs `granary ARGS` to completion.
 pub fn granary(args: &[&str]) -> Output {
-    Command::new(granary_bin())
-        .args(args)
+    let mut cmd = Command::new(granary_bin());
+    secure_command(&mut cmd, args);
+    cmd.args(args)
         .env("GRANARY_LOG", "warn")
         .stdin(Stdio::null())
         .output()
@@ -1140,7 +1265,9 @@ impl Bench {
             .open(&log)?;
         let log_start = err.metadata()?.len() as usize;
         let stdout = std::fs::File::create(&out)?;
-        let child = Command::new(granary_bin())
+        let mut cmd = Command::new(granary_bin());
+        secure_command(&mut cmd, &args);
+        let child = cmd
             .args(&args)
             .env("GRANARY_LOG", "info")
             .stdin(Stdio::null())

@@ -353,7 +353,9 @@ sys.stdout.buffer.write(out)
 sys.exit(os.waitstatus_to_exitcode(status))
 "#;
     let bin = granary_bin();
-    let out = std::process::Command::new("python3")
+    let mut cmd = std::process::Command::new("python3");
+    granary_tests::secure_command(&mut cmd, args);
+    let out = cmd
         .arg("-c")
         .arg(PTY)
         .arg(&bin)

@@ -213,10 +213,12 @@ pub async fn start(
     })
     .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    let mut server = granary_common::grpc::server()
+        .map_err(|e| WorkerError::Serve(format!("TLS setup of the worker server: {e}")))?;
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
-        granary_common::grpc::server()
+        server
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
             .await

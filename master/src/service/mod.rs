@@ -1,7 +1,14 @@
 //! Thin tonic handlers: decode, call the core, encode. Errors map to gRPC status in one place
-//! (`impl From<MasterError> for tonic::Status`).
+//! (`impl From<MasterError> for tonic::Status`). Who may call which method is decided in
+//! front of them (`granary_common::authz`); which paths a caller may touch, here
+//! ([`access`]).
+
+mod access;
 
 use std::sync::Arc;
+
+use access::Reach;
+use granary_common::authz::principal;
 
 use granary_proto as pb;
 use granary_proto::master_service_server::MasterService;
@@ -113,11 +120,13 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
         let mut inode = self.target(r.target).await?;
+        access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         if r.validate && !r.allow_stale {
             inode = self.core.ns.validate(inode).await?;
         }
@@ -130,9 +139,11 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
         self.core.read_barrier().await?;
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
+        access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_of(&self.core, &inode)?),
         }))
@@ -142,11 +153,13 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::ListStatusRequest>,
     ) -> Result<Response<pb::ListStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
         let dir = self.target(r.target).await?;
+        let reach = access::reach(&who, &self.core.ns.sm.path_of(&dir)?)?;
         let limit = match r.page_size as usize {
             0 => DEFAULT_PAGE,
             n => n.min(MAX_PAGE),
@@ -179,8 +192,14 @@ impl MasterService for MasterRpc {
         } else {
             String::new()
         };
+        // Above a principal's subtree, a listing shows only the way down.
+        let shown = |c: &&Inode| {
+            reach == Reach::Full
+                || access::reach(&who, &granary_common::paths::join(&dir_path, &c.name)).is_ok()
+        };
         let entries = children
             .iter()
+            .filter(shown)
             .map(|c| {
                 let p = if is_dir {
                     granary_common::paths::join(&dir_path, &c.name)
@@ -206,7 +225,9 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::MkdirRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
         self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
         let out = self
@@ -228,7 +249,9 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::CreateFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
         self.core.ns.prepare_create(&r.path, r.overwrite).await?;
         let out = self
@@ -255,7 +278,12 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::CompleteFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        if who.subtree.is_some() {
+            let inode = self.core.ns.inode(r.inode)?;
+            access::full(&who, &self.core.ns.sm.path_of(&inode)?)?;
+        }
         let out = self
             .core
             .propose_request(
@@ -300,7 +328,9 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         self.core
             .delete_path(&r.path, r.recursive, r.request_id)
             .await?;
@@ -311,7 +341,10 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RenameRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        access::full_raw(&who, &r.src)?;
+        access::full_raw(&who, &r.dst)?;
         self.core.ensure_leader()?;
         self.core.ns.rename_in_store(&r.src, &r.dst).await?;
         let out = self
@@ -332,7 +365,9 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::SyncMetadataRequest>,
     ) -> Result<Response<pb::SyncMetadataResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         self.core.read_barrier().await?;
         let start = self.core.ns.resolve(&r.path).await?;
         let (dirs_listed, failures) = self.core.ns.sync_tree(start, r.recursive).await?;
@@ -367,8 +402,9 @@ impl MasterService for MasterRpc {
 
     async fn list_mounts(
         &self,
-        _req: Request<pb::ListMountsRequest>,
+        req: Request<pb::ListMountsRequest>,
     ) -> Result<Response<pb::ListMountsResponse>, Status> {
+        let who = principal(&req);
         self.core.read_barrier().await?;
         let mounts = self
             .core
@@ -376,6 +412,7 @@ impl MasterService for MasterRpc {
             .sm
             .mounts()?
             .iter()
+            .filter(|m| access::reach(&who, &m.path).is_ok())
             .map(crate::mounts::mount_info)
             .collect();
         Ok(Response::new(pb::ListMountsResponse { mounts }))

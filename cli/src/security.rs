@@ -1,0 +1,243 @@
+//! Transport security of the process (TLS material or an explicit `--insecure`) and the
+//! `granary cert` commands that make a cluster's TLS material.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use granary_common::tls::{self, LeafSpec, Pems, Role, Security, TlsFiles, TlsMaterial};
+
+use crate::args::{CertCommand, TlsArgs};
+
+/// Certificates expiring sooner than this get a warning at start.
+const EXPIRY_WARNING_DAYS: i64 = 14;
+
+impl TlsArgs {
+    fn given(&self) -> bool {
+        self.tls_dir.is_some()
+            || self.tls_ca.is_some()
+            || self.tls_cert.is_some()
+            || self.tls_key.is_some()
+    }
+
+    /// The three files, from `--tls-dir` and the per-file overrides.
+    fn files(&self) -> anyhow::Result<TlsFiles> {
+        let dir = self.tls_dir.as_deref();
+        let pick = |own: &Option<PathBuf>, name: &str, flag: &str| -> anyhow::Result<PathBuf> {
+            match (own, dir) {
+                (Some(p), _) => Ok(p.clone()),
+                (None, Some(d)) => Ok(d.join(name)),
+                (None, None) => bail!("--{flag} (or --tls-dir) is needed with the other TLS flags"),
+            }
+        };
+        Ok(TlsFiles {
+            ca: pick(&self.tls_ca, "ca.crt", "tls-ca")?,
+            cert: pick(&self.tls_cert, "tls.crt", "tls-cert")?,
+            key: pick(&self.tls_key, "tls.key", "tls-key")?,
+        })
+    }
+}
+
+/// Loads and installs the process's TLS material, or plaintext with `--insecure`; `role`
+/// is the role a server mode needs in its certificate, `daemon` whether the command runs
+/// until stopped (it then logs its security at start).
+pub fn install(args: &TlsArgs, role: Option<Role>, daemon: bool) -> anyhow::Result<()> {
+    if args.insecure && args.given() {
+        bail!("--insecure and the TLS flags (--tls-dir, --tls-ca, --tls-cert, --tls-key) exclude each other");
+    }
+    if args.insecure {
+        // Servers say so loudly; a client command stays quiet (its stderr is its error).
+        if daemon {
+            tracing::warn!(
+                "--insecure: gRPC is plaintext and unauthenticated; anyone who reaches a port may read data and administer the cluster"
+            );
+        }
+        return set(Security::Insecure);
+    }
+    if !args.given() {
+        bail!(
+            "no TLS material: pass --tls-dir DIR (made with `granary cert issue`) or --insecure for a plaintext cluster on a trusted network"
+        );
+    }
+    let files = args.files()?;
+    let material = TlsMaterial::load(&files).context("loading the TLS material")?;
+    if let Some(need) = role {
+        if !material.principal.has(need) {
+            bail!(
+                "the certificate {} is for {}, not a {need}; issue one with `granary cert issue NAME --role {need}`",
+                files.cert.display(),
+                material.principal
+            );
+        }
+    }
+    let left_days = (material.not_after - granary_common::now_ms() / 1000) / 86_400;
+    if left_days < EXPIRY_WARNING_DAYS {
+        tracing::warn!(cert = %files.cert.display(), days = left_days, "the certificate expires soon; issue a new one and restart");
+    }
+    if daemon {
+        tracing::info!(principal = %material.principal, "mutual TLS on");
+    }
+    set(Security::Tls(Arc::new(material)))
+}
+
+/// `granary local`: its own CA and one identity for the embedded master, worker and mount,
+/// made in memory at each start (nothing else can reach its ports), unless TLS material
+/// or `--insecure` is given.
+pub fn install_local(args: &TlsArgs) -> anyhow::Result<()> {
+    if args.insecure || args.given() {
+        return install(args, Some(Role::Node), true);
+    }
+    let ca = tls::new_ca("granary local CA", 2)?;
+    let own = tls::issue(
+        &ca,
+        &LeafSpec::new("local", &[Role::Node, Role::Admin, Role::User], 2),
+    )?;
+    set(Security::Tls(Arc::new(TlsMaterial::from_pems(
+        ca.cert, own,
+    )?)))
+}
+
+fn set(s: Security) -> anyhow::Result<()> {
+    Ok(tls::install(s)?)
+}
+
+/// Writes `data` to a new file (mode `mode`), refusing to replace one unless `force`.
+fn write_new(path: &Path, data: &str, mode: u32, force: bool) -> anyhow::Result<()> {
+    if path.exists() && !force {
+        bail!("{} exists; pass --force to replace it", path.display());
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(data.as_bytes())
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+pub fn cert(c: CertCommand, tls_args: &TlsArgs) -> anyhow::Result<()> {
+    match c {
+        CertCommand::Init {
+            ca_dir,
+            days,
+            name,
+            force,
+        } => {
+            std::fs::create_dir_all(&ca_dir)
+                .with_context(|| format!("creating {}", ca_dir.display()))?;
+            let ca = tls::new_ca(&name, days)?;
+            // Both checked before either is written: a half-replaced CA is useless.
+            for f in ["ca.crt", "ca.key"] {
+                if ca_dir.join(f).exists() && !force {
+                    bail!(
+                        "{} exists; pass --force to replace the CA (every certificate it issued stops working)",
+                        ca_dir.join(f).display()
+                    );
+                }
+            }
+            write_new(&ca_dir.join("ca.key"), &ca.key, 0o600, force)?;
+            write_new(&ca_dir.join("ca.crt"), &ca.cert, 0o644, force)?;
+            println!(
+                "cluster CA written to {} (ca.crt, ca.key; valid {days} days)",
+                ca_dir.display()
+            );
+            Ok(())
+        }
+        CertCommand::Issue {
+            name,
+            roles,
+            ca_dir,
+            out,
+            days,
+            subtree,
+            hosts,
+            force,
+        } => {
+            if name.trim().is_empty() {
+                bail!("the certificate's name must not be empty");
+            }
+            let subtree = subtree
+                .map(|s| granary_common::paths::normalize(&s))
+                .transpose()
+                .context("--subtree")?;
+            let ca = Pems {
+                cert: read(&ca_dir.join("ca.crt"))?,
+                key: read(&ca_dir.join("ca.key"))?,
+            };
+            let mut spec = LeafSpec::new(&name, &roles, days);
+            spec.subtree = subtree;
+            spec.hosts = hosts;
+            let own = tls::issue(&ca, &spec)?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            for f in ["ca.crt", "tls.crt", "tls.key"] {
+                if out.join(f).exists() && !force {
+                    bail!(
+                        "{} exists; pass --force to replace it",
+                        out.join(f).display()
+                    );
+                }
+            }
+            write_new(&out.join("tls.key"), &own.key, 0o600, force)?;
+            write_new(&out.join("tls.crt"), &own.cert, 0o644, force)?;
+            write_new(&out.join("ca.crt"), &ca.cert, 0o644, force)?;
+            let m = TlsMaterial::from_pems(ca.cert, own)?;
+            println!(
+                "certificate for {} written to {} (ca.crt, tls.crt, tls.key; valid {days} days); use it with --tls-dir {}",
+                m.principal,
+                out.display(),
+                out.display()
+            );
+            Ok(())
+        }
+        CertCommand::Show { file, json } => {
+            let path = match (file, &tls_args.tls_cert, &tls_args.tls_dir) {
+                (Some(f), _, _) => f,
+                (None, Some(f), _) => f.clone(),
+                (None, None, Some(d)) => d.join("tls.crt"),
+                (None, None, None) => bail!("name a certificate file or pass --tls-dir"),
+            };
+            show(&path, json)
+        }
+    }
+}
+
+fn show(path: &Path, json: bool) -> anyhow::Result<()> {
+    let text = read(path)?;
+    let info = tls::describe(&text).with_context(|| format!("{}", path.display()))?;
+    if json {
+        let v = serde_json::json!({
+            "name": info.principal.name,
+            "roles": info.principal.roles().iter().map(|r| r.name()).collect::<Vec<_>>(),
+            "subtree": info.principal.subtree,
+            "issuer": info.issuer,
+            "not_before": info.not_before,
+            "not_after": info.not_after,
+            "valid_now": info.valid_now,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("principal: {}", info.principal);
+        println!("issuer:    {}", info.issuer);
+        println!(
+            "valid:     {} to {}{}",
+            info.not_before,
+            info.not_after,
+            if info.valid_now {
+                ""
+            } else {
+                " (NOT VALID NOW)"
+            }
+        );
+    }
+    Ok(())
+}

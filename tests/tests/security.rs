@@ -1,0 +1,526 @@
+//! Transport security: every port refuses plaintext, foreign and expired certificates;
+//! roles decide who may administer; clients verify the servers they talk to.
+//!
+//! The harness runs every process with TLS (a test CA per test process); here the test
+//! also talks gRPC itself with identities of its choice.
+
+use std::path::Path;
+use std::time::Duration;
+
+use granary_common::tls::{self, LeafSpec, Pems, Role};
+use granary_proto as pb;
+use granary_proto::master_service_client::MasterServiceClient;
+use granary_proto::worker_service_client::WorkerServiceClient;
+use granary_tests::*;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// A client identity for a direct gRPC call: trusted CA, certificate and key (PEM).
+#[derive(Clone)]
+struct Creds {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+fn creds_in(dir: &Path) -> Creds {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    Creds {
+        ca: read("ca.crt"),
+        cert: read("tls.crt"),
+        key: read("tls.key"),
+    }
+}
+
+/// A channel to `addr`: plaintext without credentials, else mutual TLS with them.
+fn channel(addr: &str, creds: Option<&Creds>) -> Channel {
+    let endpoint = match creds {
+        None => Endpoint::from_shared(format!("http://{addr}")).unwrap(),
+        Some(c) => Endpoint::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(&c.ca))
+                    .identity(Identity::from_pem(&c.cert, &c.key))
+                    .domain_name(tls::NODE_SERVER_NAME),
+            )
+            .unwrap(),
+    };
+    endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10))
+        .connect_lazy()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `GetClusterInfo` on a master.
+fn master_call(
+    addr: &str,
+    creds: Option<&Creds>,
+) -> Result<pb::GetClusterInfoResponse, tonic::Status> {
+    rt().block_on(async {
+        let mut c = MasterServiceClient::new(channel(addr, creds));
+        c.get_cluster_info(pb::GetClusterInfoRequest { allow_stale: false })
+            .await
+            .map(|r| r.into_inner())
+    })
+}
+
+/// `GetCacheInfo` on a worker.
+fn worker_call(
+    addr: &str,
+    creds: Option<&Creds>,
+) -> Result<pb::GetCacheInfoResponse, tonic::Status> {
+    rt().block_on(async {
+        let mut c = WorkerServiceClient::new(channel(addr, creds));
+        c.get_cache_info(pb::GetCacheInfoRequest {})
+            .await
+            .map(|r| r.into_inner())
+    })
+}
+
+/// A certificate of the test CA whose validity ended yesterday.
+fn expired_creds() -> Creds {
+    let ca_dir = TestTls::get().ca();
+    let ca = Pems {
+        cert: std::fs::read_to_string(ca_dir.join("ca.crt")).unwrap(),
+        key: std::fs::read_to_string(ca_dir.join("ca.key")).unwrap(),
+    };
+    let mut spec = LeafSpec::new("expired-admin", &[Role::Admin], 1);
+    spec.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(30);
+    spec.not_after = time::OffsetDateTime::now_utc() - time::Duration::days(1);
+    let own = tls::issue(&ca, &spec).unwrap();
+    Creds {
+        ca: ca.cert,
+        cert: own.cert,
+        key: own.key,
+    }
+}
+
+/// A CA of its own, with an admin and a node identity: `(admin dir, node dir)`.
+fn foreign_ca(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let ca = root.join("other-ca").to_string_lossy().to_string();
+    granary_ok(&["cert", "init", "--ca-dir", &ca]).unwrap();
+    let mut dirs = Vec::new();
+    for role in ["admin", "node"] {
+        let out = root
+            .join(format!("other-{role}"))
+            .to_string_lossy()
+            .to_string();
+        granary_ok(&[
+            "cert",
+            "issue",
+            &format!("other-{role}"),
+            "--role",
+            role,
+            "--ca-dir",
+            &ca,
+            "--out",
+            &out,
+        ])
+        .unwrap();
+        dirs.push(std::path::PathBuf::from(out));
+    }
+    (dirs[0].clone(), dirs[1].clone())
+}
+
+fn expect_refused<T: std::fmt::Debug>(what: &str, r: Result<T, tonic::Status>) {
+    match r {
+        Ok(v) => panic!("{what} was served: {v:?}"),
+        Err(s) => assert!(
+            matches!(
+                s.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::Unknown
+                    | tonic::Code::Internal
+                    | tonic::Code::Cancelled
+                    | tonic::Code::Unauthenticated
+            ),
+            "{what}: unexpected status {s:?}"
+        ),
+    }
+}
+
+#[test]
+fn every_port_refuses_plaintext_foreign_and_expired_clients() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-tls-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("a.bin"), 300_000).unwrap();
+    let master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local("/d", &src, &master.addr).unwrap();
+    let want = sh(&format!("sha256sum < '{}'", src.join("a.bin").display())).unwrap();
+    let got = sh(&format!(
+        "GRANARY_TLS_DIR='{}' '{}' fs cat /d/a.bin --master {} | sha256sum",
+        TestTls::get().identity("admin").display(),
+        granary_bin().display(),
+        master.addr
+    ))
+    .unwrap();
+    assert_eq!(got, want, "a read over TLS returned other bytes");
+
+    let admin = creds_in(&TestTls::get().identity("admin"));
+    let (other_admin, other_node) = foreign_ca(root);
+    let foreign = creds_in(&other_admin);
+    let expired = expired_creds();
+    for _ in 0..2 {
+        expect_refused(
+            "plaintext call to the master",
+            master_call(&master.addr, None),
+        );
+        expect_refused("plaintext call to the worker", worker_call(&w.addr, None));
+        expect_refused(
+            "master call with another CA's certificate",
+            master_call(&master.addr, Some(&foreign)),
+        );
+        expect_refused(
+            "worker call with another CA's certificate",
+            worker_call(&w.addr, Some(&foreign)),
+        );
+        expect_refused(
+            "master call with an expired certificate",
+            master_call(&master.addr, Some(&expired)),
+        );
+        expect_refused(
+            "worker call with an expired certificate",
+            worker_call(&w.addr, Some(&expired)),
+        );
+    }
+    // The servers carry on for valid clients.
+    let info = master_call(&master.addr, Some(&admin)).unwrap();
+    assert_eq!(info.workers.len(), 1);
+    assert!(worker_call(&w.addr, Some(&admin)).unwrap().capacity_bytes > 0);
+
+    // The CLI says so in one sentence and exits 1.
+    let addr = master.addr.as_str();
+    let out = granary(&["report", "--master", addr, "--insecure"]);
+    assert_one_sentence_error(&out, "plaintext report");
+    let other = other_admin.to_string_lossy().to_string();
+    let out = granary(&["report", "--master", addr, "--tls-dir", &other]);
+    assert_one_sentence_error(&out, "report with another CA's certificate");
+    let out = granary(&["report", "--master", addr]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Clients verify servers too: a master whose certificate comes from another CA is not
+    // trusted by the cluster's admin.
+    let rogue_dir = root.join("rogue");
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let data = rogue_dir.to_string_lossy().to_string();
+    let node = other_node.to_string_lossy().to_string();
+    let mut rogue = Proc::spawn(
+        "rogue-master",
+        root,
+        &[
+            "master",
+            "--data-dir",
+            &data,
+            "--listen",
+            &listen,
+            "--tls-dir",
+            &node,
+        ],
+    )
+    .unwrap();
+    rogue
+        .wait_for_line("granary master listening on", Duration::from_secs(60))
+        .unwrap();
+    let out = granary(&["report", "--master", &listen]);
+    assert_one_sentence_error(&out, "report against a master of another CA");
+    expect_refused(
+        "a call to a master of another CA",
+        master_call(&listen, Some(&admin)),
+    );
+
+    // Servers start only with a node certificate, and never with an expired one.
+    let admin_dir = TestTls::get()
+        .identity("admin")
+        .to_string_lossy()
+        .to_string();
+    let out = granary(&[
+        "master",
+        "--data-dir",
+        &data,
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-dir",
+        &admin_dir,
+    ]);
+    assert_one_sentence_error(&out, "a master with an admin certificate");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a node"));
+    let exp_dir = root.join("expired");
+    std::fs::create_dir_all(&exp_dir).unwrap();
+    std::fs::write(exp_dir.join("ca.crt"), &expired.ca).unwrap();
+    std::fs::write(exp_dir.join("tls.crt"), &expired.cert).unwrap();
+    std::fs::write(exp_dir.join("tls.key"), &expired.key).unwrap();
+    let exp = exp_dir.to_string_lossy().to_string();
+    let out = granary(&["report", "--master", addr, "--tls-dir", &exp]);
+    assert_one_sentence_error(&out, "report with an expired certificate");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not valid now"));
+    // Without any TLS material nothing runs, and --insecure with TLS flags is refused.
+    let out = std::process::Command::new(granary_bin())
+        .args(["report", "--master", addr])
+        .env("GRANARY_LOG", "warn")
+        .output()
+        .unwrap();
+    assert_one_sentence_error(&out, "report without TLS material");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--insecure"));
+    let out = granary(&[
+        "report",
+        "--master",
+        addr,
+        "--insecure",
+        "--tls-dir",
+        &admin_dir,
+    ]);
+    assert_one_sentence_error(&out, "--insecure with --tls-dir");
+}
+
+#[test]
+fn roles_decide_who_may_administer() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-roles-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("a.bin"), 100_000).unwrap();
+    let master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    let user_dir = TestTls::get().issue("alice", &["--role", "user"]).unwrap();
+    let user = user_dir.to_string_lossy().to_string();
+    let s = src.to_string_lossy().to_string();
+    let addr = master.addr.as_str();
+
+    // A user may not add a mount; nothing changes.
+    let out = granary(&[
+        "mount",
+        "add",
+        "/d",
+        &s,
+        "--master",
+        addr,
+        "--tls-dir",
+        &user,
+    ]);
+    assert_one_sentence_error(&out, "mount add by a user");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("needs the admin role") && err.contains("alice"),
+        "{err}"
+    );
+    let mounts = granary_ok(&["mount", "list", "--json", "--master", addr]).unwrap();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&mounts)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+
+    // An admin may; the user can then read, but not start a load, pin, free or decommission.
+    mount_local("/d", &src, addr).unwrap();
+    let listing = granary_ok(&["fs", "ls", "/d", "--master", addr, "--tls-dir", &user]).unwrap();
+    assert!(listing.contains("a.bin"), "{listing}");
+    for (what, args) in [
+        ("load", vec!["load", "/d"]),
+        ("pin", vec!["pin", "/d", "--detach"]),
+        ("free", vec!["free", "-R", "/d"]),
+        ("ttl", vec!["ttl", "set", "/d", "1h", "--action", "free"]),
+        ("decommission", vec!["worker", "decommission", "1"]),
+        ("mount remove", vec!["mount", "remove", "/d"]),
+    ] {
+        let mut a = args.clone();
+        a.extend(["--master", addr, "--tls-dir", &user]);
+        let out = granary(&a);
+        assert_one_sentence_error(&out, what);
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("needs the admin role"),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let jobs = granary_ok(&["job", "list", "--json", "--master", addr]).unwrap();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&jobs)
+            .unwrap()
+            .as_array()
+            .map(Vec::len),
+        Some(0),
+        "{jobs}"
+    );
+
+    // Direct calls: exact codes. A user and an admin cannot do a node's work, and a
+    // node's work (tasks for workers) is refused to anyone else.
+    let user_creds = creds_in(&user_dir);
+    let admin_creds = creds_in(&TestTls::get().identity("admin"));
+    rt().block_on(async {
+        let mut m = MasterServiceClient::new(channel(addr, Some(&user_creds)));
+        let e = m
+            .add_mount(pb::AddMountRequest {
+                path: "/x".into(),
+                uri: format!("file://{s}"),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let e = m
+            .get_mount_access(pb::GetMountAccessRequest { mount_id: 1 })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let mut m = MasterServiceClient::new(channel(addr, Some(&admin_creds)));
+        let e = m
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: 99,
+                address: "127.0.0.1:1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&admin_creds)));
+        let e = wc
+            .load_blocks(pb::LoadBlocksRequest { blocks: vec![] })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    });
+    let info = master_call(addr, Some(&admin_creds)).unwrap();
+    assert_eq!(
+        info.workers.len(),
+        1,
+        "a refused registration changed the workers"
+    );
+}
+
+#[test]
+fn a_subtree_certificate_reaches_only_its_subtree() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-subtree-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("team-a/x.bin"), 2_100_000).unwrap();
+    random_file(&src.join("team-b/y.bin"), 100_000).unwrap();
+    std::fs::write(src.join("top.txt"), "top\n").unwrap();
+    let master = Master::start(root).unwrap();
+    let _w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local("/data", &src, &master.addr).unwrap();
+    let team_a = TestTls::get()
+        .issue("team-a", &["--role", "user", "--subtree", "/data/team-a"])
+        .unwrap();
+    let ta = team_a.to_string_lossy().to_string();
+    let fuse = Fuse::start_opts(root, "mnt", &master.addr, &["--tls-dir", &ta]).unwrap();
+    let m = fuse.mountpoint.join("data");
+
+    // Inside: reads, listings and writes work, bytes exact.
+    let want = sh(&format!(
+        "sha256sum < '{}'",
+        src.join("team-a/x.bin").display()
+    ))
+    .unwrap();
+    assert_eq!(
+        sh(&format!(
+            "sha256sum < '{}'",
+            m.join("team-a/x.bin").display()
+        ))
+        .unwrap(),
+        want
+    );
+    sh(&format!("mkdir '{}'", m.join("team-a/new").display())).unwrap();
+    // Above: only the way down is listed.
+    assert_eq!(
+        sh(&format!("ls '{}'", m.display())).unwrap().trim(),
+        "team-a"
+    );
+    // Beside: refused with EACCES, nothing changes.
+    for cmd in [
+        format!("cat '{}'", m.join("team-b/y.bin").display()),
+        format!("ls '{}'", m.join("team-b").display()),
+        format!("cat '{}'", m.join("top.txt").display()),
+        format!("mkdir '{}'", m.join("team-b/new").display()),
+    ] {
+        let out = std::process::Command::new("bash")
+            .args(["-c", &cmd])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "`{cmd}` succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("Permission denied"), "`{cmd}`: {err}");
+    }
+    assert!(!src.join("team-b/new").exists());
+
+    // The same through the CLI and a direct call: exact code and message.
+    let out = granary(&[
+        "fs",
+        "cat",
+        "/data/team-b/y.bin",
+        "--master",
+        &master.addr,
+        "--tls-dir",
+        &ta,
+    ]);
+    assert_one_sentence_error(&out, "cat beside the subtree");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("outside the subtree /data/team-a"));
+    let creds = creds_in(&team_a);
+    rt().block_on(async {
+        let mut c = MasterServiceClient::new(channel(&master.addr, Some(&creds)));
+        let target = |p: &str| {
+            Some(pb::PathOrId {
+                target: Some(pb::path_or_id::Target::Path(p.into())),
+            })
+        };
+        let e = c
+            .get_status(pb::GetStatusRequest {
+                target: target("/data/team-b/y.bin"),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let e = c
+            .rename(pb::RenameRequest {
+                src: "/data/team-a/x.bin".into(),
+                dst: "/data/team-b/x.bin".into(),
+                request_id: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let e = c
+            .delete(pb::DeleteRequest {
+                path: "/data/team-a/../team-b/y.bin".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let mounts = c
+            .list_mounts(pb::ListMountsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(mounts.mounts.len(), 1);
+    });
+    assert!(src.join("team-b/y.bin").exists() && src.join("team-a/x.bin").exists());
+}
