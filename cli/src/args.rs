@@ -449,6 +449,12 @@ pub struct MasterArgs {
     /// Block size of files loaded from under-stores.
     #[arg(long, env = "GRANARY_BLOCK_SIZE", value_parser = size, default_value = "64MiB")]
     pub block_size: u64,
+    /// File holding the key that encrypts under-store credentials in the masters' state (at
+    /// least 32 random bytes, the same on every master; e.g. `head -c 32 /dev/urandom |
+    /// base64 > key`). The key itself may instead be in GRANARY_SECRETS_KEY. Without one,
+    /// mounts with credentials are refused.
+    #[arg(long, env = "GRANARY_SECRETS_KEY_FILE", value_name = "FILE")]
+    pub secrets_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -84,10 +84,23 @@ fn value_string(v: &toml::Value) -> Result<String, String> {
 pub fn apply(cmd: &clap::Command, args: &[OsString], file: &Path) -> Result<(), String> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| format!("cannot read the config file {}: {e}", file.display()))?;
+    for (env, value) in settings(cmd, args, &text, &file.display().to_string())? {
+        std::env::set_var(env, value);
+    }
+    Ok(())
+}
+
+/// The `(variable, value)` pairs a config file's text sets for the command in `args`,
+/// leaving out variables already in the environment. `file` names the file in errors.
+pub fn settings(
+    cmd: &clap::Command,
+    args: &[OsString],
+    text: &str,
+    file: &str,
+) -> Result<Vec<(String, String)>, String> {
     let doc: toml::Table = text.parse().map_err(|e: toml::de::Error| {
         format!(
-            "the config file {} is not valid TOML: {}",
-            file.display(),
+            "the config file {file} is not valid TOML: {}",
             e.message().trim().replace('\n', "; ")
         )
     })?;
@@ -100,6 +113,7 @@ pub fn apply(cmd: &clap::Command, args: &[OsString], file: &Path) -> Result<(), 
     }
     let section = path.first().map(String::as_str).unwrap_or("");
     let mut settings: Vec<(String, &toml::Value, bool)> = Vec::new();
+    let mut out = Vec::new();
     for (k, v) in &doc {
         match v {
             toml::Value::Table(t) if cmd.find_subcommand(k).is_some() => {
@@ -129,7 +143,7 @@ pub fn apply(cmd: &clap::Command, args: &[OsString], file: &Path) -> Result<(), 
             if in_section && long != "config" && !of_section {
                 return Err(format!(
                     "unknown setting {key:?} in [{section}] of {}; see `granary {section} --help`",
-                    file.display()
+                    file
                 ));
             }
             continue; // a top-level key for other commands
@@ -138,9 +152,55 @@ pub fn apply(cmd: &clap::Command, args: &[OsString], file: &Path) -> Result<(), 
         if std::env::var_os(env).is_some() {
             continue; // the environment wins over the file
         }
-        let v = value_string(value)
-            .map_err(|e| format!("setting {key:?} in {}: {e}", file.display()))?;
-        std::env::set_var(env, v);
+        let v = value_string(value).map_err(|e| format!("setting {key:?} in {}: {e}", file))?;
+        out.push((env.to_string_lossy().into_owned(), v));
     }
-    Ok(())
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn args(a: &[&str]) -> Vec<OsString> {
+        a.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn a_table_sets_its_command_and_top_level_keys_every_command() {
+        let cmd = crate::args::Cli::command();
+        let text = "masters = \"m1:1\"\n[master]\ndata-dir = \"/d\"\nid = 2\n";
+        let got = settings(&cmd, &args(&["granary", "master"]), text, "f").unwrap();
+        assert!(
+            got.contains(&("GRANARY_DATA_DIR".into(), "/d".into())),
+            "{got:?}"
+        );
+        assert!(got.contains(&("GRANARY_MASTER_ID".into(), "2".into())), "{got:?}");
+        let e = settings(
+            &cmd,
+            &args(&["granary", "master"]),
+            "[master]\nnope = 1\n",
+            "f",
+        )
+        .unwrap_err();
+        assert!(e.contains("unknown setting \"nope\""), "{e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 512, ..Default::default() })]
+
+        /// Config parsing of hostile text never panics: it yields settings or one sentence.
+        #[test]
+        fn arbitrary_config_text_is_parsed_or_refused_in_one_sentence(
+            text in "(\\[?(master|worker|fuse|x)\\]?|[a-z_-]{1,12} ?= ?(\"[^\"\n]{0,12}\"|[0-9]{1,22}|true|\\[1, ?2\\]|\\{ ?1 ?= ?\"a\" ?\\})|[^\n]{0,20})(\n(\\[(master|worker|local)\\]|[a-z-]{1,12} ?= ?(\"[^\"]{0,8}\"|[0-9.e+-]{1,8}|\\{\\}))){0,8}",
+            sub in proptest::sample::select(vec!["master", "worker", "fuse", "local", "report", "mount"]),
+        ) {
+            let cmd = crate::args::Cli::command();
+            match settings(&cmd, &args(&["granary", sub]), &text, "f") {
+                Ok(pairs) => for (k, _) in pairs { proptest::prop_assert!(k.starts_with("GRANARY_")) },
+                Err(e) => proptest::prop_assert!(!e.contains('\n'), "{}", e),
+            }
+        }
+    }
 }

@@ -64,6 +64,7 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
     config.metrics_listen = a.metrics_listen;
     config.worker_timeout = a.worker_timeout;
     config.block_size = a.block_size;
+    config.secrets = secrets_key(a.secrets_key_file.as_deref())?;
     let m = granary_master::start(config, registry, shutdown.clone()).await?;
     eprintln!("granary master listening on {}", m.addr);
     if let Some(ma) = m.metrics_addr {
@@ -73,6 +74,32 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
     shutdown.cancel();
     m.done.await.context("master task")??;
     Ok(())
+}
+
+/// The masters' key for credentials at rest: from `--secrets-key-file`, else the
+/// `GRANARY_SECRETS_KEY` variable, else none.
+fn secrets_key(
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<Option<Arc<granary_master::secrets::SecretBox>>> {
+    let text = match file {
+        Some(f) => {
+            if std::env::var_os("GRANARY_SECRETS_KEY").is_some() {
+                bail!("--secrets-key-file and GRANARY_SECRETS_KEY exclude each other");
+            }
+            std::fs::read(f).with_context(|| format!("reading the secrets key {}", f.display()))?
+        }
+        None => {
+            match std::env::var("GRANARY_SECRETS_KEY") {
+                Ok(v) => v.into_bytes(),
+                Err(_) => {
+                    tracing::warn!("no secrets key (--secrets-key-file): mounts with credentials will be refused");
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    let key = granary_master::secrets::SecretBox::from_text(&text).map_err(anyhow::Error::msg)?;
+    Ok(Some(Arc::new(key)))
 }
 
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {

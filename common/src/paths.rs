@@ -97,4 +97,23 @@ mod tests {
         assert!(!is_within("/ab", "/a"));
         assert!(is_within("/x", "/"));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+
+        /// Path parsing of hostile text: never panics; what it accepts is absolute, short
+        /// enough, free of `.`/`..`/empty/NUL components, and already normal.
+        #[test]
+        fn normalize_accepts_only_clean_paths(s in "[/a.\\\u{0}\u{202e}é]{0,64}|/[a-z/.]{0,5000}") {
+            if let Ok(n) = normalize(&s) {
+                proptest::prop_assert!(n.starts_with('/') && n.len() <= MAX_PATH_LEN);
+                proptest::prop_assert!(!n.contains('\0'));
+                for part in n.split('/').skip(1).filter(|p| !p.is_empty()) {
+                    proptest::prop_assert!(part != "." && part != ".." && part.len() <= MAX_NAME_LEN);
+                }
+                proptest::prop_assert_eq!(normalize(&n).unwrap(), n.clone());
+                proptest::prop_assert!(!s.split('/').any(|p| p == ".."));
+            }
+        }
+    }
 }

@@ -102,7 +102,7 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
-        let spec = validate_new(uri, options).await?;
+        let spec = self.ns.ufs.seal_spec(validate_new(uri, options).await?)?;
         match self
             .propose_request(
                 Command::AddMount {

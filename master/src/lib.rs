@@ -18,6 +18,7 @@ pub mod mounts;
 pub mod namespace;
 pub mod pins;
 pub mod raft;
+pub mod secrets;
 pub mod service;
 pub mod state;
 pub mod ttl;
@@ -62,6 +63,9 @@ pub struct MasterConfig {
     pub join: bool,
     /// Snapshot the state and compact the log after this many applied entries.
     pub snapshot_entries: u64,
+    /// Key sealing under-store credentials in the replicated state (`None`: mounts with
+    /// credentials are refused).
+    pub secrets: Option<Arc<secrets::SecretBox>>,
 }
 
 impl MasterConfig {
@@ -78,6 +82,7 @@ impl MasterConfig {
             peers: Default::default(),
             join: false,
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
+            secrets: None,
         }
     }
 }
@@ -176,7 +181,7 @@ pub async fn start(
         chan,
     )?;
 
-    let ufs = Arc::new(mounts::UfsCache::default());
+    let ufs = Arc::new(mounts::UfsCache::new(config.secrets.clone()));
     let blocks = Arc::new(blocks::BlockLocations::default());
     let core = Arc::new(core::MasterCore {
         id: config.id,

@@ -71,6 +71,11 @@ impl TestTls {
                     "30",
                 ]);
             }
+            // The masters' key for credentials at rest.
+            let key: String = (0..48)
+                .map(|_| format!("{:x}", rand::random::<u8>() & 15))
+                .collect();
+            std::fs::write(dir.join("secrets.key"), key).expect("writing the secrets key");
             TestTls { dir }
         })
     }
@@ -133,12 +138,18 @@ pub fn secure_command(cmd: &mut Command, args: &[&str]) {
     if named || matches!(words.first(), Some(&"cert") | Some(&"local")) {
         return;
     }
+    let actions = ["list", "add", "remove", "decommission", "recommission"];
+    let server = !words.get(1).is_some_and(|w| actions.contains(w));
+    if words.first() == Some(&"master") && server {
+        cmd.env(
+            "GRANARY_SECRETS_KEY_FILE",
+            TestTls::get().dir.join("secrets.key"),
+        );
+    }
     if insecure_suite() {
         cmd.env("GRANARY_INSECURE", "1");
         return;
     }
-    let actions = ["list", "add", "remove", "decommission", "recommission"];
-    let server = !words.get(1).is_some_and(|w| actions.contains(w));
     // A mount on a node runs with the node's identity (it may read under-stores directly
     // when no worker can serve); `user` identities are for the security tests.
     let role = match words.first() {

@@ -1,35 +1,72 @@
 //! The mount table's runtime side: validating new mounts and keeping opened under-stores.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use granary_common::ufs::{redact, Ufs, UfsSpec};
 use granary_proto as pb;
 
 use crate::error::MasterError;
+use crate::secrets::SecretBox;
 use crate::state::{Mount, StateMachine};
 
-/// Opened under-stores, by mount id. Opening is cheap but not free (clients, credentials).
+/// Opened under-stores, by mount id (opening is cheap but not free: clients, credentials),
+/// with the mount's options opened ([`crate::secrets`]).
 #[derive(Default)]
 pub struct UfsCache {
-    stores: Mutex<HashMap<u64, (String, Ufs)>>,
+    stores: Mutex<HashMap<u64, (String, Ufs, UfsSpec)>>,
+    secrets: Option<Arc<SecretBox>>,
 }
 
 impl UfsCache {
+    pub fn new(secrets: Option<Arc<SecretBox>>) -> UfsCache {
+        UfsCache {
+            stores: Mutex::default(),
+            secrets,
+        }
+    }
+
     /// The opened store of `mount`, reopened if the mount's URI changed.
     pub fn get(&self, mount: &Mount) -> Result<Ufs, MasterError> {
+        self.get_with_spec(mount).map(|(ufs, _)| ufs)
+    }
+
+    /// The opened store and the mount's spec with its credentials in clear.
+    fn get_with_spec(&self, mount: &Mount) -> Result<(Ufs, UfsSpec), MasterError> {
         let mut map = match self.stores.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        if let Some((uri, ufs)) = map.get(&mount.id) {
+        if let Some((uri, ufs, spec)) = map.get(&mount.id) {
             if *uri == mount.spec.uri {
-                return Ok(ufs.clone());
+                return Ok((ufs.clone(), spec.clone()));
             }
         }
-        let ufs = mount.spec.open()?;
-        map.insert(mount.id, (mount.spec.uri.clone(), ufs.clone()));
-        Ok(ufs)
+        let spec = self.open_spec(mount)?;
+        let ufs = spec.open()?;
+        map.insert(
+            mount.id,
+            (mount.spec.uri.clone(), ufs.clone(), spec.clone()),
+        );
+        Ok((ufs, spec))
+    }
+
+    /// The mount's spec with its credentials in clear (for a worker, or to open it).
+    pub fn open_spec(&self, mount: &Mount) -> Result<UfsSpec, MasterError> {
+        crate::secrets::open_spec(self.secrets.as_deref(), &mount.spec)
+    }
+
+    /// The spec of a new mount with its credentials sealed, ready to be proposed.
+    pub fn seal_spec(&self, spec: UfsSpec) -> Result<UfsSpec, MasterError> {
+        crate::secrets::seal_spec(self.secrets.as_deref(), spec)
+    }
+
+    /// `text` with the mount's credentials replaced by `***`.
+    pub fn scrub(&self, mount: &Mount, text: &str) -> String {
+        match self.get_with_spec(mount) {
+            Ok((_, spec)) => spec.scrub(text),
+            Err(_) => mount.spec.scrub(text),
+        }
     }
 
     pub fn forget(&self, mount_id: u64) {

@@ -150,10 +150,13 @@ impl Namespace {
             mount: mount.path.clone(),
         };
         let failed = |e: object_store::Error| {
-            let message = mount.spec.scrub(&format!(
-                "looking up {rel} in the under-store {} failed: {e}",
-                mount.spec.uri
-            ));
+            let message = self.ufs.scrub(
+                &mount,
+                &format!(
+                    "looking up {rel} in the under-store {} failed: {e}",
+                    mount.spec.uri
+                ),
+            );
             if granary_common::ufs::is_access_denied(&e) {
                 MasterError::PermissionDenied { message }
             } else {
@@ -485,10 +488,13 @@ impl Namespace {
                     } else {
                         &dir.ufs_path
                     };
-                    let message = mount.spec.scrub(&format!(
-                        "listing {at} in the under-store {} failed: {e}",
-                        mount.spec.uri
-                    ));
+                    let message = self.ufs.scrub(
+                        &mount,
+                        &format!(
+                            "listing {at} in the under-store {} failed: {e}",
+                            mount.spec.uri
+                        ),
+                    );
                     if granary_common::ufs::is_access_denied(&e) {
                         MasterError::PermissionDenied { message }
                     } else {
@@ -601,10 +607,13 @@ impl Namespace {
                 ))
             }
             Err(e) => {
-                let message = mount.spec.scrub(&format!(
-                    "checking {} in the under-store {} failed: {e}",
-                    file.ufs_path, mount.spec.uri
-                ));
+                let message = self.ufs.scrub(
+                    &mount,
+                    &format!(
+                        "checking {} in the under-store {} failed: {e}",
+                        file.ufs_path, mount.spec.uri
+                    ),
+                );
                 Err(if granary_common::ufs::is_access_denied(&e) {
                     MasterError::PermissionDenied { message }
                 } else {

@@ -425,11 +425,11 @@ impl MasterService for MasterRpc {
         let id = req.into_inner().mount_id;
         self.core.read_barrier().await?;
         let m = crate::mounts::find_mount(&self.core.ns.sm, id)?;
+        let spec = self.core.ns.ufs.open_spec(&m)?;
         Ok(Response::new(pb::GetMountAccessResponse {
             mount_id: m.id,
-            uri: m.spec.uri.clone(),
-            options: m
-                .spec
+            uri: spec.uri.clone(),
+            options: spec
                 .options
                 .iter()
                 .map(|(k, v)| pb::MountOptionEntry {
