@@ -176,7 +176,10 @@ mod tests {
             got.contains(&("GRANARY_DATA_DIR".into(), "/d".into())),
             "{got:?}"
         );
-        assert!(got.contains(&("GRANARY_MASTER_ID".into(), "2".into())), "{got:?}");
+        assert!(
+            got.contains(&("GRANARY_MASTER_ID".into(), "2".into())),
+            "{got:?}"
+        );
         let e = settings(
             &cmd,
             &args(&["granary", "master"]),

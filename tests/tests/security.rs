@@ -657,3 +657,222 @@ fn credentials_never_appear_in_clear_in_logs_outputs_metrics_or_the_masters_file
         assert!(hits.is_empty(), "the secret in clear in {hits:?}");
     }
 }
+
+/// A pass-through codec: the test writes the protobuf bytes itself (bad UTF-8, huge).
+#[derive(Clone, Copy, Default)]
+struct RawCodec;
+struct RawEnc;
+struct RawDec;
+
+impl tonic::codec::Encoder for RawEnc {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawDec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let n = bytes::Buf::remaining(src);
+        Ok(Some(bytes::Buf::copy_to_bytes(src, n).to_vec()))
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawEnc;
+    type Decoder = RawDec;
+    fn encoder(&mut self) -> RawEnc {
+        RawEnc
+    }
+    fn decoder(&mut self) -> RawDec {
+        RawDec
+    }
+}
+
+async fn raw_call(
+    ch: Channel,
+    path: &'static str,
+    body: Vec<u8>,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(ch).max_encoding_message_size(usize::MAX);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+    grpc.unary(tonic::Request::new(body), path, RawCodec)
+        .await
+        .map(|r| r.into_inner())
+}
+
+#[test]
+fn malformed_requests_get_precise_errors_and_change_nothing() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-hostile-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("a.bin"), 100_000).unwrap();
+    let master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local("/d", &src, &master.addr).unwrap();
+    granary_ok(&["fs", "ls", "/d", "--master", &master.addr]).unwrap();
+    let admin = creds_in(&TestTls::get().identity("admin"));
+    let before = master_call(&master.addr, Some(&admin)).unwrap();
+    use tonic::Code::{FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange};
+    rt().block_on(async {
+        let mut m = MasterServiceClient::new(channel(&master.addr, Some(&admin)));
+        let deep = format!("/d/{}", "x/".repeat(2500));
+        let long_name = format!("/d/{}", "n".repeat(300));
+        for (what, path, want) in [
+            ("a .. component", "/d/../etc", InvalidArgument),
+            ("a NUL byte", "/d/a\0b", InvalidArgument),
+            ("a 300-byte name", long_name.as_str(), InvalidArgument),
+            (
+                "a 5,000-byte, 2,500-level path",
+                deep.as_str(),
+                InvalidArgument,
+            ),
+            ("a relative path", "d/x", InvalidArgument),
+            ("an empty path", "", InvalidArgument),
+        ] {
+            let e = m
+                .mkdir(pb::MkdirRequest {
+                    path: path.into(),
+                    recursive: true,
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), want, "mkdir with {what}: {e:?}");
+            assert!(!e.message().is_empty(), "mkdir with {what}: no message");
+            let e = m
+                .create_file(pb::CreateFileRequest {
+                    path: path.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), want, "create with {what}: {e:?}");
+            let e = m
+                .rename(pb::RenameRequest {
+                    src: "/d/a.bin".into(),
+                    dst: path.into(),
+                    request_id: 0,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), want, "rename to {what}: {e:?}");
+            let e = m
+                .delete(pb::DeleteRequest {
+                    path: path.into(),
+                    recursive: true,
+                    request_id: 0,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), want, "delete of {what}: {e:?}");
+        }
+        // A page size far above the limit is capped, a garbage page token is harmless.
+        let target = Some(pb::PathOrId {
+            target: Some(pb::path_or_id::Target::Path("/d".into())),
+        });
+        let page = m
+            .list_status(pb::ListStatusRequest {
+                target: target.clone(),
+                page_size: u32::MAX,
+                page_token: "\u{10FFFF}".repeat(100_000),
+                allow_stale: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(page.entries.is_empty());
+        // Bad UTF-8 in a string field and a message above the size limit, as raw bytes.
+        let ch = channel(&master.addr, Some(&admin));
+        let e = raw_call(
+            ch.clone(),
+            "/granary.v1.MasterService/Mkdir",
+            vec![0x0a, 0x04, b'/', b'd', 0xff, 0xfe],
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.code(), Internal, "{e:?}");
+        assert!(e.message().contains("UTF-8"), "{e:?}");
+        let mut huge = vec![0x0a];
+        let len = 65 * 1024 * 1024u64;
+        let mut v = len;
+        while v >= 0x80 {
+            huge.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        huge.push(v as u8);
+        huge.resize(huge.len() + len as usize, b'a');
+        let e = raw_call(ch.clone(), "/granary.v1.MasterService/Mkdir", huge)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), OutOfRange, "{e:?}");
+        // A length prefix promising more than the body holds.
+        let e = raw_call(
+            ch,
+            "/granary.v1.MasterService/Mkdir",
+            vec![0x0a, 0xff, 0xff, 0xff, 0x7f, b'/'],
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.code(), Internal, "{e:?}");
+
+        // Workers: a read far outside any block, and one of a block of no file.
+        let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&admin)));
+        let block = |offset: u64, length: u64| pb::ReadBlockRequest {
+            block: Some(pb::BlockDescriptor {
+                id: Some(pb::BlockId {
+                    inode: 987_654,
+                    version: 1,
+                    index: 0,
+                }),
+                ufs: None,
+                fingerprint: None,
+                file_length: 10,
+                block_size: 64 << 20,
+            }),
+            offset,
+            length,
+            cache: true,
+            cached_only: false,
+        };
+        let e = match wc.read_block(block(u64::MAX - 5, u64::MAX)).await {
+            Err(e) => e,
+            Ok(r) => r.into_inner().message().await.unwrap_err(),
+        };
+        assert_eq!(e.code(), InvalidArgument, "{e:?}");
+        let e = match wc.read_block(block(0, 10)).await {
+            Err(e) => e,
+            Ok(r) => r.into_inner().message().await.unwrap_err(),
+        };
+        assert!(
+            matches!(e.code(), InvalidArgument | NotFound | FailedPrecondition),
+            "{e:?}"
+        );
+    });
+    // Nothing changed, and both servers still serve.
+    let after = master_call(&master.addr, Some(&admin)).unwrap();
+    assert_eq!(after.inode_count, before.inode_count);
+    assert!(worker_call(&w.addr, Some(&admin)).is_ok());
+    let listing = granary_ok(&["fs", "ls", "/d", "--master", &master.addr]).unwrap();
+    assert_eq!(listing.trim().lines().count(), 1, "{listing}");
+}
