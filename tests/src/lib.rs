@@ -56,20 +56,14 @@ impl TestTls {
             };
             run(&["cert", "init", "--ca-dir", &ca, "--days", "30"]);
             for role in ["node", "admin", "user"] {
-                let out = dir.join(role).to_string_lossy().to_string();
-                run(&[
-                    "cert",
-                    "issue",
-                    &format!("test-{role}"),
-                    "--role",
-                    role,
-                    "--ca-dir",
-                    &ca,
-                    "--out",
-                    &out,
-                    "--days",
-                    "30",
-                ]);
+                let name = format!("test-{role}");
+                issue_identity(
+                    &dir.join("ca"),
+                    &name,
+                    &dir.join(role),
+                    &["--role", role, "--days", "30"],
+                )
+                .expect("issuing a test identity");
             }
             // The masters' key for credentials at rest.
             let key: String = (0..48)
@@ -93,24 +87,25 @@ impl TestTls {
 
     /// Issues another identity of the test CA (`granary cert issue NAME ARGS..`).
     pub fn issue(&self, name: &str, args: &[&str]) -> Result<PathBuf> {
-        let out = self.dir.join(name);
-        let (ca, o) = (
-            self.ca().to_string_lossy().to_string(),
-            out.to_string_lossy().to_string(),
-        );
-        let mut all = vec![
-            "cert", "issue", name, "--ca-dir", &ca, "--out", &o, "--force",
-        ];
-        all.extend_from_slice(args);
-        let r = Command::new(granary_bin())
-            .args(&all)
-            .env("GRANARY_LOG", "warn")
-            .output()?;
-        if !r.status.success() {
-            bail!("granary {all:?}: {}", String::from_utf8_lossy(&r.stderr));
-        }
-        Ok(out)
+        issue_identity(&self.ca(), name, &self.dir.join(name), args)
     }
+}
+
+/// `granary cert issue NAME --ca-dir CA --out OUT --force ARGS..`: an identity of any CA.
+pub fn issue_identity(ca: &Path, name: &str, out: &Path, args: &[&str]) -> Result<PathBuf> {
+    let (ca, o) = (ca.to_string_lossy(), out.to_string_lossy());
+    let mut all = vec![
+        "cert", "issue", name, "--ca-dir", &ca, "--out", &o, "--force",
+    ];
+    all.extend_from_slice(args);
+    let r = Command::new(granary_bin())
+        .args(&all)
+        .env("GRANARY_LOG", "warn")
+        .output()?;
+    if !r.status.success() {
+        bail!("granary {all:?}: {}", String::from_utf8_lossy(&r.stderr));
+    }
+    Ok(out.to_path_buf())
 }
 
 fn insecure_suite() -> bool {

@@ -108,23 +108,9 @@ fn foreign_ca(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     granary_ok(&["cert", "init", "--ca-dir", &ca]).unwrap();
     let mut dirs = Vec::new();
     for role in ["admin", "node"] {
-        let out = root
-            .join(format!("other-{role}"))
-            .to_string_lossy()
-            .to_string();
-        granary_ok(&[
-            "cert",
-            "issue",
-            &format!("other-{role}"),
-            "--role",
-            role,
-            "--ca-dir",
-            &ca,
-            "--out",
-            &out,
-        ])
-        .unwrap();
-        dirs.push(std::path::PathBuf::from(out));
+        let out = root.join(format!("other-{role}"));
+        let name = format!("other-{role}");
+        dirs.push(issue_identity(Path::new(&ca), &name, &out, &["--role", role]).unwrap());
     }
     (dirs[0].clone(), dirs[1].clone())
 }
@@ -146,19 +132,40 @@ fn expect_refused<T: std::fmt::Debug>(what: &str, r: Result<T, tonic::Status>) {
     }
 }
 
-#[test]
-fn every_port_refuses_plaintext_foreign_and_expired_clients() {
-    let tmp = tempfile::Builder::new()
-        .prefix("granary-tls-")
-        .tempdir()
-        .unwrap();
+/// A master, a live worker and a source folder of random files (relative path → size),
+/// mounted at `at` unless `None`; the test folder goes when it is dropped (last).
+struct Node {
+    master: Master,
+    worker: Worker,
+    src: std::path::PathBuf,
+    tmp: tempfile::TempDir,
+}
+
+fn node(prefix: &str, files: &[(&str, u64)], at: Option<&str>) -> Node {
+    let tmp = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
     let root = tmp.path();
     let src = root.join("src");
-    random_file(&src.join("a.bin"), 300_000).unwrap();
+    for (f, size) in files {
+        random_file(&src.join(f), *size).unwrap();
+    }
     let master = Master::start(root).unwrap();
-    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
+    let worker = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
-    mount_local("/d", &src, &master.addr).unwrap();
+    if let Some(at) = at {
+        mount_local(at, &src, &master.addr).unwrap();
+    }
+    Node {
+        master,
+        worker,
+        src,
+        tmp,
+    }
+}
+
+#[test]
+fn every_port_refuses_plaintext_foreign_and_expired_clients() {
+    let n = node("granary-tls-", &[("a.bin", 300_000)], Some("/d"));
+    let (root, src, master, w) = (n.tmp.path(), &n.src, &n.master, &n.worker);
     let want = sh(&format!("sha256sum < '{}'", src.join("a.bin").display())).unwrap();
     let got = sh(&format!(
         "GRANARY_TLS_DIR='{}' '{}' fs cat /d/a.bin --master {} | sha256sum",
@@ -292,16 +299,8 @@ fn every_port_refuses_plaintext_foreign_and_expired_clients() {
 
 #[test]
 fn roles_decide_who_may_administer() {
-    let tmp = tempfile::Builder::new()
-        .prefix("granary-roles-")
-        .tempdir()
-        .unwrap();
-    let root = tmp.path();
-    let src = root.join("src");
-    random_file(&src.join("a.bin"), 100_000).unwrap();
-    let master = Master::start(root).unwrap();
-    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
+    let n = node("granary-roles-", &[("a.bin", 100_000)], None);
+    let (src, master, w) = (&n.src, &n.master, &n.worker);
     let user_dir = TestTls::get().issue("alice", &["--role", "user"]).unwrap();
     let user = user_dir.to_string_lossy().to_string();
     let s = src.to_string_lossy().to_string();
@@ -335,7 +334,7 @@ fn roles_decide_who_may_administer() {
     );
 
     // An admin may; the user can then read, but not start a load, pin, free or decommission.
-    mount_local("/d", &src, addr).unwrap();
+    mount_local("/d", src, addr).unwrap();
     let listing = granary_ok(&["fs", "ls", "/d", "--master", addr, "--tls-dir", &user]).unwrap();
     assert!(listing.contains("a.bin"), "{listing}");
     for (what, args) in [
@@ -413,19 +412,11 @@ fn roles_decide_who_may_administer() {
 
 #[test]
 fn a_subtree_certificate_reaches_only_its_subtree() {
-    let tmp = tempfile::Builder::new()
-        .prefix("granary-subtree-")
-        .tempdir()
-        .unwrap();
-    let root = tmp.path();
-    let src = root.join("src");
-    random_file(&src.join("team-a/x.bin"), 2_100_000).unwrap();
-    random_file(&src.join("team-b/y.bin"), 100_000).unwrap();
+    let files = [("team-a/x.bin", 2_100_000), ("team-b/y.bin", 100_000)];
+    let n = node("granary-subtree-", &files, None);
+    let (root, src, master) = (n.tmp.path(), &n.src, &n.master);
     std::fs::write(src.join("top.txt"), "top\n").unwrap();
-    let master = Master::start(root).unwrap();
-    let _w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    mount_local("/data", &src, &master.addr).unwrap();
+    mount_local("/data", src, &master.addr).unwrap();
     let team_a = TestTls::get()
         .issue("team-a", &["--role", "user", "--subtree", "/data/team-a"])
         .unwrap();
@@ -719,17 +710,8 @@ async fn raw_call(
 
 #[test]
 fn malformed_requests_get_precise_errors_and_change_nothing() {
-    let tmp = tempfile::Builder::new()
-        .prefix("granary-hostile-")
-        .tempdir()
-        .unwrap();
-    let root = tmp.path();
-    let src = root.join("src");
-    random_file(&src.join("a.bin"), 100_000).unwrap();
-    let master = Master::start(root).unwrap();
-    let w = Worker::start(root, "w1", &master.addr, "64MiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    mount_local("/d", &src, &master.addr).unwrap();
+    let n = node("granary-hostile-", &[("a.bin", 100_000)], Some("/d"));
+    let (master, w) = (&n.master, &n.worker);
     granary_ok(&["fs", "ls", "/d", "--master", &master.addr]).unwrap();
     let admin = creds_in(&TestTls::get().identity("admin"));
     let before = master_call(&master.addr, Some(&admin)).unwrap();
