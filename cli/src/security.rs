@@ -103,21 +103,35 @@ fn set(s: Security) -> anyhow::Result<()> {
     Ok(tls::install(s)?)
 }
 
-/// Writes `data` to a new file (mode `mode`), refusing to replace one unless `force`.
-fn write_new(path: &Path, data: &str, mode: u32, force: bool) -> anyhow::Result<()> {
-    if path.exists() && !force {
-        bail!("{} exists; pass --force to replace it", path.display());
+/// Writes `(name, data, mode)` files into `dir`; unless `force`, refuses (before writing
+/// any: a half-replaced set is useless) when one exists, saying what replacing it means.
+fn write_set(
+    dir: &Path,
+    files: &[(&str, &str, u32)],
+    force: bool,
+    replacing: &str,
+) -> anyhow::Result<()> {
+    if !force {
+        if let Some((name, _, _)) = files.iter().find(|(n, _, _)| dir.join(n).exists()) {
+            bail!(
+                "{} exists; pass --force to {replacing}",
+                dir.join(name).display()
+            );
+        }
     }
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(data.as_bytes())
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("writing {}", path.display()))?;
+    for (name, data, mode) in files {
+        let path = dir.join(name);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(*mode)
+            .open(&path)
+            .with_context(|| format!("creating {}", path.display()))?;
+        f.write_all(data.as_bytes())
+            .and_then(|_| f.sync_all())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -136,17 +150,12 @@ pub fn cert(c: CertCommand, tls_args: &TlsArgs) -> anyhow::Result<()> {
             std::fs::create_dir_all(&ca_dir)
                 .with_context(|| format!("creating {}", ca_dir.display()))?;
             let ca = tls::new_ca(&name, days)?;
-            // Both checked before either is written: a half-replaced CA is useless.
-            for f in ["ca.crt", "ca.key"] {
-                if ca_dir.join(f).exists() && !force {
-                    bail!(
-                        "{} exists; pass --force to replace the CA (every certificate it issued stops working)",
-                        ca_dir.join(f).display()
-                    );
-                }
-            }
-            write_new(&ca_dir.join("ca.key"), &ca.key, 0o600, force)?;
-            write_new(&ca_dir.join("ca.crt"), &ca.cert, 0o644, force)?;
+            write_set(
+                &ca_dir,
+                &[("ca.key", &ca.key, 0o600), ("ca.crt", &ca.cert, 0o644)],
+                force,
+                "replace the CA (every certificate it issued stops working)",
+            )?;
             println!(
                 "cluster CA written to {} (ca.crt, ca.key; valid {days} days)",
                 ca_dir.display()
@@ -179,17 +188,16 @@ pub fn cert(c: CertCommand, tls_args: &TlsArgs) -> anyhow::Result<()> {
             spec.hosts = hosts;
             let own = tls::issue(&ca, &spec)?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            for f in ["ca.crt", "tls.crt", "tls.key"] {
-                if out.join(f).exists() && !force {
-                    bail!(
-                        "{} exists; pass --force to replace it",
-                        out.join(f).display()
-                    );
-                }
-            }
-            write_new(&out.join("tls.key"), &own.key, 0o600, force)?;
-            write_new(&out.join("tls.crt"), &own.cert, 0o644, force)?;
-            write_new(&out.join("ca.crt"), &ca.cert, 0o644, force)?;
+            write_set(
+                &out,
+                &[
+                    ("tls.key", &own.key, 0o600),
+                    ("tls.crt", &own.cert, 0o644),
+                    ("ca.crt", &ca.cert, 0o644),
+                ],
+                force,
+                "replace it",
+            )?;
             let m = TlsMaterial::from_pems(ca.cert, own)?;
             println!(
                 "certificate for {} written to {} (ca.crt, tls.crt, tls.key; valid {days} days); use it with --tls-dir {}",
