@@ -87,15 +87,78 @@ fn mount_json(m: &pb::MountInfo) -> serde_json::Value {
     json!({"id": m.mount_id, "path": m.path, "uri": m.uri, "read_only": m.read_only, "options": opts})
 }
 
+/// The options of `mount add`: `-o key=value`, plus values read from files
+/// (`--option-file key=FILE`) and environment variables (`--option-env key=VAR`), so
+/// credentials need not appear on the command line. A key given twice is refused.
+fn mount_options(
+    options: &[String],
+    files: &[String],
+    envs: &[String],
+) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let mut opts = granary_common::ufs::parse_option_args(options)?;
+    let split = |a: &str, flag: &str| -> anyhow::Result<(String, String)> {
+        match a.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() && !v.is_empty() => {
+                Ok((k.trim().to_string(), v.to_string()))
+            }
+            _ => anyhow::bail!("{flag} expects KEY=VALUE, not {a:?}"),
+        }
+    };
+    let mut more = Vec::new();
+    for a in files {
+        let (key, file) = split(a, "--option-file")?;
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read option {key} from {file}"))?;
+        let value = text.strip_suffix('\n').unwrap_or(&text);
+        let value = value.strip_suffix('\r').unwrap_or(value).to_string();
+        anyhow::ensure!(!value.is_empty(), "option {key}: {file} is empty");
+        more.push((key, value));
+    }
+    for a in envs {
+        let (key, var) = split(a, "--option-env")?;
+        let value = std::env::var(&var).map_err(|_| {
+            anyhow::anyhow!("option {key}: environment variable {var} is not set (or not UTF-8)")
+        })?;
+        anyhow::ensure!(
+            !value.is_empty(),
+            "option {key}: environment variable {var} is empty"
+        );
+        more.push((key, value));
+    }
+    for (key, value) in more {
+        anyhow::ensure!(
+            opts.insert(key.clone(), value).is_none(),
+            "option {key} is given twice"
+        );
+    }
+    Ok(opts)
+}
+
 pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
     match cmd {
         MountCommand::Add {
             path,
             uri,
             options,
+            option_files,
+            option_envs,
+            exist_ok,
             master: addr,
         } => {
-            let opts = granary_common::ufs::parse_option_args(&options)?;
+            let opts = mount_options(&options, &option_files, &option_envs)?;
+            if exist_ok {
+                let norm = granary_common::paths::normalize(&path)?;
+                let mounts = master(&addr)?.list_mounts().await?;
+                if let Some(m) = mounts.iter().find(|m| m.path == norm) {
+                    anyhow::ensure!(
+                        m.uri == uri || m.uri == format!("file://{uri}"),
+                        "{norm} is already mounted from {}, not {uri}",
+                        m.uri
+                    );
+                    println!("{} is already mounted at {}", m.uri, m.path);
+                    return Ok(());
+                }
+            }
             let m = master(&addr)?
                 .add_mount(
                     &path,
@@ -1143,4 +1206,40 @@ async fn bench_get(uri: &str, options: &[String], json: bool) -> anyhow::Result<
         println!("{bytes} bytes in {secs:.2}s: {mbps:.0} MB/s");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mount_options;
+
+    #[test]
+    fn mount_options_come_from_flags_files_and_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("secret");
+        std::fs::write(&file, "s3cr3t\n").unwrap();
+        std::env::set_var("GRANARY_TEST_MOUNT_OPTION", "tok");
+        let o = |a: &[&str], f: &[String], e: &[&str]| {
+            let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+            mount_options(&s(a), f, &s(e))
+        };
+        let opts = o(
+            &["region=eu"],
+            &[format!("secret_access_key={}", file.display())],
+            &["session_token=GRANARY_TEST_MOUNT_OPTION"],
+        )
+        .unwrap();
+        assert_eq!(opts["region"], "eu");
+        assert_eq!(opts["secret_access_key"], "s3cr3t");
+        assert_eq!(opts["session_token"], "tok");
+        let err = |r: anyhow::Result<_>| format!("{:#}", r.unwrap_err());
+        let twice = o(
+            &["secret_access_key=x"],
+            &[format!("secret_access_key={}", file.display())],
+            &[],
+        );
+        assert!(err(twice).contains("given twice"));
+        assert!(err(o(&[], &["k=/no/such/file".into()], &[])).contains("cannot read option k"));
+        assert!(err(o(&[], &[], &["k=GRANARY_TEST_NO_SUCH_VAR"])).contains("is not set"));
+        assert!(err(o(&[], &["novalue".into()], &[])).contains("expects KEY=VALUE"));
+    }
 }

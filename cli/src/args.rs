@@ -660,15 +660,31 @@ pub enum MountCommand {
     /// Examples:
     ///   granary mount add /datasets/local file:///data/sets
     ///   granary mount add /scratch /mnt/nfs/scratch --option read_only=true
+    ///   granary mount add /s3 s3://bucket/prefix -o region=us-east-1 -o access_key_id=AKIA.. \
+    ///       --option-file secret_access_key=/run/secrets/s3-key
+    ///   AWS_SECRET=.. granary mount add /s3 s3://bucket -o access_key_id=AKIA.. \
+    ///       --option-env secret_access_key=AWS_SECRET
     #[command(verbatim_doc_comment)]
     Add {
         /// Granary path (created if missing; must not overlap another mount).
         path: String,
         /// Under-store URI, or an absolute local directory.
         uri: String,
-        /// key=value option (repeatable), e.g. read_only=true.
+        /// key=value option (repeatable), e.g. read_only=true. Credentials given here are
+        /// visible to other users of this machine (ps): use --option-file or --option-env.
         #[arg(long = "option", short = 'o')]
         options: Vec<String>,
+        /// key=FILE: the option's value is the file's content (a trailing newline is
+        /// dropped), e.g. secret_access_key=/run/secrets/s3-key (repeatable).
+        #[arg(long = "option-file", value_name = "KEY=FILE")]
+        option_files: Vec<String>,
+        /// key=VAR: the option's value is environment variable VAR's (repeatable).
+        #[arg(long = "option-env", value_name = "KEY=VAR")]
+        option_envs: Vec<String>,
+        /// Succeed without changes when PATH is already mounted from URI (scripts and
+        /// Kubernetes Jobs that run again); a mount of another URI there is still an error.
+        #[arg(long)]
+        exist_ok: bool,
         #[command(flatten)]
         master: MasterAddr,
     },

@@ -91,7 +91,16 @@ pub struct FileSystem {
     next_in_dir: Mutex<HashMap<u64, u64>>,
     /// A background lease request for the small files ahead of a reader is in flight.
     leasing_ahead: AtomicBool,
+    /// The newest read grant seen for each file (TLS clusters: workers serve a file's
+    /// blocks only with one; see `granary_common::grant`).
+    grants: Mutex<HashMap<u64, pb::ReadGrant>>,
 }
+
+/// Grants kept (expired ones are dropped first when the map is full).
+const MAX_GRANTS: usize = 100_000;
+/// A worker refused a fresh grant: it may not have the new leader's key yet (it gets it
+/// with its next heartbeat), so the read is tried once more after this pause.
+const GRANT_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// Files after the one being read whose block files are leased with it.
 const LEASE_AHEAD_FILES: usize = 32;
@@ -162,6 +171,7 @@ impl FileSystem {
             status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
             next_in_dir: Mutex::new(HashMap::new()),
             leasing_ahead: AtomicBool::new(false),
+            grants: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -221,6 +231,7 @@ impl FileSystem {
     }
 
     pub(crate) fn remember(&self, s: &pb::FileStatus) {
+        self.note_grant(s);
         if self
             .status_ttl_ms
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -251,9 +262,69 @@ impl FileSystem {
     }
 
     pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
-        self.master
+        let s = self
+            .master
             .get_status(pb::path_or_id::Target::Path(path.to_string()))
-            .await
+            .await?;
+        self.note_grant(&s);
+        Ok(s)
+    }
+
+    /// Keeps the grant a status carries when it is the newest seen for its file.
+    pub(crate) fn note_grant(&self, s: &pb::FileStatus) {
+        let Some(g) = &s.grant else { return };
+        let mut m = lock(&self.grants);
+        if m.get(&s.inode)
+            .is_some_and(|old| old.expires_ms >= g.expires_ms)
+        {
+            return;
+        }
+        if m.len() >= MAX_GRANTS {
+            let now = granary_common::now_ms().max(0) as u64;
+            m.retain(|_, g| g.expires_ms > now);
+            if m.len() >= MAX_GRANTS {
+                m.clear();
+            }
+        }
+        m.insert(s.inode, g.clone());
+    }
+
+    /// The grant to show workers for `file` (`None` on a plaintext cluster): the newest
+    /// held, or — when it ends within the refresh margin, or `renew` — a new one from the
+    /// master.
+    pub(crate) async fn grant_for(
+        &self,
+        file: &pb::FileStatus,
+        renew: bool,
+    ) -> Result<Option<pb::ReadGrant>, ClientError> {
+        if granary_common::tls::material().is_none() {
+            return Ok(None);
+        }
+        self.note_grant(file);
+        let now = granary_common::now_ms().max(0) as u64;
+        if !renew {
+            if let Some(g) = lock(&self.grants).get(&file.inode) {
+                if granary_common::grant::fresh(g, now) {
+                    return Ok(Some(g.clone()));
+                }
+            }
+        }
+        let s = self
+            .master
+            .get_status(pb::path_or_id::Target::Inode(file.inode))
+            .await?;
+        self.note_grant(&s);
+        Ok(lock(&self.grants).get(&file.inode).cloned())
+    }
+
+    /// The unexpired grants held for these files (sent with lease requests).
+    fn held_grants(&self, inodes: impl IntoIterator<Item = u64>) -> Vec<pb::ReadGrant> {
+        let now = granary_common::now_ms().max(0) as u64;
+        let m = lock(&self.grants);
+        inodes
+            .into_iter()
+            .filter_map(|i| m.get(&i).filter(|g| g.expires_ms > now).cloned())
+            .collect()
     }
 
     /// The status an open may use without asking the master (seen within the status TTL;
@@ -514,7 +585,11 @@ impl FileSystem {
             let Some(owner) = order_workers(&block_id, &workers).into_iter().next() else {
                 return;
             };
-            if let Err(e) = me.read_from_worker(&owner.address, &desc, 0, 1).await {
+            let grant = me.grant_for(&file, false).await.ok().flatten();
+            if let Err(e) = me
+                .read_from_worker(&owner.address, &desc, 0, 1, grant)
+                .await
+            {
                 tracing::debug!(path = %file.path, block = next, error = %e, "warming the next block failed");
             }
         });
@@ -594,6 +669,7 @@ impl FileSystem {
     ) -> Result<Bytes, ClientError> {
         let desc = Self::descriptor(file, index)?;
         let block_id = desc.id.unwrap_or_default();
+        let mut grant = self.grant_for(file, false).await?;
         // Two rounds: the cached worker list, then (if every worker in it failed) a fresh
         // list from the master, which may know a restarted worker's new address.
         let mut tried: Vec<String> = Vec::new();
@@ -626,7 +702,19 @@ impl FileSystem {
                         return Ok(data);
                     }
                 }
-                match self.read_from_worker(&w.address, &desc, offset, len).await {
+                let mut res = self
+                    .read_from_worker(&w.address, &desc, offset, len, grant.clone())
+                    .await;
+                if matches!(&res, Err(ClientError::PermissionDenied(m)) if m.contains("grant")) {
+                    // Expired on the way, or signed by a new leader whose key this worker
+                    // gets with its next heartbeat: once more with a new grant.
+                    tokio::time::sleep(GRANT_RETRY_PAUSE).await;
+                    grant = self.grant_for(file, true).await?;
+                    res = self
+                        .read_from_worker(&w.address, &desc, offset, len, grant.clone())
+                        .await;
+                }
+                match res {
                     Ok(data) => {
                         self.metrics.add_read("worker", data.len() as u64);
                         return Ok(data);
@@ -832,7 +920,10 @@ impl FileSystem {
     ) -> Option<Arc<LocalLease>> {
         let mut client = self.worker_client(&w.address).ok()?;
         let bytes_read = self.short_circuit.take_unreported(w.worker_id);
+        let grants =
+            self.held_grants(std::iter::once(id.inode).chain(more.iter().map(|b| b.inode)));
         let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
+            grants,
             block: Some(*id),
             bytes_read,
             first_page,
@@ -904,6 +995,7 @@ impl FileSystem {
         let w = order_workers(&id, &workers)
             .into_iter()
             .find(|w| self.short_circuit.applies_to(w))?;
+        self.grant_for(file, false).await.ok()?;
         let lease = self
             .ask_lease(&w, &id, 0, None, PASSTHROUGH_HOLD.as_millis() as u64, true)
             .await?;
@@ -973,6 +1065,14 @@ impl FileSystem {
             .collect();
         for (handle, h) in due {
             let hold = PASSTHROUGH_HOLD.as_millis() as u64;
+            // The file may stay open longer than its grant: a new one when due.
+            let file = pb::FileStatus {
+                inode: h.block.inode,
+                ..Default::default()
+            };
+            if let Err(e) = self.grant_for(&file, false).await {
+                tracing::warn!(inode = h.block.inode, error = %e, "cannot renew the read grant of a file open in passthrough mode");
+            }
             match self
                 .ask_lease(&h.worker, &h.block, 0, Some(h.lease_id), hold, true)
                 .await
@@ -1036,6 +1136,7 @@ impl FileSystem {
         desc: &pb::BlockDescriptor,
         offset: u64,
         len: u64,
+        grant: Option<pb::ReadGrant>,
     ) -> Result<Bytes, ClientError> {
         let mut client = self.worker_client(address)?;
         let slots = lock(&self.view)
@@ -1049,6 +1150,7 @@ impl FileSystem {
             length: len,
             cache: true,
             cached_only: false,
+            grant,
         });
         req.set_timeout(self.read_timeout());
         let fut = async move {

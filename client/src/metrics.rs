@@ -8,6 +8,7 @@ use granary_common::metrics::SharedRegistry;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReadSource {
@@ -22,9 +23,24 @@ pub struct Op {
     pub op: String,
 }
 
+/// Latency of mount operations that wait on the network, by operation (100 µs … 26 s).
+#[derive(Clone)]
+pub struct OpLatency(pub Family<Op, Histogram, fn() -> Histogram>);
+
+fn op_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 4.0, 10))
+}
+
+impl Default for OpLatency {
+    fn default() -> Self {
+        Self(Family::new_with_constructor(op_histogram))
+    }
+}
+
 #[derive(Clone, Default)]
 pub struct ClientMetrics {
     pub op_timeouts: Family<Op, Counter>,
+    pub op_seconds: OpLatency,
     pub read_bytes: Family<ReadSource, Counter>,
     pub worker_failures: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
@@ -42,6 +58,11 @@ impl ClientMetrics {
                 "granary_client_read_bytes",
                 "Bytes this client read, by source: worker (gRPC), short_circuit (a same-host worker's block file), under_store (no worker could serve)",
                 self.read_bytes.clone(),
+            );
+            r.register(
+                "granary_client_op_seconds",
+                "Latency of mount operations that wait on the network (lookup, getattr, open, read, readdir, create, write, ...), timeouts included",
+                self.op_seconds.0.clone(),
             );
             r.register(
                 "granary_client_op_timeouts",

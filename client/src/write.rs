@@ -168,6 +168,7 @@ impl FileSystem {
                 ufs: status.ufs.clone(),
                 mode: mode.to_proto() as i32,
                 persist: i == 0,
+                grant: status.grant.clone(),
             };
             let (tx, rx) = mpsc::channel(QUEUE);
             tx.send(pb::WriteFileRequest {

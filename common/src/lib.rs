@@ -8,6 +8,7 @@
 //!   same object version always maps to the same cached pages and a changed one never does.
 
 pub mod authz;
+pub mod grant;
 pub mod grpc;
 pub mod ids;
 pub mod logging;

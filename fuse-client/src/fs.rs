@@ -32,7 +32,14 @@ impl Deadline {
         op: &'static str,
         fut: impl std::future::Future<Output = Result<T, granary_client::ClientError>>,
     ) -> Result<T, granary_client::ClientError> {
-        match tokio::time::timeout(self.limit, fut).await {
+        let start = std::time::Instant::now();
+        let res = tokio::time::timeout(self.limit, fut).await;
+        self.metrics
+            .op_seconds
+            .0
+            .get_or_create(&granary_client::metrics::Op { op: op.into() })
+            .observe(start.elapsed().as_secs_f64());
+        match res {
             Ok(r) => r,
             Err(_) => {
                 self.metrics

@@ -23,6 +23,8 @@ pub struct MasterCore {
     pub jobs: crate::jobs::JobRunner,
     pub pins: crate::pins::PinSet,
     pub ttl: crate::ttl::TtlRunner,
+    /// Signs read grants (TLS clusters only: without principals there is no one to grant).
+    pub grants: Option<granary_common::grant::GrantKey>,
 }
 
 impl MasterCore {

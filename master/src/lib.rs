@@ -200,17 +200,33 @@ pub async fn start(
         jobs: jobs::JobRunner::default(),
         pins: pins::PinSet::default(),
         ttl: ttl::TtlRunner::default(),
+        grants: match granary_common::tls::material() {
+            Some(_) => Some(
+                granary_common::grant::GrantKey::random()
+                    .map_err(|message| MasterError::Unavailable { message })?,
+            ),
+            None => None,
+        },
     });
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
     core.ns.metrics.register(&registry);
     let metrics_addr = match config.metrics_listen {
         Some(a) => Some(
-            granary_common::metrics::serve(a, registry.clone(), shutdown.clone())
-                .await
-                .map_err(|e| MasterError::Unavailable {
-                    message: format!("cannot serve metrics on {a}: {e}"),
-                })?,
+            granary_common::metrics::serve_with(a, registry.clone(), shutdown.clone(), {
+                // Ready: part of a group with a known leader (a quorum answered).
+                let status = raft_handle.status.clone();
+                std::sync::Arc::new(move || {
+                    match status.leader_id.load(std::sync::atomic::Ordering::Relaxed) {
+                        0 => Err("no leader known: this master is not in a quorum (yet)".into()),
+                        _ => Ok(()),
+                    }
+                })
+            })
+            .await
+            .map_err(|e| MasterError::Unavailable {
+                message: format!("cannot serve metrics on {a}: {e}"),
+            })?,
         ),
         None => None,
     };

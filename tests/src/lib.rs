@@ -341,18 +341,29 @@ pub fn sh(cmd: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Fetches `/metrics` from `addr` (plain HTTP/1.0 over loopback).
-pub fn scrape(addr: &str) -> Result<String> {
+/// `GET path` on `addr` (plain HTTP/1.0 over loopback): the status code and the body.
+pub fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     let mut s = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut body = String::new();
-    s.read_to_string(&mut body)?;
-    match body.split_once("\r\n\r\n") {
-        Some((head, b)) if head.starts_with("HTTP/1.") && head.contains(" 200 ") => {
-            Ok(b.to_string())
-        }
-        _ => bail!("bad metrics response from {addr}: {body:.200}"),
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("bad HTTP response from {addr}{path}: {text:.200}"))?;
+    let code = head
+        .strip_prefix("HTTP/1.")
+        .and_then(|h| h.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("bad HTTP status line from {addr}{path}: {head:.200}"))?;
+    Ok((code, body.to_string()))
+}
+
+/// Fetches `/metrics` from `addr`.
+pub fn scrape(addr: &str) -> Result<String> {
+    match http_get(addr, "/metrics")? {
+        (200, body) => Ok(body),
+        (code, body) => bail!("metrics of {addr} answered {code}: {body:.200}"),
     }
 }
 

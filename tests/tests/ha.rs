@@ -462,3 +462,44 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
     assert_members_hold(&g, "/m", &names);
     g.assert_one_leader_per_term();
 }
+
+/// The metrics address a master printed at start.
+fn metrics_addr(g: &MasterGroup, id: u64) -> String {
+    g.log_text(id)
+        .lines()
+        .find_map(|l| l.split("metrics on http://").nth(1))
+        .map(|s| s.trim_end_matches("/metrics").trim().to_string())
+        .unwrap_or_else(|| panic!("master {id} printed no metrics address"))
+}
+
+#[test]
+fn readiness_follows_the_quorum() {
+    let root = workdir();
+    let mut g = MasterGroup::start(root.path(), 3, 1000).unwrap();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    let addrs: Vec<String> = (1..=3).map(|id| metrics_addr(&g, id)).collect();
+    for a in &addrs {
+        poll("every member ready", Duration::from_secs(20), || {
+            matches!(http_get(a, "/ready"), Ok((200, _))).then_some(())
+        })
+        .unwrap();
+    }
+    // A worker is ready once it registered with the leader.
+    let w = Worker::start(root.path(), "w1", &g.addrs(), "64MiB").unwrap();
+    poll("the worker ready", Duration::from_secs(20), || {
+        matches!(http_get(&w.metrics, "/ready"), Ok((200, _))).then_some(())
+    })
+    .unwrap();
+    // Two of three gone: the last one loses its leader (check-quorum) and says so, while
+    // it stays alive.
+    g.stop(2).unwrap();
+    g.stop(3).unwrap();
+    let (code, body) = poll("master 1 unready", Duration::from_secs(30), || {
+        http_get(&addrs[0], "/ready")
+            .ok()
+            .filter(|(code, _)| *code == 503)
+    })
+    .unwrap();
+    assert!(body.contains("no leader known"), "{code}: {body}");
+    assert_eq!(http_get(&addrs[0], "/healthz").unwrap().0, 200);
+}

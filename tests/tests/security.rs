@@ -439,6 +439,36 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
         want
     );
     sh(&format!("mkdir '{}'", m.join("team-a/new").display())).unwrap();
+    // Writes and warm reads carry the user's grants: a copy reaches the store byte for
+    // byte, and a second read of x.bin comes from this host's worker's block file.
+    sh(&format!(
+        "cp '{}' '{}'",
+        m.join("team-a/x.bin").display(),
+        m.join("team-a/new/copy.bin").display()
+    ))
+    .unwrap();
+    let store_copy = src.join("team-a/new/copy.bin");
+    assert_eq!(
+        sh(&format!("sha256sum < '{}'", store_copy.display())).unwrap(),
+        want
+    );
+    drop_page_cache(&m).unwrap();
+    assert_eq!(
+        sh(&format!(
+            "sha256sum < '{}'",
+            m.join("team-a/x.bin").display()
+        ))
+        .unwrap(),
+        want
+    );
+    let short_circuit = "granary_client_read_bytes_total{source=\"short_circuit\"}";
+    let passthrough = "granary_client_passthrough_opens_total";
+    assert!(
+        fuse.metric(short_circuit) + fuse.metric(passthrough) > 0.0,
+        "no read came from the block file: {} {}",
+        fuse.metric(short_circuit),
+        fuse.metric(passthrough),
+    );
     // Above: only the way down is listed.
     assert_eq!(
         sh(&format!("ls '{}'", m.display())).unwrap().trim(),
@@ -516,6 +546,180 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
     assert!(src.join("team-b/y.bin").exists() && src.join("team-a/x.bin").exists());
 }
 
+/// Reads a whole one-block file from a worker as `creds`, showing `grant`.
+async fn read_with_grant(
+    worker: &str,
+    creds: &Creds,
+    file: &pb::FileStatus,
+    grant: Option<pb::ReadGrant>,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
+    let req = pb::ReadBlockRequest {
+        block: Some(pb::BlockDescriptor {
+            id: Some(pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index: 0,
+            }),
+            ufs: file.ufs.clone(),
+            fingerprint: file.fingerprint.clone(),
+            file_length: file.length,
+            block_size: file.block_size,
+        }),
+        offset: 0,
+        length: file.length,
+        cache: true,
+        cached_only: false,
+        grant,
+    };
+    let mut stream = wc.read_block(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await? {
+        out.extend_from_slice(&m.data);
+    }
+    Ok(out)
+}
+
+#[test]
+fn a_worker_serves_blocks_only_with_a_valid_grant() {
+    use sha2::{Digest, Sha256};
+    let files = [("a.bin", 300_000), ("b.bin", 200_000)];
+    let n = node("granary-grant-", &files, Some("/d"));
+    let tls = TestTls::get();
+    let alice = creds_in(&tls.issue("alice", &["--role", "user"]).unwrap());
+    let bob = creds_in(&tls.issue("bob", &["--role", "user"]).unwrap());
+    let node_creds = creds_in(&tls.identity("node"));
+    let want = Sha256::digest(std::fs::read(n.src.join("a.bin")).unwrap());
+    let w = n.worker.addr.clone();
+    rt().block_on(async {
+        let m = MasterServiceClient::new(channel(&n.master.addr, Some(&alice)));
+        let status = |path: &str| {
+            let req = pb::GetStatusRequest {
+                target: Some(pb::PathOrId {
+                    target: Some(pb::path_or_id::Target::Path(path.into())),
+                }),
+                ..Default::default()
+            };
+            let mut m = m.clone();
+            async move {
+                m.get_status(req)
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .status
+                    .unwrap()
+            }
+        };
+        let a = status("/d/a.bin").await;
+        let b = status("/d/b.bin").await;
+        let ga = a
+            .grant
+            .clone()
+            .expect("a TLS master signs a grant with the status");
+        assert_eq!(
+            (ga.inode, ga.principal.as_str(), ga.write),
+            (a.inode, "alice", false)
+        );
+        let left = ga.expires_ms as i64 - granary_common::now_ms();
+        assert!(
+            (500_000..=600_000).contains(&left),
+            "grant lifetime {left} ms"
+        );
+
+        // With the grant: the exact bytes.
+        let got = read_with_grant(&w, &alice, &a, Some(ga.clone()))
+            .await
+            .unwrap();
+        assert_eq!(Sha256::digest(&got), want);
+
+        // Refused, each with PERMISSION_DENIED and the reason.
+        let refused = |r: Result<Vec<u8>, tonic::Status>, why: &str| {
+            let e = r.expect_err(why);
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{why}: {e:?}");
+            assert!(e.message().contains(why), "{why}: {e:?}");
+        };
+        refused(read_with_grant(&w, &alice, &a, None).await, "no read grant");
+        refused(
+            read_with_grant(&w, &alice, &a, b.grant.clone()).await,
+            "not file",
+        );
+        refused(
+            read_with_grant(&w, &bob, &a, Some(ga.clone())).await,
+            "given to alice, not bob",
+        );
+        let mut longer = ga.clone();
+        longer.expires_ms += 24 * 3600 * 1000;
+        refused(
+            read_with_grant(&w, &alice, &a, Some(longer)).await,
+            "forged or altered",
+        );
+        let mut unsigned = ga.clone();
+        unsigned.key_id ^= 1;
+        refused(
+            read_with_grant(&w, &alice, &a, Some(unsigned)).await,
+            "does not know",
+        );
+        // a.bin's grant does not make the worker fetch another object of the store.
+        let mut elsewhere = a.clone();
+        elsewhere.ufs.as_mut().unwrap().path = "b.bin".into();
+        refused(
+            read_with_grant(&w, &alice, &elsewhere, Some(ga.clone())).await,
+            "does not cover",
+        );
+
+        // Short-circuit leases and writes need grants too; a read grant does not write.
+        let mut wc = WorkerServiceClient::new(channel(&w, Some(&alice)));
+        let lease = pb::LeaseLocalBlockRequest {
+            block: Some(pb::BlockId {
+                inode: a.inode,
+                version: a.version,
+                index: 0,
+            }),
+            ..Default::default()
+        };
+        let e = wc.lease_local_block(lease.clone()).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let leased = wc
+            .lease_local_block(pb::LeaseLocalBlockRequest {
+                grants: vec![ga.clone()],
+                ..lease
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!leased.pages.is_empty());
+        let header = pb::WriteFileHeader {
+            inode: a.inode,
+            version: a.version + 1,
+            block_size: a.block_size,
+            ufs: a.ufs.clone(),
+            mode: pb::WriteMode::CacheThrough as i32,
+            persist: true,
+            grant: Some(ga.clone()),
+        };
+        let first = pb::WriteFileRequest {
+            header: Some(header),
+            ..Default::default()
+        };
+        let e = wc
+            .write_file(futures::stream::iter(vec![first]))
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("not writing"), "{e:?}");
+
+        // A node (a worker filling its cache from a peer) needs none.
+        let got = read_with_grant(&w, &node_creds, &a, None).await.unwrap();
+        assert_eq!(Sha256::digest(&got), want);
+    });
+    // Nothing was written over a.bin.
+    assert_eq!(
+        Sha256::digest(std::fs::read(n.src.join("a.bin")).unwrap()),
+        want
+    );
+}
+
 /// Every file below `dir` whose bytes contain `needle`.
 fn files_containing(dir: &Path, needle: &[u8]) -> Vec<String> {
     let mut hits = Vec::new();
@@ -556,7 +760,22 @@ fn credentials_never_appear_in_clear_in_logs_outputs_metrics_or_the_masters_file
     let masters = group.addrs();
     let w = Worker::start(root, "w1", &masters, "64MiB").unwrap();
     wait_live_workers(&masters, 1).unwrap();
-    s3.mount(&masters, "/s3", &[]).unwrap();
+    // The secret from a file (never on a command line); the reads below work only if it
+    // reached the store (s3s-fs refuses a wrong secret).
+    let secret_file = root.join("s3-secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let mut args = vec!["mount".to_string(), "add".into(), "/s3".into(), s3.uri()];
+    for o in &s3.options {
+        if o.starts_with("secret_access_key=") {
+            args.push("--option-file".into());
+            args.push(format!("secret_access_key={}", secret_file.display()));
+        } else {
+            args.extend(["--option".to_string(), o.clone()]);
+        }
+    }
+    args.extend(["--master".to_string(), masters.clone()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    granary_ok(&args).unwrap();
     let fuse = Fuse::start(root, &masters).unwrap();
     let m = fuse.mountpoint.join("s3/d");
     for f in ["a.bin", "b.bin"] {
@@ -836,6 +1055,7 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             length,
             cache: true,
             cached_only: false,
+            grant: None,
         };
         let e = match wc.read_block(block(u64::MAX - 5, u64::MAX)).await {
             Err(e) => e,

@@ -165,11 +165,21 @@ pub async fn start(
             addr.to_string()
         }
     });
+    let registered = Arc::new(AtomicBool::new(false));
     let metrics_addr = match config.metrics_listen {
         Some(a) => Some(
-            granary_common::metrics::serve(a, registry.clone(), shutdown.clone())
-                .await
-                .map_err(|source| WorkerError::Listen { addr: a, source })?,
+            granary_common::metrics::serve_with(a, registry.clone(), shutdown.clone(), {
+                // Ready once registered with the leader (clients are then sent here).
+                let registered = registered.clone();
+                Arc::new(
+                    move || match registered.load(std::sync::atomic::Ordering::Relaxed) {
+                        true => Ok(()),
+                        false => Err("not registered with a master (yet)".into()),
+                    },
+                )
+            })
+            .await
+            .map_err(|source| WorkerError::Listen { addr: a, source })?,
         ),
         None => None,
     };
@@ -193,7 +203,7 @@ pub async fn start(
             "resuming uploads of files written async-through"
         );
     }
-    let registered = Arc::new(AtomicBool::new(false));
+    let grant_keys = Arc::new(granary_common::grant::GrantKeys::default());
     let hb = heartbeat::Heartbeat {
         master,
         store: store.clone(),
@@ -202,6 +212,7 @@ pub async fn start(
         address: advertise.clone(),
         host: config.node_name.clone(),
         interval: config.heartbeat_interval,
+        grant_keys: grant_keys.clone(),
     };
     tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
 
@@ -210,6 +221,7 @@ pub async fn start(
         fetcher,
         metrics,
         writes,
+        grant_keys,
     })
     .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);

@@ -489,7 +489,7 @@ impl Namespace {
                         &dir.ufs_path
                     };
                     let message = self.ufs.scrub(
-                        &mount,
+                        mount,
                         &format!(
                             "listing {at} in the under-store {} failed: {e}",
                             mount.spec.uri
@@ -608,7 +608,7 @@ impl Namespace {
             }
             Err(e) => {
                 let message = self.ufs.scrub(
-                    &mount,
+                    mount,
                     &format!(
                         "checking {} in the under-store {} failed: {e}",
                         file.ufs_path, mount.spec.uri

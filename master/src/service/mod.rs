@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use access::Reach;
 use granary_common::authz::principal;
+use granary_common::tls::Principal;
 
 use granary_proto as pb;
 use granary_proto::master_service_server::MasterService;
@@ -67,10 +68,35 @@ fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
     }
 }
 
-fn one(core: &MasterCore, out: ApplyOutput) -> Result<Response<pb::GetStatusResponse>, Status> {
+/// Signs `who` a grant for a file's blocks (a `write` grant for a file being created) when
+/// the master signs grants (TLS clusters).
+fn grant(core: &MasterCore, who: &Principal, s: &mut pb::FileStatus, write: bool) {
+    if let (Some(key), true) = (&core.grants, s.kind == pb::FileKind::File as i32) {
+        let expires = granary_common::now_ms().max(0) as u64
+            + granary_common::grant::GRANT_LIFETIME.as_millis() as u64;
+        s.grant = Some(key.sign(&who.name, s.inode, s.ufs.as_ref(), write, expires));
+    }
+}
+
+/// The status of `inode` as `who` gets it (with its grant).
+fn status_for(
+    core: &MasterCore,
+    who: &Principal,
+    inode: &Inode,
+) -> Result<pb::FileStatus, MasterError> {
+    let mut s = status_of(core, inode)?;
+    grant(core, who, &mut s, false);
+    Ok(s)
+}
+
+fn one(
+    core: &MasterCore,
+    who: &Principal,
+    out: ApplyOutput,
+) -> Result<Response<pb::GetStatusResponse>, Status> {
     match out {
         ApplyOutput::Inode(i) => Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_of(core, &i)?),
+            status: Some(status_for(core, who, &i)?),
         })),
         _ => Err(Status::internal("unexpected apply result")),
     }
@@ -131,7 +157,7 @@ impl MasterService for MasterRpc {
             inode = self.core.ns.validate(inode).await?;
         }
         Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_of(&self.core, &inode)?),
+            status: Some(status_for(&self.core, &who, &inode)?),
         }))
     }
 
@@ -145,7 +171,7 @@ impl MasterService for MasterRpc {
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_of(&self.core, &inode)?),
+            status: Some(status_for(&self.core, &who, &inode)?),
         }))
     }
 
@@ -212,6 +238,7 @@ impl MasterService for MasterRpc {
                     Some(pin) => pin.replicas,
                     None => dir_pin,
                 };
+                grant(&self.core, &who, &mut s, false);
                 Ok(s)
             })
             .collect::<Result<Vec<_>, MasterError>>()?;
@@ -242,7 +269,7 @@ impl MasterService for MasterRpc {
                 r.request_id,
             )
             .await?;
-        one(&self.core, out)
+        one(&self.core, &who, out)
     }
 
     async fn create_file(
@@ -271,7 +298,14 @@ impl MasterService for MasterRpc {
             // A replaced file's old pages are of no use any more.
             self.core.blocks.note_stale(i.id, i.version);
         }
-        one(&self.core, out)
+        match out {
+            ApplyOutput::Inode(i) => {
+                let mut s = status_of(&self.core, &i)?;
+                grant(&self.core, &who, &mut s, true);
+                Ok(Response::new(pb::GetStatusResponse { status: Some(s) }))
+            }
+            _ => Err(Status::internal("unexpected apply result")),
+        }
     }
 
     async fn complete_file(
@@ -299,7 +333,7 @@ impl MasterService for MasterRpc {
                 r.request_id,
             )
             .await?;
-        one(&self.core, out)
+        one(&self.core, &who, out)
     }
 
     async fn file_persisted(
@@ -358,7 +392,7 @@ impl MasterService for MasterRpc {
                 r.request_id,
             )
             .await?;
-        one(&self.core, out)
+        one(&self.core, &who, out)
     }
 
     async fn sync_metadata(
@@ -490,6 +524,7 @@ impl MasterService for MasterRpc {
         self.core.blocks.replace_worker(r.worker_id, &r.blocks);
         Ok(Response::new(pb::RegisterWorkerResponse {
             heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
+            grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
         }))
     }
 
@@ -537,6 +572,7 @@ impl MasterService for MasterRpc {
             pins_changed,
             pinned_inodes,
             pins_generation,
+            grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
         }))
     }
 

@@ -21,6 +21,8 @@ pub struct Heartbeat {
     pub address: String,
     pub host: String,
     pub interval: Duration,
+    /// Where the leaders' grant-signing keys go.
+    pub grant_keys: Arc<granary_common::grant::GrantKeys>,
 }
 
 impl Heartbeat {
@@ -63,6 +65,9 @@ impl Heartbeat {
                 blocks: self.store.blocks(),
             })
             .await?;
+        if let Some(k) = &r.grant_key {
+            self.grant_keys.learn(k);
+        }
         Ok(Duration::from_millis(r.heartbeat_interval_ms).max(Duration::from_millis(100)))
     }
 
@@ -112,6 +117,9 @@ impl Heartbeat {
                 {
                     Ok(r) if r.reregister => need_register = true,
                     Ok(r) => {
+                        if let Some(k) = &r.grant_key {
+                            self.grant_keys.learn(k);
+                        }
                         if r.pins_changed {
                             let set: std::collections::HashSet<u64> =
                                 r.pinned_inodes.iter().copied().collect();

@@ -9,6 +9,10 @@ use granary_proto::worker_service_server::WorkerService;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use granary_common::authz::principal;
+use granary_common::grant::GrantKeys;
+use granary_common::tls::{Principal, Role};
+
 use crate::metrics::WorkerMetrics;
 use crate::store::block_key;
 use crate::ufs_fetch::{BlockRef, Fetcher, Source};
@@ -104,6 +108,31 @@ pub struct WorkerRpc {
     pub fetcher: Arc<Fetcher>,
     pub metrics: WorkerMetrics,
     pub writes: Arc<crate::writes::Writes>,
+    /// The leaders' grant keys (from registration and heartbeats).
+    pub grant_keys: Arc<GrantKeys>,
+}
+
+/// Refuses a request of a non-node principal without a grant for `want` (nodes, and
+/// everyone on a plaintext cluster, need none).
+fn check_grant(
+    keys: &GrantKeys,
+    who: &Principal,
+    grant: Option<&pb::ReadGrant>,
+    inode: u64,
+    ufs: Option<&pb::UfsLocation>,
+    write: bool,
+) -> Result<(), Status> {
+    if who.has(Role::Node) {
+        return Ok(());
+    }
+    let want = granary_common::grant::Use {
+        principal: &who.name,
+        inode,
+        ufs,
+        write,
+    };
+    keys.check(grant, &want, granary_common::now_ms().max(0) as u64)
+        .map_err(Status::permission_denied)
 }
 
 type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Status>> + Send>>;
@@ -201,6 +230,7 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<tonic::Streaming<pb::WriteFileRequest>>,
     ) -> Result<Response<WriteStream>, Status> {
+        let who = principal(&req);
         let mut inbound = req.into_inner();
         let header = match inbound.next().await {
             Some(Ok(m)) => m
@@ -209,6 +239,14 @@ impl WorkerService for WorkerRpc {
             Some(Err(e)) => return Err(e),
             None => return Err(Status::invalid_argument("an empty write stream")),
         };
+        check_grant(
+            &self.grant_keys,
+            &who,
+            header.grant.as_ref(),
+            header.inode,
+            header.ufs.as_ref(),
+            true,
+        )?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(self.writes.clone().receive(header, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -218,9 +256,18 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<pb::ReadBlockRequest>,
     ) -> Result<Response<Self::ReadBlockStream>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
         let ps = self.fetcher.store.page_size;
         let (desc, p) = plan(&r)?;
+        check_grant(
+            &self.grant_keys,
+            &who,
+            r.grant.as_ref(),
+            desc.id.as_ref().map_or(0, |id| id.inode),
+            desc.ufs.as_ref(),
+            false,
+        )?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
         let block = Arc::new(BlockRef {
@@ -318,7 +365,16 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<pb::LeaseLocalBlockRequest>,
     ) -> Result<Response<pb::LeaseLocalBlockResponse>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
+        // Leases of cached pages name no under-store object: a grant for the file will do.
+        let granted = |inode: u64| {
+            let grant = r.grants.iter().find(|g| g.inode == inode);
+            check_grant(&self.grant_keys, &who, grant, inode, None, false)
+        };
+        if let Some(id) = &r.block {
+            granted(id.inode)?;
+        }
         self.metrics.short_circuit_bytes.inc_by(r.bytes_read);
         let store = &self.fetcher.store;
         let replaces = (r.release_lease != 0).then_some(r.release_lease);
@@ -382,6 +438,9 @@ impl WorkerService for WorkerRpc {
         // The blocks the client expects to read next: leased now when cached, each its own
         // lease (no cached page: simply left out).
         for more in r.more.iter().take(MAX_MORE_LEASES) {
+            if granted(more.inode).is_err() {
+                continue;
+            }
             let until = std::time::Instant::now() + hold;
             let window = crate::store::LEASE_WINDOW_PAGES;
             if let Some(l) = store.lease_pages(&block_key(more), 0, window, until, None) {
@@ -433,6 +492,7 @@ mod tests {
             length,
             cache: true,
             cached_only: false,
+            grant: None,
         }
     }
 

@@ -649,6 +649,7 @@ impl Run {
                 length: end - from,
                 cache: false,
                 cached_only: true,
+                grant: None, // a node needs none
             });
             req.set_timeout(PEER_TIMEOUT);
             let copy = async {
