@@ -5,7 +5,8 @@
 #
 # The Helm chart (charts/granary) runs it as `granary <command> --config ...`.
 
-FROM rust:1.88-bookworm AS build
+# The toolchain the tests run with (rust-toolchain: stable 1.95 on the CI machines).
+FROM rust:1.95-bookworm AS build
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       clang libclang-dev g++ \
