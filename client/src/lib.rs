@@ -16,5 +16,5 @@ pub mod write;
 
 pub use error::ClientError;
 pub use fs::FileSystem;
-pub use master::MasterClient;
+pub use master::{as_caller, MasterClient};
 pub use write::{FileWriter, WriteMode};

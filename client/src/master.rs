@@ -25,6 +25,18 @@ struct Endpoint {
     client: MasterServiceClient<Channel>,
 }
 
+tokio::task_local! {
+    /// The local user a request is made for (see [`as_caller`]).
+    static CALLER: (u32, u32);
+}
+
+/// Runs `fut` on behalf of local user `uid`/`gid` (a FUSE request's caller): the master
+/// requests it makes carry them, and the master records them as the owner of what it
+/// creates and checks the entries' modes against them.
+pub async fn as_caller<F: std::future::Future>(uid: u32, gid: u32, fut: F) -> F::Output {
+    CALLER.scope((uid, gid), fut).await
+}
+
 fn endpoint(address: &str) -> Result<Endpoint, ClientError> {
     let channel = grpc::channel(address).map_err(|e| {
         ClientError::InvalidArgument(format!("invalid master address {address:?}: {e}"))
@@ -129,6 +141,11 @@ impl MasterClient {
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         r.set_timeout(self.rpc_timeout);
+        if let Ok((uid, gid)) = CALLER.try_with(|c| *c) {
+            let md = r.metadata_mut();
+            md.insert(granary_proto::CALLER_UID_KEY, uid.into());
+            md.insert(granary_proto::CALLER_GID_KEY, gid.into());
+        }
         r
     }
 

@@ -15,13 +15,24 @@ use url::Url;
 
 /// Option keys that Granary interprets itself (not passed to `object_store`).
 pub const GRANARY_OPTION_KEYS: &[&str] = &[
+    "dir_mode",
+    "file_mode",
+    "gid",
     "part_concurrency",
     "part_size",
     "read_only",
     "sync_interval",
+    "uid",
     "validate_on_open",
     "write_mode",
 ];
+
+/// A POSIX mode given as octal text (`0644`, `755`): permission bits only.
+fn parse_mode(v: &str) -> Option<u32> {
+    u32::from_str_radix(v.trim(), 8)
+        .ok()
+        .filter(|m| *m <= 0o7777)
+}
 
 /// How often a loaded directory of a mount is listed again from the under-store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -439,6 +450,28 @@ impl UfsSpec {
                 });
             }
         }
+        for key in ["uid", "gid"] {
+            if let Some(v) = self.options.get(key) {
+                if v.trim().parse::<u32>().is_err() {
+                    return Err(UfsError::InvalidOption {
+                        key: key.into(),
+                        value: v.clone(),
+                        reason: "expected a numeric id such as 1000".into(),
+                    });
+                }
+            }
+        }
+        for key in ["file_mode", "dir_mode"] {
+            if let Some(v) = self.options.get(key) {
+                if parse_mode(v).is_none() {
+                    return Err(UfsError::InvalidOption {
+                        key: key.into(),
+                        value: v.clone(),
+                        reason: "expected octal permission bits such as 0644".into(),
+                    });
+                }
+            }
+        }
         if let Some(v) = self.options.get("write_mode") {
             if !WRITE_MODES.contains(&v.as_str()) {
                 return Err(UfsError::InvalidOption {
@@ -457,6 +490,27 @@ impl UfsSpec {
             .get("sync_interval")
             .and_then(|v| parse_sync(v))
             .unwrap_or(SyncPolicy::Every(DEFAULT_SYNC_INTERVAL))
+    }
+
+    /// The owner shown for the mount's entries that have none of their own (`uid`, `gid`;
+    /// a missing one of the two is 0).
+    pub fn owner(&self) -> Option<(u32, u32)> {
+        let id = |k: &str| {
+            self.options
+                .get(k)
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        };
+        match (id("uid"), id("gid")) {
+            (None, None) => None,
+            (u, g) => Some((u.unwrap_or(0), g.unwrap_or(0))),
+        }
+    }
+
+    /// Permission bits shown for the mount's files (`file_mode`) or directories
+    /// (`dir_mode`) that have none of their own.
+    pub fn default_mode(&self, dir: bool) -> Option<u32> {
+        let key = if dir { "dir_mode" } else { "file_mode" };
+        self.options.get(key).and_then(|v| parse_mode(v))
     }
 
     /// `validate_on_open`: check the object's fingerprint at every open.
@@ -793,6 +847,15 @@ mod tests {
         assert!(spec("validate_on_open", "perhaps").is_err());
         assert!(spec("write_mode", "async-through").is_ok());
         assert!(spec("write_mode", "write-back").is_err());
+        // Owners and modes shown for a mount's entries.
+        assert_eq!(spec("uid", "1000").unwrap().owner(), Some((1000, 0)));
+        assert!(spec("uid", "alice").is_err() && spec("gid", "-1").is_err());
+        assert_eq!(
+            spec("dir_mode", "0750").unwrap().default_mode(true),
+            Some(0o750)
+        );
+        assert_eq!(spec("dir_mode", "0750").unwrap().default_mode(false), None);
+        assert!(spec("file_mode", "0888").is_err() && spec("file_mode", "17777").is_err());
         assert_eq!(spec("part_size", "16MiB").unwrap().part_size(), 16 << 20);
         assert_eq!(
             UfsSpec::new("/tmp", BTreeMap::new()).unwrap().part_size(),

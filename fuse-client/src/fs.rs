@@ -27,6 +27,19 @@ struct Deadline {
 }
 
 impl Deadline {
+    /// [`run`](Self::run) on behalf of the process that made the request: the namespace
+    /// requests carry its uid and gid (the master records them as the owner of what it
+    /// creates, and checks the entries' modes against them).
+    async fn run_as<T>(
+        &self,
+        caller: (u32, u32),
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, granary_client::ClientError>>,
+    ) -> Result<T, granary_client::ClientError> {
+        self.run(op, granary_client::as_caller(caller.0, caller.1, fut))
+            .await
+    }
+
     async fn run<T>(
         &self,
         op: &'static str,
@@ -239,7 +252,14 @@ impl GranaryFs {
     }
 }
 
+/// The kernel's attributes of an entry: its owner when it has one (its own, or its
+/// mount's `uid`/`gid`), else the mount daemon's (`uid`, `gid`).
 fn attr_of(s: &pb::FileStatus, uid: u32, gid: u32) -> FileAttr {
+    let (uid, gid) = if s.has_owner {
+        (s.uid, s.gid)
+    } else {
+        (uid, gid)
+    };
     let kind = kind_of(s);
     let mtime = if s.mtime_ms >= 0 {
         UNIX_EPOCH + Duration::from_millis(s.mtime_ms as u64)
@@ -300,7 +320,8 @@ impl Filesystem for GranaryFs {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let caller = (req.uid(), req.gid());
         if name.len() > NAME_MAX {
             reply.error(Errno::ENAMETOOLONG);
             return;
@@ -314,7 +335,10 @@ impl Filesystem for GranaryFs {
         let negative = self.negative_ttl;
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
-            match dl.run("lookup", client.lookup(parent.0, &name)).await {
+            match dl
+                .run_as(caller, "lookup", client.lookup(parent.0, &name))
+                .await
+            {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
                 // A negative entry (node id 0): the kernel remembers the miss for a while.
                 Err(granary_client::ClientError::NotFound(_)) if !negative.is_zero() => {
@@ -693,7 +717,7 @@ impl Filesystem for GranaryFs {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -705,6 +729,7 @@ impl Filesystem for GranaryFs {
             Ok(n) => n,
             Err(e) => return reply.error(e),
         };
+        let caller = (req.uid(), req.gid());
         let writes = self.writes.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
@@ -724,7 +749,7 @@ impl Filesystem for GranaryFs {
                     .open(fh, &path, mode & !umask & 0o7777, false, mount)
                     .await
             };
-            match dl.run("create", open).await {
+            match dl.run_as(caller, "create", open).await {
                 Ok(s) => reply.created(
                     &ttl,
                     &attr_of(&s, uid, gid),
@@ -789,7 +814,7 @@ impl Filesystem for GranaryFs {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -800,6 +825,7 @@ impl Filesystem for GranaryFs {
             Ok(n) => n,
             Err(e) => return reply.error(e),
         };
+        let caller = (req.uid(), req.gid());
         let writes = self.writes.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
@@ -812,7 +838,7 @@ impl Filesystem for GranaryFs {
                     .mkdir(&path, false, mode & !umask & 0o7777)
                     .await
             };
-            match dl.run("mkdir", made).await {
+            match dl.run_as(caller, "mkdir", made).await {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
                 Err(e) => {
                     tracing::warn!(parent = parent.0, %name, error = %e, "mkdir failed");
@@ -822,17 +848,17 @@ impl Filesystem for GranaryFs {
         });
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.remove(parent, name, false, reply);
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove((req.uid(), req.gid()), parent, name, false, reply);
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.remove(parent, name, true, reply);
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove((req.uid(), req.gid()), parent, name, true, reply);
     }
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -853,6 +879,7 @@ impl Filesystem for GranaryFs {
             return reply.error(Errno::EINVAL);
         }
         let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        let caller = (req.uid(), req.gid());
         let writes = self.writes.clone();
         let opened = self.opened.clone();
         let dl = self.deadline.clone();
@@ -873,7 +900,7 @@ impl Filesystem for GranaryFs {
                 writes.client.forget_status(moved.inode);
                 Ok(moved)
             };
-            match dl.run("rename", moved).await {
+            match dl.run_as(caller, "rename", moved).await {
                 Ok(s) => {
                     lock(&opened).remove(&s.inode);
                     reply.ok()
@@ -1001,7 +1028,14 @@ impl GranaryFs {
     }
 
     /// unlink (`dir` false) and rmdir (`dir` true).
-    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+    fn remove(
+        &self,
+        caller: (u32, u32),
+        parent: INodeNo,
+        name: &OsStr,
+        dir: bool,
+        reply: ReplyEmpty,
+    ) {
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -1029,7 +1063,8 @@ impl GranaryFs {
                 writes.client.forget_status(entry.inode);
                 Ok(entry.inode)
             };
-            match dl.run(if dir { "rmdir" } else { "unlink" }, removed).await {
+            let op = if dir { "rmdir" } else { "unlink" };
+            match dl.run_as(caller, op, removed).await {
                 Ok(inode) => {
                     lock(&opened).remove(&inode);
                     reply.ok()

@@ -134,6 +134,8 @@ pub fn mount(
         MountOption::FSName("granary".into()),
         MountOption::Subtype("granary".into()),
         MountOption::NoAtime,
+        // The kernel checks every access against the owner and mode the mount shows.
+        MountOption::DefaultPermissions,
     ];
     if config.read_only {
         c.mount_options.push(MountOption::RO);

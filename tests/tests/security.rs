@@ -425,19 +425,9 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
     let m = fuse.mountpoint.join("data");
 
     // Inside: reads, listings and writes work, bytes exact.
-    let want = sh(&format!(
-        "sha256sum < '{}'",
-        src.join("team-a/x.bin").display()
-    ))
-    .unwrap();
-    assert_eq!(
-        sh(&format!(
-            "sha256sum < '{}'",
-            m.join("team-a/x.bin").display()
-        ))
-        .unwrap(),
-        want
-    );
+    let sha = |p: &Path| sh(&format!("sha256sum < '{}'", p.display())).unwrap();
+    let want = sha(&src.join("team-a/x.bin"));
+    assert_eq!(sha(&m.join("team-a/x.bin")), want);
     sh(&format!("mkdir '{}'", m.join("team-a/new").display())).unwrap();
     // Writes and warm reads carry the user's grants: a copy reaches the store byte for
     // byte, and a second read of x.bin comes from this host's worker's block file.
@@ -447,20 +437,9 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
         m.join("team-a/new/copy.bin").display()
     ))
     .unwrap();
-    let store_copy = src.join("team-a/new/copy.bin");
-    assert_eq!(
-        sh(&format!("sha256sum < '{}'", store_copy.display())).unwrap(),
-        want
-    );
+    assert_eq!(sha(&src.join("team-a/new/copy.bin")), want);
     drop_page_cache(&m).unwrap();
-    assert_eq!(
-        sh(&format!(
-            "sha256sum < '{}'",
-            m.join("team-a/x.bin").display()
-        ))
-        .unwrap(),
-        want
-    );
+    assert_eq!(sha(&m.join("team-a/x.bin")), want);
     let short_circuit = "granary_client_read_bytes_total{source=\"short_circuit\"}";
     let passthrough = "granary_client_passthrough_opens_total";
     assert!(
@@ -1077,4 +1056,138 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
     assert!(worker_call(&w.addr, Some(&admin)).is_ok());
     let listing = granary_ok(&["fs", "ls", "/d", "--master", &master.addr]).unwrap();
     assert_eq!(listing.trim().lines().count(), 1, "{listing}");
+}
+
+/// Runs `cmd` with bash as `uid`/`gid` and no supplementary groups.
+fn sh_as(uid: u32, gid: u32, cmd: &str) -> std::process::Output {
+    std::process::Command::new("setpriv")
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={gid}"),
+            "--clear-groups",
+            "bash",
+            "-c",
+            cmd,
+        ])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn owners_and_modes_are_enforced_for_the_users_of_a_mount() {
+    let n = node("granary-posix-", &[("team/a.bin", 300_000)], None);
+    let (root, src, master) = (n.tmp.path(), &n.src, &n.master);
+    // The mount's objects belong to 1000:1000, folders 0750, files 0640.
+    let s = src.to_string_lossy();
+    let opts = ["uid=1000", "gid=1000", "dir_mode=0750", "file_mode=0640"];
+    let mut args = vec!["mount", "add", "/p", s.as_ref(), "--master", &master.addr];
+    for o in &opts {
+        args.extend(["-o", o]);
+    }
+    granary_ok(&args).unwrap();
+    let fuse = Fuse::start_opts(root, "mnt", &master.addr, &["--allow-other"]).unwrap();
+    let m = fuse.mountpoint.join("p");
+    // Root's permissive test folder: other users must reach the mount point.
+    sh(&format!(
+        "chmod 755 '{}' '{}'",
+        root.display(),
+        fuse.mountpoint.display()
+    ))
+    .unwrap();
+    let stat = |p: &Path| sh(&format!("stat -c '%u:%g %a' '{}'", p.display())).unwrap();
+    assert_eq!(stat(&m.join("team")).trim(), "1000:1000 750");
+    assert_eq!(stat(&m.join("team/a.bin")).trim(), "1000:1000 640");
+    let want = sh(&format!(
+        "sha256sum < '{}'",
+        src.join("team/a.bin").display()
+    ))
+    .unwrap();
+    let a = m.join("team/a.bin");
+    let team = m.join("team");
+    let denied = |out: std::process::Output, what: &str| {
+        assert!(!out.status.success(), "{what} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("Permission denied"), "{what}: {err}");
+    };
+
+    // The owner reads, makes a folder and writes a file; what it makes is its own, with the
+    // modes its umask leaves.
+    let out = sh_as(1000, 1000, &format!("sha256sum < '{}'", a.display()));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want);
+    let out = sh_as(
+        1000,
+        1000,
+        &format!(
+            "umask 022 && mkdir '{0}/new' && echo checkpoint > '{0}/new/f.txt'",
+            team.display()
+        ),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stat(&team.join("new")).trim(), "1000:1000 755");
+    assert_eq!(stat(&team.join("new/f.txt")).trim(), "1000:1000 644");
+    assert_eq!(
+        std::fs::read_to_string(src.join("team/new/f.txt")).unwrap(),
+        "checkpoint\n"
+    );
+    // Its group reads (0640) but may not add to the folder (0750).
+    let out = sh_as(1001, 1000, &format!("sha256sum < '{}'", a.display()));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want);
+    denied(
+        sh_as(1001, 1000, &format!("touch '{}/x'", team.display())),
+        "group touch",
+    );
+    denied(
+        sh_as(1001, 1000, &format!("rm '{}'", a.display())),
+        "group rm",
+    );
+    // Others get nowhere.
+    denied(
+        sh_as(2000, 2000, &format!("cat '{}'", a.display())),
+        "other cat",
+    );
+    denied(
+        sh_as(2000, 2000, &format!("ls '{}'", team.display())),
+        "other ls",
+    );
+    assert!(!src.join("team/x").exists() && src.join("team/a.bin").exists());
+
+    // The master checks the same for a mount's caller (not only the kernel): a direct
+    // request on behalf of uid 1001 is refused and changes nothing; 1000's works.
+    let creds = creds_in(&TestTls::get().identity("node"));
+    rt().block_on(async {
+        let mut c = MasterServiceClient::new(channel(&master.addr, Some(&creds)));
+        let mkdir = |uid: u32, path: &str| {
+            let mut req = tonic::Request::new(pb::MkdirRequest {
+                path: path.into(),
+                recursive: false,
+                mode: 0o755,
+                request_id: 0,
+            });
+            let md = req.metadata_mut();
+            md.insert(pb::CALLER_UID_KEY, uid.into());
+            md.insert(pb::CALLER_GID_KEY, 1000u32.into());
+            req
+        };
+        let e = c.mkdir(mkdir(1001, "/p/team/by-1001")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(
+            e.message()
+                .contains("uid 1001 may not change entries of /p/team"),
+            "{e:?}"
+        );
+        let made = c.mkdir(mkdir(1000, "/p/team/by-1000")).await.unwrap();
+        let s = made.into_inner().status.unwrap();
+        assert_eq!((s.uid, s.gid, s.has_owner), (1000, 1000, true));
+    });
+    let listing = granary_ok(&["fs", "ls", "/p/team", "--master", &master.addr]).unwrap();
+    assert!(
+        listing.contains("by-1000") && !listing.contains("by-1001"),
+        "{listing}"
+    );
+    // Root may do anything.
+    sh(&format!("touch '{}/by-root'", team.display())).unwrap();
 }

@@ -288,6 +288,7 @@ impl Group {
             recursive: false,
             mode: 0o755,
             now_ms: 0,
+            owner: None,
         };
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
@@ -419,6 +420,7 @@ async fn an_isolated_leader_acknowledges_nothing_and_rejoins() {
                 recursive: false,
                 mode: 0o755,
                 now_ms: 0,
+                owner: None,
             },
             7,
         ),

@@ -80,3 +80,107 @@ mod tests {
         assert_eq!(reach(&all, "/anything").unwrap(), Reach::Full);
     }
 }
+
+/// The local user a FUSE mount acts for (uid and gid from the request's metadata). Like
+/// NFS's AUTH_SYS it is the mount's word, bounded by what the mount's certificate reaches;
+/// it keeps the users of one mount from each other's files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Caller {
+    pub fn of<T>(req: &tonic::Request<T>) -> Option<Caller> {
+        let id = |key: &str| {
+            req.metadata()
+                .get(key)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u32>().ok())
+        };
+        Some(Caller {
+            uid: id(granary_proto::CALLER_UID_KEY)?,
+            gid: id(granary_proto::CALLER_GID_KEY)?,
+        })
+    }
+
+    pub fn owner(self) -> crate::state::Owner {
+        crate::state::Owner {
+            uid: self.uid,
+            gid: self.gid,
+        }
+    }
+}
+
+pub const READ: u32 = 4;
+pub const WRITE: u32 = 2;
+pub const EXEC: u32 = 1;
+
+/// Refuses `caller` unless the entry `s` (owner and mode as shown) grants it `want`
+/// (`READ`, `WRITE`, `EXEC` or'ed), as the kernel would: the owner's bits for the owner,
+/// the group's for its group, the others' for the rest; root may do anything. No caller
+/// (not a mount), or an entry with no owner, is not checked here.
+pub fn posix(
+    caller: Option<Caller>,
+    s: &granary_proto::FileStatus,
+    want: u32,
+    what: &str,
+) -> Result<(), Status> {
+    let Some(c) = caller else { return Ok(()) };
+    if c.uid == 0 || !s.has_owner {
+        return Ok(());
+    }
+    let shift = if c.uid == s.uid {
+        6
+    } else if c.gid == s.gid {
+        3
+    } else {
+        0
+    };
+    if (s.mode >> shift) & want == want {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "uid {} may not {what} {} (owner {}:{}, mode {:o})",
+        c.uid,
+        s.path,
+        s.uid,
+        s.gid,
+        s.mode & 0o7777
+    )))
+}
+
+#[cfg(test)]
+mod posix_tests {
+    use super::*;
+
+    #[test]
+    fn modes_are_checked_as_the_kernel_would() {
+        let s = granary_proto::FileStatus {
+            path: "/d".into(),
+            uid: 1000,
+            gid: 100,
+            has_owner: true,
+            mode: 0o750,
+            ..Default::default()
+        };
+        let c = |uid, gid| Some(Caller { uid, gid });
+        let ok = |caller, want| posix(caller, &s, want, "touch").is_ok();
+        assert!(ok(c(1000, 1), READ | WRITE | EXEC));
+        assert!(ok(c(2000, 100), READ | EXEC) && !ok(c(2000, 100), WRITE));
+        assert!(!ok(c(3000, 3000), READ) && !ok(c(3000, 3000), EXEC));
+        assert!(ok(c(0, 0), WRITE), "root");
+        assert!(ok(None, WRITE), "not a mount");
+        let e = posix(c(3000, 3000), &s, READ, "list").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            e.message(),
+            "uid 3000 may not list /d (owner 1000:100, mode 750)"
+        );
+        let unowned = granary_proto::FileStatus {
+            has_owner: false,
+            ..s.clone()
+        };
+        assert!(posix(c(3000, 3000), &unowned, WRITE, "x").is_ok());
+    }
+}

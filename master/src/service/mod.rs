@@ -7,7 +7,7 @@ mod access;
 
 use std::sync::Arc;
 
-use access::Reach;
+use access::{Caller, Reach};
 use granary_common::authz::principal;
 use granary_common::tls::Principal;
 
@@ -40,8 +40,37 @@ fn mark_validated(core: &MasterCore, s: &mut pb::FileStatus, inode: &Inode) {
     }
 }
 
+/// The spec of mount `id` (None: not in a mount, or gone).
+fn mount_spec(core: &MasterCore, id: Option<u64>) -> Option<granary_common::ufs::UfsSpec> {
+    core.ns.sm.mount(id?).ok().flatten().map(|m| m.spec)
+}
+
+/// Owner and mode as shown: the entry's own, else its mount's `uid`/`gid` and
+/// `file_mode`/`dir_mode`, else no owner and 0644/0755.
+fn fill_perms(s: &mut pb::FileStatus, spec: Option<&granary_common::ufs::UfsSpec>) {
+    let dir = s.kind == pb::FileKind::Directory as i32;
+    if let Some(spec) = spec {
+        if !s.has_owner {
+            if let Some((uid, gid)) = spec.owner() {
+                (s.uid, s.gid, s.has_owner) = (uid, gid, true);
+            }
+        }
+        if s.mode == 0 {
+            s.mode = spec.default_mode(dir).unwrap_or(0);
+        }
+    }
+    if s.mode == 0 {
+        s.mode = if dir {
+            crate::state::DEFAULT_DIR_MODE
+        } else {
+            crate::state::DEFAULT_FILE_MODE
+        };
+    }
+}
+
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
     let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
+    fill_perms(&mut s, mount_spec(core, inode.mount_id).as_ref());
     mark_validated(core, &mut s, inode);
     s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
     if let Some(t) = core.ns.sm.ttl_of(inode.id)? {
@@ -103,6 +132,30 @@ fn one(
 }
 
 impl MasterRpc {
+    /// Checks a mount's caller may change the folder that holds `path` (write and search
+    /// permission, as for creating, removing or renaming an entry in it).
+    async fn may_change_parent(&self, caller: Option<Caller>, path: &str) -> Result<(), Status> {
+        if caller.is_none() {
+            return Ok(());
+        }
+        let path = granary_common::paths::normalize(path).map_err(MasterError::from)?;
+        let parent = match path.rfind('/') {
+            Some(0) | None => "/",
+            Some(i) => &path[..i],
+        };
+        // A missing parent is the operation's own error to report.
+        if let Ok(dir) = self.core.ns.resolve(parent).await {
+            let s = status_of(&self.core, &dir)?;
+            access::posix(
+                caller,
+                &s,
+                access::WRITE | access::EXEC,
+                "change entries of",
+            )?;
+        }
+        Ok(())
+    }
+
     /// Decommissions (`on`) or recommissions a worker through the replicated state: an
     /// unknown worker, or recommissioning one in service, is refused with nothing changed.
     async fn set_decommissioned(&self, id: u64, on: bool) -> Result<(), Status> {
@@ -166,8 +219,13 @@ impl MasterService for MasterRpc {
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         self.core.read_barrier().await?;
+        if caller.is_some() {
+            let parent = status_of(&self.core, &self.core.ns.inode(r.parent)?)?;
+            access::posix(caller, &parent, access::EXEC, "look up entries of")?;
+        }
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         Ok(Response::new(pb::GetStatusResponse {
@@ -180,6 +238,7 @@ impl MasterService for MasterRpc {
         req: Request<pb::ListStatusRequest>,
     ) -> Result<Response<pb::ListStatusResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         if !r.allow_stale {
             self.core.read_barrier().await?;
@@ -200,7 +259,12 @@ impl MasterService for MasterRpc {
             .sm
             .pin_covering(&dir)?
             .map_or(0, |p| p.replicas);
+        if dir.kind == crate::state::Kind::Directory {
+            let shown = status_of(&self.core, &dir)?;
+            access::posix(caller, &shown, access::READ, "list")?;
+        }
         let children = self.core.ns.list(dir, after, limit).await?;
+        let spec = mount_spec(&self.core, children.first().and_then(|c| c.mount_id));
         // One mount for the whole page: does it validate every open?
         let validated = match children.first().and_then(|c| c.mount_id) {
             Some(m) => self
@@ -233,6 +297,7 @@ impl MasterService for MasterRpc {
                     dir_path.clone()
                 };
                 let mut s = to_status(c, p);
+                fill_perms(&mut s, spec.as_ref());
                 s.validate_on_open = validated && c.kind == crate::state::Kind::File;
                 s.pinned_replicas = match self.core.ns.sm.pin_of(c.id)? {
                     Some(pin) => pin.replicas,
@@ -253,9 +318,11 @@ impl MasterService for MasterRpc {
         req: Request<pb::MkdirRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
+        self.may_change_parent(caller, &r.path).await?;
         self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
         let out = self
             .core
@@ -265,6 +332,7 @@ impl MasterService for MasterRpc {
                     recursive: r.recursive,
                     mode: r.mode,
                     now_ms: granary_common::now_ms(),
+                    owner: caller.map(Caller::owner),
                 },
                 r.request_id,
             )
@@ -277,9 +345,11 @@ impl MasterService for MasterRpc {
         req: Request<pb::CreateFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
+        self.may_change_parent(caller, &r.path).await?;
         self.core.ns.prepare_create(&r.path, r.overwrite).await?;
         let out = self
             .core
@@ -290,6 +360,7 @@ impl MasterService for MasterRpc {
                     block_size: r.block_size,
                     now_ms: granary_common::now_ms(),
                     overwrite: r.overwrite,
+                    owner: caller.map(Caller::owner),
                 },
                 r.request_id,
             )
@@ -363,8 +434,10 @@ impl MasterService for MasterRpc {
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
+        self.may_change_parent(caller, &r.path).await?;
         self.core
             .delete_path(&r.path, r.recursive, r.request_id)
             .await?;
@@ -376,10 +449,13 @@ impl MasterService for MasterRpc {
         req: Request<pb::RenameRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req);
+        let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.src)?;
         access::full_raw(&who, &r.dst)?;
         self.core.ensure_leader()?;
+        self.may_change_parent(caller, &r.src).await?;
+        self.may_change_parent(caller, &r.dst).await?;
         self.core.ns.rename_in_store(&r.src, &r.dst).await?;
         let out = self
             .core

@@ -397,6 +397,8 @@ impl StateMachine {
 struct Txn<'a> {
     sm: &'a StateMachine,
     pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Owner of the entries the command being applied creates.
+    owner: Option<Owner>,
 }
 
 impl<'a> Txn<'a> {
@@ -404,6 +406,7 @@ impl<'a> Txn<'a> {
         Self {
             sm,
             pending: BTreeMap::new(),
+            owner: None,
         }
     }
 
@@ -541,6 +544,7 @@ impl<'a> Txn<'a> {
         now_ms: i64,
     ) -> Result<Inode, MasterError> {
         let mut inode = Inode::directory(self.alloc_inode()?, parent.id, name, mode, now_ms);
+        inode.owner = self.owner;
         if let Some(m) = parent.mount_id {
             inode.mount_id = Some(m);
             inode.ufs_path = child_ufs_path(parent, name);
@@ -705,14 +709,22 @@ impl<'a> Txn<'a> {
                 recursive,
                 mode,
                 now_ms,
-            } => self.mkdir(path, *recursive, *mode, *now_ms),
+                owner,
+            } => {
+                self.owner = *owner;
+                self.mkdir(path, *recursive, *mode, *now_ms)
+            }
             Command::CreateFile {
                 path,
                 mode,
                 block_size,
                 now_ms,
                 overwrite,
-            } => self.create_file(path, *mode, *block_size, *now_ms, *overwrite),
+                owner,
+            } => {
+                self.owner = *owner;
+                self.create_file(path, *mode, *block_size, *now_ms, *overwrite)
+            }
             Command::CompleteFile {
                 inode,
                 length,
@@ -880,11 +892,8 @@ impl<'a> Txn<'a> {
             parent: d.id,
             name: e.name.clone(),
             kind: e.kind,
-            mode: if e.kind == Kind::Directory {
-                DEFAULT_DIR_MODE
-            } else {
-                DEFAULT_FILE_MODE
-            },
+            // The mount's file_mode/dir_mode (or the defaults) when shown.
+            mode: 0,
             mtime_ms: mtime,
             length,
             block_size: if e.kind == Kind::File { block_size } else { 0 },
@@ -898,6 +907,7 @@ impl<'a> Txn<'a> {
             persist: Persist::Persisted,
             persist_worker: 0,
             created: false,
+            owner: None,
         };
         self.link(&inode)?;
         Ok(inode)
@@ -1177,6 +1187,7 @@ impl<'a> Txn<'a> {
             persist: Persist::Persisted,
             persist_worker: 0,
             created: true,
+            owner: self.owner,
         };
         self.link(&inode)?;
         Ok(ApplyOutput::Inode(inode))
@@ -1403,6 +1414,9 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
         version: inode.version,
         persist_state: inode.persist.to_proto() as i32,
         persist_worker: inode.persist_worker,
+        uid: inode.owner.map_or(0, |o| o.uid),
+        gid: inode.owner.map_or(0, |o| o.gid),
+        has_owner: inode.owner.is_some(),
         ..Default::default()
     }
 }

@@ -173,8 +173,8 @@ proptest! {
         let mut model = Model::default();
         for (i, op) in ops.iter().enumerate() {
             let cmd = match op {
-                Op::Mkdir(p, r) => Command::Mkdir { path: p.clone(), recursive: *r, mode: 0, now_ms: 1 },
-                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1, overwrite: false },
+                Op::Mkdir(p, r) => Command::Mkdir { path: p.clone(), recursive: *r, mode: 0, now_ms: 1, owner: None },
+                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1, overwrite: false, owner: None },
                 Op::Delete(p, r) => Command::Delete { path: p.clone(), recursive: *r },
                 Op::Rename(a, b) => Command::Rename { src: a.clone(), dst: b.clone(), now_ms: 1 },
             };
@@ -215,14 +215,16 @@ mod hostile_entries {
                 path: p,
                 recursive: r,
                 mode: m,
-                now_ms: 1
+                now_ms: 1,
+                owner: None
             }),
             (nasty_path(), any::<u64>(), any::<bool>()).prop_map(|(p, b, o)| Command::CreateFile {
                 path: p,
                 mode: 0,
                 block_size: b,
                 now_ms: 1,
-                overwrite: o
+                overwrite: o,
+                owner: None
             }),
             (nasty_path(), any::<bool>()).prop_map(|(p, r)| Command::Delete {
                 path: p,

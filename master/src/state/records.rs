@@ -82,6 +82,10 @@ pub struct Inode {
     pub children_loaded: bool,
     #[serde(default = "yes")]
     pub complete: bool,
+    /// Owner recorded at create (mkdir/create through a mount that passes its caller);
+    /// None: the mount's default owner, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
     /// Whether the under-store holds this version (files written through Granary).
     #[serde(default)]
     pub persist: Persist,
@@ -151,6 +155,7 @@ impl Inode {
             persist: Persist::Persisted,
             persist_worker: 0,
             created: false,
+            owner: None,
         }
     }
 
@@ -194,6 +199,13 @@ pub struct UfsEntry {
     pub kind: Kind,
     #[serde(default)]
     pub fingerprint: Option<Fingerprint>,
+}
+
+/// The owner of an entry (POSIX uid and gid).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// A state-machine command. Adding a variant or a defaulted field is backwards compatible.
@@ -266,6 +278,9 @@ pub enum Command {
         recursive: bool,
         mode: u32,
         now_ms: i64,
+        /// Owner of the directories made (None: the mount's default).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<Owner>,
     },
     CreateFile {
         path: String,
@@ -275,6 +290,9 @@ pub enum Command {
         /// Replace an existing file: same inode, new version, empty until completed.
         #[serde(default)]
         overwrite: bool,
+        /// Owner of a new file (a replaced file keeps its owner).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<Owner>,
     },
     CompleteFile {
         inode: u64,

@@ -152,6 +152,7 @@ fn namespace_mutations_outside_mounts() {
             recursive: true,
             mode: 0,
             now_ms: 1,
+            owner: None,
         },
     )
     .unwrap();
@@ -163,6 +164,7 @@ fn namespace_mutations_outside_mounts() {
                 recursive: false,
                 mode: 0,
                 now_ms: 1,
+                owner: None,
             },
         )
         .unwrap_err();
@@ -176,6 +178,7 @@ fn namespace_mutations_outside_mounts() {
                 block_size: 0,
                 now_ms: 1,
                 overwrite: false,
+                owner: None,
             },
         )
         .unwrap()
@@ -258,6 +261,7 @@ fn writes_inside_mounts_keep_store_paths_and_persistence() {
         recursive: true,
         mode: 0,
         now_ms: 1,
+        owner: None,
     }) else {
         panic!()
     };
@@ -271,6 +275,7 @@ fn writes_inside_mounts_keep_store_paths_and_persistence() {
         block_size: 0,
         now_ms: 5,
         overwrite,
+        owner: None,
     };
     let Ok(ApplyOutput::Inode(f)) = apply(create("/m/x/y/ckpt", false)) else {
         panic!()
@@ -395,6 +400,7 @@ fn mkdir_cmd(path: &str) -> Command {
         recursive: false,
         mode: 0o755,
         now_ms: 5,
+        owner: None,
     }
 }
 
