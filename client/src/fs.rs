@@ -954,13 +954,24 @@ impl FileSystem {
                 return None;
             }
         };
-        match LocalLease::open(w.worker_id, &r, sent) {
+        // A block in a tier this client cannot see (a memory tier private to the worker's
+        // pod): the lease goes back, this block is read over gRPC for a while, and the
+        // worker's other tiers stay readable directly.
+        let path = std::path::Path::new(&r.path);
+        let opened = if self.short_circuit.reachable(path) {
+            LocalLease::open(w.worker_id, &r, sent)
+        } else {
+            Err(std::io::Error::from(std::io::ErrorKind::NotFound))
+        };
+        match opened {
             Ok(l) => {
                 self.short_circuit.set_page_size(r.page_size);
                 self.metrics.short_circuit_leases.inc();
                 for m in &r.more {
-                    let (Some(block), Ok(l)) = (m.block, LocalLease::open(w.worker_id, m, sent))
-                    else {
+                    let reachable = self.short_circuit.reachable(std::path::Path::new(&m.path));
+                    let opened = reachable.then(|| LocalLease::open(w.worker_id, m, sent));
+                    let (Some(block), Some(Ok(l))) = (m.block, opened) else {
+                        self.spawn_release(w.clone(), m.lease_id);
                         continue;
                     };
                     self.metrics.short_circuit_leases.inc();
@@ -969,8 +980,11 @@ impl FileSystem {
                 Some(Arc::new(l))
             }
             Err(e) => {
-                tracing::info!(worker = w.worker_id, path = %r.path, error = %e, "cannot open a same-host worker's block file; reading from it over gRPC");
-                self.short_circuit.mark_not_local(w.worker_id);
+                if self.short_circuit.reachable(path) && self.short_circuit.mark_unreachable(path) {
+                    tracing::info!(worker = w.worker_id, path = %r.path, error = %e, "a same-host worker's cache tier is not visible here; reading that tier over gRPC");
+                }
+                self.short_circuit.note_missing(id);
+                self.spawn_release(w.clone(), r.lease_id);
                 None
             }
         }

@@ -220,8 +220,12 @@ pub struct ShortCircuit {
     verified: Mutex<HashMap<BlockKey, Instant>>,
     /// Bytes read per worker not yet reported to it.
     unreported: Mutex<HashMap<u64, u64>>,
-    /// Workers whose block files this client could not open, since when.
+    /// Workers that serve no leases (an older worker), since when.
     not_local: Mutex<HashMap<u64, Instant>>,
+    /// Tier folders of same-host workers whose block files this client could not open
+    /// (not shared with it: a memory tier private to the worker's pod, a disk not mounted
+    /// here), since when. Blocks in other tiers of the same worker are still read directly.
+    unreachable: Mutex<HashMap<std::path::PathBuf, Instant>>,
     /// The workers' page size, learnt from their leases (to name the first page wanted).
     page_size: AtomicU64,
     /// Leases this client is done with, to be released on their worker: worker → ids.
@@ -238,6 +242,7 @@ impl ShortCircuit {
             verified: Mutex::new(HashMap::new()),
             unreported: Mutex::new(HashMap::new()),
             not_local: Mutex::new(HashMap::new()),
+            unreachable: Mutex::new(HashMap::new()),
             page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
             done: Mutex::new(HashMap::new()),
         }
@@ -269,6 +274,40 @@ impl ShortCircuit {
 
     pub fn mark_not_local(&self, worker_id: u64) {
         lock(&self.not_local).insert(worker_id, Instant::now());
+    }
+
+    /// The tier folder a block file lies in (`<tier>/blocks/<xx>/<block>`).
+    fn tier_of(block_file: &std::path::Path) -> Option<&std::path::Path> {
+        block_file.ancestors().nth(3)
+    }
+
+    /// This client could not open `block_file`: unless its tier folder is visible here (then
+    /// only that block had a problem), the tier is not shared with this client. Returns
+    /// whether the tier was marked.
+    pub fn mark_unreachable(&self, block_file: &std::path::Path) -> bool {
+        let Some(tier) = Self::tier_of(block_file) else {
+            return false;
+        };
+        if tier.join("blocks").is_dir() {
+            return false;
+        }
+        {
+            let mut m = lock(&self.unreachable);
+            if m.len() >= 1024 {
+                m.clear();
+            }
+            m.insert(tier.to_path_buf(), Instant::now());
+        }
+        true
+    }
+
+    /// Can this client open block files in `block_file`'s tier folder (as far as it knows)?
+    pub fn reachable(&self, block_file: &std::path::Path) -> bool {
+        Self::tier_of(block_file).is_none_or(|tier| {
+            lock(&self.unreachable)
+                .get(tier)
+                .is_none_or(|t| t.elapsed() >= NOT_LOCAL_FOR)
+        })
     }
 
     /// A lease on the block that is still usable (from any same-host worker).
@@ -446,6 +485,18 @@ mod tests {
         assert_eq!(&l.read(4096, 10).unwrap()[..], &data[4096..4106]);
         std::fs::write(d.path().join("block"), &data).unwrap();
         assert_eq!(&l.read(8192, 1808).unwrap()[..], &data[8192..]);
+    }
+
+    #[test]
+    fn an_unreachable_tier_leaves_the_other_tiers_of_the_worker_readable() {
+        let sc = ShortCircuit::new("n".into());
+        let mem = std::path::Path::new("/cache/memory/blocks/ab/0001-0002-0");
+        let nvme = std::path::Path::new("/cache/nvme/blocks/ab/0003-0004-0");
+        assert!(sc.reachable(mem) && sc.reachable(nvme));
+        sc.mark_unreachable(mem);
+        assert!(!sc.reachable(mem));
+        assert!(!sc.reachable(std::path::Path::new("/cache/memory/blocks/cd/0009-0002-1")));
+        assert!(sc.reachable(nvme));
     }
 
     #[test]
