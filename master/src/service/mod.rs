@@ -26,20 +26,6 @@ pub struct MasterRpc {
 const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
 
-/// Marks a file whose mount validates every open (clients then never open it from a
-/// cached status).
-fn mark_validated(core: &MasterCore, s: &mut pb::FileStatus, inode: &Inode) {
-    if let (crate::state::Kind::File, Some(m)) = (inode.kind, inode.mount_id) {
-        s.validate_on_open = core
-            .ns
-            .sm
-            .mount(m)
-            .ok()
-            .flatten()
-            .is_some_and(|m| m.spec.validate_on_open());
-    }
-}
-
 /// The spec of mount `id` (None: not in a mount, or gone).
 fn mount_spec(core: &MasterCore, id: Option<u64>) -> Option<granary_common::ufs::UfsSpec> {
     core.ns.sm.mount(id?).ok().flatten().map(|m| m.spec)
@@ -70,8 +56,11 @@ fn fill_perms(s: &mut pb::FileStatus, spec: Option<&granary_common::ufs::UfsSpec
 
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
     let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
-    fill_perms(&mut s, mount_spec(core, inode.mount_id).as_ref());
-    mark_validated(core, &mut s, inode);
+    let spec = mount_spec(core, inode.mount_id);
+    fill_perms(&mut s, spec.as_ref());
+    // A file whose mount validates every open: clients never open it from a cached status.
+    s.validate_on_open =
+        inode.kind == crate::state::Kind::File && spec.is_some_and(|m| m.validate_on_open());
     s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
     if let Some(t) = core.ns.sm.ttl_of(inode.id)? {
         s.ttl_expires_ms = t.expires_ms.max(0) as u64;
@@ -266,17 +255,7 @@ impl MasterService for MasterRpc {
         let children = self.core.ns.list(dir, after, limit).await?;
         let spec = mount_spec(&self.core, children.first().and_then(|c| c.mount_id));
         // One mount for the whole page: does it validate every open?
-        let validated = match children.first().and_then(|c| c.mount_id) {
-            Some(m) => self
-                .core
-                .ns
-                .sm
-                .mount(m)
-                .ok()
-                .flatten()
-                .is_some_and(|m| m.spec.validate_on_open()),
-            None => false,
-        };
+        let validated = spec.as_ref().is_some_and(|m| m.validate_on_open());
         let next_page_token = if is_dir && children.len() == limit {
             children.last().map(|c| c.name.clone()).unwrap_or_default()
         } else {
