@@ -94,14 +94,7 @@ pub struct FileSystem {
     /// The newest read grant seen for each file (TLS clusters: workers serve a file's
     /// blocks only with one; see `granary_common::grant`).
     grants: Mutex<HashMap<u64, pb::ReadGrant>>,
-    /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
-    names: Mutex<HashMap<(u64, String), u64>>,
-    /// Folders whose next listing page is being fetched ahead of lookups.
-    listing_ahead: Mutex<std::collections::HashSet<u64>>,
 }
-
-/// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
-const LOOKUP_AHEAD: u32 = 1000;
 
 /// Grants kept (expired ones are dropped first when the map is full).
 const MAX_GRANTS: usize = 100_000;
@@ -179,8 +172,6 @@ impl FileSystem {
             next_in_dir: Mutex::new(HashMap::new()),
             leasing_ahead: AtomicBool::new(false),
             grants: Mutex::new(HashMap::new()),
-            names: Mutex::new(HashMap::new()),
-            listing_ahead: Mutex::new(std::collections::HashSet::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -370,59 +361,6 @@ impl FileSystem {
         Ok(s)
     }
 
-    /// A lookup for the kernel (FUSE): answered from a listing fetched within the status
-    /// TTL when it holds the name; else asked of the master, and the listing page after the
-    /// name is fetched in the background, so a reader going through a folder in name order
-    /// costs one listing per page instead of one round trip per name. The staleness is the
-    /// attribute timeout's, as for opens.
-    pub async fn lookup_cached(
-        self: &Arc<Self>,
-        parent: u64,
-        name: &str,
-    ) -> Result<pb::FileStatus, ClientError> {
-        let ttl = self
-            .status_ttl_ms
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if ttl == 0 {
-            return self.lookup(parent, name).await;
-        }
-        let seen = lock(&self.names).get(&(parent, name.to_string())).copied();
-        if let Some(inode) = seen {
-            let r = lock(&self.recent);
-            if let Some((at, s)) = r.get(&inode) {
-                if at.elapsed().as_millis() < u128::from(ttl)
-                    && s.parent == parent
-                    && s.name == name
-                {
-                    return Ok(s.clone());
-                }
-            }
-        }
-        let s = self.lookup(parent, name).await?;
-        self.list_ahead(parent, name);
-        Ok(s)
-    }
-
-    /// Fetches the listing page of `parent` after `after` in the background (one at a time
-    /// per folder).
-    fn list_ahead(self: &Arc<Self>, parent: u64, after: &str) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if !lock(&self.listing_ahead).insert(parent) {
-            return;
-        }
-        let me = self.clone();
-        let after = after.to_string();
-        rt.spawn(async move {
-            let target = pb::path_or_id::Target::Inode(parent);
-            if let Err(e) = me.list_page(target, &after, LOOKUP_AHEAD).await {
-                tracing::debug!(parent, error = %e, "listing ahead of lookups failed");
-            }
-            lock(&me.listing_ahead).remove(&parent);
-        });
-    }
-
     /// One page of a directory listing, in name order after `after`.
     pub async fn list_page(
         &self,
@@ -436,19 +374,6 @@ impl FileSystem {
             .await?;
         for e in &r.entries {
             self.remember(e);
-        }
-        if self
-            .status_ttl_ms
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-        {
-            let mut names = lock(&self.names);
-            if names.len() >= RECENT_STATUSES {
-                names.clear();
-            }
-            for e in &r.entries {
-                names.insert((e.parent, e.name.clone()), e.inode);
-            }
         }
         {
             let mut next = lock(&self.next_in_dir);

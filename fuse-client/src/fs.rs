@@ -336,7 +336,7 @@ impl Filesystem for GranaryFs {
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             match dl
-                .run_as(caller, "lookup", client.lookup_cached(parent.0, &name))
+                .run_as(caller, "lookup", client.lookup(parent.0, &name))
                 .await
             {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
