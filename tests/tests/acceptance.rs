@@ -949,6 +949,16 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
     );
     assert!(tier(&w, "granary_worker_tier_promoted_pages_total", "hdd") > 0.0);
     check_quotas(&w);
+    // Moving pages between tiers while they are read loses none of them.
+    assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
+    assert_eq!(
+        metric(
+            &scrape(&w.metrics).unwrap(),
+            "granary_worker_dropped_pages_total{reason=\"corrupt\"}"
+        ),
+        None,
+        "a page moved between tiers was taken for corrupt"
+    );
 
     // A restarted worker finds its pages in every tier, the memory tier included.
     w.proc.kill9().unwrap();

@@ -25,7 +25,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -70,6 +70,9 @@ pub fn block_id(k: &BlockKey) -> pb::BlockId {
 struct PageMeta {
     len: u32,
     crc: u32,
+    /// Which caching of the page this is (a store-wide counter, not persisted): a read
+    /// that failed drops the page only if it was not removed and cached again meanwhile.
+    gen: u64,
 }
 
 struct Inner {
@@ -95,6 +98,8 @@ struct Inner {
     leased: HashMap<PageKey, u32>,
     leased_bytes: u64,
     next_lease: u64,
+    /// The next [`PageMeta::gen`].
+    next_gen: u64,
     /// (used bytes, pages) last added to the worker-wide gauges.
     reported: (i64, i64),
     /// Pages evicted and being moved to the tier below: still readable here (their bytes
@@ -201,7 +206,15 @@ pub struct PageStore {
     pub tier: String,
     /// The tier below: evicted pages move there instead of leaving the cache.
     lower: OnceLock<Arc<PageStore>>,
+    /// Block files by [`file_lock`](Self::file_lock) stripe: a commit holds its block's
+    /// stripe shared while it writes and indexes a page; removing pages holds it exclusive
+    /// while it re-checks and deletes or punches, so a page committed into a block file
+    /// that another thread found empty is never deleted with it.
+    files: Box<[RwLock<()>]>,
 }
+
+/// Stripes of [`PageStore::files`].
+const FILE_LOCKS: usize = 64;
 
 impl Drop for PageStore {
     fn drop(&mut self) {
@@ -284,12 +297,14 @@ impl PageStore {
                 leased: HashMap::new(),
                 leased_bytes: 0,
                 next_lease: 1,
+                next_gen: 1,
                 reported: (0, 0),
                 moving: HashMap::new(),
             }),
             metrics,
             tier: tier.to_string(),
             lower: OnceLock::new(),
+            files: (0..FILE_LOCKS).map(|_| RwLock::new(())).collect(),
         });
         store
             .metrics
@@ -325,6 +340,15 @@ impl PageStore {
         }
     }
 
+    /// The stripe of [`files`](Self::files) that guards block `b`'s file.
+    fn file_lock(&self, b: &BlockKey) -> &RwLock<()> {
+        let h =
+            b.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .wrapping_add(b.1.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+                .wrapping_add(u64::from(b.2));
+        &self.files[(h % FILE_LOCKS as u64) as usize]
+    }
+
     pub fn block_path(&self, b: &BlockKey) -> PathBuf {
         let name = block_name(&block_id(b));
         self.dir.join("blocks").join(&name[14..16]).join(name)
@@ -346,7 +370,9 @@ impl PageStore {
                     stale.push(k.to_vec());
                     continue;
                 }
-                inner.pages.insert(key, PageMeta { len, crc });
+                let gen = inner.next_gen;
+                inner.next_gen += 1;
+                inner.pages.insert(key, PageMeta { len, crc, gen });
                 inner.policy.insert(key);
                 *inner.pages_per_block.entry(key.0).or_default() += 1;
                 inner.used += u64::from(len);
@@ -451,7 +477,7 @@ impl PageStore {
     /// Reads a cached page; `None` when absent or when it fails its checksum (then it is
     /// dropped so the caller refetches).
     pub fn get(self: &Arc<Self>, key: &PageKey) -> Option<Bytes> {
-        let meta = {
+        let mut meta = {
             let mut inner = self.lock();
             match inner.pages.get(key) {
                 Some(m) => {
@@ -462,6 +488,33 @@ impl PageStore {
                 None => *inner.moving.get(key)?,
             }
         };
+        // A failed read of a page that was removed and cached again meanwhile (its block
+        // file deleted under the read, then written anew) is no sign of corruption: read the
+        // new caching, a few times at most.
+        for _ in 0..3 {
+            match self.read_cached(key, &meta) {
+                Ok(b) => return Some(b),
+                Err(e) => {
+                    let now = {
+                        let inner = self.lock();
+                        inner.pages.get(key).or(inner.moving.get(key)).copied()
+                    };
+                    match now {
+                        Some(m) if m.gen != meta.gen => meta = m,
+                        Some(_) => {
+                            self.drop_bad_page(key, meta.gen, &e);
+                            return None;
+                        }
+                        None => return None, // removed meanwhile: not cached
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The bytes of a cached page (blocking I/O); an error says why they are unusable.
+    fn read_cached(&self, key: &PageKey, meta: &PageMeta) -> Result<Bytes, String> {
         let path = self.block_path(&key.0);
         // read_to_end fills spare capacity without zeroing it first.
         let mut buf = Vec::with_capacity(meta.len as usize);
@@ -475,18 +528,27 @@ impl PageStore {
             }
         });
         match read {
-            Ok(()) if crc32c::crc32c(&buf) == meta.crc => Some(Bytes::from(buf)),
-            Ok(()) => {
-                tracing::warn!(block = %block_name(&block_id(&key.0)), page = key.1, "cached page failed its checksum; dropping it");
-                self.metrics.checksum_failures.inc();
-                self.drop_page(key);
-                None
+            Ok(()) if crc32c::crc32c(&buf) == meta.crc => Ok(Bytes::from(buf)),
+            Ok(()) => Err("failed its checksum".into()),
+            Err(e) => Err(format!("unreadable in {}: {e}", path.display())),
+        }
+    }
+
+    /// Drops a page whose bytes are bad, unless it was cached again since `gen`.
+    fn drop_bad_page(self: &Arc<Self>, key: &PageKey, gen: u64, why: &str) {
+        let removed = {
+            let mut inner = self.lock();
+            if inner.pages.get(key).is_none_or(|m| m.gen != gen) {
+                return;
             }
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cached page unreadable; dropping it");
-                self.drop_page(key);
-                None
-            }
+            Self::take_page(&mut inner, key).map(|(meta, gone)| (*key, meta, gone))
+        };
+        tracing::warn!(block = %block_name(&block_id(&key.0)), page = key.1, "cached page {why}; dropping it");
+        if why.starts_with("failed its checksum") {
+            self.metrics.checksum_failures.inc();
+        }
+        if let Some(r) = removed {
+            self.remove_pages(vec![r], "corrupt");
         }
     }
 
@@ -627,17 +689,6 @@ impl PageStore {
         let mut inner = self.lock();
         inner.expire_leases(Instant::now());
         (inner.leases.len(), inner.leased_bytes)
-    }
-
-    /// Removes a page that turned out bad.
-    fn drop_page(self: &Arc<Self>, key: &PageKey) {
-        let removed = {
-            let mut inner = self.lock();
-            Self::take_page(&mut inner, key).map(|(meta, gone)| (*key, meta, gone))
-        };
-        if let Some(r) = removed {
-            self.remove_pages(vec![r], "corrupt");
-        }
     }
 
     /// Drops every cached page of `inode` whose version is not `keep` (its under-store
@@ -887,11 +938,32 @@ impl PageStore {
                     self.metrics.dropped_pages.get_or_create(&label).inc();
                 }
             }
+            // No commit into this block file runs while we look and act; one that ran since
+            // the victims were taken shows in the index.
+            let _file = self
+                .file_lock(&key.0)
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let (recommitted, block_live) = {
+                let inner = self.lock();
+                (
+                    inner.pages.contains_key(&key) || inner.moving.contains_key(&key),
+                    // Pages being moved out are still read from the file.
+                    inner.pages_per_block.contains_key(&key.0)
+                        || inner.moving.keys().any(|k| k.0 == key.0),
+                )
+            };
+            if recommitted {
+                // Cached again in this tier since it was taken: its new bytes and record stay.
+                continue;
+            }
             if let Err(e) = self.index.delete(index_key(&key)) {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }
             let path = self.block_path(&key.0);
-            if deleting.contains(&key.0) {
+            // A page of the block cached here since it emptied keeps the file; this page is
+            // then punched out like any other.
+            if deleting.contains(&key.0) && !block_live {
                 if let Err(e) = std::fs::remove_file(&path) {
                     if e.kind() != std::io::ErrorKind::NotFound {
                         tracing::warn!(path = %path.display(), error = %e, "cannot remove block file");
@@ -924,6 +996,11 @@ impl PageStore {
         data: &[u8],
     ) -> Result<(), StoreError> {
         debug_assert!(data.len() as u64 <= r.len);
+        // Held until the page is indexed, so no removal deletes the file under it.
+        let _file = self
+            .file_lock(&key.0)
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
         let path = self.block_path(&key.0);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
@@ -936,15 +1013,18 @@ impl PageStore {
             .map_err(|e| io_err(&path, e))?;
         f.write_all_at(data, u64::from(key.1) * self.page_size)
             .map_err(|e| io_err(&path, e))?;
-        let meta = PageMeta {
+        let mut meta = PageMeta {
             len: data.len() as u32,
             crc: crc32c::crc32c(data),
+            gen: 0,
         };
         let mut v = Vec::with_capacity(8);
         v.extend_from_slice(&meta.len.to_be_bytes());
         v.extend_from_slice(&meta.crc.to_be_bytes());
         self.index.put(index_key(&key), v)?;
         let mut inner = self.lock();
+        meta.gen = inner.next_gen;
+        inner.next_gen += 1;
         inner.reserved -= r.len;
         r.done = true;
         let leased = inner.leased.contains_key(&key);
