@@ -94,7 +94,20 @@ pub struct FileSystem {
     /// The newest read grant seen for each file (TLS clusters: workers serve a file's
     /// blocks only with one; see `granary_common::grant`).
     grants: Mutex<HashMap<u64, pb::ReadGrant>>,
+    /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
+    names: Mutex<HashMap<(u64, String), u64>>,
+    /// Folders whose next listing page is being fetched ahead of lookups.
+    listing_ahead: Mutex<std::collections::HashSet<u64>>,
+    /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
+    /// window).
+    windows_ahead: Mutex<std::collections::HashSet<(u64, u64, u32, u32)>>,
+    /// Where the last read served from leases ended, by inode (sequential detection of the
+    /// fast path).
+    leased_ends: Mutex<HashMap<u64, u64>>,
 }
+
+/// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
+const LOOKUP_AHEAD: u32 = 1000;
 
 /// Grants kept (expired ones are dropped first when the map is full).
 const MAX_GRANTS: usize = 100_000;
@@ -104,6 +117,14 @@ const GRANT_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// Files after the one being read whose block files are leased with it.
 const LEASE_AHEAD_FILES: usize = 32;
+/// Reads this large or larger lease the next window ahead (the kernel's read-ahead sends
+/// sequential readers' reads at 128 KiB and more; small random reads lease nothing ahead).
+const LEASE_NEXT_MIN_READ: u64 = 128 * 1024;
+/// How far from where the last leased read ended a read still counts as sequential (the
+/// kernel's read-ahead requests arrive slightly out of order, from several threads).
+const LEASE_NEXT_SLACK: u64 = 8 << 20;
+/// Lease requests ahead of sequential readers in flight at once.
+const MAX_WINDOWS_AHEAD: usize = 256;
 
 /// Statuses kept for opens (older ones are dropped when the map is full).
 const RECENT_STATUSES: usize = 100_000;
@@ -172,6 +193,10 @@ impl FileSystem {
             next_in_dir: Mutex::new(HashMap::new()),
             leasing_ahead: AtomicBool::new(false),
             grants: Mutex::new(HashMap::new()),
+            names: Mutex::new(HashMap::new()),
+            listing_ahead: Mutex::new(std::collections::HashSet::new()),
+            windows_ahead: Mutex::new(std::collections::HashSet::new()),
+            leased_ends: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -232,11 +257,7 @@ impl FileSystem {
 
     pub(crate) fn remember(&self, s: &pb::FileStatus) {
         self.note_grant(s);
-        if self
-            .status_ttl_ms
-            .load(std::sync::atomic::Ordering::Relaxed)
-            == 0
-        {
+        if self.status_ttl() == 0 {
             return;
         }
         let mut r = lock(&self.recent);
@@ -252,9 +273,7 @@ impl FileSystem {
     }
 
     fn recent_status(&self, inode: u64) -> Option<pb::FileStatus> {
-        let ttl = self
-            .status_ttl_ms
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let ttl = self.status_ttl();
         let r = lock(&self.recent);
         let (at, s) = r.get(&inode)?;
         (at.elapsed().as_millis() < u128::from(ttl) && !s.validate_on_open && s.complete)
@@ -361,6 +380,68 @@ impl FileSystem {
         Ok(s)
     }
 
+    /// How long a fetched status (and a name from a listing) may be used, in ms (0: never).
+    fn status_ttl(&self) -> u64 {
+        self.status_ttl_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A lookup answered from a listing fetched within the status TTL, if it holds the
+    /// name (cheap: no await, callable from a FUSE thread). The staleness is the attribute
+    /// timeout's, as for opens.
+    pub fn lookup_fresh(&self, parent: u64, name: &str) -> Option<pb::FileStatus> {
+        let ttl = self.status_ttl();
+        if ttl == 0 {
+            return None;
+        }
+        let inode = lock(&self.names)
+            .get(&(parent, name.to_string()))
+            .copied()?;
+        let r = lock(&self.recent);
+        let (at, s) = r.get(&inode)?;
+        (at.elapsed().as_millis() < u128::from(ttl) && s.parent == parent && s.name == name)
+            .then(|| s.clone())
+    }
+
+    /// A lookup for the kernel (FUSE): answered from a fresh listing when it holds the name
+    /// ([`Self::lookup_fresh`]); else asked of the master, and the listing page after the
+    /// name is fetched in the background, so a reader going through a folder in name order
+    /// costs one listing per page instead of one round trip per name.
+    pub async fn lookup_cached(
+        self: &Arc<Self>,
+        parent: u64,
+        name: &str,
+    ) -> Result<pb::FileStatus, ClientError> {
+        if let Some(s) = self.lookup_fresh(parent, name) {
+            return Ok(s);
+        }
+        let s = self.lookup(parent, name).await?;
+        if self.status_ttl() > 0 {
+            self.list_ahead(parent, name);
+        }
+        Ok(s)
+    }
+
+    /// Fetches the listing page of `parent` after `after` in the background (one at a time
+    /// per folder).
+    fn list_ahead(self: &Arc<Self>, parent: u64, after: &str) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !lock(&self.listing_ahead).insert(parent) {
+            return;
+        }
+        let me = self.clone();
+        let after = after.to_string();
+        rt.spawn(async move {
+            let target = pb::path_or_id::Target::Inode(parent);
+            if let Err(e) = me.list_page(target, &after, LOOKUP_AHEAD).await {
+                tracing::debug!(parent, error = %e, "listing ahead of lookups failed");
+            }
+            lock(&me.listing_ahead).remove(&parent);
+        });
+    }
+
     /// One page of a directory listing, in name order after `after`.
     pub async fn list_page(
         &self,
@@ -374,6 +455,15 @@ impl FileSystem {
             .await?;
         for e in &r.entries {
             self.remember(e);
+        }
+        if self.status_ttl() > 0 {
+            let mut names = lock(&self.names);
+            if names.len() >= RECENT_STATUSES {
+                names.clear();
+            }
+            for e in &r.entries {
+                names.insert((e.parent, e.name.clone()), e.inode);
+            }
         }
         {
             let mut next = lock(&self.next_in_dir);
@@ -471,20 +561,42 @@ impl FileSystem {
         let bs = block_size(file);
         let mut parts: Vec<Bytes> = Vec::new();
         let mut reads = Vec::new();
+        let span = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
         for (index, in_block, n) in block_ranges(offset, end, bs) {
             let id = pb::BlockId {
                 inode: file.inode,
                 version: file.version,
                 index: u32::try_from(index).ok()?,
             };
-            let lease = self.short_circuit.lease(&id)?;
-            let data = lease.read(in_block, n).ok()?;
-            reads.push((lease.worker_id, data.len() as u64));
-            parts.push(data);
+            // One lease window at a time.
+            let mut pos = in_block;
+            while pos < in_block + n {
+                let k = (span - pos % span).min(in_block + n - pos);
+                let lease = self
+                    .short_circuit
+                    .lease(&id, self.short_circuit.window_of(pos))?;
+                let data = lease.read(pos, k).ok()?;
+                reads.push((lease.worker_id, data.len() as u64));
+                parts.push(data);
+                pos += k;
+            }
         }
         if let [(worker, _)] = reads[..] {
             if offset == 0 {
                 self.lease_further_ahead(file, worker);
+            }
+        }
+        if let Some(&(worker, _)) = reads.last() {
+            let sequential = {
+                let mut m = lock(&self.leased_ends);
+                if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.inode) {
+                    m.clear();
+                }
+                m.insert(file.inode, end)
+                    .is_some_and(|prev| offset.abs_diff(prev) <= LEASE_NEXT_SLACK)
+            };
+            if sequential {
+                self.lease_next_window(file, end, len, worker);
             }
         }
         for (worker, n) in reads {
@@ -494,17 +606,40 @@ impl FileSystem {
         Some(join(parts, end - offset))
     }
 
-    /// A file opened for reading was closed: the lease on its block file (one-block small
-    /// files) is given back, so files read once do not keep the worker's leased share full
-    /// until their leases expire.
+    /// Whether byte `offset` of `file` is under a short-circuit lease held now (a read of
+    /// it takes the FUSE mount's fast path: fetching it ahead would read it twice).
+    pub fn leased(&self, file: &pb::FileStatus, offset: u64) -> bool {
+        let bs = block_size(file);
+        let Ok(index) = u32::try_from(offset / bs) else {
+            return false;
+        };
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index,
+        };
+        self.short_circuit
+            .lease(&id, self.short_circuit.window_of(offset % bs))
+            .is_some()
+    }
+
+    /// A file opened for reading was closed: the leases on its block files are given back,
+    /// so files read once do not keep the worker's leased share full until their leases
+    /// expire.
     pub fn closed(&self, file: &pb::FileStatus) {
         let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
-        if file.kind == pb::FileKind::File as i32 && file.length > 0 && file.length <= small {
-            self.short_circuit.done_with(&pb::BlockId {
+        if file.kind != pb::FileKind::File as i32 || file.length == 0 {
+            return;
+        }
+        if file.length <= small {
+            let id = pb::BlockId {
                 inode: file.inode,
                 version: file.version,
                 index: 0,
-            });
+            };
+            self.short_circuit.done_with(&id, 0);
+        } else {
+            self.short_circuit.done_with_file(file.inode, file.version);
         }
     }
 
@@ -551,6 +686,71 @@ impl FileSystem {
                 me.take_lease(&w, &id, 0, None).await;
             }
             me.leasing_ahead.store(false, Ordering::Release);
+        });
+    }
+
+    /// A large read continuing the previous one (a sequential reader under short-circuit
+    /// leases; see [`LEASE_NEXT_SLACK`]): the next window is
+    /// leased in the background, so the reader finds its lease there and never waits for a
+    /// lease request nor falls back to the slower paths. As soon as a window is entered:
+    /// the kernel's read-ahead runs up to 8 MiB (half a window) ahead of the program.
+    /// `worker` holds the window just read.
+    fn lease_next_window(self: &Arc<Self>, file: &pb::FileStatus, end: u64, len: u64, worker: u64) {
+        let span = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        let bs = block_size(file);
+        if len < LEASE_NEXT_MIN_READ || end >= file.length {
+            return;
+        }
+        // The window after the one holding the read's last byte.
+        let last = end - 1;
+        let (index, in_block) = (last / bs, (last % bs) / span * span + span);
+        let next_block = in_block >= bs;
+        let (index, in_block) = if next_block {
+            (index + 1, 0)
+        } else {
+            (index, in_block)
+        };
+        if index * bs + in_block >= file.length {
+            return;
+        }
+        let Ok(index) = u32::try_from(index) else {
+            return;
+        };
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index,
+        };
+        let window = self.short_circuit.window_of(in_block);
+        if self.short_circuit.lease(&id, window).is_some()
+            || self.short_circuit.recently_missing(&id)
+        {
+            return;
+        }
+        let key = (id.inode, id.version, id.index, window);
+        {
+            let mut m = lock(&self.windows_ahead);
+            if m.len() >= MAX_WINDOWS_AHEAD || !m.insert(key) {
+                return;
+            }
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            lock(&self.windows_ahead).remove(&key);
+            return;
+        };
+        let me = self.clone();
+        rt.spawn(async move {
+            // The same worker for the rest of its block; the block's placement for the next.
+            let workers = me.live_workers().await;
+            let w = order_workers(&id, &workers)
+                .into_iter()
+                .filter(|w| me.short_circuit.applies_to(w))
+                .min_by_key(|w| !next_block && w.worker_id != worker);
+            if let Some(w) = w {
+                let first = window.saturating_mul(crate::local::LEASE_WINDOW_PAGES);
+                me.take_lease(&w, &id, first, None).await;
+            }
+            lock(&me.windows_ahead).remove(&key);
         });
     }
 
@@ -774,9 +974,11 @@ impl FileSystem {
                 .unwrap_or(Err(Miss::Bad));
             (lease, res)
         };
-        let first_page = (offset / self.short_circuit_page_size()) as u32;
+        // Leases start at a window's first page: each window has its own.
+        let window = self.short_circuit.window_of(offset);
+        let first_page = window.saturating_mul(crate::local::LEASE_WINDOW_PAGES);
         let mut replaces = None;
-        if let Some(lease) = self.short_circuit.lease(id) {
+        if let Some(lease) = self.short_circuit.lease(id, window) {
             let fresh = lease.fresh();
             match try_read(lease).await {
                 (l, Ok(data)) => {
@@ -789,7 +991,7 @@ impl FileSystem {
                     replaces = (l.worker_id == w.worker_id).then_some(l.id);
                 }
                 (_, Err(Miss::Bad)) => {
-                    self.short_circuit.forget(id);
+                    self.short_circuit.forget(id, window);
                     return None;
                 }
             }
@@ -804,7 +1006,7 @@ impl FileSystem {
                 Some(data)
             }
             (_, Err(Miss::Bad)) => {
-                self.short_circuit.forget(id);
+                self.short_circuit.forget(id, window);
                 None
             }
             (_, Err(_)) => None,
@@ -880,7 +1082,7 @@ impl FileSystem {
             version: s.version,
             index: 0,
         };
-        let leased = self.short_circuit.lease(&id).is_some();
+        let leased = self.short_circuit.lease(&id, 0).is_some();
         (!leased && !self.short_circuit.recently_missing(&id)).then_some(id)
     }
 

@@ -27,6 +27,13 @@ use granary_proto as pb;
 
 /// (inode, version, block index)
 type BlockKey = (u64, u64, u32);
+/// A block and one of its lease windows (pages `[w * LEASE_WINDOW_PAGES, (w + 1) *
+/// LEASE_WINDOW_PAGES)`).
+type WindowKey = (BlockKey, u32);
+
+fn block_key(id: &pb::BlockId) -> BlockKey {
+    (id.inode, id.version, id.index)
+}
 
 /// Pages one lease covers at most (the worker's window; ranges are read in such windows,
 /// aligned to multiples of it).
@@ -213,7 +220,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub struct ShortCircuit {
     pub enabled: AtomicBool,
     node: Mutex<String>,
-    leases: Mutex<HashMap<BlockKey, Arc<LocalLease>>>,
+    /// One lease per lease window of a block, so a reader and the prefetch running ahead
+    /// of it in the next window each keep their own (one lease per block made them replace
+    /// each other's, and the loser read over gRPC).
+    leases: Mutex<HashMap<WindowKey, Arc<LocalLease>>>,
     /// Blocks the worker had nothing of, when it said so.
     missing: Mutex<HashMap<BlockKey, Instant>>,
     /// Block files whose every page passed its checksum for a passthrough open, when.
@@ -310,9 +320,15 @@ impl ShortCircuit {
         })
     }
 
-    /// A lease on the block that is still usable (from any same-host worker).
-    pub fn lease(&self, id: &pb::BlockId) -> Option<Arc<LocalLease>> {
-        let key = (id.inode, id.version, id.index);
+    /// The lease window holding byte `offset` of a block.
+    pub fn window_of(&self, offset: u64) -> u32 {
+        u32::try_from(offset / (self.page_size() * u64::from(LEASE_WINDOW_PAGES)))
+            .unwrap_or(u32::MAX)
+    }
+
+    /// A still usable lease (from any same-host worker) on lease window `window` of a block.
+    pub fn lease(&self, id: &pb::BlockId, window: u32) -> Option<Arc<LocalLease>> {
+        let key = (block_key(id), window);
         let mut m = lock(&self.leases);
         match m.get(&key) {
             Some(l) if l.usable(Instant::now()) => Some(l.clone()),
@@ -324,24 +340,57 @@ impl ShortCircuit {
         }
     }
 
-    /// The reader is done with block `id` (its file was closed): forgets its lease and
-    /// queues its release on the worker — unless a read is using it at this moment (then
-    /// it simply expires). A later read takes a new lease.
-    pub fn done_with(&self, id: &pb::BlockId) {
+    /// The reader is done with window `window` of block `id` (its file was closed, or a
+    /// sequential reader moved on): forgets its lease and queues its release on the worker
+    /// — unless a read is using it at this moment (then it simply expires). A later read
+    /// takes a new lease.
+    pub fn done_with(&self, id: &pb::BlockId, window: u32) {
         let lease = {
             let mut m = lock(&self.leases);
-            let key = (id.inode, id.version, id.index);
-            match m.get(&key) {
-                Some(l) if Arc::strong_count(l) == 1 => m.remove(&key),
-                _ => None,
-            }
+            Self::take_unused(&mut m, (block_key(id), window))
         };
         if let Some(l) = lease {
-            let mut d = lock(&self.done);
-            let ids = d.entry(l.worker_id).or_default();
-            if ids.len() < MAX_DONE {
-                ids.push(l.id);
+            self.queue_release(&l);
+        }
+    }
+
+    /// The file (inode, version) was closed: every lease on its blocks is released, unless
+    /// a read is using it.
+    pub fn done_with_file(&self, inode: u64, version: u64) {
+        let mut m = lock(&self.leases);
+        self.release_where(&mut m, |k| k.0 .0 == inode && k.0 .1 == version);
+    }
+
+    /// Forgets the leases whose key matches and that no read is using, and queues their
+    /// release on their workers.
+    fn release_where(
+        &self,
+        m: &mut HashMap<WindowKey, Arc<LocalLease>>,
+        matches: impl Fn(&WindowKey) -> bool,
+    ) {
+        let keys: Vec<WindowKey> = m.keys().filter(|k| matches(k)).copied().collect();
+        for k in keys {
+            if let Some(l) = Self::take_unused(m, k) {
+                self.queue_release(&l);
             }
+        }
+    }
+
+    fn take_unused(
+        m: &mut HashMap<WindowKey, Arc<LocalLease>>,
+        key: WindowKey,
+    ) -> Option<Arc<LocalLease>> {
+        match m.get(&key) {
+            Some(l) if Arc::strong_count(l) == 1 => m.remove(&key),
+            _ => None,
+        }
+    }
+
+    fn queue_release(&self, l: &LocalLease) {
+        let mut d = lock(&self.done);
+        let ids = d.entry(l.worker_id).or_default();
+        if ids.len() < MAX_DONE {
+            ids.push(l.id);
         }
     }
 
@@ -355,8 +404,23 @@ impl ShortCircuit {
         lock(&self.done).keys().copied().collect()
     }
 
+    /// Keeps a lease for the reads of its window. The same file's leases more than one
+    /// window behind it (earlier windows of the block, earlier blocks) are released: a
+    /// sequential reader is done with them — unless a read is using them.
     pub fn keep(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
+        let window = lease.first / LEASE_WINDOW_PAGES;
+        let block = block_key(id);
         let mut m = lock(&self.leases);
+        // The window just before this one (the previous block's last, for a block's first)
+        // is where the reader may still be.
+        let behind = |k: &WindowKey| {
+            k.0 .0 == block.0
+                && k.0 .1 == block.1
+                && (k.0 .2 + 1 < block.2
+                    || (k.0 .2 + 1 == block.2 && window > 0)
+                    || (k.0 .2 == block.2 && k.1 + 1 < window))
+        };
+        self.release_where(&mut m, behind);
         if m.len() >= MAX_LEASES {
             let now = Instant::now();
             m.retain(|_, l| l.usable(now));
@@ -370,7 +434,7 @@ impl ShortCircuit {
                 m.retain(|_, l| l.taken > cut);
             }
         }
-        m.insert((id.inode, id.version, id.index), lease);
+        m.insert((block, window), lease);
     }
 
     /// The worker had no page of the block: read it over gRPC for a while.
@@ -408,8 +472,8 @@ impl ShortCircuit {
         m.insert((id.inode, id.version, id.index), Instant::now());
     }
 
-    pub fn forget(&self, id: &pb::BlockId) {
-        lock(&self.leases).remove(&(id.inode, id.version, id.index));
+    pub fn forget(&self, id: &pb::BlockId, window: u32) {
+        lock(&self.leases).remove(&(block_key(id), window));
     }
 
     pub fn count_read(&self, worker_id: u64, bytes: u64) {
@@ -531,9 +595,63 @@ mod tests {
             sc.keep(&id(i), Arc::new(lease));
         }
         // The oldest were dropped, the leases just taken (ahead of reads) are all kept.
-        assert!(sc.lease(&id(0)).is_none());
-        assert!((total - 700..total).all(|i| sc.lease(&id(i)).is_some()));
+        assert!(sc.lease(&id(0), 0).is_none());
+        assert!((total - 700..total).all(|i| sc.lease(&id(i), 0).is_some()));
         assert!(lock(&sc.leases).len() <= MAX_LEASES);
+    }
+
+    #[test]
+    fn each_window_keeps_its_lease_and_leases_far_behind_are_released() {
+        let (_d, l) = lease_over(&[1, 2, 3], 4096, 60_000);
+        let sc = ShortCircuit::new("n".into());
+        let id = pb::BlockId {
+            inode: 7,
+            version: 1,
+            index: 0,
+        };
+        let at = |window: u32, lease_id: u64| LocalLease {
+            worker_id: 1,
+            id: lease_id,
+            first: window * LEASE_WINDOW_PAGES,
+            window: LEASE_WINDOW_PAGES,
+            file: l.file.try_clone().unwrap(),
+            page_size: 4096,
+            pages: l.pages.clone(),
+            until: l.until,
+            taken: l.taken,
+        };
+        sc.set_page_size(4096);
+        assert_eq!(sc.window_of(16 * 4096 - 1), 0);
+        assert_eq!(sc.window_of(16 * 4096), 1);
+        sc.keep(&id, Arc::new(at(0, 10)));
+        sc.keep(&id, Arc::new(at(1, 11)));
+        // A reader in window 0 and a prefetch in window 1 do not replace each other's.
+        assert_eq!(sc.lease(&id, 0).unwrap().id, 10);
+        assert_eq!(sc.lease(&id, 1).unwrap().id, 11);
+        assert!(sc.take_done(1).is_empty());
+        // Window 3: window 2 and beyond stay, 0 and 1 are done with — unless in use.
+        let reading = sc.lease(&id, 1).unwrap();
+        sc.keep(&id, Arc::new(at(3, 13)));
+        assert_eq!(sc.take_done(1), vec![10]);
+        assert!(sc.lease(&id, 0).is_none());
+        assert_eq!(sc.lease(&id, 1).unwrap().id, reading.id);
+        assert_eq!(sc.lease(&id, 3).unwrap().id, 13);
+        drop(reading);
+        // The next block's first window keeps the previous block (the reader may still be
+        // in its last window); its second releases it.
+        let next = pb::BlockId { index: 1, ..id };
+        sc.keep(&next, Arc::new(at(0, 20)));
+        assert!(sc.take_done(1).is_empty());
+        sc.keep(&next, Arc::new(at(1, 21)));
+        let mut done = sc.take_done(1);
+        done.sort_unstable();
+        assert_eq!(done, vec![11, 13]);
+        // Closing the file releases the rest.
+        sc.done_with_file(7, 1);
+        let mut done = sc.take_done(1);
+        done.sort_unstable();
+        assert_eq!(done, vec![20, 21]);
+        assert!(sc.lease(&next, 0).is_none() && sc.lease(&next, 1).is_none());
     }
 
     #[test]
@@ -546,13 +664,13 @@ mod tests {
             index: 0,
         };
         sc.keep(&id, Arc::new(l));
-        let reading = sc.lease(&id).unwrap();
-        sc.done_with(&id);
+        let reading = sc.lease(&id, 0).unwrap();
+        sc.done_with(&id, 0);
         assert!(sc.take_done(1).is_empty(), "a read holds it");
         drop(reading);
-        sc.done_with(&id);
+        sc.done_with(&id, 0);
         assert_eq!(sc.take_done(1), vec![1]);
-        assert!(sc.lease(&id).is_none());
+        assert!(sc.lease(&id, 0).is_none());
         assert!(sc.take_done(1).is_empty());
     }
 }

@@ -330,13 +330,18 @@ impl Filesystem for GranaryFs {
             reply.error(Errno::ENOENT);
             return;
         };
-        let client = self.client.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
+        // A name from a fresh listing: answered here, without a hop to the runtime.
+        if let Some(s) = self.client.lookup_fresh(parent.0, &name) {
+            reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0));
+            return;
+        }
+        let client = self.client.clone();
         let negative = self.negative_ttl;
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             match dl
-                .run_as(caller, "lookup", client.lookup(parent.0, &name))
+                .run_as(caller, "lookup", client.lookup_cached(parent.0, &name))
                 .await
             {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),

@@ -125,6 +125,12 @@ impl Readahead {
         while at < end {
             // Up to the next chunk boundary (the first chunk may be partial).
             let n = (CHUNK - at % CHUNK).min(file.length - at);
+            if client.leased(file, at) {
+                // Read from this node's cache by the mount's fast path: nothing to fetch.
+                at += n;
+                self.fetched_to = at;
+                continue;
+            }
             // Prefetch never takes the last `reserve` units: reads that wait for memory
             // always find some, so chunks held for readers that are themselves waiting
             // cannot starve the mount.
