@@ -405,7 +405,18 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
         if !queue.is_empty() && !workers.is_empty() {
             let mut batches: HashMap<u64, (pb::WorkerInfo, Vec<Item>, u64)> = HashMap::new();
             let mut rest = VecDeque::new();
+            // Workers with a free task slot; the scan stops once each has a full batch, so
+            // a long queue is not placed item by item again on every turn of this loop.
+            let free = workers
+                .iter()
+                .filter(|w| per_worker.get(&w.worker_id).copied().unwrap_or(0) < TASKS_PER_WORKER)
+                .count();
+            let mut filled = std::collections::HashSet::new();
             while let Some(item) = queue.pop_front() {
+                if filled.len() >= free {
+                    queue.push_front(item);
+                    break;
+                }
                 let Some(f) = loading.get(&item.inode) else {
                     continue;
                 };
@@ -425,13 +436,22 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                     .or_insert_with(|| (w.clone(), Vec::new(), 0));
                 let full = b.1.len() >= TASK_BLOCKS || (b.2 > 0 && b.2 + item.len > TASK_BYTES);
                 if busy >= TASKS_PER_WORKER || full {
+                    if full {
+                        filled.insert(w.worker_id);
+                    }
                     rest.push_back(item);
                     continue;
                 }
                 b.2 += item.len;
                 b.1.push(item);
+                if b.1.len() >= TASK_BLOCKS || b.2 >= TASK_BYTES {
+                    filled.insert(w.worker_id);
+                }
             }
-            queue = rest;
+            // Skipped items keep their place at the front of the queue.
+            while let Some(item) = rest.pop_back() {
+                queue.push_front(item);
+            }
             for (wid, (w, items, _)) in batches {
                 if items.is_empty() {
                     continue;

@@ -5,9 +5,9 @@
 //! readers miss it at once (single-flight), and every response is checked against the
 //! file's fingerprint.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -163,6 +163,9 @@ pub struct Fetcher {
     peers: Mutex<HashMap<String, WorkerServiceClient<Channel>>>,
     pub store: Arc<TieredStore>,
     metrics: WorkerMetrics,
+    /// Fetched pages waiting to be written into the cache, and the threads writing them.
+    commits: Mutex<VecDeque<Commit>>,
+    committers: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -199,25 +202,16 @@ impl Run {
         let (id, tx) = std::mem::replace(&mut self.slots[self.next], (0, watch::channel(None).0));
         self.next += 1;
         tx.send_replace(Some(Ok(data.clone())));
-        let f = self.fetcher.clone();
-        let cache = self.cache;
-        tokio::task::spawn_blocking(move || {
-            if cache {
-                match f.store.reserve(&key, data.len() as u64) {
-                    Some(r) => {
-                        if let Err(e) = f.store.commit(r, key, &data) {
-                            tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
-                        }
-                    }
-                    None => {
-                        f.metrics.uncached_fills.inc();
-                        f.keep_uncached(key, data.clone());
-                    }
-                }
-            }
-            f.forget(key, id);
-            drop(tx);
-        });
+        Fetcher::submit_commit(
+            &self.fetcher,
+            Commit {
+                key,
+                data,
+                id,
+                tx,
+                cache: self.cache,
+            },
+        );
     }
 
     fn fail_rest(&mut self, e: &FetchError) {
@@ -230,6 +224,40 @@ impl Run {
         }
     }
 }
+
+/// A fetched page on its way into the cache; its slot stays in flight until then.
+struct Commit {
+    key: PageKey,
+    data: Bytes,
+    id: u64,
+    tx: watch::Sender<Outcome>,
+    cache: bool,
+}
+
+impl Commit {
+    fn run(self, f: &Fetcher) {
+        if self.cache {
+            match f.store.reserve(&self.key, self.data.len() as u64) {
+                Some(r) => {
+                    if let Err(e) = f.store.commit(r, self.key, &self.data) {
+                        tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
+                    }
+                }
+                None => {
+                    f.metrics.uncached_fills.inc();
+                    f.keep_uncached(self.key, self.data.clone());
+                }
+            }
+        }
+        f.forget(self.key, self.id);
+        drop(self.tx);
+    }
+}
+
+/// Most threads writing fetched pages into the cache at once.
+const MAX_COMMITTERS: usize = 4;
+/// Pages waiting per committer before another one starts.
+const COMMITS_PER_COMMITTER: usize = 8;
 
 impl Drop for Run {
     fn drop(&mut self) {
@@ -255,6 +283,8 @@ impl Fetcher {
             peers: Mutex::new(HashMap::new()),
             store,
             metrics,
+            commits: Mutex::new(VecDeque::new()),
+            committers: AtomicUsize::new(0),
         }
     }
 
@@ -274,6 +304,56 @@ impl Fetcher {
             .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
         m.insert(address.to_string(), c.clone());
         Some(c)
+    }
+
+    /// Queues a fetched page for the cache. A few blocking threads drain the queue (one
+    /// more for every [`COMMITS_PER_COMMITTER`] waiting pages, up to [`MAX_COMMITTERS`]):
+    /// a thread already busy takes the next page without being woken, so a load of many
+    /// small files does not pay a thread hand-off per page.
+    fn submit_commit(f: &Arc<Fetcher>, c: Commit) {
+        let waiting = {
+            let mut q = lock(&f.commits);
+            q.push_back(c);
+            q.len()
+        };
+        let running = f.committers.load(Ordering::SeqCst);
+        let wanted = waiting
+            .div_ceil(COMMITS_PER_COMMITTER)
+            .clamp(1, MAX_COMMITTERS);
+        if running < wanted
+            && f.committers
+                .compare_exchange(running, running + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            let f = f.clone();
+            tokio::task::spawn_blocking(move || f.drain_commits());
+        }
+    }
+
+    fn drain_commits(&self) {
+        loop {
+            let next = lock(&self.commits).pop_front();
+            match next {
+                Some(c) => {
+                    // A page that cannot be cached must not stop this thread (its readers
+                    // already have the bytes; its waiters see the fetch end).
+                    let done =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run(self)));
+                    if done.is_err() {
+                        tracing::error!("writing a fetched page into the cache panicked");
+                    }
+                }
+                None => {
+                    self.committers.fetch_sub(1, Ordering::SeqCst);
+                    // A page queued by someone who saw this thread still running is taken
+                    // here (the queue is checked after the count went down).
+                    if lock(&self.commits).is_empty() {
+                        return;
+                    }
+                    self.committers.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
     }
 
     fn keep_uncached(&self, key: PageKey, data: Bytes) {
@@ -440,15 +520,19 @@ impl Fetcher {
     /// Whether page `key` is cached once its fetch is done with it (a fetched page reaches
     /// its readers before it is written to the cache; it stays in flight until then).
     pub async fn cached_after_fetch(&self, key: &PageKey) -> bool {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
             if self.store.contains(key) {
                 return true;
             }
-            if !lock(&self.inflight).contains_key(key) || std::time::Instant::now() > deadline {
+            let Some(mut rx) = lock(&self.inflight).get(key).map(|p| p.rx.clone()) else {
+                return self.store.contains(key);
+            };
+            // The fetch drops its sender once the page is cached (or refused by the cache).
+            let settled = async { while rx.changed().await.is_ok() {} };
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
                 return self.store.contains(key);
             }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     }
 
