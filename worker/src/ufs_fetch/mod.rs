@@ -27,7 +27,9 @@ use crate::store::{BlockKey, PageKey, TieredStore};
 /// Read-ahead parts in flight at most, across all readers of this worker.
 pub const PREFETCH_IN_FLIGHT: usize = 32;
 
-/// Deadline of one ranged GET (a whole part).
+/// How long a ranged GET may go without a byte (for its answer, then between body
+/// chunks) before it counts as stalled. A slow store that keeps sending is never cut off:
+/// the bytes it sent would be paid for twice.
 pub const UFS_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Deadline of asking the master who holds a block before a fill (on a miss, so short).
@@ -37,7 +39,8 @@ const LOCATIONS_TIMEOUT: Duration = Duration::from_millis(500);
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Attempts of one part whose GET failed in a way worth retrying (a dropped connection
-/// mid-body; `object_store` already retries throttling and 5xx answers before the body).
+/// mid-body, a stall; `object_store` already retries throttling and 5xx answers before the
+/// body), counted since the last attempt that brought bytes.
 const PART_ATTEMPTS: u32 = 3;
 
 /// Memory for pages served but not cached ([`Fetcher::keep_uncached`]): at most this much
@@ -607,8 +610,8 @@ impl Fetcher {
 }
 
 impl Run {
-    /// Fetches the run's pages with one ranged GET (resumed where it stopped if the body
-    /// breaks off), delivering each page as soon as its bytes are in.
+    /// Fetches the run's pages with one ranged GET (resumed at the byte where it stopped if
+    /// the body breaks off or stalls), delivering each page as soon as its bytes are in.
     async fn fetch(mut self) {
         let f = self.fetcher.clone();
         self.copy_from_peers().await;
@@ -626,44 +629,45 @@ impl Run {
             .as_ref()
             .map(granary_common::ufs::Expected::from);
         let op = UfsMetrics::op(loc.mount_id, "get");
-        let deadline = Instant::now() + UFS_TIMEOUT;
         let ps = f.store.page_size;
         let end = self
             .block
             .len
             .min((self.first + self.slots.len() as u64) * ps);
+        // The page being assembled: kept across attempts, so no byte is asked for twice.
+        let mut buf = BytesMut::with_capacity(self.page_len(self.next) as usize);
         let mut attempt = 0;
         while self.next < self.slots.len() {
             attempt += 1;
-            let from = (self.first + self.next as u64) * ps;
+            let from = (self.first + self.next as u64) * ps + buf.len() as u64;
             f.metrics.ufs_requests.inc();
             f.metrics.ufs.requests.get_or_create(&op).inc();
             let started = Instant::now();
-            let res = tokio::time::timeout_at(
-                deadline.into(),
-                self.stream(&ufs, &loc, expect.as_ref(), from..end, &op),
-            )
-            .await;
+            let mut got = 0;
+            let res = self
+                .stream(
+                    &ufs,
+                    &loc,
+                    expect.as_ref(),
+                    from..end,
+                    &op,
+                    &mut buf,
+                    &mut got,
+                )
+                .await;
             f.metrics
                 .ufs
                 .seconds
                 .get_or_create(&op)
                 .observe(started.elapsed().as_secs_f64());
             let err = match res {
-                Ok(Ok(())) => break,
-                Ok(Err(e)) => e,
-                Err(_) => {
-                    f.metrics.ufs_errors.inc();
-                    f.metrics.ufs.error(loc.mount_id, "get", "timeout");
-                    FetchError::Unavailable(format!(
-                        "under-store read of {} timed out after {UFS_TIMEOUT:?}",
-                        loc.path
-                    ))
-                }
+                Ok(()) => break,
+                Err(e) => e,
             };
-            let retry = matches!(err, FetchError::Unavailable(_))
-                && attempt < PART_ATTEMPTS
-                && Instant::now() < deadline;
+            if got > 0 {
+                attempt = 1; // it was moving: a new stall gets its own attempts
+            }
+            let retry = matches!(err, FetchError::Unavailable(_)) && attempt < PART_ATTEMPTS;
             if !retry {
                 return self.fail_rest(&err);
             }
@@ -760,6 +764,10 @@ impl Run {
     }
 
     /// One GET of `range` (block offsets), split into pages as the body arrives.
+    /// One ranged GET of `range`, feeding the pages it completes (the partial page in `buf`
+    /// goes on from where it is). `got` counts the bytes it brought, also when it fails.
+    /// Fails as unavailable when the store sends nothing for [`UFS_TIMEOUT`].
+    #[allow(clippy::too_many_arguments)]
     async fn stream(
         &mut self,
         ufs: &Ufs,
@@ -767,26 +775,41 @@ impl Run {
         expect: Option<&granary_common::ufs::Expected>,
         range: std::ops::Range<u64>,
         op: &crate::metrics::UfsOp,
+        buf: &mut BytesMut,
+        got: &mut u64,
     ) -> Result<(), FetchError> {
         let f = self.fetcher.clone();
         let base = self.block.start;
-        let got = ufs
-            .get_range(&loc.path, expect, base + range.start..base + range.end)
+        let stalled = || {
+            f.metrics.ufs_errors.inc();
+            f.metrics.ufs.error(loc.mount_id, "get", "timeout");
+            FetchError::Unavailable(format!(
+                "under-store read of {} sent nothing for {UFS_TIMEOUT:?}",
+                loc.path
+            ))
+        };
+        let answer = ufs.get_range(&loc.path, expect, base + range.start..base + range.end);
+        let answer = tokio::time::timeout(UFS_TIMEOUT, answer)
             .await
+            .map_err(|_| stalled())?
             .map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
-        let mut body = got.into_stream();
-        let mut buf = BytesMut::with_capacity(self.page_len(self.next) as usize);
-        while let Some(chunk) = body.next().await {
+        let mut body = answer.into_stream();
+        loop {
+            let chunk = match tokio::time::timeout(UFS_TIMEOUT, body.next()).await {
+                Ok(Some(chunk)) => chunk,
+                Ok(None) => return Ok(()),
+                Err(_) => return Err(stalled()),
+            };
             let mut chunk = chunk.map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
+            *got += chunk.len() as u64;
             f.metrics.ufs_read_bytes.inc_by(chunk.len() as u64);
             f.metrics
                 .ufs
                 .bytes
                 .get_or_create(op)
                 .inc_by(chunk.len() as u64);
-            self.feed(&mut buf, &mut chunk);
+            self.feed(buf, &mut chunk);
         }
-        Ok(())
     }
 }
 

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::store::PageStore;
+use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -211,4 +212,136 @@ async fn a_missing_object_is_not_found() {
     let e = r.fetcher.page(&b, 0, true).await.unwrap_err();
     assert!(matches!(e, FetchError::NotFound(_)), "{e}");
     wait_idle(&r.fetcher).await;
+}
+
+/// A store whose next GET body breaks off after `cut` bytes (a dropped connection).
+#[derive(Debug)]
+struct BreaksOnce {
+    inner: Arc<InMemory>,
+    cut: Mutex<Option<usize>>,
+}
+
+impl std::fmt::Display for BreaksOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BreaksOnce({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::ObjectStore for BreaksOnce {
+    async fn put_opts(
+        &self,
+        location: &StorePath,
+        payload: PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &StorePath,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &StorePath,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        let mut got = self.inner.get_opts(location, options).await?;
+        let Some(cut) = lock(&self.cut).take() else {
+            return Ok(got);
+        };
+        let object_store::GetResultPayload::Stream(body) = got.payload else {
+            unreachable!("the in-memory store streams");
+        };
+        let bytes: Vec<Bytes> = body.try_collect().await?;
+        let all = Bytes::from(bytes.concat());
+        let broken = futures::stream::iter([
+            Ok(all.slice(..cut)),
+            Err(object_store::Error::Generic {
+                store: "test",
+                source: "connection reset mid-body".into(),
+            }),
+        ]);
+        got.payload = object_store::GetResultPayload::Stream(Box::pin(broken));
+        Ok(got)
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<StorePath>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<StorePath>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&StorePath>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&StorePath>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &StorePath,
+        to: &StorePath,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_breaks_off_mid_page_is_resumed_at_the_byte_where_it_stopped() {
+    let data = object(8);
+    let r = rig(&data, 8, 1).await;
+    // The part's GET breaks 1,000 bytes into page 2.
+    let cut = 2 * PS as usize + 1000;
+    r.fetcher.stores.insert(
+        1,
+        Ufs {
+            store: Arc::new(BreaksOnce {
+                inner: r.store.clone(),
+                cut: Mutex::new(Some(cut)),
+            }),
+            prefix: StorePath::default(),
+            part_size: 8 * PS,
+            part_concurrency: 1,
+        },
+    );
+    let b = block(&r, data.len() as u64).await;
+    let (p0, _) = r.fetcher.page(&b, 0, true).await.unwrap();
+    assert_eq!(&p0[..], &data[..PS as usize]);
+    wait_idle(&r.fetcher).await;
+    for page in 0..8u64 {
+        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        assert_eq!(src, Source::Cache, "page {page}");
+        let at = (page * PS) as usize;
+        assert_eq!(
+            &bytes[..],
+            &data[at..data.len().min(at + PS as usize)],
+            "page {page}"
+        );
+    }
+    assert_eq!(
+        r.metrics.ufs_requests.get(),
+        2,
+        "the GET and its resumption"
+    );
+    assert_eq!(
+        r.metrics.ufs_read_bytes.get(),
+        data.len() as u64,
+        "no byte was fetched twice"
+    );
 }
