@@ -3,7 +3,8 @@
 # through `granary local` (every byte cached on the worker, page cache dropped), with the
 # client's counters scraped around each read — bytes by source (short-circuit, worker over
 # gRPC, under-store), short-circuit lease requests, bytes prefetched and used — next to a
-# `dd` of the source file on the local disk in the same round.
+# `dd` of the source file on the local disk and a `cat` of the worker's own block files of
+# it (the same bytes at the same place on the disk: the tightest limit) in the same round.
 #
 #   bench/seq-read-sources.sh [SIZE_MIB] [dd|fio]   (default 1024 dd; root; fio for the
 #                                                     bench/fio/seq-read.fio job)
@@ -26,6 +27,14 @@ pid=$!
 for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
 cmp -s "$work/ufs/seq.bin" "$work/mnt/seq.bin" || { echo "bytes differ"; exit 1; }
+# The worker's block files of the file (block index order).
+mapfile -t blocks < <(find "$work/cache/worker/blocks" -type f | sort)
+block_bytes=$(cat "${blocks[@]}" | wc -c)
+direct() { # MB/s of reading the block files straight from the disk
+  local s e
+  s=$(date +%s.%N); cat "${blocks[@]}" > /dev/null; e=$(date +%s.%N)
+  python3 -c "print('%.0f' % ($block_bytes / 1e6 / ($e - $s)))"
+}
 counters() {
   curl -s "127.0.0.1:$port/metrics" |
     grep -E '^granary_client_(read_bytes_total|short_circuit_leases_total|prefetch)' | sort
@@ -43,10 +52,12 @@ for round in 1 2 3; do
   sync; echo 1 > /proc/sys/vm/drop_caches
   raw="$(mbps "$work/ufs/seq.bin")"
   sync; echo 1 > /proc/sys/vm/drop_caches
+  blk="$(direct)"
+  sync; echo 1 > /proc/sys/vm/drop_caches
   counters > "$work/before"
   g="$(mbps "$work/mnt/seq.bin")"
   counters > "$work/after"
-  echo "round $round: raw $raw MB/s, granary $g MB/s ($how)"
+  echo "round $round: raw $raw MB/s, block files $blk MB/s, granary $g MB/s ($how)"
   join "$work/before" "$work/after" | awk '{ d = $3 - $2; if (d != 0) printf "    %s +%.0f\n", $1, d }'
 done
 echo "binary: $bin; ${size_mib} MiB; page cache dropped before every read"
