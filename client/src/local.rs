@@ -229,7 +229,12 @@ impl LocalLease {
                 self.read(from, ps.min(len - from)).ok()?;
             }
         }
-        self.file.try_clone().ok()
+        // A descriptor of its own (not a dup sharing the lease's read-ahead state), so each
+        // passthrough open starts with fresh sequential read-ahead.
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        File::open(format!("/proc/self/fd/{fd}"))
+            .or_else(|_| self.file.try_clone())
+            .ok()
     }
 }
 
