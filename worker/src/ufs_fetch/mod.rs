@@ -643,17 +643,9 @@ impl Run {
             f.metrics.ufs_requests.inc();
             f.metrics.ufs.requests.get_or_create(&op).inc();
             let started = Instant::now();
-            let mut got = 0;
+            let mark = (self.next, buf.len());
             let res = self
-                .stream(
-                    &ufs,
-                    &loc,
-                    expect.as_ref(),
-                    from..end,
-                    &op,
-                    &mut buf,
-                    &mut got,
-                )
+                .stream(&ufs, &loc, expect.as_ref(), from..end, &op, &mut buf)
                 .await;
             f.metrics
                 .ufs
@@ -664,8 +656,8 @@ impl Run {
                 Ok(()) => break,
                 Err(e) => e,
             };
-            if got > 0 {
-                attempt = 1; // it was moving: a new stall gets its own attempts
+            if (self.next, buf.len()) != mark {
+                attempt = 1; // it brought bytes: a new stall gets its own attempts
             }
             let retry = matches!(err, FetchError::Unavailable(_)) && attempt < PART_ATTEMPTS;
             if !retry {
@@ -763,11 +755,9 @@ impl Run {
         }
     }
 
-    /// One GET of `range` (block offsets), split into pages as the body arrives.
-    /// One ranged GET of `range`, feeding the pages it completes (the partial page in `buf`
-    /// goes on from where it is). `got` counts the bytes it brought, also when it fails.
-    /// Fails as unavailable when the store sends nothing for [`UFS_TIMEOUT`].
-    #[allow(clippy::too_many_arguments)]
+    /// One ranged GET of `range` (block offsets), feeding the pages it completes as the
+    /// body arrives (the partial page in `buf` goes on from where it is). Fails as
+    /// unavailable when the store sends nothing for [`UFS_TIMEOUT`].
     async fn stream(
         &mut self,
         ufs: &Ufs,
@@ -776,7 +766,6 @@ impl Run {
         range: std::ops::Range<u64>,
         op: &crate::metrics::UfsOp,
         buf: &mut BytesMut,
-        got: &mut u64,
     ) -> Result<(), FetchError> {
         let f = self.fetcher.clone();
         let base = self.block.start;
@@ -801,7 +790,6 @@ impl Run {
                 Err(_) => return Err(stalled()),
             };
             let mut chunk = chunk.map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
-            *got += chunk.len() as u64;
             f.metrics.ufs_read_bytes.inc_by(chunk.len() as u64);
             f.metrics
                 .ufs
