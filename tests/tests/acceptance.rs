@@ -894,6 +894,13 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
         )
         .unwrap_or(0.0)
     };
+    // Pages the worker dropped for `reason` (None: never counted).
+    let dropped = |w: &Worker, reason: &str| {
+        metric(
+            &scrape(&w.metrics).unwrap(),
+            &format!("granary_worker_dropped_pages_total{{reason=\"{reason}\"}}"),
+        )
+    };
     let check_quotas = |w: &Worker| {
         for (t, quota) in [("mem", 8 * MIB), ("ssd", 16 * MIB), ("hdd", 32 * MIB)] {
             let used = tier(w, "granary_worker_tier_used_bytes", t);
@@ -916,14 +923,7 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
     assert!(tier(&w, "granary_worker_tier_demoted_pages_total", "mem") > 0.0);
     assert!(tier(&w, "granary_worker_tier_demoted_pages_total", "ssd") > 0.0);
     assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
-    assert_eq!(
-        metric(
-            &scrape(&w.metrics).unwrap(),
-            "granary_worker_dropped_pages_total{reason=\"capacity\"}"
-        ),
-        None,
-        "a page left the cache"
-    );
+    assert_eq!(dropped(&w, "capacity"), None, "a page left the cache");
 
     // The report shows each tier of the worker.
     poll(
@@ -952,10 +952,7 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
     // Moving pages between tiers while they are read loses none of them.
     assert_eq!(w.metric("granary_worker_cache_used_bytes"), total as f64);
     assert_eq!(
-        metric(
-            &scrape(&w.metrics).unwrap(),
-            "granary_worker_dropped_pages_total{reason=\"corrupt\"}"
-        ),
+        dropped(&w, "corrupt"),
         None,
         "a page moved between tiers was taken for corrupt"
     );
