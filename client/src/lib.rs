@@ -5,6 +5,7 @@
 //! workers), then any other live worker, and finally straight from the under-store — a read
 //! never fails just because workers are down.
 
+pub mod direct;
 pub mod error;
 pub mod fs;
 pub mod local;

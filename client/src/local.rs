@@ -63,6 +63,8 @@ pub struct LocalLease {
     first: u32,
     window: u32,
     file: File,
+    /// The same block file opened for direct reads (`None`: its file system refuses them).
+    direct: Option<File>,
     page_size: u64,
     /// page index → (length, CRC32C)
     pages: HashMap<u32, (u32, u32)>,
@@ -93,6 +95,7 @@ impl LocalLease {
         sent: Instant,
     ) -> std::io::Result<Self> {
         let file = File::open(&r.path)?;
+        let direct = crate::direct::open(std::path::Path::new(&r.path));
         // Block files are read front to back: let the kernel read ahead further.
         let _ = nix::fcntl::posix_fadvise(
             std::os::fd::AsRawFd::as_raw_fd(&file),
@@ -107,6 +110,7 @@ impl LocalLease {
             first,
             window: r.window_pages.max(1),
             file,
+            direct,
             page_size: r.page_size.max(1),
             pages: r
                 .pages
@@ -129,6 +133,11 @@ impl LocalLease {
 
     /// Reads `len` bytes at `offset` of the block (blocking file I/O).
     pub fn read(&self, offset: u64, len: u64) -> Result<Bytes, Miss> {
+        self.read_via(offset, len, self.direct.as_ref())
+    }
+
+    /// [`read`](Self::read), whole pages by direct reads of `direct` when given.
+    fn read_via(&self, offset: u64, len: u64, direct: Option<&File>) -> Result<Bytes, Miss> {
         if len == 0 {
             return Ok(Bytes::new());
         }
@@ -137,7 +146,8 @@ impl LocalLease {
         }
         let ps = self.page_size;
         let (first, last) = (offset / ps, (offset + len - 1) / ps);
-        let mut out = read_buffer(len as usize);
+        // Every page the range touches: (start in the block, length, CRC32C).
+        let mut pages = Vec::with_capacity((last - first + 1) as usize);
         for page in first..=last {
             let index = u32::try_from(page).map_err(|_| Miss::Bad)?;
             if index < self.first || index - self.first >= self.window {
@@ -145,13 +155,50 @@ impl LocalLease {
             }
             let &(plen, crc) = self.pages.get(&index).ok_or(Miss::NotCached)?;
             let page_start = page * ps;
-            let from = offset.max(page_start);
-            let to = (offset + len).min(page_start + ps);
-            if to > page_start + u64::from(plen) {
+            if (offset + len).min(page_start + ps) > page_start + u64::from(plen) {
                 return Err(Miss::NotCached); // a short page cannot hold the range
             }
+            pages.push((page_start, u64::from(plen), crc));
+        }
+        let whole_pages = pages.first().is_some_and(|p| p.0 == offset)
+            && pages.last().is_some_and(|p| p.0 + p.1 == offset + len);
+        let out = match (direct, whole_pages) {
+            (Some(direct), true) => crate::direct::read_at(direct, offset, len as usize),
+            _ => None,
+        };
+        let out = match out {
+            Some(out) => {
+                // Pages lie back to back in the block file: check each one's slice.
+                for &(page_start, plen, crc) in &pages {
+                    let at = (page_start - offset) as usize;
+                    if crc32c::crc32c(&out[at..at + plen as usize]) != crc {
+                        return Err(Miss::Bad);
+                    }
+                }
+                out
+            }
+            None => self.read_buffered(offset, len, &pages)?,
+        };
+        // Bytes read after the lease ended may have been evicted under us.
+        if Instant::now() >= self.until {
+            return Err(Miss::Expiring);
+        }
+        Ok(out)
+    }
+
+    /// [`read`](Self::read) through the page cache; `pages` as `read` found them.
+    fn read_buffered(
+        &self,
+        offset: u64,
+        len: u64,
+        pages: &[(u64, u64, u32)],
+    ) -> Result<Bytes, Miss> {
+        let mut out = read_buffer(len as usize);
+        for &(page_start, plen, crc) in pages {
+            let from = offset.max(page_start);
+            let to = (offset + len).min(page_start + plen);
             let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
-            if from == page_start && to == page_start + u64::from(plen) {
+            if from == page_start && to == page_start + plen {
                 // The whole page: read it in place.
                 self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
                 if crc32c::crc32c(dst) != crc {
@@ -169,10 +216,6 @@ impl LocalLease {
                     &whole[(from - page_start) as usize..(to - page_start) as usize],
                 );
             }
-        }
-        // Bytes read after the lease ended may have been evicted under us.
-        if Instant::now() >= self.until {
-            return Err(Miss::Expiring);
         }
         Ok(out.freeze())
     }
@@ -224,9 +267,10 @@ impl LocalLease {
                 len as i64,
                 nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
             );
+            // Through the page cache: the passthrough reads that follow find the file there.
             for p in 0..n {
                 let from = p * ps;
-                self.read(from, ps.min(len - from)).ok()?;
+                self.read_via(from, ps.min(len - from), None).ok()?;
             }
         }
         // A descriptor of its own (not a dup sharing the lease's read-ahead state), so each
@@ -579,6 +623,8 @@ mod tests {
             "past the short last page"
         );
         assert_eq!(&l.read(0, 4096).unwrap()[..], &data[..4096]);
+        // Whole pages, the short last one included, in one read.
+        assert_eq!(&l.read(0, 10_000).unwrap()[..], &data[..]);
         // A page that rots on disk after it was read is caught by the next read.
         let mut bad = data.clone();
         bad[9000] ^= 0xff;
@@ -627,6 +673,7 @@ mod tests {
                 first: 0,
                 window: 16,
                 file: f,
+                direct: None,
                 page_size: 4096,
                 pages: l.pages.clone(),
                 until: l.until,
@@ -665,6 +712,7 @@ mod tests {
             first: window * LEASE_WINDOW_PAGES,
             window: LEASE_WINDOW_PAGES,
             file: l.file.try_clone().unwrap(),
+            direct: None,
             page_size: 4096,
             pages: l.pages.clone(),
             until: l.until,
