@@ -9,10 +9,12 @@
 #
 # Jobs (bench/fio/*.fio): seq-read (1 MiB sequential, one file of SIZE_MIB), rand-read
 # (4 KiB random, 4 readers, 10 s), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
-# one-block files). Three alternating rounds each, medians. Uses $GRANARY_BIN, else the
+# one-block files). Per job one unmeasured round, then $ROUNDS (default 5) measured rounds in
+# alternating order (raw first, then Granary first), medians. Uses $GRANARY_BIN, else the
 # debug binary scripts/test builds.
 set -euo pipefail
 size_mib="${1:-1024}"
+rounds="${ROUNDS:-5}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
 [ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
@@ -61,9 +63,20 @@ for job in seq-read rand-read files-read; do
     *) rdir="$work/ufs"; gdir="$work/mnt"; file="seq.bin";;
   esac
   rb=() gb=() ri=() gi=()
-  for _ in 1 2 3; do
-    read -r b i < <(run_fio "$job" "$rdir" "$file"); rb+=("$b"); ri+=("$i")
-    read -r b i < <(run_fio "$job" "$gdir" "$file"); gb+=("$b"); gi+=("$i")
+  # One unmeasured round first: on this VM the first read of anything after another job is
+  # slow whoever does it (the host's cache state), which hit whichever side went first.
+  run_fio "$job" "$rdir" "$file" > /dev/null
+  run_fio "$job" "$gdir" "$file" > /dev/null
+  for round in $(seq 1 "$rounds"); do
+    # Alternating order: neither side always reads right after the other.
+    for side in raw granary; do
+      if [ $((round % 2)) = 0 ]; then side=$([ "$side" = raw ] && echo granary || echo raw); fi
+      if [ "$side" = raw ]; then
+        read -r b i < <(run_fio "$job" "$rdir" "$file"); rb+=("$b"); ri+=("$i")
+      else
+        read -r b i < <(run_fio "$job" "$gdir" "$file"); gb+=("$b"); gi+=("$i")
+      fi
+    done
   done
   if [ "$job" = rand-read ]; then
     report "$job" IOPS "${ri[@]}" -- "${gi[@]}"
