@@ -477,21 +477,24 @@ impl ShortCircuit {
         lock(&self.done).keys().copied().collect()
     }
 
-    /// Keeps a lease for the reads of its window. The same file's leases more than one
-    /// window behind it (earlier windows of the block, earlier blocks) are released: a
+    /// Keeps a lease for the reads of its window. The same file's leases more than two
+    /// windows behind it (earlier windows of the block, earlier blocks) are released: a
     /// sequential reader is done with them — unless a read is using them.
     pub fn keep(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
         let window = lease.first / LEASE_WINDOW_PAGES;
         let block = block_key(id);
         let mut m = lock(&self.leases);
-        // The window just before this one (the previous block's last, for a block's first)
-        // is where the reader may still be.
+        // The next window is leased as soon as a reader enters one, and the kernel's
+        // read-ahead (up to 8 MiB for a reader that asked for sequential access) is still
+        // sending reads of the window before: the two windows before this one (the
+        // previous block's last ones, for a block's first two) are kept. Releasing the
+        // second one made ~1 in 10 windows lose their last reads to the slow path.
         let behind = |k: &WindowKey| {
             k.0 .0 == block.0
                 && k.0 .1 == block.1
                 && (k.0 .2 + 1 < block.2
-                    || (k.0 .2 + 1 == block.2 && window > 0)
-                    || (k.0 .2 == block.2 && k.1 + 1 < window))
+                    || (k.0 .2 + 1 == block.2 && window > 1)
+                    || (k.0 .2 == block.2 && k.1 + 2 < window))
         };
         self.release_where(&mut m, behind);
         if m.len() >= MAX_LEASES {
@@ -726,29 +729,34 @@ mod tests {
         // A reader in window 0 and a prefetch in window 1 do not replace each other's.
         assert_eq!(sc.lease(&id, 0).unwrap().id, 10);
         assert_eq!(sc.lease(&id, 1).unwrap().id, 11);
+        // Window 2 (leased as the reader enters window 1): the read-ahead may still be
+        // reading window 0, which stays.
+        sc.keep(&id, Arc::new(at(2, 12)));
         assert!(sc.take_done(1).is_empty());
-        // Window 3: window 2 and beyond stay, 0 and 1 are done with — unless in use.
+        assert_eq!(sc.lease(&id, 0).unwrap().id, 10);
+        // Window 4: 2 and beyond stay, 0 and 1 are done with — unless in use.
         let reading = sc.lease(&id, 1).unwrap();
-        sc.keep(&id, Arc::new(at(3, 13)));
+        sc.keep(&id, Arc::new(at(4, 14)));
         assert_eq!(sc.take_done(1), vec![10]);
         assert!(sc.lease(&id, 0).is_none());
         assert_eq!(sc.lease(&id, 1).unwrap().id, reading.id);
-        assert_eq!(sc.lease(&id, 3).unwrap().id, 13);
+        assert_eq!(sc.lease(&id, 2).unwrap().id, 12);
         drop(reading);
-        // The next block's first window keeps the previous block (the reader may still be
-        // in its last window); its second releases it.
+        // The next block's first two windows keep the previous block (the reader may still
+        // be in its last windows); its third releases it.
         let next = pb::BlockId { index: 1, ..id };
         sc.keep(&next, Arc::new(at(0, 20)));
-        assert!(sc.take_done(1).is_empty());
         sc.keep(&next, Arc::new(at(1, 21)));
+        assert!(sc.take_done(1).is_empty());
+        sc.keep(&next, Arc::new(at(2, 22)));
         let mut done = sc.take_done(1);
         done.sort_unstable();
-        assert_eq!(done, vec![11, 13]);
+        assert_eq!(done, vec![11, 12, 14]);
         // Closing the file releases the rest.
         sc.done_with_file(7, 1);
         let mut done = sc.take_done(1);
         done.sort_unstable();
-        assert_eq!(done, vec![20, 21]);
+        assert_eq!(done, vec![20, 21, 22]);
         assert!(sc.lease(&next, 0).is_none() && sc.lease(&next, 1).is_none());
     }
 
