@@ -683,7 +683,7 @@ impl FileSystem {
                 .into_iter()
                 .find(|w| w.worker_id == worker_id);
             if let Some(w) = w {
-                me.take_lease(&w, &id, 0, None).await;
+                me.take_lease(&w, &id, 0, None, false).await;
             }
             me.leasing_ahead.store(false, Ordering::Release);
         });
@@ -748,7 +748,7 @@ impl FileSystem {
                 .min_by_key(|w| !next_block && w.worker_id != worker);
             if let Some(w) = w {
                 let first = window.saturating_mul(crate::local::LEASE_WINDOW_PAGES);
-                me.take_lease(&w, &id, first, None).await;
+                me.take_lease(&w, &id, first, None, true).await;
             }
             lock(&me.windows_ahead).remove(&key);
         });
@@ -998,7 +998,7 @@ impl FileSystem {
         } else if self.short_circuit.recently_missing(id) {
             return None;
         }
-        let lease = self.take_lease(w, id, first_page, replaces).await?;
+        let lease = self.take_lease(w, id, first_page, replaces, false).await?;
         match try_read(lease).await {
             (l, Ok(data)) => {
                 self.short_circuit
@@ -1018,13 +1018,15 @@ impl FileSystem {
         self.short_circuit.page_size()
     }
 
-    /// Asks `w` for a lease on a block it caches and opens the block file.
+    /// Asks `w` for a lease on a block it caches and opens the block file; `ahead`: taken
+    /// ahead of a sequential reader (which is done with windows far behind it).
     async fn take_lease(
         &self,
         w: &pb::WorkerInfo,
         id: &pb::BlockId,
         first_page: u32,
         replaces: Option<u64>,
+        ahead: bool,
     ) -> Option<Arc<LocalLease>> {
         let more = if id.index == 0 && first_page == 0 {
             self.small_files_after(id.inode)
@@ -1034,7 +1036,11 @@ impl FileSystem {
         let l = self
             .ask_lease_more(w, id, first_page, replaces, 0, false, more)
             .await?;
-        self.short_circuit.keep(id, l.clone());
+        if ahead {
+            self.short_circuit.keep_ahead(id, l.clone());
+        } else {
+            self.short_circuit.keep(id, l.clone());
+        }
         Some(l)
     }
 

@@ -68,6 +68,9 @@ pub struct LocalLease {
     page_size: u64,
     /// page index → (length, CRC32C)
     pages: HashMap<u32, (u32, u32)>,
+    /// Bit `i`: page `first + i` was read whole and matched its CRC32C under this lease
+    /// (pages past the 64th of a window are not remembered).
+    verified: AtomicU64,
     /// When the worker may evict the pages again (at the earliest).
     until: Instant,
     taken: Instant,
@@ -117,6 +120,7 @@ impl LocalLease {
                 .iter()
                 .map(|p| (p.index, (p.length, p.crc32c)))
                 .collect(),
+            verified: AtomicU64::new(0),
             until: sent + Duration::from_millis(r.lease_ms),
             taken: sent,
         })
@@ -124,6 +128,24 @@ impl LocalLease {
 
     fn usable(&self, now: Instant) -> bool {
         now + RENEW_MARGIN < self.until
+    }
+
+    /// The bit of page `index` in `verified`, if it has one.
+    fn verified_bit(&self, index: u32) -> Option<u64> {
+        let i = index.checked_sub(self.first)?;
+        (i < 64).then(|| 1u64 << i)
+    }
+
+    /// Whether page `index` was read whole and checked under this lease.
+    fn is_verified(&self, index: u32) -> bool {
+        self.verified_bit(index)
+            .is_some_and(|b| self.verified.load(Ordering::Relaxed) & b != 0)
+    }
+
+    fn mark_verified(&self, index: u32) {
+        if let Some(b) = self.verified_bit(index) {
+            self.verified.fetch_or(b, Ordering::Relaxed);
+        }
     }
 
     /// Too recent to ask again for pages it lacked.
@@ -174,10 +196,11 @@ impl LocalLease {
                     if crc32c::crc32c(&out[at..at + plen as usize]) != crc {
                         return Err(Miss::Bad);
                     }
+                    self.mark_verified((page_start / ps) as u32);
                 }
                 out
             }
-            None => self.read_buffered(offset, len, &pages)?,
+            None => self.read_buffered(offset, len, ps, &pages)?,
         };
         // Bytes read after the lease ended may have been evicted under us.
         if Instant::now() >= self.until {
@@ -186,11 +209,14 @@ impl LocalLease {
         Ok(out)
     }
 
-    /// [`read`](Self::read) through the page cache; `pages` as `read` found them.
+    /// [`read`](Self::read) through the page cache; `pages` as `read` found them. A part of
+    /// a page already checked whole under this lease is read alone, without its CRC32C
+    /// (a random reader's 4 KiB reads otherwise cost a 1 MiB read and checksum each).
     fn read_buffered(
         &self,
         offset: u64,
         len: u64,
+        ps: u64,
         pages: &[(u64, u64, u32)],
     ) -> Result<Bytes, Miss> {
         let mut out = read_buffer(len as usize);
@@ -198,12 +224,16 @@ impl LocalLease {
             let from = offset.max(page_start);
             let to = (offset + len).min(page_start + plen);
             let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
+            let index = (page_start / ps) as u32;
             if from == page_start && to == page_start + plen {
                 // The whole page: read it in place.
                 self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
                 if crc32c::crc32c(dst) != crc {
                     return Err(Miss::Bad);
                 }
+                self.mark_verified(index);
+            } else if self.is_verified(index) {
+                self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
             } else {
                 let mut whole = vec![0u8; plen as usize];
                 self.file
@@ -212,6 +242,7 @@ impl LocalLease {
                 if crc32c::crc32c(&whole) != crc {
                     return Err(Miss::Bad);
                 }
+                self.mark_verified(index);
                 dst.copy_from_slice(
                     &whole[(from - page_start) as usize..(to - page_start) as usize],
                 );
@@ -477,10 +508,19 @@ impl ShortCircuit {
         lock(&self.done).keys().copied().collect()
     }
 
-    /// Keeps a lease for the reads of its window. The same file's leases more than two
-    /// windows behind it (earlier windows of the block, earlier blocks) are released: a
-    /// sequential reader is done with them — unless a read is using them.
+    /// Keeps a lease for the reads of its window (a random reader keeps every window it
+    /// reads until the leases end or the file closes).
     pub fn keep(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
+        let window = lease.first / LEASE_WINDOW_PAGES;
+        let mut m = lock(&self.leases);
+        Self::make_room(&mut m);
+        m.insert((block_key(id), window), lease);
+    }
+
+    /// [`keep`](Self::keep) for a lease taken ahead of a sequential reader: the same file's
+    /// leases more than two windows behind it (earlier windows of the block, earlier
+    /// blocks) are released: the reader is done with them — unless a read is using them.
+    pub fn keep_ahead(&self, id: &pb::BlockId, lease: Arc<LocalLease>) {
         let window = lease.first / LEASE_WINDOW_PAGES;
         let block = block_key(id);
         let mut m = lock(&self.leases);
@@ -497,6 +537,12 @@ impl ShortCircuit {
                     || (k.0 .2 == block.2 && k.1 + 2 < window))
         };
         self.release_where(&mut m, behind);
+        Self::make_room(&mut m);
+        m.insert((block, window), lease);
+    }
+
+    /// Makes room for one more lease in a full table.
+    fn make_room(m: &mut HashMap<WindowKey, Arc<LocalLease>>) {
         if m.len() >= MAX_LEASES {
             let now = Instant::now();
             m.retain(|_, l| l.usable(now));
@@ -510,7 +556,6 @@ impl ShortCircuit {
                 m.retain(|_, l| l.taken > cut);
             }
         }
-        m.insert((block, window), lease);
     }
 
     /// The worker had no page of the block: read it over gRPC for a while.
@@ -593,6 +638,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("block");
         std::fs::write(&path, data).unwrap();
+        let l = lease_on(&path, data, ps, lease_ms);
+        (d, l)
+    }
+
+    /// A new lease on the block file at `path` whose pages, when cached, held `data`.
+    fn lease_on(path: &std::path::Path, data: &[u8], ps: u64, lease_ms: u64) -> LocalLease {
         let pages = data
             .chunks(ps as usize)
             .enumerate()
@@ -611,8 +662,7 @@ mod tests {
             window_pages: 16,
             ..Default::default()
         };
-        let l = LocalLease::open(1, &r, Instant::now()).unwrap();
-        (d, l)
+        LocalLease::open(1, &r, Instant::now()).unwrap()
     }
 
     #[test]
@@ -633,9 +683,18 @@ mod tests {
         bad[9000] ^= 0xff;
         bad[10] ^= 0xff;
         std::fs::write(d.path().join("block"), &bad).unwrap();
-        assert_eq!(l.read(9000, 1), Err(Miss::Bad));
-        assert_eq!(l.read(0, 4096), Err(Miss::Bad));
-        assert_eq!(&l.read(4096, 10).unwrap()[..], &data[4096..4106]);
+        assert_eq!(
+            l.read(0, 4096),
+            Err(Miss::Bad),
+            "whole pages are checked on every read"
+        );
+        // A part of a page checked whole under this lease is read without its checksum
+        // until the lease ends; the next lease checks the page again.
+        assert_eq!(&l.read(9000, 1).unwrap()[..], &bad[9000..9001]);
+        let fresh = lease_on(&d.path().join("block"), &data, 4096, 60_000);
+        assert_eq!(fresh.read(9000, 1), Err(Miss::Bad));
+        assert_eq!(fresh.read(10, 1), Err(Miss::Bad));
+        assert_eq!(&fresh.read(4096, 10).unwrap()[..], &data[4096..4106]);
         std::fs::write(d.path().join("block"), &data).unwrap();
         assert_eq!(&l.read(8192, 1808).unwrap()[..], &data[8192..]);
     }
@@ -679,6 +738,7 @@ mod tests {
                 direct: None,
                 page_size: 4096,
                 pages: l.pages.clone(),
+                verified: AtomicU64::new(0),
                 until: l.until,
                 taken: l.taken + Duration::from_millis(i),
             };
@@ -718,25 +778,26 @@ mod tests {
             direct: None,
             page_size: 4096,
             pages: l.pages.clone(),
+            verified: AtomicU64::new(0),
             until: l.until,
             taken: l.taken,
         };
         sc.set_page_size(4096);
         assert_eq!(sc.window_of(16 * 4096 - 1), 0);
         assert_eq!(sc.window_of(16 * 4096), 1);
-        sc.keep(&id, Arc::new(at(0, 10)));
-        sc.keep(&id, Arc::new(at(1, 11)));
+        sc.keep_ahead(&id, Arc::new(at(0, 10)));
+        sc.keep_ahead(&id, Arc::new(at(1, 11)));
         // A reader in window 0 and a prefetch in window 1 do not replace each other's.
         assert_eq!(sc.lease(&id, 0).unwrap().id, 10);
         assert_eq!(sc.lease(&id, 1).unwrap().id, 11);
         // Window 2 (leased as the reader enters window 1): the read-ahead may still be
         // reading window 0, which stays.
-        sc.keep(&id, Arc::new(at(2, 12)));
+        sc.keep_ahead(&id, Arc::new(at(2, 12)));
         assert!(sc.take_done(1).is_empty());
         assert_eq!(sc.lease(&id, 0).unwrap().id, 10);
         // Window 4: 2 and beyond stay, 0 and 1 are done with — unless in use.
         let reading = sc.lease(&id, 1).unwrap();
-        sc.keep(&id, Arc::new(at(4, 14)));
+        sc.keep_ahead(&id, Arc::new(at(4, 14)));
         assert_eq!(sc.take_done(1), vec![10]);
         assert!(sc.lease(&id, 0).is_none());
         assert_eq!(sc.lease(&id, 1).unwrap().id, reading.id);
@@ -745,18 +806,21 @@ mod tests {
         // The next block's first two windows keep the previous block (the reader may still
         // be in its last windows); its third releases it.
         let next = pb::BlockId { index: 1, ..id };
-        sc.keep(&next, Arc::new(at(0, 20)));
-        sc.keep(&next, Arc::new(at(1, 21)));
+        sc.keep_ahead(&next, Arc::new(at(0, 20)));
+        sc.keep_ahead(&next, Arc::new(at(1, 21)));
         assert!(sc.take_done(1).is_empty());
-        sc.keep(&next, Arc::new(at(2, 22)));
+        sc.keep_ahead(&next, Arc::new(at(2, 22)));
         let mut done = sc.take_done(1);
         done.sort_unstable();
         assert_eq!(done, vec![11, 12, 14]);
+        // A random reader's lease (not taken ahead) releases nothing.
+        sc.keep(&next, Arc::new(at(9, 29)));
+        assert!(sc.take_done(1).is_empty());
         // Closing the file releases the rest.
         sc.done_with_file(7, 1);
         let mut done = sc.take_done(1);
         done.sort_unstable();
-        assert_eq!(done, vec![20, 21, 22]);
+        assert_eq!(done, vec![20, 21, 22, 29]);
         assert!(sc.lease(&next, 0).is_none() && sc.lease(&next, 1).is_none());
     }
 
