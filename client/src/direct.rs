@@ -41,11 +41,48 @@ impl AsRef<[u8]> for Window {
     }
 }
 
+/// Reads up to this long use the calling thread's reused buffer (longer ones get their own).
+const REUSED: usize = 4 << 20;
+
 thread_local! {
     /// The calling thread's buffer: reused once every `Bytes` made from it is dropped (a FUSE
     /// reply is written before its thread reads again), so a sequential reader allocates,
     /// zeroes and faults in its buffer once.
     static BUFFER: RefCell<Option<Arc<Vec<u8>>>> = const { RefCell::new(None) };
+}
+
+/// `len` bytes that `fill` writes, handed out as `Bytes`. `fill` gets a slice aligned to
+/// [`ALIGN`] of `len` rounded up to it (bytes past `len` are not handed out); its error
+/// comes back as is. The memory is the calling thread's reused buffer when the bytes handed
+/// out from it before are all dropped: every read of block files (direct or not) goes
+/// through here, so a reader costs no allocation, zeroing or page faults per read.
+pub fn filled<E>(len: usize, fill: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<Bytes, E> {
+    let align = ALIGN as usize;
+    let span = len.next_multiple_of(align);
+    let need = span + align;
+    BUFFER.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        let unshared = |b: &Arc<Vec<u8>>| Arc::strong_count(b) == 1 && Arc::weak_count(b) == 0;
+        let mut buf = match slot.take() {
+            Some(b) if unshared(&b) && b.len() >= need => b,
+            other => {
+                *slot = other;
+                Arc::new(vec![0u8; need])
+            }
+        };
+        let off = buf.as_ptr().align_offset(align);
+        let v = Arc::get_mut(&mut buf).expect("a buffer that no Bytes holds");
+        fill(&mut v[off..off + span])?;
+        let out = Bytes::from_owner(Window {
+            buf: buf.clone(),
+            off,
+            len,
+        });
+        if need <= REUSED + align {
+            *slot = Some(buf);
+        }
+        Ok(out)
+    })
 }
 
 /// Reads exactly `len` bytes at `offset` (a multiple of [`ALIGN`]) of `file`, opened by
@@ -54,37 +91,19 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> Option<Bytes> {
     if !offset.is_multiple_of(ALIGN) || len == 0 {
         return None;
     }
-    let align = ALIGN as usize;
-    let span = len.next_multiple_of(align);
-    let need = span + align;
-    BUFFER.with(|slot| {
-        let mut slot = slot.borrow_mut();
-        let mut buf = match slot.take() {
-            Some(b) if Arc::strong_count(&b) == 1 && b.len() >= need => b,
-            _ => Arc::new(vec![0u8; need]),
-        };
-        let v = Arc::get_mut(&mut buf)?;
-        let off = v.as_ptr().align_offset(align);
-        let dst = &mut v[off..off + span];
+    filled(len, |dst| {
         let mut got = 0;
         while got < len {
             match file.read_at(&mut dst[got..], offset + got as u64) {
-                Ok(0) => break,
+                Ok(0) => return Err(()),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => break,
+                Err(_) => return Err(()),
             }
         }
-        let out = (got >= len).then(|| {
-            Bytes::from_owner(Window {
-                buf: buf.clone(),
-                off,
-                len,
-            })
-        });
-        *slot = Some(buf);
-        out
+        Ok(())
     })
+    .ok()
 }
 
 #[cfg(test)]

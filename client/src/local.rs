@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use granary_proto as pb;
 
 /// (inode, version, block index)
@@ -219,61 +219,38 @@ impl LocalLease {
         ps: u64,
         pages: &[(u64, u64, u32)],
     ) -> Result<Bytes, Miss> {
-        let mut out = read_buffer(len as usize);
-        for &(page_start, plen, crc) in pages {
-            let from = offset.max(page_start);
-            let to = (offset + len).min(page_start + plen);
-            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
-            let index = (page_start / ps) as u32;
-            if from == page_start && to == page_start + plen {
-                // The whole page: read it in place.
-                self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
-                if crc32c::crc32c(dst) != crc {
-                    return Err(Miss::Bad);
+        crate::direct::filled(len as usize, |out| {
+            for &(page_start, plen, crc) in pages {
+                let from = offset.max(page_start);
+                let to = (offset + len).min(page_start + plen);
+                let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
+                let index = (page_start / ps) as u32;
+                if from == page_start && to == page_start + plen {
+                    // The whole page: read it in place.
+                    self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                    if crc32c::crc32c(dst) != crc {
+                        return Err(Miss::Bad);
+                    }
+                    self.mark_verified(index);
+                } else if self.is_verified(index) {
+                    self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                } else {
+                    let mut whole = vec![0u8; plen as usize];
+                    self.file
+                        .read_exact_at(&mut whole, page_start)
+                        .map_err(|_| Miss::Bad)?;
+                    if crc32c::crc32c(&whole) != crc {
+                        return Err(Miss::Bad);
+                    }
+                    self.mark_verified(index);
+                    dst.copy_from_slice(
+                        &whole[(from - page_start) as usize..(to - page_start) as usize],
+                    );
                 }
-                self.mark_verified(index);
-            } else if self.is_verified(index) {
-                self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
-            } else {
-                let mut whole = vec![0u8; plen as usize];
-                self.file
-                    .read_exact_at(&mut whole, page_start)
-                    .map_err(|_| Miss::Bad)?;
-                if crc32c::crc32c(&whole) != crc {
-                    return Err(Miss::Bad);
-                }
-                self.mark_verified(index);
-                dst.copy_from_slice(
-                    &whole[(from - page_start) as usize..(to - page_start) as usize],
-                );
             }
-        }
-        Ok(out.freeze())
+            Ok(())
+        })
     }
-}
-
-/// Reads up to this long reuse their thread's buffer ([`read_buffer`]).
-const REUSED_READ_BUFFER: usize = 4 << 20;
-
-thread_local! {
-    static READ_BUFFER: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
-}
-
-/// A zeroed buffer of `len` bytes for a read. Up to [`REUSED_READ_BUFFER`] it comes from the
-/// calling thread's own buffer, whose memory is taken back once the bytes handed out before
-/// are dropped (a FUSE reply is written before its thread reads again): a warm sequential
-/// reader then costs no allocation, page faults or unmapping per read.
-fn read_buffer(len: usize) -> BytesMut {
-    if len > REUSED_READ_BUFFER {
-        return BytesMut::zeroed(len);
-    }
-    READ_BUFFER.with(|b| {
-        let mut b = b.borrow_mut();
-        b.clear();
-        b.reserve(len);
-        b.resize(len, 0);
-        b.split()
-    })
 }
 
 impl LocalLease {
@@ -758,11 +735,16 @@ mod tests {
         for _ in 0..3 {
             let first = l.read(0, 4096).unwrap();
             let second = l.read(4096, 4096).unwrap();
+            // Parts of pages: read through the page cache, into the same reused buffer.
+            let third = l.read(10, 100).unwrap();
+            let fourth = l.read(4106, 100).unwrap();
             assert!(
                 first.iter().all(|&b| b == 1),
                 "a later read overwrote held bytes"
             );
             assert!(second.iter().all(|&b| b == 2));
+            assert!(third.len() == 100 && third.iter().all(|&b| b == 1));
+            assert!(fourth.len() == 100 && fourth.iter().all(|&b| b == 2));
         }
     }
 
