@@ -675,10 +675,15 @@ impl Run {
     }
 
     /// Adds `chunk` (the bytes after those in `buf`) to the page being assembled, delivering
-    /// every page it completes.
+    /// every page it completes (a whole page at the front of `chunk` goes out as it is).
     fn feed(&mut self, buf: &mut BytesMut, chunk: &mut Bytes) {
         while !chunk.is_empty() && self.next < self.slots.len() {
-            let want = self.page_len(self.next) as usize - buf.len();
+            let page_len = self.page_len(self.next) as usize;
+            if buf.is_empty() && chunk.len() >= page_len {
+                self.deliver(chunk.split_to(page_len));
+                continue;
+            }
+            let want = page_len - buf.len();
             let take = want.min(chunk.len());
             buf.extend_from_slice(&chunk.split_to(take));
             if buf.len() == self.page_len(self.next) as usize {
@@ -755,6 +760,55 @@ impl Run {
         }
     }
 
+    /// The rest of a ranged GET answered by a local file (a folder under-store), starting at
+    /// object offset `at`: read a page at a time, each in one blocking step straight into
+    /// the page's buffer (`object_store` would stream it in 8 KiB chunks, a thread hand-off
+    /// and a copy each). A read that hangs (a stuck network file system) fails the part as
+    /// stalled after [`UFS_TIMEOUT`]; the blocking thread is left to finish.
+    async fn read_file(
+        &mut self,
+        file: std::fs::File,
+        mut at: u64,
+        loc: &pb::UfsLocation,
+        op: &crate::metrics::UfsOp,
+        buf: &mut BytesMut,
+    ) -> Result<(), FetchError> {
+        let f = self.fetcher.clone();
+        let file = Arc::new(file);
+        while self.next < self.slots.len() {
+            let want = self.page_len(self.next) - buf.len() as u64;
+            let read = {
+                let file = file.clone();
+                tokio::task::spawn_blocking(move || read_at_most(&file, at, want))
+            };
+            let failed = |e: String| {
+                let e = object_store::Error::Generic {
+                    store: "LocalFileSystem",
+                    source: e.into(),
+                };
+                f.classify(loc.mount_id, &loc.path, e)
+            };
+            let data = match tokio::time::timeout(UFS_TIMEOUT, read).await {
+                Ok(Ok(Ok(data))) => data,
+                Ok(Ok(Err(e))) => return Err(failed(e.to_string())),
+                Ok(Err(e)) => return Err(failed(e.to_string())),
+                Err(_) => return Err(stalled(&f, loc)),
+            };
+            if data.is_empty() {
+                return Ok(()); // shorter than recorded: the caller reports it
+            }
+            at += data.len() as u64;
+            f.metrics.ufs_read_bytes.inc_by(data.len() as u64);
+            f.metrics
+                .ufs
+                .bytes
+                .get_or_create(op)
+                .inc_by(data.len() as u64);
+            self.feed(buf, &mut Bytes::from(data));
+        }
+        Ok(())
+    }
+
     /// One ranged GET of `range` (block offsets), feeding the pages it completes as the
     /// body arrives (the partial page in `buf` goes on from where it is). Fails as
     /// unavailable when the store sends nothing for [`UFS_TIMEOUT`].
@@ -769,19 +823,18 @@ impl Run {
     ) -> Result<(), FetchError> {
         let f = self.fetcher.clone();
         let base = self.block.start;
-        let stalled = || {
-            f.metrics.ufs_errors.inc();
-            f.metrics.ufs.error(loc.mount_id, "get", "timeout");
-            FetchError::Unavailable(format!(
-                "under-store read of {} sent nothing for {UFS_TIMEOUT:?}",
-                loc.path
-            ))
-        };
+        let stalled = || stalled(&f, loc);
         let answer = ufs.get_range(&loc.path, expect, base + range.start..base + range.end);
         let answer = tokio::time::timeout(UFS_TIMEOUT, answer)
             .await
             .map_err(|_| stalled())?
             .map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
+        let answer = match answer.payload {
+            object_store::GetResultPayload::File(file, _) => {
+                return self.read_file(file, answer.range.start, loc, op, buf).await;
+            }
+            payload => object_store::GetResult { payload, ..answer },
+        };
         let mut body = answer.into_stream();
         loop {
             let chunk = match tokio::time::timeout(UFS_TIMEOUT, body.next()).await {
@@ -799,6 +852,27 @@ impl Run {
             self.feed(buf, &mut chunk);
         }
     }
+}
+
+/// Counts a stalled under-store read and says so.
+fn stalled(f: &Fetcher, loc: &pb::UfsLocation) -> FetchError {
+    f.metrics.ufs_errors.inc();
+    f.metrics.ufs.error(loc.mount_id, "get", "timeout");
+    FetchError::Unavailable(format!(
+        "under-store read of {} sent nothing for {UFS_TIMEOUT:?}",
+        loc.path
+    ))
+}
+
+/// Up to `len` bytes of `file` from offset `at` (fewer only at its end), read into a
+/// buffer of exactly that capacity without zeroing it first.
+fn read_at_most(file: &std::fs::File, at: u64, len: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = file;
+    file.seek(SeekFrom::Start(at))?;
+    let mut data = Vec::with_capacity(len as usize);
+    file.take(len).read_to_end(&mut data)?;
+    Ok(data)
 }
 
 #[cfg(test)]

@@ -345,3 +345,72 @@ async fn a_body_that_breaks_off_mid_page_is_resumed_at_the_byte_where_it_stopped
         "no byte was fetched twice"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
+    // A folder under-store answers with a local file, which the fetcher reads itself a page
+    // at a time; block 1 of the file starts 8 pages in and ends 100 bytes short of a page.
+    let data = object(12);
+    let r = rig(&[], 8, 1).await;
+    let folder = tempfile::tempdir().unwrap();
+    std::fs::write(folder.path().join("f"), &data).unwrap();
+    let local =
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(folder.path()).unwrap());
+    r.fetcher.stores.insert(
+        1,
+        Ufs {
+            store: local.clone(),
+            prefix: StorePath::default(),
+            part_size: 8 * PS,
+            part_concurrency: 1,
+        },
+    );
+    let meta = local.head(&StorePath::from("f")).await.unwrap();
+    let start = 8 * PS;
+    let len = data.len() as u64 - start;
+    let b = Arc::new(BlockRef {
+        desc: pb::BlockDescriptor {
+            id: Some(pb::BlockId {
+                inode: 5,
+                version: 1,
+                index: 1,
+            }),
+            ufs: Some(pb::UfsLocation {
+                mount_id: 1,
+                path: "f".into(),
+            }),
+            fingerprint: Some(pb::Fingerprint {
+                etag: meta.e_tag.unwrap_or_default(),
+                size: meta.size,
+                mtime_ms: meta.last_modified.timestamp_millis(),
+                ..Default::default()
+            }),
+            file_length: data.len() as u64,
+            block_size: start,
+        },
+        key: (5, 1, 1),
+        start,
+        len,
+    });
+    let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
+    assert_eq!(src, Source::UnderStore);
+    let at = (start + PS) as usize;
+    assert_eq!(&p1[..], &data[at..at + PS as usize]);
+    wait_idle(&r.fetcher).await;
+    for page in 1..4u64 {
+        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        assert_eq!(src, Source::Cache, "page {page}");
+        let at = (start + page * PS) as usize;
+        assert_eq!(
+            &bytes[..],
+            &data[at..data.len().min(at + PS as usize)],
+            "page {page}"
+        );
+    }
+    assert_eq!(r.metrics.ufs_requests.get(), 1, "one GET for pages 1..=3");
+    assert_eq!(
+        r.metrics.ufs_read_bytes.get(),
+        len - PS,
+        "each byte read once"
+    );
+}
