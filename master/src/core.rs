@@ -28,6 +28,21 @@ pub struct MasterCore {
 }
 
 impl MasterCore {
+    /// The live workers holding block `b`.
+    pub fn holders_of(&self, b: &pb::BlockId) -> Vec<pb::WorkerAddress> {
+        self.blocks
+            .workers_of(b)
+            .into_iter()
+            .filter_map(|id| self.workers.get(id))
+            .filter(|w| self.workers.is_live(w))
+            .map(|w| pb::WorkerAddress {
+                worker_id: w.id,
+                address: w.address,
+                host: w.host,
+            })
+            .collect()
+    }
+
     /// Fails with `NotLeader` (and the leader's address) unless this master leads. Worker
     /// membership and block locations live on the leader only; when it starts a new term it
     /// forgets what it knew before, so workers re-register with full reports.

@@ -457,15 +457,29 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                     continue;
                 }
                 *per_worker.entry(wid).or_default() += 1;
-                let descs: Vec<pb::BlockDescriptor> = items
+                // Each block with the other workers holding it now (peers to copy from).
+                // A further replica's first copy is usually still on its way, so its
+                // worker asks when it gets to the block rather than fetching it again.
+                let (blocks, holders) = items
                     .iter()
                     .filter_map(|i| {
                         let f = loading.get(&i.inode)?;
-                        descriptor(&f.inode, &f.path, i.index)
+                        let d = descriptor(&f.inode, &f.path, i.index)?;
+                        let known = i.rank == 0;
+                        let workers = match (known, d.id) {
+                            (true, Some(id)) => core
+                                .holders_of(&id)
+                                .into_iter()
+                                .filter(|h| h.worker_id != wid)
+                                .collect(),
+                            _ => Vec::new(),
+                        };
+                        Some((d, pb::BlockHolders { known, workers }))
                     })
-                    .collect();
+                    .unzip();
+                let task = pb::LoadBlocksRequest { blocks, holders };
                 in_flight.push(async move {
-                    let res = load_on(&w.address, descs).await;
+                    let res = load_on(&w.address, task).await;
                     (wid, items, res)
                 });
             }
@@ -599,14 +613,14 @@ impl Report {
 /// Sends one task to a worker.
 async fn load_on(
     address: &str,
-    blocks: Vec<pb::BlockDescriptor>,
+    task: pb::LoadBlocksRequest,
 ) -> Result<pb::LoadBlocksResponse, String> {
     let ch = granary_common::grpc::channel(address)
         .map_err(|e| format!("bad worker address {address}: {e}"))?;
     let mut client = WorkerServiceClient::new(ch)
         .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
-    let mut req = tonic::Request::new(pb::LoadBlocksRequest { blocks });
+    let mut req = tonic::Request::new(task);
     req.set_timeout(TASK_TIMEOUT);
     match tokio::time::timeout(TASK_TIMEOUT, client.load_blocks(req)).await {
         Ok(Ok(r)) => Ok(r.into_inner()),

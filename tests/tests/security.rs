@@ -397,7 +397,7 @@ fn roles_decide_who_may_administer() {
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
         let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&admin_creds)));
         let e = wc
-            .load_blocks(pb::LoadBlocksRequest { blocks: vec![] })
+            .load_blocks(pb::LoadBlocksRequest::default())
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
@@ -1049,6 +1049,28 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             matches!(e.code(), InvalidArgument | NotFound | FailedPrecondition),
             "{e:?}"
         );
+        // A load task (a node's call) naming the holders of some of its blocks only, and
+        // one of more blocks than a task may carry.
+        let node = creds_in(&TestTls::get().identity("node"));
+        let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&node)));
+        let desc = block(0, 10).block.unwrap();
+        let e = wc
+            .load_blocks(pb::LoadBlocksRequest {
+                blocks: vec![desc.clone(), desc.clone()],
+                holders: vec![pb::BlockHolders::default()],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), InvalidArgument, "{e:?}");
+        assert!(e.message().contains("holders"), "{e:?}");
+        let e = wc
+            .load_blocks(pb::LoadBlocksRequest {
+                blocks: vec![desc; 257],
+                holders: vec![],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), InvalidArgument, "{e:?}");
     });
     // Nothing changed, and both servers still serve.
     let after = master_call(&master.addr, Some(&admin)).unwrap();

@@ -539,19 +539,7 @@ impl MasterService for MasterRpc {
             .blocks
             .into_iter()
             .map(|b| {
-                let workers = self
-                    .core
-                    .blocks
-                    .workers_of(&b)
-                    .into_iter()
-                    .filter_map(|id| self.core.workers.get(id))
-                    .filter(|w| self.core.workers.is_live(w))
-                    .map(|w| pb::WorkerAddress {
-                        worker_id: w.id,
-                        address: w.address,
-                        host: w.host,
-                    })
-                    .collect();
+                let workers = self.core.holders_of(&b);
                 pb::BlockLocations {
                     block: Some(b),
                     workers,

@@ -55,13 +55,18 @@ fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
 /// Caches every page of one block (a load task): pages already cached cost nothing, the
 /// others are fetched as a read would fetch them (from a peer holding them, else the
 /// under-store, in parts). Returns the bytes of the pages that were not cached, or why the block is not all cached.
-async fn load_block(fetcher: &Arc<Fetcher>, desc: pb::BlockDescriptor) -> Result<u64, String> {
+async fn load_block(
+    fetcher: &Arc<Fetcher>,
+    desc: pb::BlockDescriptor,
+    holders: Option<Vec<pb::WorkerAddress>>,
+) -> Result<u64, String> {
     let (start, len) = block_extent(&desc).map_err(|s| s.message().to_string())?;
     let block = Arc::new(BlockRef {
         len,
         start,
         key: block_key(&desc.id.unwrap_or_default()),
         desc,
+        holders,
     });
     let ps = fetcher.store.page_size;
     let pages = block.len.div_ceil(ps);
@@ -275,6 +280,7 @@ impl WorkerService for WorkerRpc {
             start: p.block_start,
             key,
             desc,
+            holders: None,
         });
         let first = p.offset / ps;
         let last = (p.end - 1) / ps;
@@ -331,20 +337,35 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<pb::LoadBlocksRequest>,
     ) -> Result<Response<pb::LoadBlocksResponse>, Status> {
-        let blocks = req.into_inner().blocks;
+        let task = req.into_inner();
+        let blocks = task.blocks;
         if blocks.len() > MAX_LOAD_BLOCKS {
             return Err(Status::invalid_argument(format!(
                 "a load task may carry at most {MAX_LOAD_BLOCKS} blocks, not {}",
                 blocks.len()
             )));
         }
+        let holders: Vec<Option<Vec<pb::WorkerAddress>>> = match task.holders.len() {
+            0 => vec![None; blocks.len()],
+            n if n == blocks.len() => task
+                .holders
+                .into_iter()
+                .map(|h| h.known.then_some(h.workers))
+                .collect(),
+            n => {
+                return Err(Status::invalid_argument(format!(
+                    "a load task names the holders of each of its {} blocks or of none, not of {n}",
+                    blocks.len()
+                )))
+            }
+        };
         let fetcher = self.fetcher.clone();
-        let results = futures::stream::iter(blocks)
-            .map(|desc| {
+        let results = futures::stream::iter(blocks.into_iter().zip(holders))
+            .map(|(desc, holders)| {
                 let fetcher = fetcher.clone();
                 async move {
                     let id = desc.id.unwrap_or_default();
-                    let (error, fetched_bytes) = match load_block(&fetcher, desc).await {
+                    let (error, fetched_bytes) = match load_block(&fetcher, desc, holders).await {
                         Ok(n) => (String::new(), n),
                         Err(e) => (e, 0),
                     };

@@ -125,6 +125,9 @@ pub struct BlockRef {
     pub start: u64,
     /// Bytes in the block.
     pub len: u64,
+    /// The workers that held the block when its load task was made (peers to copy from);
+    /// `None`: ask the master before filling from the under-store.
+    pub holders: Option<Vec<pb::WorkerAddress>>,
 }
 
 type Outcome = Option<Result<Bytes, FetchError>>;
@@ -707,14 +710,17 @@ impl Run {
         if f.worker_id == 0 {
             return; // not a registered worker (tests): no peers
         }
-        let ask = f.master.block_locations(vec![id]);
-        let Ok(Ok(locations)) = tokio::time::timeout(LOCATIONS_TIMEOUT, ask).await else {
-            return; // the master is busy or away: the store serves this part
+        let holders = match &self.block.holders {
+            Some(known) => known.clone(),
+            None => {
+                let ask = f.master.block_locations(vec![id]);
+                let Ok(Ok(locations)) = tokio::time::timeout(LOCATIONS_TIMEOUT, ask).await else {
+                    return; // the master is busy or away: the store serves this part
+                };
+                locations.into_iter().flat_map(|l| l.workers).collect()
+            }
         };
-        let peers = locations
-            .into_iter()
-            .flat_map(|l| l.workers)
-            .filter(|w| w.worker_id != f.worker_id);
+        let peers = holders.into_iter().filter(|w| w.worker_id != f.worker_id);
         let ps = f.store.page_size;
         let end = self
             .block

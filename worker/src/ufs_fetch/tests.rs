@@ -86,6 +86,7 @@ async fn block(r: &Rig, len: u64) -> Arc<BlockRef> {
         key: (5, 1, 0),
         start: 0,
         len,
+        holders: None,
     })
 }
 
@@ -391,6 +392,7 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
         key: (5, 1, 1),
         start,
         len,
+        holders: None,
     });
     let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
     assert_eq!(src, Source::UnderStore);
