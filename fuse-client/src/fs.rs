@@ -8,9 +8,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, Request, WriteFlags,
+    InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
+    ReplyStatfs, ReplyWrite, Request, WriteFlags,
 };
 use granary_client::FileSystem;
 use granary_proto as pb;
@@ -815,6 +815,23 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         self.on_writer(fh, reply, |w, h| async move { w.fsync(&h).await });
+    }
+
+    /// No ioctl is supported: a regular file's answer, `ENOTTY`, on this thread. Python's
+    /// `open()` asks every file it opens whether it is a terminal (`TCGETS`), and the
+    /// kernel forwards each such call (fuser's default answer also logged a warning per call).
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
     }
 
     fn mkdir(

@@ -81,7 +81,7 @@ fn a_hung_under_store_fails_uncached_reads_with_eio_and_the_mount_lives() {
 }
 
 #[test]
-fn names_over_255_bytes_get_enametoolong() {
+fn names_over_255_bytes_get_enametoolong_and_ioctls_get_enotty() {
     let tmp = tempfile::Builder::new()
         .prefix("granary-names-")
         .tempdir()
@@ -103,6 +103,20 @@ fn names_over_255_bytes_get_enametoolong() {
     assert_eq!(errno_of(&long), "0", "a 255-byte name is fine");
     assert_eq!(errno_of(&"n".repeat(256)), "36", "ENAMETOOLONG");
     assert_eq!(errno_of("missing"), "2", "ENOENT");
+    // Python's open() asks each file whether it is a terminal (an ioctl the kernel hands
+    // to the daemon): a regular file's answer, quietly.
+    let ioctl = sh(&format!(
+        "python3 -c 'import fcntl,os,sys,termios\nf=open(sys.argv[1],\"rb\")\nprint(f.isatty())\ntry:\n fcntl.ioctl(f.fileno(), termios.TCGETS, bytes(64)); print(0)\nexcept OSError as e: print(e.errno)' '{}'",
+        c.data().join(&long).display()
+    ))
+    .unwrap();
+    assert_eq!(
+        ioctl.split_whitespace().collect::<Vec<_>>(),
+        ["False", "25"],
+        "ENOTTY"
+    );
+    let log = c.fuse.proc.log_text();
+    assert!(!log.contains("Not Implemented"), "{log}");
 }
 
 /// Resident memory of a process, in bytes.
