@@ -21,11 +21,18 @@ pub const ALIGN: u64 = 4096;
 
 /// Opens `path` for direct reads; `None` where its file system refuses `O_DIRECT`.
 pub fn open(path: &Path) -> Option<File> {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
-        .open(path)
-        .ok()
+    open_for_reading(path, nix::fcntl::OFlag::O_DIRECT.bits()).ok()
+}
+
+/// Opens a block file for reading (with `flags` added) without updating its access time:
+/// reading cached pages should not dirty the worker's inodes. Where that is not allowed (a
+/// reader that neither owns the file nor has `CAP_FOWNER`), it opens it as usual.
+pub fn open_for_reading(path: &Path, flags: i32) -> std::io::Result<File> {
+    let open = |flags: i32| OpenOptions::new().read(true).custom_flags(flags).open(path);
+    match open(flags | nix::fcntl::OFlag::O_NOATIME.bits()) {
+        Err(e) if e.raw_os_error() == Some(nix::libc::EPERM) => open(flags),
+        opened => opened,
+    }
 }
 
 /// A buffer with an aligned window in it; the bytes handed out are `buf[off..off + len]`.

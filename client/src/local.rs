@@ -18,8 +18,9 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -62,7 +63,11 @@ pub struct LocalLease {
     /// The pages the lease could cover: [first, first + window).
     first: u32,
     window: u32,
-    file: File,
+    /// The block file, for reads through the page cache: opened with the lease when direct
+    /// reads are not possible, else at the first read that needs it (a small file read
+    /// whole never does, which saves an open per file).
+    file: OnceLock<File>,
+    path: PathBuf,
     /// The same block file opened for direct reads (`None`: its file system refuses them).
     direct: Option<File>,
     page_size: u64,
@@ -97,15 +102,12 @@ impl LocalLease {
         r: &pb::LeaseLocalBlockResponse,
         sent: Instant,
     ) -> std::io::Result<Self> {
-        let file = File::open(&r.path)?;
-        let direct = crate::direct::open(std::path::Path::new(&r.path));
-        // Block files are read front to back: let the kernel read ahead further.
-        let _ = nix::fcntl::posix_fadvise(
-            std::os::fd::AsRawFd::as_raw_fd(&file),
-            0,
-            0,
-            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
-        );
+        let path = PathBuf::from(&r.path);
+        let direct = crate::direct::open(&path);
+        let file = OnceLock::new();
+        if direct.is_none() {
+            let _ = file.set(open_buffered(&path)?);
+        }
         let first = r.pages.first().map_or(0, |p| p.index);
         Ok(Self {
             worker_id,
@@ -113,6 +115,7 @@ impl LocalLease {
             first,
             window: r.window_pages.max(1),
             file,
+            path,
             direct,
             page_size: r.page_size.max(1),
             pages: r
@@ -124,6 +127,15 @@ impl LocalLease {
             until: sent + Duration::from_millis(r.lease_ms),
             taken: sent,
         })
+    }
+
+    /// The block file for reads through the page cache, opened now if not yet.
+    fn file(&self) -> std::io::Result<&File> {
+        if let Some(f) = self.file.get() {
+            return Ok(f);
+        }
+        let f = open_buffered(&self.path)?;
+        Ok(self.file.get_or_init(|| f))
     }
 
     fn usable(&self, now: Instant) -> bool {
@@ -219,6 +231,7 @@ impl LocalLease {
         ps: u64,
         pages: &[(u64, u64, u32)],
     ) -> Result<Bytes, Miss> {
+        let file = self.file().map_err(|_| Miss::Bad)?;
         crate::direct::filled(len as usize, |out| {
             for &(page_start, plen, crc) in pages {
                 let from = offset.max(page_start);
@@ -227,17 +240,16 @@ impl LocalLease {
                 let index = (page_start / ps) as u32;
                 if from == page_start && to == page_start + plen {
                     // The whole page: read it in place.
-                    self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                    file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
                     if crc32c::crc32c(dst) != crc {
                         return Err(Miss::Bad);
                     }
                     self.mark_verified(index);
                 } else if self.is_verified(index) {
-                    self.file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                    file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
                 } else {
                     let mut whole = vec![0u8; plen as usize];
-                    self.file
-                        .read_exact_at(&mut whole, page_start)
+                    file.read_exact_at(&mut whole, page_start)
                         .map_err(|_| Miss::Bad)?;
                     if crc32c::crc32c(&whole) != crc {
                         return Err(Miss::Bad);
@@ -264,13 +276,14 @@ impl LocalLease {
             .map(|p| u32::try_from(p).ok().and_then(|i| self.pages.get(&i)))
             .map(|m| m.map_or(0, |(l, _)| u64::from(*l)))
             .sum();
-        if held != len || self.file.metadata().ok()?.len() != len {
+        let file = self.file().ok()?;
+        if held != len || file.metadata().ok()?.len() != len {
             return None;
         }
         if checksums {
             // The whole file is read now: let the kernel fetch it from the disk in parallel.
             let _ = nix::fcntl::posix_fadvise(
-                std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                std::os::fd::AsRawFd::as_raw_fd(file),
                 0,
                 len as i64,
                 nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
@@ -283,11 +296,24 @@ impl LocalLease {
         }
         // A descriptor of its own (not a dup sharing the lease's read-ahead state), so each
         // passthrough open starts with fresh sequential read-ahead.
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        let fd = std::os::fd::AsRawFd::as_raw_fd(file);
         File::open(format!("/proc/self/fd/{fd}"))
-            .or_else(|_| self.file.try_clone())
+            .or_else(|_| file.try_clone())
             .ok()
     }
+}
+
+/// Opens a block file for reads through the page cache. Block files are read front to
+/// back: the kernel may read ahead further.
+fn open_buffered(path: &Path) -> std::io::Result<File> {
+    let file = crate::direct::open_for_reading(path, 0)?;
+    let _ = nix::fcntl::posix_fadvise(
+        std::os::fd::AsRawFd::as_raw_fd(&file),
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
+    );
+    Ok(file)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -705,13 +731,14 @@ mod tests {
         };
         let total = MAX_LEASES as u64 + 10;
         for i in 0..total {
-            let f = l.file.try_clone().unwrap();
+            let f = l.file().unwrap().try_clone().unwrap();
             let lease = LocalLease {
                 worker_id: 1,
                 id: i,
                 first: 0,
                 window: 16,
-                file: f,
+                file: OnceLock::from(f),
+                path: l.path.clone(),
                 direct: None,
                 page_size: 4096,
                 pages: l.pages.clone(),
@@ -725,6 +752,23 @@ mod tests {
         assert!(sc.lease(&id(0), 0).is_none());
         assert!((total - 700..total).all(|i| sc.lease(&id(i), 0).is_some()));
         assert!(lock(&sc.leases).len() <= MAX_LEASES);
+    }
+
+    #[test]
+    fn whole_pages_read_directly_open_no_second_descriptor() {
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
+        let (_d, l) = lease_over(&data, 4096, 60_000);
+        if l.direct.is_none() {
+            eprintln!("skipped: no O_DIRECT on the test's file system");
+            return;
+        }
+        assert_eq!(&l.read(0, 8192).unwrap()[..], &data[..]);
+        assert!(
+            l.file.get().is_none(),
+            "a read of whole pages opened the buffered descriptor"
+        );
+        assert_eq!(&l.read(10, 100).unwrap()[..], &data[10..110]);
+        assert!(l.file.get().is_some(), "a part of a page is read buffered");
     }
 
     #[test]
@@ -756,7 +800,8 @@ mod tests {
             id: lease_id,
             first: window * LEASE_WINDOW_PAGES,
             window: LEASE_WINDOW_PAGES,
-            file: l.file.try_clone().unwrap(),
+            file: OnceLock::from(l.file().unwrap().try_clone().unwrap()),
+            path: l.path.clone(),
             direct: None,
             page_size: 4096,
             pages: l.pages.clone(),
