@@ -213,6 +213,7 @@ pub async fn start(
         host: config.node_name.clone(),
         interval: config.heartbeat_interval,
         grant_keys: grant_keys.clone(),
+        fetcher: fetcher.clone(),
     };
     tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
 

@@ -568,6 +568,7 @@ impl MasterService for MasterRpc {
         Ok(Response::new(pb::RegisterWorkerResponse {
             heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
             grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
+            workers: self.core.workers.known(self.core.heartbeat_interval * 3),
         }))
     }
 
@@ -616,6 +617,7 @@ impl MasterService for MasterRpc {
             pinned_inodes,
             pins_generation,
             grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
+            workers: self.core.workers.known(self.core.heartbeat_interval * 3),
         }))
     }
 

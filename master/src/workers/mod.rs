@@ -115,6 +115,15 @@ impl WorkerRegistry {
         !w.lost && w.last_heartbeat.elapsed() < self.timeout
     }
 
+    /// How many workers this leader knows (live or not), or 0 while its term is younger than
+    /// `settle` (workers of the last leader may not have registered again yet).
+    pub fn known(&self, settle: Duration) -> u32 {
+        if self.term_age() < settle {
+            return 0;
+        }
+        u32::try_from(self.lock().len()).unwrap_or(u32::MAX)
+    }
+
     pub fn all(&self) -> Vec<WorkerEntry> {
         let mut v: Vec<WorkerEntry> = self.lock().values().cloned().collect();
         v.sort_by_key(|w| w.id);

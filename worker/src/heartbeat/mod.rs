@@ -23,6 +23,8 @@ pub struct Heartbeat {
     pub interval: Duration,
     /// Where the leaders' grant-signing keys go.
     pub grant_keys: Arc<granary_common::grant::GrantKeys>,
+    /// Where the number of workers the leader knows goes (see [`Fetcher::note_workers`]).
+    pub fetcher: Arc<crate::ufs_fetch::Fetcher>,
 }
 
 impl Heartbeat {
@@ -68,6 +70,7 @@ impl Heartbeat {
         if let Some(k) = &r.grant_key {
             self.grant_keys.learn(k);
         }
+        self.fetcher.note_workers(r.workers);
         Ok(Duration::from_millis(r.heartbeat_interval_ms).max(Duration::from_millis(100)))
     }
 
@@ -120,6 +123,7 @@ impl Heartbeat {
                         if let Some(k) = &r.grant_key {
                             self.grant_keys.learn(k);
                         }
+                        self.fetcher.note_workers(r.workers);
                         if r.pins_changed {
                             let set: std::collections::HashSet<u64> =
                                 r.pinned_inodes.iter().copied().collect();
@@ -140,6 +144,7 @@ impl Heartbeat {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "heartbeat failed; will register again");
+                        self.fetcher.note_workers(0);
                         need_register = true;
                     }
                 }

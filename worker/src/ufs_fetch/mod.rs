@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -172,6 +172,9 @@ pub struct Fetcher {
     /// Fetched pages waiting to be written into the cache, and the threads writing them.
     commits: Mutex<VecDeque<Commit>>,
     committers: AtomicUsize,
+    /// Whether the leader said at the last registration or heartbeat that it knows no
+    /// other worker: then no peer can hold a block, and a fill does not ask who does.
+    alone: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -291,7 +294,14 @@ impl Fetcher {
             metrics,
             commits: Mutex::new(VecDeque::new()),
             committers: AtomicUsize::new(0),
+            alone: AtomicBool::new(false),
         }
+    }
+
+    /// Notes how many workers the leader knows, this one included (0: not said, or no
+    /// answer: peers are asked for again).
+    pub fn note_workers(&self, workers: u32) {
+        self.alone.store(workers == 1, Ordering::Relaxed);
     }
 
     pub fn with_worker_id(mut self, id: u64) -> Self {
@@ -709,6 +719,9 @@ impl Run {
         };
         if f.worker_id == 0 {
             return; // not a registered worker (tests): no peers
+        }
+        if self.block.holders.is_none() && f.alone.load(Ordering::Relaxed) {
+            return; // the only worker: nobody to ask (one round trip less per cold read)
         }
         let holders = match &self.block.holders {
             Some(known) => known.clone(),

@@ -20,6 +20,18 @@ struct Rig {
 /// A fetcher over an in-memory store with `object` at "f", parts of `part_pages` pages and
 /// `concurrency` parts of read-ahead.
 async fn rig(object: &[u8], part_pages: u64, concurrency: usize) -> Rig {
+    rig_with(object, part_pages, concurrency, "127.0.0.1:1", 0).await
+}
+
+/// [`rig`] with the fetcher's master address and worker id (0: an unregistered worker,
+/// which never looks for peers).
+async fn rig_with(
+    object: &[u8],
+    part_pages: u64,
+    concurrency: usize,
+    master: &str,
+    worker_id: u64,
+) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let metrics = WorkerMetrics::default();
     let pages = PageStore::open(
@@ -35,11 +47,14 @@ async fn rig(object: &[u8], part_pages: u64, concurrency: usize) -> Rig {
         .put(&StorePath::from("f"), PutPayload::from(object.to_vec()))
         .await
         .unwrap();
-    let fetcher = Arc::new(Fetcher::new(
-        MasterClient::new("127.0.0.1:1").unwrap(),
-        TieredStore::single(pages),
-        metrics.clone(),
-    ));
+    let fetcher = Arc::new(
+        Fetcher::new(
+            MasterClient::new(master).unwrap(),
+            TieredStore::single(pages),
+            metrics.clone(),
+        )
+        .with_worker_id(worker_id),
+    );
     fetcher.stores.insert(
         1,
         Ufs {
@@ -414,5 +429,66 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
         r.metrics.ufs_read_bytes.get(),
         len - PS,
         "each byte read once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_told_it_is_alone_asks_no_one_for_peers() {
+    // A "master" that takes connections and never answers: a lookup of peers is seen as a
+    // connection, and ends at its deadline (the store then serves the page).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = asked.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            held.push(conn);
+        }
+    });
+    let data = object(2);
+    let r = rig_with(&data, 2, 1, &master, 7).await;
+    let b = block(&r, data.len() as u64).await;
+    let other = |inode: u64, holders: Option<Vec<pb::WorkerAddress>>| {
+        let mut desc = b.desc.clone();
+        desc.id = Some(pb::BlockId {
+            inode,
+            version: 1,
+            index: 0,
+        });
+        Arc::new(BlockRef {
+            desc,
+            key: (inode, 1, 0),
+            start: 0,
+            len: b.len,
+            holders,
+        })
+    };
+    r.fetcher.note_workers(1);
+    let (p0, src) = r.fetcher.page(&b, 0, true).await.unwrap();
+    assert_eq!(src, Source::UnderStore);
+    assert_eq!(&p0[..], &data[..PS as usize]);
+    assert_eq!(
+        asked.load(Ordering::SeqCst),
+        0,
+        "the only worker asked for peers"
+    );
+    // Told of another worker: the next fill asks first.
+    r.fetcher.note_workers(2);
+    let (p0, _) = r.fetcher.page(&other(6, None), 0, true).await.unwrap();
+    assert_eq!(&p0[..], &data[..PS as usize]);
+    assert!(asked.load(Ordering::SeqCst) >= 1, "no lookup of peers");
+    // Holders named by a load task are used as they are, alone or not.
+    r.fetcher.note_workers(0);
+    let before = asked.load(Ordering::SeqCst);
+    r.fetcher
+        .page(&other(8, Some(Vec::new())), 0, true)
+        .await
+        .unwrap();
+    assert_eq!(
+        asked.load(Ordering::SeqCst),
+        before,
+        "asked despite known holders"
     );
 }
