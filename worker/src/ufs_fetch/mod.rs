@@ -596,6 +596,12 @@ impl Fetcher {
         });
     }
 
+    /// Counts `n` bytes read from the under-store by `op`.
+    fn count_read(&self, op: &crate::metrics::UfsOp, n: usize) {
+        self.metrics.ufs_read_bytes.inc_by(n as u64);
+        self.metrics.ufs.bytes.get_or_create(op).inc_by(n as u64);
+    }
+
     /// Records an under-store error of mount `mount_id` and turns it into a [`FetchError`].
     fn classify(&self, mount_id: u64, path: &str, e: object_store::Error) -> FetchError {
         self.metrics.ufs_errors.inc();
@@ -817,12 +823,7 @@ impl Run {
                 return Ok(()); // shorter than recorded: the caller reports it
             }
             at += data.len() as u64;
-            f.metrics.ufs_read_bytes.inc_by(data.len() as u64);
-            f.metrics
-                .ufs
-                .bytes
-                .get_or_create(op)
-                .inc_by(data.len() as u64);
+            f.count_read(op, data.len());
             self.feed(buf, &mut Bytes::from(data));
         }
         Ok(())
@@ -862,12 +863,7 @@ impl Run {
                 Err(_) => return Err(stalled()),
             };
             let mut chunk = chunk.map_err(|e| f.classify(loc.mount_id, &loc.path, e))?;
-            f.metrics.ufs_read_bytes.inc_by(chunk.len() as u64);
-            f.metrics
-                .ufs
-                .bytes
-                .get_or_create(op)
-                .inc_by(chunk.len() as u64);
+            f.count_read(op, chunk.len());
             self.feed(buf, &mut chunk);
         }
     }

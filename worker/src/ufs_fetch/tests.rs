@@ -72,7 +72,7 @@ async fn rig_with(
     }
 }
 
-async fn fingerprint(store: &InMemory) -> pb::Fingerprint {
+async fn fingerprint<S: object_store::ObjectStore>(store: &S) -> pb::Fingerprint {
     let meta = store.head(&StorePath::from("f")).await.unwrap();
     pb::Fingerprint {
         etag: meta.e_tag.unwrap_or_default(),
@@ -83,23 +83,35 @@ async fn fingerprint(store: &InMemory) -> pb::Fingerprint {
 }
 
 async fn block(r: &Rig, len: u64) -> Arc<BlockRef> {
+    block_of_f(0, 0, len, len, fingerprint(r.store.as_ref()).await)
+}
+
+/// Block `index` of object "f" of inode 5 (`block_size` bytes per block), `len` bytes from
+/// byte `start`.
+fn block_of_f(
+    index: u32,
+    start: u64,
+    len: u64,
+    block_size: u64,
+    fingerprint: pb::Fingerprint,
+) -> Arc<BlockRef> {
     Arc::new(BlockRef {
         desc: pb::BlockDescriptor {
             id: Some(pb::BlockId {
                 inode: 5,
                 version: 1,
-                index: 0,
+                index,
             }),
             ufs: Some(pb::UfsLocation {
                 mount_id: 1,
                 path: "f".into(),
             }),
-            fingerprint: Some(fingerprint(&r.store).await),
-            file_length: len,
-            block_size: len,
+            fingerprint: Some(fingerprint),
+            file_length: start + len,
+            block_size,
         },
-        key: (5, 1, 0),
-        start: 0,
+        key: (5, 1, index),
+        start,
         len,
         holders: None,
     })
@@ -381,34 +393,9 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
             part_concurrency: 1,
         },
     );
-    let meta = local.head(&StorePath::from("f")).await.unwrap();
     let start = 8 * PS;
     let len = data.len() as u64 - start;
-    let b = Arc::new(BlockRef {
-        desc: pb::BlockDescriptor {
-            id: Some(pb::BlockId {
-                inode: 5,
-                version: 1,
-                index: 1,
-            }),
-            ufs: Some(pb::UfsLocation {
-                mount_id: 1,
-                path: "f".into(),
-            }),
-            fingerprint: Some(pb::Fingerprint {
-                etag: meta.e_tag.unwrap_or_default(),
-                size: meta.size,
-                mtime_ms: meta.last_modified.timestamp_millis(),
-                ..Default::default()
-            }),
-            file_length: data.len() as u64,
-            block_size: start,
-        },
-        key: (5, 1, 1),
-        start,
-        len,
-        holders: None,
-    });
+    let b = block_of_f(1, start, len, start, fingerprint(local.as_ref()).await);
     let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
     assert_eq!(src, Source::UnderStore);
     let at = (start + PS) as usize;
