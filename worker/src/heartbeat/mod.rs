@@ -23,7 +23,8 @@ pub struct Heartbeat {
     pub interval: Duration,
     /// Where the leaders' grant-signing keys go.
     pub grant_keys: Arc<granary_common::grant::GrantKeys>,
-    /// Where the number of workers the leader knows goes (see [`Fetcher::note_workers`]).
+    /// Where the number of workers the leader knows goes
+    /// ([`note_workers`](crate::ufs_fetch::Fetcher::note_workers)).
     pub fetcher: Arc<crate::ufs_fetch::Fetcher>,
 }
 
