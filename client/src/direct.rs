@@ -78,7 +78,8 @@ pub fn filled<E>(len: usize, fill: impl FnOnce(&mut [u8]) -> Result<(), E>) -> R
             }
         };
         let off = buf.as_ptr().align_offset(align);
-        let v = Arc::get_mut(&mut buf).expect("a buffer that no Bytes holds");
+        // Unshared here (checked above, or new): no copy is made.
+        let v = Arc::make_mut(&mut buf);
         fill(&mut v[off..off + span])?;
         let out = Bytes::from_owner(Window {
             buf: buf.clone(),
