@@ -322,6 +322,15 @@ pub struct FuseOpts {
     /// kernel page cache).
     #[arg(long, env = "GRANARY_PASSTHROUGH_MIN_SIZE", value_parser = size, default_value = "1MiB")]
     pub passthrough_min_size: u64,
+    /// Small files pushed into the kernel's page cache ahead of a program reading a folder's
+    /// files in name order (tar, cp -r, a loader over sorted samples), once the kernel is
+    /// seen not to hold them: read from this node's worker, so the program's reads need no
+    /// round trip to the daemon. 0 turns it off; random-order readers never trigger it.
+    #[arg(long, env = "GRANARY_PUSH_AHEAD_FILES", default_value_t = granary_fuse::DEFAULT_PUSH_AHEAD)]
+    pub push_ahead_files: usize,
+    /// Largest file pushed ahead (see --push-ahead-files).
+    #[arg(long, env = "GRANARY_PUSH_MAX_SIZE", value_parser = size, default_value = "1MiB")]
+    pub push_max_size: u64,
     /// Deadline of every mount operation that waits on the network (a read, a lookup): on
     /// expiry it fails with EIO, is logged and counted, and the mount carries on.
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]

@@ -42,6 +42,8 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.read_ahead = o.read_ahead;
     c.passthrough = !o.no_passthrough && !o.no_short_circuit;
     c.passthrough_min_size = o.passthrough_min_size;
+    c.push_ahead = o.push_ahead_files;
+    c.push_max_size = o.push_max_size;
     c.op_timeout = o.op_timeout;
     c.max_memory = o.max_memory;
     c.read_only = o.read_only;

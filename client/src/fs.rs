@@ -352,6 +352,32 @@ impl FileSystem {
         self.recent_status(inode)
     }
 
+    /// The entry after `inode` in its folder's name order, as the last listing page that
+    /// held both gave it.
+    pub fn next_in_folder(&self, inode: u64) -> Option<u64> {
+        lock(&self.next_in_dir).get(&inode).copied()
+    }
+
+    /// Up to `n` entries after `inode` in its folder's name order whose statuses are fresh
+    /// enough for an open to use them ([`cached_open_status`](Self::cached_open_status)),
+    /// stopping at the first that is not: the files a reader going through the folder in
+    /// name order opens next, with the versions those opens will see.
+    pub fn fresh_entries_after(&self, inode: u64, n: usize) -> Vec<pb::FileStatus> {
+        let mut out = Vec::with_capacity(n);
+        let mut cur = inode;
+        while out.len() < n {
+            let Some(next) = self.next_in_folder(cur) else {
+                break;
+            };
+            let Some(s) = self.recent_status(next) else {
+                break;
+            };
+            out.push(s);
+            cur = next;
+        }
+        out
+    }
+
     /// The status of a file being opened (validate-on-open mounts check the object first).
     pub async fn open_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
         if let Some(s) = self.recent_status(inode) {

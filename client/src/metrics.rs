@@ -49,6 +49,8 @@ pub struct ClientMetrics {
     pub prefetched_bytes: Counter<u64, AtomicU64>,
     /// Bytes of reads answered from what was fetched ahead.
     pub prefetch_hit_bytes: Counter<u64, AtomicU64>,
+    /// Bytes of small files stored into the kernel's page cache ahead of a reader.
+    pub pushed_bytes: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -88,6 +90,11 @@ impl ClientMetrics {
                 "granary_client_prefetch_hit_bytes",
                 "Bytes of reads answered from what was fetched ahead",
                 self.prefetch_hit_bytes.clone(),
+            );
+            r.register(
+                "granary_client_pushed_bytes",
+                "Bytes of small files sent into the kernel's page cache ahead of a reader going through a folder in name order (--push-ahead-files)",
+                self.pushed_bytes.clone(),
             );
             r.register(
                 "granary_client_passthrough_opens",

@@ -16,6 +16,7 @@ use granary_client::FileSystem;
 use granary_proto as pb;
 
 use crate::error::errno;
+use crate::pagecache::PageCache;
 use crate::FuseConfig;
 
 /// The mount's deadline on an operation's network work: on expiry the operation fails (EIO),
@@ -102,8 +103,6 @@ type Capacity = (u64, u64, u64);
 
 /// How long a statfs answer is reused.
 const CAPACITY_TTL: Duration = Duration::from_secs(5);
-/// Files whose last-opened version is remembered (for keeping the kernel page cache).
-const OPENED_TRACKED: usize = 100_000;
 
 pub struct GranaryFs {
     client: Arc<FileSystem>,
@@ -117,9 +116,8 @@ pub struct GranaryFs {
     gid: u32,
     next_fh: AtomicU64,
     files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
-    /// The version of each file at its last open: an open that finds the same version keeps
-    /// the kernel's page cache of the file (`FOPEN_KEEP_CACHE`); a new version drops it.
-    opened: Arc<Mutex<HashMap<u64, u64>>>,
+    /// What the kernel's page cache holds of each file, and small files pushed into it.
+    cache: Arc<PageCache>,
     /// Passthrough asked for and granted by the kernel at mount.
     passthrough: Arc<AtomicBool>,
     passthrough_wanted: bool,
@@ -144,33 +142,37 @@ pub struct GranaryFs {
 }
 
 /// Ends an open of `s` for reading: the handle's status is kept, and the kernel keeps its
-/// page cache of the file when this mount's previous open saw the same version.
+/// page cache of the file when the pages it may hold are of this version. Waits (on the
+/// runtime) while pages of another version of the file are being stored.
 fn opened_file(
-    opened: &Mutex<HashMap<u64, u64>>,
-    files: &Mutex<HashMap<u64, Arc<pb::FileStatus>>>,
+    cache: &Arc<PageCache>,
+    files: &Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
     fh: u64,
     s: pb::FileStatus,
     reply: ReplyOpen,
 ) {
-    let same = {
-        let mut o = lock(opened);
-        if o.len() >= OPENED_TRACKED && !o.contains_key(&s.inode) {
-            o.clear();
-        }
-        o.insert(s.inode, s.version) == Some(s.version)
+    let Some(keep) = cache.open(&s) else {
+        let (cache, files) = (cache.clone(), files.clone());
+        cache.runtime().clone().spawn(async move {
+            while cache.storing_other_version(&s) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            opened_file(&cache, &files, fh, s, reply);
+        });
+        return;
     };
-    lock(files).insert(fh, Arc::new(s));
-    let flags = if same {
+    let flags = if keep {
         FopenFlags::FOPEN_KEEP_CACHE
     } else {
         FopenFlags::empty()
     };
+    lock(files).insert(fh, Arc::new(s));
     // Nothing to flush in a read-only handle: the kernel skips the FLUSH round trip at
     // every close (Linux 5.16+; older kernels ignore the flag).
     reply.opened(FileHandle(fh), flags | FopenFlags::FOPEN_NOFLUSH);
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
@@ -195,9 +197,33 @@ impl GranaryFs {
         let (uid, gid) = std::fs::metadata("/proc/self")
             .map(|m| (m.uid(), m.gid()))
             .unwrap_or((0, 0));
+        let writes = crate::write::Writes::new(
+            client.clone(),
+            config.write_mode,
+            config.async_replicas.max(1),
+            config.op_timeout,
+        );
+        let prefetch_budget = crate::prefetch::Budget {
+            memory: budget.clone(),
+            unit: BUDGET_UNIT,
+            reserve: (budget_units / 2).min(u64::from(u32::MAX)) as u32,
+        };
+        let written = writes.clone();
+        let cache = PageCache::new(
+            client.clone(),
+            rt.clone(),
+            config.push_ahead,
+            config.push_max_size.min(if config.passthrough {
+                config.passthrough_min_size.saturating_sub(1)
+            } else {
+                u64::MAX
+            }),
+            prefetch_budget.clone(),
+            Box::new(move |inode| written.size_of(inode).is_some()),
+        );
         Self {
             client: client.clone(),
-            rt,
+            rt: rt.clone(),
             attr_ttl: config.attr_timeout,
             entry_ttl: config.entry_timeout,
             negative_ttl: config.negative_timeout,
@@ -206,7 +232,7 @@ impl GranaryFs {
             gid,
             next_fh: AtomicU64::new(1),
             files: Arc::new(Mutex::new(HashMap::new())),
-            opened: Arc::new(Mutex::new(HashMap::new())),
+            cache: Arc::new(cache),
             passthrough: Arc::new(AtomicBool::new(false)),
             passthrough_wanted: config.passthrough,
             passthrough_min: config.passthrough_min_size,
@@ -218,20 +244,17 @@ impl GranaryFs {
                 metrics: metrics.clone(),
             },
             dirs: Arc::new(Mutex::new(HashMap::new())),
-            writes: crate::write::Writes::new(
-                client.clone(),
-                config.write_mode,
-                config.async_replicas.max(1),
-                config.op_timeout,
-            ),
+            writes,
             read_only: config.read_only,
             readahead: Arc::new(Mutex::new(HashMap::new())),
-            prefetch_budget: crate::prefetch::Budget {
-                memory: budget.clone(),
-                unit: BUDGET_UNIT,
-                reserve: (budget_units / 2).min(u64::from(u32::MAX)) as u32,
-            },
+            prefetch_budget,
         }
+    }
+
+    /// What the mount knows of the kernel's page cache (it needs the mount's channel to
+    /// the kernel once mounted).
+    pub(crate) fn page_cache(&self) -> Arc<PageCache> {
+        self.cache.clone()
     }
 
     /// A name the kernel passed, checked: ENAMETOOLONG, or ENOENT when not UTF-8.
@@ -396,12 +419,12 @@ impl Filesystem for GranaryFs {
             if s.kind == pb::FileKind::File as i32
                 && !(self.passthrough.load(Ordering::Relaxed) && s.length >= pt_min)
             {
-                return opened_file(&self.opened, &self.files, fh, s, reply);
+                return opened_file(&self.cache, &self.files, fh, s, reply);
             }
         }
         let client = self.client.clone();
         let files = self.files.clone();
-        let opened = self.opened.clone();
+        let cache = self.cache.clone();
         let pt = Passthrough {
             on: self.passthrough.clone(),
             backings: self.backings.clone(),
@@ -423,7 +446,7 @@ impl Filesystem for GranaryFs {
                     } else {
                         reply
                     };
-                    opened_file(&opened, &files, fh, s, reply);
+                    opened_file(&cache, &files, fh, s, reply);
                 }
                 Err(e) => reply.error(errno(&e)),
             }
@@ -452,6 +475,9 @@ impl Filesystem for GranaryFs {
         };
         if let Some(data) = leased {
             reply.data(&data);
+            if offset == 0 {
+                self.cache.read_from_start(&file);
+            }
             return;
         }
         // A sequential reader's bytes may already be fetched ahead (in flight or done).
@@ -903,7 +929,7 @@ impl Filesystem for GranaryFs {
         let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
         let caller = (req.uid(), req.gid());
         let writes = self.writes.clone();
-        let opened = self.opened.clone();
+        let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             let moved = async {
@@ -924,7 +950,7 @@ impl Filesystem for GranaryFs {
             };
             match dl.run_as(caller, "rename", moved).await {
                 Ok(s) => {
-                    lock(&opened).remove(&s.inode);
+                    cache.forget(s.inode);
                     reply.ok()
                 }
                 Err(e) => {
@@ -1013,7 +1039,7 @@ impl GranaryFs {
         let append = flags.0 & libc::O_APPEND != 0;
         let writes = self.writes.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let opened = self.opened.clone();
+        let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             let open = async {
@@ -1038,7 +1064,7 @@ impl GranaryFs {
             };
             match dl.run("open", open).await {
                 Ok(s) => {
-                    lock(&opened).remove(&s.inode);
+                    cache.forget(s.inode);
                     reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
                 }
                 Err(e) => {
@@ -1063,7 +1089,7 @@ impl GranaryFs {
             Err(e) => return reply.error(e),
         };
         let writes = self.writes.clone();
-        let opened = self.opened.clone();
+        let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             let removed = async {
@@ -1088,7 +1114,7 @@ impl GranaryFs {
             let op = if dir { "rmdir" } else { "unlink" };
             match dl.run_as(caller, op, removed).await {
                 Ok(inode) => {
-                    lock(&opened).remove(&inode);
+                    cache.forget(inode);
                     reply.ok()
                 }
                 Err(e) => {

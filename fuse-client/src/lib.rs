@@ -8,6 +8,7 @@
 
 mod error;
 mod fs;
+mod pagecache;
 mod prefetch;
 mod write;
 
@@ -44,6 +45,12 @@ pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default smallest file opened in passthrough mode.
 pub const DEFAULT_PASSTHROUGH_MIN_SIZE: u64 = 1024 * 1024;
 
+/// Default number of small files pushed into the kernel ahead of a folder's reader.
+pub const DEFAULT_PUSH_AHEAD: usize = 8;
+
+/// Default largest file pushed ahead.
+pub const DEFAULT_PUSH_MAX_SIZE: u64 = 1024 * 1024;
+
 /// Default kernel read-ahead of a mount.
 pub const DEFAULT_READ_AHEAD: u64 = 4 * 1024 * 1024;
 
@@ -70,6 +77,11 @@ pub struct FuseConfig {
     /// possible: for them the open's cost (a lease and a backing file per open) outweighs
     /// the copy it saves, and the kernel page cache serves re-reads without any open cost.
     pub passthrough_min_size: u64,
+    /// Small files pushed into the kernel's page cache ahead of a reader going through a
+    /// folder in name order (0: none).
+    pub push_ahead: usize,
+    /// Largest file pushed ahead (files opened in passthrough never are).
+    pub push_max_size: u64,
     /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
     pub op_timeout: Duration,
     /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
@@ -95,6 +107,8 @@ impl FuseConfig {
             read_ahead: DEFAULT_READ_AHEAD,
             passthrough: true,
             passthrough_min_size: DEFAULT_PASSTHROUGH_MIN_SIZE,
+            push_ahead: DEFAULT_PUSH_AHEAD,
+            push_max_size: DEFAULT_PUSH_MAX_SIZE,
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
             read_only: false,
@@ -129,6 +143,7 @@ pub fn mount(
     // An open may use the status a lookup or listing fetched within the attribute timeout.
     client.set_status_ttl(config.attr_timeout);
     let fs = GranaryFs::new(client, config, runtime);
+    let page_cache = fs.page_cache();
     let mut c = Config::default();
     c.mount_options = vec![
         MountOption::FSName("granary".into()),
@@ -150,6 +165,7 @@ pub fn mount(
             path: config.mountpoint.display().to_string(),
             source,
         })?;
+    page_cache.set_notifier(session.notifier());
     if config.read_ahead > 0 {
         set_read_ahead(&config.mountpoint, config.read_ahead);
     }

@@ -81,6 +81,7 @@ fn units(bytes: u64, unit: u64) -> u32 {
 }
 
 /// The mount's memory budget as prefetch sees it.
+#[derive(Clone)]
 pub struct Budget {
     /// Permits of `unit` bytes each.
     pub memory: Arc<Semaphore>,

@@ -294,3 +294,71 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
     ))
     .unwrap();
 }
+
+/// A program reading a folder's small files one after another in name order (here `cat`
+/// through `xargs`, as `tar` or a loader over sorted samples does) gets the next files
+/// pushed into the kernel's page cache once its reads show the kernel lacks them; the
+/// bytes are the source's, and a re-read the kernel can serve costs no push and no read.
+#[test]
+fn a_folder_read_in_name_order_is_pushed_into_the_page_cache_ahead_of_the_reader() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-push-")
+        .tempdir()
+        .unwrap();
+    let src = tmp.path().join("ufs");
+    let mut total = 0;
+    for i in 0..300u64 {
+        let len = 64 * 1024 + i * 7;
+        random_file(&src.join(format!("d/f{i:04}.bin")), len).unwrap();
+        total += len;
+    }
+    let c = Cluster::start(tmp.path(), 1, "1GiB", &src).unwrap();
+    let read_in_order = |d: &std::path::Path| {
+        sh(&format!(
+            "cd '{}' && ls | xargs cat | sha256sum",
+            d.display()
+        ))
+        .unwrap()
+    };
+    let want = read_in_order(&src.join("d"));
+    let dir = c.data().join("d");
+    // Cold: every file is fetched and cached on the (same-host) worker.
+    assert_eq!(read_in_order(&dir), want);
+    let pushed = || c.fuse.metric("granary_client_pushed_bytes_total");
+    let daemon_read = || {
+        c.fuse
+            .metric("granary_client_read_bytes_total{source=\"short_circuit\"}")
+    };
+
+    // The kernel drops its pages; files it got in the last second count as still held (a
+    // reader ahead in the folder), so that second passes before the next read.
+    std::fs::write("/proc/sys/vm/drop_caches", "1").expect("dropping the page cache (root)");
+    std::thread::sleep(Duration::from_millis(1100));
+    let (p0, r0) = (pushed(), daemon_read());
+    assert_eq!(read_in_order(&dir), want, "bytes differ after pushes");
+    let (p1, r1) = (pushed(), daemon_read());
+    eprintln!(
+        "{total}-byte folder: {} bytes pushed, {} read by the daemon",
+        p1 - p0,
+        r1 - r0
+    );
+    assert!(
+        p1 - p0 >= total as f64 / 4.0,
+        "only {} of {total} bytes were pushed ahead",
+        p1 - p0
+    );
+    assert!(
+        r1 - r0 <= total as f64 * 1.5,
+        "{} bytes read for a {total}-byte folder: pushes and reads did the same work",
+        r1 - r0
+    );
+
+    // The kernel holds every file now: no push, no read reaches the daemon.
+    assert_eq!(read_in_order(&dir), want);
+    assert_eq!(pushed(), p1, "files the kernel held were pushed");
+    assert_eq!(
+        daemon_read(),
+        r1,
+        "the daemon served a read the kernel held"
+    );
+}

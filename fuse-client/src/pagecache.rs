@@ -1,0 +1,449 @@
+//! The kernel's page cache of the mount's files, as far as this mount knows it, and small
+//! files pushed into it ahead of a reader going through a folder in name order.
+//!
+//! An open keeps the kernel's pages of a file (`FOPEN_KEEP_CACHE`) only when the pages it
+//! may hold are of the version being opened. A loader reading a folder of small files in
+//! name order (`tar`, `cp -r`, a data loader over sorted sample files) pays one `READ` round
+//! trip per file and waits on the block file's disk read. When such a reader's read of a
+//! file reaches the daemon (the kernel did not hold it), the next files of the folder are
+//! read from this node's worker (short-circuit leases already held, never the network) and
+//! stored into the kernel's page cache (`FUSE_NOTIFY_STORE`), so the reader finds them
+//! there. A reader whose files the kernel already holds sends no reads and gets no pushes;
+//! a reader in random order is not seen as sequential and gets none either.
+//!
+//! Stale bytes are never stored for an open: a file's pages are pushed only when the pages
+//! the kernel may hold are of the same version (or it holds none), and an open of another
+//! version waits for a store of its file in progress to end before the reply that makes the
+//! kernel drop its pages. A file opened before its push got to it is left to its reads.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use fuser::INodeNo;
+use granary_client::FileSystem;
+use granary_proto as pb;
+
+use crate::fs::lock;
+
+/// Files whose page-cache version is remembered; past this the table starts afresh, and
+/// files it no longer knows are not pushed (their pages' version is unknown).
+const VERSIONS_TRACKED: usize = 100_000;
+/// The version of pages the kernel may hold when it is unknown (never a file's version).
+const UNKNOWN: u64 = u64::MAX;
+/// Files expected next (successors of files just opened) remembered at once.
+const EXPECTED_TRACKED: usize = 1024;
+/// Pushed files not opened since, remembered at once.
+const PUSHED_TRACKED: usize = 4096;
+/// Files pushed after one read showing the kernel lacks a folder's files (bounds what is
+/// pushed needlessly when the kernel holds the files after all).
+const CHAIN_CREDIT: u32 = 128;
+/// A file whose pages the kernel got this recently is taken to hold them still (the
+/// files a reader ahead in the same folder opened are not pushed again).
+const RECENT: Duration = Duration::from_secs(1);
+/// Pushes in flight at once (each holds its file's bytes).
+const PUSHES_IN_FLIGHT: usize = 16;
+
+#[derive(Default)]
+struct State {
+    /// The version whose pages the kernel may hold, per file (its last open or push).
+    versions: HashMap<u64, (u64, Instant)>,
+    /// `versions` was emptied once: a file not in it may have pages of any version.
+    forgot: bool,
+    /// Files being stored into the kernel now, with the version.
+    storing: HashMap<u64, u64>,
+    /// Files queued or pushed and not opened since, with the chain's credit: how many more
+    /// files the opens of pushed files may push before a read reaching the daemon shows
+    /// again that the kernel lacks the folder's files.
+    pushed: HashMap<u64, u32>,
+    /// Files a reader going through a folder in name order opens next (the successors of
+    /// files just opened), oldest first.
+    expected: HashSet<u64>,
+    expected_order: VecDeque<u64>,
+    /// Files opened as such a successor whose first read has not reached the daemon yet.
+    sequential: HashSet<u64>,
+}
+
+impl State {
+    fn may_hold_only(&self, inode: u64, version: u64) -> bool {
+        match self.versions.get(&inode) {
+            Some(&(v, _)) => v == version,
+            None => !self.forgot,
+        }
+    }
+
+    /// Whether the kernel got the file's pages (an open or a push) within [`RECENT`]: it
+    /// most likely holds them still.
+    fn recent(&self, inode: u64, now: Instant) -> bool {
+        self.versions
+            .get(&inode)
+            .is_some_and(|&(_, at)| now.saturating_duration_since(at) < RECENT)
+    }
+
+    /// Records that the kernel may hold pages of `version` (it gets them `now`); true when
+    /// that was already so.
+    fn note(&mut self, inode: u64, version: u64, now: Instant) -> bool {
+        if self.versions.len() >= VERSIONS_TRACKED && !self.versions.contains_key(&inode) {
+            self.versions.clear();
+            self.forgot = true;
+        }
+        self.versions
+            .insert(inode, (version, now))
+            .is_some_and(|(v, _)| v == version)
+    }
+
+    fn expect(&mut self, inode: u64) {
+        if self.expected.insert(inode) {
+            self.expected_order.push_back(inode);
+            if self.expected_order.len() > EXPECTED_TRACKED {
+                if let Some(old) = self.expected_order.pop_front() {
+                    self.expected.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// An open of `inode` at `version` whose folder successor is `next`: None while pages
+    /// of another version are being stored (the open waits); else whether the kernel may
+    /// keep its pages, and the credit of the push chain the file was part of (0: none).
+    fn open(
+        &mut self,
+        inode: u64,
+        version: u64,
+        next: Option<u64>,
+        now: Instant,
+    ) -> Option<(bool, u32)> {
+        if self.storing.get(&inode).is_some_and(|&v| v != version) {
+            return None;
+        }
+        let keep = self.note(inode, version, now);
+        let credit = self.pushed.remove(&inode).unwrap_or(0);
+        if self.expected.remove(&inode) {
+            if self.sequential.len() >= EXPECTED_TRACKED {
+                self.sequential.clear();
+            }
+            self.sequential.insert(inode);
+        }
+        if let Some(n) = next {
+            self.expect(n);
+        }
+        Some((keep, credit))
+    }
+
+    /// Queues `inode` at `version` for a push with `credit` when that is safe and useful:
+    /// not queued or being stored already, the kernel holding no pages of another version,
+    /// and not just given them. A file queued already keeps the larger credit.
+    fn queue(&mut self, inode: u64, version: u64, credit: u32, now: Instant) -> bool {
+        if let Some(c) = self.pushed.get_mut(&inode) {
+            *c = (*c).max(credit);
+            return false;
+        }
+        if self.storing.contains_key(&inode)
+            || !self.may_hold_only(inode, version)
+            || self.recent(inode, now)
+        {
+            return false;
+        }
+        if self.pushed.len() >= PUSHED_TRACKED {
+            self.pushed.clear();
+        }
+        self.pushed.insert(inode, credit);
+        true
+    }
+
+    /// A queued push is about to store `inode` at `version`: false when it must not (opened
+    /// meanwhile, or pages of another version may be held now).
+    fn begin_store(&mut self, inode: u64, version: u64, now: Instant) -> bool {
+        if !self.pushed.contains_key(&inode)
+            || self.storing.contains_key(&inode)
+            || !self.may_hold_only(inode, version)
+        {
+            return false;
+        }
+        self.storing.insert(inode, version);
+        self.note(inode, version, now);
+        true
+    }
+
+    /// The file changed through this mount: the version of its pages is unknown.
+    fn forget(&mut self, inode: u64) {
+        self.note(inode, UNKNOWN, Instant::now());
+        self.pushed.remove(&inode);
+    }
+
+    /// A queued push ended without storing: the file's open must not move the chain on.
+    fn not_pushed(&mut self, inode: u64) {
+        if let Some(c) = self.pushed.get_mut(&inode) {
+            *c = 0;
+        }
+    }
+}
+
+pub(crate) struct PageCache {
+    state: Mutex<State>,
+    notifier: OnceLock<fuser::Notifier>,
+    client: Arc<FileSystem>,
+    rt: tokio::runtime::Handle,
+    /// Files pushed ahead of a reader (0: none).
+    ahead: usize,
+    /// Largest file pushed.
+    max_len: u64,
+    in_flight: AtomicUsize,
+    budget: crate::prefetch::Budget,
+    /// Files not to push (being written through this mount).
+    busy: Box<dyn Fn(u64) -> bool + Send + Sync>,
+}
+
+impl PageCache {
+    pub fn new(
+        client: Arc<FileSystem>,
+        rt: tokio::runtime::Handle,
+        ahead: usize,
+        max_len: u64,
+        budget: crate::prefetch::Budget,
+        busy: Box<dyn Fn(u64) -> bool + Send + Sync>,
+    ) -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            notifier: OnceLock::new(),
+            client,
+            rt,
+            ahead,
+            max_len,
+            in_flight: AtomicUsize::new(0),
+            budget,
+            busy,
+        }
+    }
+
+    /// The mount's channel to the kernel, once mounted.
+    pub fn set_notifier(&self, n: fuser::Notifier) {
+        let _ = self.notifier.set(n);
+    }
+
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.rt
+    }
+
+    /// Whether pages of another version of `s` than its own are being stored now.
+    pub fn storing_other_version(&self, s: &pb::FileStatus) -> bool {
+        lock(&self.state)
+            .storing
+            .get(&s.inode)
+            .is_some_and(|&v| v != s.version)
+    }
+
+    /// The file changed through this mount (written, renamed, removed): the version of the
+    /// pages the kernel holds is unknown until its next open, which drops them.
+    pub fn forget(&self, inode: u64) {
+        lock(&self.state).forget(inode);
+    }
+
+    /// An open of `s` for reading: whether the kernel may keep its pages of the file (they
+    /// are of this version). None while the kernel is being sent pages of another version
+    /// of the file: the open must wait (its reply makes the kernel drop the pages it holds,
+    /// which must come after the store).
+    pub fn open(self: &Arc<Self>, s: &pb::FileStatus) -> Option<bool> {
+        let next = (self.ahead > 0)
+            .then(|| self.client.next_in_folder(s.inode))
+            .flatten();
+        let (keep, credit) = lock(&self.state).open(s.inode, s.version, next, Instant::now())?;
+        // A pushed file opened: the chain moves on while it has credit.
+        if credit > 0 {
+            self.push_after(s, credit - 1);
+        }
+        Some(keep)
+    }
+
+    /// The daemon is reading `file` from its start (the kernel does not hold it): when a
+    /// reader going through the folder in name order opened it, the files after it are
+    /// pushed into the kernel in the background, and so on as the reader opens them (up to
+    /// [`CHAIN_CREDIT`] files).
+    pub fn read_from_start(self: &Arc<Self>, file: &pb::FileStatus) {
+        if self.ahead > 0 && lock(&self.state).sequential.remove(&file.inode) {
+            self.push_after(file, CHAIN_CREDIT);
+        }
+    }
+
+    /// Queues the next [`ahead`](Self::ahead) files after `file` in its folder that are not
+    /// queued yet, each with `credit`; files being written through this mount are left out.
+    fn push_after(self: &Arc<Self>, file: &pb::FileStatus, credit: u32) {
+        if self.notifier.get().is_none() {
+            return;
+        }
+        for f in self.client.fresh_entries_after(file.inode, self.ahead) {
+            if f.kind != pb::FileKind::File as i32
+                || f.length == 0
+                || f.length > self.max_len
+                || (self.busy)(f.inode)
+            {
+                continue;
+            }
+            if self.in_flight.load(Ordering::Acquire) >= PUSHES_IN_FLIGHT {
+                return;
+            }
+            if !lock(&self.state).queue(f.inode, f.version, credit, Instant::now()) {
+                continue;
+            }
+            let units = f.length.div_ceil(self.budget.unit).max(1) as u32;
+            let budget = &self.budget;
+            let permit = if budget.memory.available_permits() >= (budget.reserve + units) as usize {
+                budget.memory.clone().try_acquire_many_owned(units).ok()
+            } else {
+                None
+            };
+            let Some(permit) = permit else {
+                lock(&self.state).pushed.remove(&f.inode);
+                return;
+            };
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            let me = self.clone();
+            self.rt.spawn_blocking(move || {
+                if !me.push(&f) {
+                    lock(&me.state).not_pushed(f.inode);
+                }
+                me.in_flight.fetch_sub(1, Ordering::AcqRel);
+                drop(permit);
+            });
+        }
+    }
+
+    /// Reads `f` from a short-circuit lease held now and stores it into the kernel's page
+    /// cache. False when it was not (opened meanwhile, no lease, another version seen
+    /// meanwhile, the kernel not knowing the inode).
+    fn push(&self, f: &pb::FileStatus) -> bool {
+        let Some(notifier) = self.notifier.get() else {
+            return false;
+        };
+        if !lock(&self.state).pushed.contains_key(&f.inode) {
+            return false; // opened meanwhile: its reads fetch it
+        }
+        let data = {
+            let _rt = self.rt.enter(); // leases of the files ahead are asked for from a task
+            self.client.read_leased(f, 0, f.length)
+        };
+        let Some(data) = data.filter(|d| d.len() as u64 == f.length) else {
+            return false;
+        };
+        if !lock(&self.state).begin_store(f.inode, f.version, Instant::now()) {
+            return false;
+        }
+        let stored = notifier.store(INodeNo(f.inode), 0, &data);
+        lock(&self.state).storing.remove(&f.inode);
+        match stored {
+            Ok(()) => {
+                self.client.metrics.pushed_bytes.inc_by(f.length);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(inode = f.inode, error = %e, "storing a file into the kernel's page cache failed");
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LATER: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn an_open_keeps_the_pages_only_of_the_version_they_are_of() {
+        let mut st = State::default();
+        let t = Instant::now();
+        assert_eq!(st.open(7, 1, None, t), Some((false, 0)), "first open");
+        assert_eq!(st.open(7, 1, None, t), Some((true, 0)), "same version");
+        assert_eq!(st.open(7, 2, None, t), Some((false, 0)), "new version");
+    }
+
+    #[test]
+    fn pages_of_one_version_are_never_pushed_over_another() {
+        let mut st = State::default();
+        let t = Instant::now();
+        st.open(7, 1, None, t);
+        let later = t + LATER;
+        assert!(!st.queue(7, 2, 10, later), "the kernel may hold version 1");
+        assert!(st.queue(7, 1, 10, later));
+        // The file changed after it was queued: the store is refused.
+        st.open(7, 2, None, later);
+        assert!(!st.begin_store(7, 1, later));
+        // Changed through this mount: nothing is pushed until an open says which version.
+        st.forget(8);
+        assert!(!st.queue(8, 1, 10, later));
+        assert_eq!(st.open(8, 1, None, later), Some((false, 0)));
+        assert!(st.queue(8, 1, 10, later + LATER));
+    }
+
+    #[test]
+    fn an_open_of_another_version_waits_for_a_store_in_progress() {
+        let mut st = State::default();
+        let t = Instant::now();
+        assert!(st.queue(7, 1, 10, t));
+        assert!(st.begin_store(7, 1, t));
+        assert_eq!(st.open(7, 2, None, t), None, "must wait for the store");
+        // The same version need not wait: the pages being stored are its own.
+        assert_eq!(st.open(7, 1, None, t), Some((true, 10)));
+        st.storing.remove(&7);
+        assert_eq!(st.open(7, 2, None, t), Some((false, 0)));
+    }
+
+    #[test]
+    fn a_file_opened_before_its_push_is_left_to_its_reads() {
+        let mut st = State::default();
+        let t = Instant::now();
+        assert!(st.queue(7, 1, 10, t));
+        assert!(!st.queue(7, 1, 20, t), "queued once");
+        assert_eq!(
+            st.open(7, 1, None, t),
+            Some((false, 20)),
+            "the larger credit"
+        );
+        assert!(!st.begin_store(7, 1, t), "opened meanwhile");
+    }
+
+    #[test]
+    fn files_the_kernel_just_got_are_not_pushed_again() {
+        let mut st = State::default();
+        let t = Instant::now();
+        st.open(7, 1, None, t);
+        assert!(!st.queue(7, 1, 10, t + RECENT / 2));
+        assert!(st.queue(7, 1, 10, t + RECENT));
+    }
+
+    #[test]
+    fn a_forgotten_table_pushes_only_files_it_knows() {
+        let mut st = State::default();
+        let t = Instant::now();
+        for i in 0..VERSIONS_TRACKED as u64 {
+            st.note(i, 1, t);
+        }
+        assert!(!st.forgot);
+        st.note(u64::MAX - 1, 1, t); // one more: the table starts afresh
+        assert!(st.forgot);
+        assert!(
+            !st.queue(3, 1, 10, t + LATER),
+            "its pages' version is unknown"
+        );
+        assert!(st.queue(u64::MAX - 1, 1, 10, t + LATER));
+    }
+
+    #[test]
+    fn a_successor_opened_next_is_a_sequential_reader() {
+        let mut st = State::default();
+        let t = Instant::now();
+        st.open(1, 1, Some(2), t);
+        st.open(2, 1, Some(3), t);
+        assert!(st.sequential.contains(&2));
+        assert!(!st.sequential.contains(&1));
+        // Out of order: not sequential.
+        st.open(9, 1, Some(10), t);
+        assert!(!st.sequential.contains(&9));
+        // A push that did not happen gives no credit to the open.
+        assert!(st.queue(3, 1, 10, t));
+        st.not_pushed(3);
+        assert_eq!(st.open(3, 1, None, t), Some((false, 0)));
+    }
+}
