@@ -6,8 +6,9 @@
 #   bench/small-files.sh [FILES] [KIB]     (default 20000 files of 128 KiB; root)
 #
 # Passes: raw disk (page cache dropped), Granary cold (every file fetched from the
-# under-store folder and cached), Granary warm from the worker's disk (page cache dropped:
-# one-block files are opened in FUSE passthrough), and both again from the page cache.
+# under-store folder and cached), Granary warm from the worker's disk (page cache dropped),
+# both again from the page cache, then `tar` of the tree (one reader in name order) from
+# the disk and from the worker's disk.
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags
 # to `granary local` (e.g. "--no-passthrough").
 set -euo pipefail
@@ -53,11 +54,22 @@ for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
 drop() { sync; echo 1 > /proc/sys/vm/drop_caches; }
 pass() { python3 "$work/reader.py" "$1"; }  # -> files bytes seconds digest
+# One reader going through the tree in name order: tar (its output piped on: tar skips
+# reading files when it writes to /dev/null itself).
+tarpass() {
+  local s e
+  s=$(date +%s.%N)
+  tar cf - -C "$1" . | cat > /dev/null
+  e=$(date +%s.%N)
+  echo "$files $((files * kib * 1024)) $(python3 -c "print(f'{$e - $s:.3f}')") -"
+}
 drop; raw=$(pass "$work/ufs/data")
 drop; cold=$(pass "$work/mnt/data")
 drop; warm=$(pass "$work/mnt/data")
 rawpc=$(pass "$work/ufs/data")
 warmpc=$(pass "$work/mnt/data")
+drop; rawtar=$(tarpass "$work/ufs/data")
+drop; warmtar=$(tarpass "$work/mnt/data")
 digest() { echo "$1" | awk '{print $4}'; }
 for p in "$cold" "$warm" "$warmpc"; do
   [ "$(digest "$p")" = "$(digest "$raw")" ] || { echo "bytes differ: $p vs $raw"; exit 1; }
@@ -78,4 +90,6 @@ line "granary cold (from the folder)" "$cold" "$raw"
 line "granary warm (worker's disk)" "$warm" "$raw"
 line "raw page cache (limit)" "$rawpc"
 line "granary page cache" "$warmpc" "$rawpc"
+line "raw disk, tar (limit)" "$rawtar"
+line "granary warm, tar" "$warmtar" "$rawtar"
 echo "binary: $bin; $files files of $kib KiB, 8 reader threads"
