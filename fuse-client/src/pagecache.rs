@@ -329,8 +329,16 @@ impl PageCache {
         if !lock(&self.state).begin_store(f.inode, f.version, Instant::now()) {
             return false;
         }
+        // Whatever happens, the store ends: opens of another version wait for that.
+        struct Storing<'a>(&'a Mutex<State>, u64);
+        impl Drop for Storing<'_> {
+            fn drop(&mut self) {
+                lock(self.0).storing.remove(&self.1);
+            }
+        }
+        let storing = Storing(&self.state, f.inode);
         let stored = notifier.store(INodeNo(f.inode), 0, &data);
-        lock(&self.state).storing.remove(&f.inode);
+        drop(storing);
         match stored {
             Ok(()) => {
                 self.client.metrics.pushed_bytes.inc_by(f.length);
