@@ -286,14 +286,7 @@ impl PageCache {
             if !lock(&self.state).queue(f.inode, f.version, credit, Instant::now()) {
                 continue;
             }
-            let units = f.length.div_ceil(self.budget.unit).max(1) as u32;
-            let budget = &self.budget;
-            let permit = if budget.memory.available_permits() >= (budget.reserve + units) as usize {
-                budget.memory.clone().try_acquire_many_owned(units).ok()
-            } else {
-                None
-            };
-            let Some(permit) = permit else {
+            let Some(permit) = self.budget.try_take(f.length) else {
                 lock(&self.state).pushed.remove(&f.inode);
                 return;
             };

@@ -90,6 +90,19 @@ pub struct Budget {
     pub reserve: u32,
 }
 
+impl Budget {
+    /// Room for `bytes` fetched ahead, taken only when the budget has it now beyond the
+    /// reserve: reads that wait for memory always find some, so what is held for readers
+    /// that are themselves waiting cannot starve the mount. Never waits.
+    pub fn try_take(&self, bytes: u64) -> Option<OwnedSemaphorePermit> {
+        let n = units(bytes, self.unit);
+        if self.memory.available_permits() < n as usize + self.reserve as usize {
+            return None;
+        }
+        self.memory.clone().try_acquire_many_owned(n).ok()
+    }
+}
+
 impl Readahead {
     /// Bytes `[offset, offset + len)` if chunks fetched ahead hold all of them (awaiting
     /// those still in flight); None otherwise. Also moves the window and starts the
@@ -102,12 +115,6 @@ impl Readahead {
         offset: u64,
         len: u64,
     ) -> Option<Vec<(Fetch, u64, u64)>> {
-        let Budget {
-            memory: budget,
-            unit,
-            reserve,
-        } = budget;
-        let (unit, reserve) = (*unit, *reserve);
         let len = len.min(file.length.saturating_sub(offset));
         if !self.window.on_read(offset, len) {
             self.ahead.clear();
@@ -132,13 +139,8 @@ impl Readahead {
                 self.fetched_to = at;
                 continue;
             }
-            // Prefetch never takes the last `reserve` units: reads that wait for memory
-            // always find some, so chunks held for readers that are themselves waiting
-            // cannot starve the mount.
-            if budget.available_permits() < units(n, unit) as usize + reserve as usize {
-                break;
-            }
-            let Ok(permit) = budget.clone().try_acquire_many_owned(units(n, unit)) else {
+            // Prefetch never takes the last `reserve` units (see `Budget::try_take`).
+            let Some(permit) = budget.try_take(n) else {
                 break; // no room right now: fetch nothing more ahead
             };
             let (c, f) = (client.clone(), file.clone());
