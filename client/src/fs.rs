@@ -632,6 +632,33 @@ impl FileSystem {
         Some(join(parts, end - offset))
     }
 
+    /// Reads a whole file of one block only from a worker on this node (short-circuit),
+    /// taking a lease when none is held — which leases the small files listed after it too.
+    /// Never reads over the network: `None` when no worker on this node caches the file.
+    pub async fn read_local_file(self: &Arc<Self>, file: &pb::FileStatus) -> Option<Bytes> {
+        if file.kind != pb::FileKind::File as i32
+            || file.length == 0
+            || file.length > block_size(file)
+        {
+            return None;
+        }
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index: 0,
+        };
+        for w in order_workers(&id, &self.live_workers().await) {
+            if !self.short_circuit.applies_to(&w) {
+                continue;
+            }
+            if let Some(data) = self.read_local(&w, &id, 0, file.length).await {
+                self.metrics.add_read("short_circuit", data.len() as u64);
+                return Some(data);
+            }
+        }
+        None
+    }
+
     /// Whether byte `offset` of `file` is under a short-circuit lease held now (a read of
     /// it takes the FUSE mount's fast path: fetching it ahead would read it twice).
     pub fn leased(&self, file: &pb::FileStatus, offset: u64) -> bool {

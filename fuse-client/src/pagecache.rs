@@ -16,7 +16,7 @@
 //! version waits for a store of its file in progress to end before the reply that makes the
 //! kernel drop its pages. A file opened before its push got to it is left to its reads.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -44,6 +44,8 @@ const CHAIN_CREDIT: u32 = 128;
 const RECENT: Duration = Duration::from_secs(1);
 /// Pushes in flight at once (each holds its file's bytes).
 const PUSHES_IN_FLIGHT: usize = 16;
+/// How long a push waits for a short-circuit lease before giving the file up.
+const LEASE_WAIT: Duration = Duration::from_secs(2);
 
 #[derive(Default)]
 struct State {
@@ -58,11 +60,15 @@ struct State {
     /// again that the kernel lacks the folder's files.
     pushed: HashMap<u64, u32>,
     /// Files a reader going through a folder in name order opens next (the successors of
-    /// files just opened), oldest first.
-    expected: HashSet<u64>,
+    /// files just opened), with the file opened before each; oldest first.
+    expected: HashMap<u64, u64>,
     expected_order: VecDeque<u64>,
-    /// Files opened as such a successor whose first read has not reached the daemon yet.
-    sequential: HashSet<u64>,
+    /// Files opened as such a successor whose first read has not reached the daemon yet,
+    /// with the file opened before each.
+    sequential: HashMap<u64, u64>,
+    /// Files the kernel lacked lately (their first read reached the daemon, or they were
+    /// pushed), with when.
+    lacked: HashMap<u64, Instant>,
 }
 
 impl State {
@@ -93,8 +99,8 @@ impl State {
             .is_some_and(|(v, _)| v == version)
     }
 
-    fn expect(&mut self, inode: u64) {
-        if self.expected.insert(inode) {
+    fn expect(&mut self, inode: u64, after: u64) {
+        if self.expected.insert(inode, after).is_none() {
             self.expected_order.push_back(inode);
             if self.expected_order.len() > EXPECTED_TRACKED {
                 if let Some(old) = self.expected_order.pop_front() {
@@ -119,14 +125,14 @@ impl State {
         }
         let keep = self.note(inode, version, now);
         let credit = self.pushed.remove(&inode).unwrap_or(0);
-        if self.expected.remove(&inode) {
+        if let Some(prev) = self.expected.remove(&inode) {
             if self.sequential.len() >= EXPECTED_TRACKED {
                 self.sequential.clear();
             }
-            self.sequential.insert(inode);
+            self.sequential.insert(inode, prev);
         }
         if let Some(n) = next {
-            self.expect(n);
+            self.expect(n, inode);
         }
         Some((keep, credit))
     }
@@ -163,7 +169,27 @@ impl State {
         }
         self.storing.insert(inode, version);
         self.note(inode, version, now);
+        self.lacks(inode, now);
         true
+    }
+
+    /// The kernel lacks `inode` now (its first read reached the daemon, or it is pushed).
+    fn lacks(&mut self, inode: u64, now: Instant) {
+        if self.lacked.len() >= EXPECTED_TRACKED {
+            self.lacked.clear();
+        }
+        self.lacked.insert(inode, now);
+    }
+
+    /// A read of `inode` from its start reached the daemon (the kernel lacks its first
+    /// page): whether the files after it should be pushed — it was opened as the successor
+    /// of a file the kernel lacked too, within [`RECENT`]. One such read alone (a page the
+    /// kernel dropped from a folder it holds) starts nothing.
+    fn read_from_start(&mut self, inode: u64, now: Instant) -> bool {
+        let prev = self.sequential.remove(&inode);
+        self.lacks(inode, now);
+        prev.and_then(|p| self.lacked.get(&p))
+            .is_some_and(|&at| now.saturating_duration_since(at) < RECENT)
     }
 
     /// The file changed through this mount: the version of its pages is unknown.
@@ -190,6 +216,8 @@ pub(crate) struct PageCache {
     /// Largest file pushed.
     max_len: u64,
     in_flight: AtomicUsize,
+    /// Held by the push asking for leases (one lease request for pushes at a time).
+    leasing: tokio::sync::Mutex<()>,
     budget: crate::prefetch::Budget,
     /// Files not to push (being written through this mount).
     busy: Box<dyn Fn(u64) -> bool + Send + Sync>,
@@ -212,6 +240,7 @@ impl PageCache {
             ahead,
             max_len,
             in_flight: AtomicUsize::new(0),
+            leasing: tokio::sync::Mutex::new(()),
             budget,
             busy,
         }
@@ -256,12 +285,14 @@ impl PageCache {
         Some(keep)
     }
 
-    /// The daemon is reading `file` from its start (the kernel does not hold it): when a
-    /// reader going through the folder in name order opened it, the files after it are
-    /// pushed into the kernel in the background, and so on as the reader opens them (up to
-    /// [`CHAIN_CREDIT`] files).
+    /// The daemon is reading `file` from its start (the kernel lacks its first page): when
+    /// a reader going through the folder in name order opened it right after a file the
+    /// kernel lacked too, the files after it are pushed into the kernel in the background,
+    /// and so on as the reader opens them (see [`CHAIN_CREDIT`]). Two files in a row make
+    /// the rule: the kernel drops a page of a file now and then, and one read of it in a
+    /// folder the kernel holds would push the whole folder again.
     pub fn read_from_start(self: &Arc<Self>, file: &pb::FileStatus) {
-        if self.ahead > 0 && lock(&self.state).sequential.remove(&file.inode) {
+        if self.ahead > 0 && lock(&self.state).read_from_start(file.inode, Instant::now()) {
             self.push_after(file, CHAIN_CREDIT);
         }
     }
@@ -302,9 +333,10 @@ impl PageCache {
         }
     }
 
-    /// Reads `f` from a short-circuit lease held now and stores it into the kernel's page
-    /// cache. False when it was not (opened meanwhile, no lease, another version seen
-    /// meanwhile, the kernel not knowing the inode).
+    /// Reads `f` from this node's worker under a short-circuit lease (held now, or taken
+    /// for it) and stores it into the kernel's page cache. False when it was not (opened
+    /// meanwhile, not cached on this node, another version seen meanwhile). Runs on a
+    /// blocking thread.
     fn push(&self, f: &pb::FileStatus) -> bool {
         let Some(notifier) = self.notifier.get() else {
             return false;
@@ -312,10 +344,24 @@ impl PageCache {
         if !lock(&self.state).pushed.contains_key(&f.inode) {
             return false; // opened meanwhile: its reads fetch it
         }
-        let data = {
+        let leased = {
             let _rt = self.rt.enter(); // leases of the files ahead are asked for from a task
             self.client.read_leased(f, 0, f.length)
         };
+        // No lease held yet (the leases taken ahead of reads lag behind the pushes): one
+        // push at a time takes the lease, with the files after it, from this node's worker.
+        let data = leased.or_else(|| {
+            self.rt.block_on(async {
+                let take = async {
+                    let _one = self.leasing.lock().await;
+                    match self.client.read_leased(f, 0, f.length) {
+                        Some(d) => Some(d),
+                        None => self.client.read_local_file(f).await,
+                    }
+                };
+                tokio::time::timeout(LEASE_WAIT, take).await.ok().flatten()
+            })
+        });
         let Some(data) = data.filter(|d| d.len() as u64 == f.length) else {
             return false;
         };
@@ -432,16 +478,39 @@ mod tests {
     }
 
     #[test]
+    fn pushes_start_when_two_files_in_a_row_reach_the_daemon() {
+        let mut st = State::default();
+        let t = Instant::now();
+        st.open(1, 1, Some(2), t);
+        st.open(2, 1, Some(3), t);
+        // The kernel held file 1 (no read of it reached the daemon): file 2 alone is a
+        // page the kernel dropped, not a folder it lacks.
+        assert!(!st.read_from_start(2, t));
+        st.open(3, 1, Some(4), t);
+        assert!(st.read_from_start(3, t), "files 2 and 3 both lacked");
+        assert!(!st.read_from_start(3, t), "once per open");
+        // A file lacked longer ago than RECENT does not count.
+        st.open(4, 1, Some(5), t + LATER);
+        assert!(!st.read_from_start(4, t + LATER));
+        // A pushed file counts as lacked: a read after the chain ran out starts it again.
+        assert!(st.queue(5, 1, 1, t + LATER));
+        assert!(st.begin_store(5, 1, t + LATER));
+        st.open(5, 1, Some(6), t + LATER);
+        st.open(6, 1, Some(7), t + LATER);
+        assert!(st.read_from_start(6, t + LATER));
+    }
+
+    #[test]
     fn a_successor_opened_next_is_a_sequential_reader() {
         let mut st = State::default();
         let t = Instant::now();
         st.open(1, 1, Some(2), t);
         st.open(2, 1, Some(3), t);
-        assert!(st.sequential.contains(&2));
-        assert!(!st.sequential.contains(&1));
+        assert!(st.sequential.contains_key(&2));
+        assert!(!st.sequential.contains_key(&1));
         // Out of order: not sequential.
         st.open(9, 1, Some(10), t);
-        assert!(!st.sequential.contains(&9));
+        assert!(!st.sequential.contains_key(&9));
         // A push that did not happen gives no credit to the open.
         assert!(st.queue(3, 1, 10, t));
         st.not_pushed(3);
