@@ -10,8 +10,8 @@
 # Jobs (bench/fio/*.fio): seq-read (1 MiB sequential, one file of SIZE_MIB), rand-read
 # (4 KiB random, 4 readers, 10 s), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
 # one-block files). Per job one unmeasured round, then $ROUNDS (default 5) measured rounds in
-# alternating order (raw first, then Granary first), medians. Uses $GRANARY_BIN, else the
-# debug binary scripts/test builds.
+# alternating order (raw first, then Granary first), medians. JOBS="files-read" runs only the
+# jobs named. Uses $GRANARY_BIN, else the debug binary scripts/test builds.
 set -euo pipefail
 size_mib="${1:-1024}"
 rounds="${ROUNDS:-5}"
@@ -61,7 +61,7 @@ report() { # name unit raw... -- granary...
     "$name" "$r" "$col" "$g" "$col" "$(python3 -c "print($g / $r)")" "${raws[*]}" "${grs[*]}"
 }
 declare -A raw_bw gr_bw raw_iops gr_iops
-for job in seq-read rand-read files-read; do
+for job in ${JOBS:-seq-read rand-read files-read}; do
   case $job in
     files-read) rdir="$work/ufs/blocks"; gdir="$work/mnt/blocks"; file="";;
     *) rdir="$work/ufs"; gdir="$work/mnt"; file="seq.bin";;
