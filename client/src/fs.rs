@@ -379,7 +379,11 @@ impl FileSystem {
     }
 
     /// The status of a file being opened (validate-on-open mounts check the object first).
-    pub async fn open_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
+    /// A file of a folder listed before whose status has grown stale (the kernel kept its
+    /// name longer than the attribute timeout) also fetches the listing page after it in
+    /// the background, as lookups do: a reader going through the folder in name order then
+    /// opens the next files from fresh statuses instead of asking the master for each.
+    pub async fn open_inode(self: &Arc<Self>, inode: u64) -> Result<pb::FileStatus, ClientError> {
         if let Some(s) = self.recent_status(inode) {
             return Ok(s);
         }
@@ -388,6 +392,10 @@ impl FileSystem {
             .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
             .await?;
         self.remember(&s);
+        let listed = lock(&self.names).contains_key(&(s.parent, s.name.clone()));
+        if listed && !s.validate_on_open {
+            self.list_ahead(s.parent, &s.name);
+        }
         Ok(s)
     }
 

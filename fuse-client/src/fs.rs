@@ -385,8 +385,20 @@ impl Filesystem for GranaryFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let client = self.client.clone();
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
+        // A file's status seen within the attribute timeout (a listing, a lookup, an open):
+        // answered here, without a hop to the runtime — the staleness lookups and opens
+        // already allow. Not a folder (the kernel asks after changing its entries) nor a
+        // file being written through this mount.
+        if self.writes.size_of(ino.0).is_none() {
+            if let Some(s) = self.client.cached_open_status(ino.0) {
+                if s.kind == pb::FileKind::File as i32 {
+                    reply.attr(&ttl, &attr_of(&s, uid, gid));
+                    return;
+                }
+            }
+        }
+        let client = self.client.clone();
         let dl = self.deadline.clone();
         let writes = self.writes.clone();
         self.rt.spawn(async move {

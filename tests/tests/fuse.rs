@@ -387,3 +387,63 @@ fn a_folder_read_in_name_order_is_pushed_into_the_page_cache_ahead_of_the_reader
         r3 - r2
     );
 }
+
+/// With the kernel keeping names longer than the attribute timeout (`--entry-timeout 60s`,
+/// a common setting for datasets that do not change), a program opening a folder's files
+/// in name order sends no lookups, and each open and `fstat` finds the file's status stale.
+/// They must not each ask the master: the first fetches the folder's listing page ahead,
+/// and the rest are answered from it (before, every open and every getattr went to the
+/// master, making the longer timeout slower than the default).
+#[test]
+fn opens_past_the_attribute_timeout_fetch_the_folder_listing_ahead() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-entry-")
+        .tempdir()
+        .unwrap();
+    let src = tmp.path().join("ufs");
+    let n = 300;
+    let names: Vec<String> = (0..n).map(|i| format!("f{i:04}.bin")).collect();
+    for (i, name) in names.iter().enumerate() {
+        random_file(&src.join("d").join(name), 4096 + i as u64).unwrap();
+    }
+    let list = tmp.path().join("names.txt");
+    std::fs::write(&list, names.join("\n") + "\n").unwrap();
+    let c = Cluster::start_opts(tmp.path(), 1, "1GiB", &src, &["--entry-timeout", "60s"]).unwrap();
+    // Python's open() is an OPEN and an fstat (a GETATTR once the attributes are stale).
+    // Run from outside the mount: Python looks for its modules in the working directory
+    // first, and those lookups of missing names would fetch the listing themselves.
+    let read_all = |d: &std::path::Path| {
+        sh(&format!(
+            "cd / && python3 -c 'import sys, hashlib, os\nh = hashlib.sha256()\n\
+             for n in sys.stdin:\n    h.update(open(os.path.join(sys.argv[1], n.strip()), \"rb\").read())\n\
+             print(h.hexdigest())' '{}' < '{}'",
+            d.display(),
+            list.display()
+        ))
+        .unwrap()
+    };
+    let want = read_all(&src.join("d"));
+    let dir = c.data().join("d");
+    // A loader lists its dataset once (its index of samples), then reads it epoch after
+    // epoch from its own list of names.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), n);
+    assert_eq!(read_all(&dir), want, "cold pass");
+    let asked = |op: &str| {
+        c.fuse
+            .metric(&format!("granary_client_op_seconds_count{{op=\"{op}\"}}"))
+    };
+    // Past the attribute timeout (1 s); the kernel still holds the names (60 s).
+    std::thread::sleep(Duration::from_millis(1500));
+    let (o0, g0) = (asked("open"), asked("getattr"));
+    assert_eq!(read_all(&dir), want, "second pass");
+    let (opens, getattrs) = (asked("open") - o0, asked("getattr") - g0);
+    eprintln!("{n} files: {opens} opens and {getattrs} getattrs asked the master");
+    assert!(
+        opens <= (n / 4) as f64,
+        "{opens} of {n} opens asked the master"
+    );
+    assert!(
+        getattrs <= (n / 4) as f64,
+        "{getattrs} of {n} getattrs asked the master"
+    );
+}
