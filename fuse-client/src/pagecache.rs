@@ -36,8 +36,9 @@ const UNKNOWN: u64 = u64::MAX;
 const EXPECTED_TRACKED: usize = 1024;
 /// Pushed files not opened since, remembered at once.
 const PUSHED_TRACKED: usize = 4096;
-/// Files pushed after one read showing the kernel lacks a folder's files (bounds what is
-/// pushed needlessly when the kernel holds the files after all).
+/// Generations of pushes after one read showing the kernel lacks a folder's files: each
+/// opened pushed file pushes the files after it with one less (about `ahead` × 128 files
+/// in all; bounds what is pushed needlessly when the kernel holds the files after all).
 const CHAIN_CREDIT: u32 = 128;
 /// A file whose pages the kernel got this recently is taken to hold them still (the
 /// files a reader ahead in the same folder opened are not pushed again).
