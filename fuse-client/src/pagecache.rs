@@ -350,15 +350,13 @@ impl PageCache {
             self.client.read_leased(f, 0, f.length)
         };
         // No lease held yet (the leases taken ahead of reads lag behind the pushes): one
-        // push at a time takes the lease, with the files after it, from this node's worker.
+        // push at a time takes the lease, with the files after it, from this node's worker
+        // (`read_local_file` reads a lease the push before it took as it is).
         let data = leased.or_else(|| {
             self.rt.block_on(async {
                 let take = async {
                     let _one = self.leasing.lock().await;
-                    match self.client.read_leased(f, 0, f.length) {
-                        Some(d) => Some(d),
-                        None => self.client.read_local_file(f).await,
-                    }
+                    self.client.read_local_file(f).await
                 };
                 tokio::time::timeout(LEASE_WAIT, take).await.ok().flatten()
             })
