@@ -127,7 +127,7 @@ impl BlockLocations {
     /// `(inode, version to keep)` for every noted change of which `worker` still holds
     /// another version.
     pub fn stale_for(&self, worker: u64) -> Vec<(u64, u64)> {
-        let stale: Vec<(u64, u64)> = {
+        let stale: HashMap<u64, u64> = {
             let g = match self.stale.lock() {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
@@ -144,10 +144,18 @@ impl BlockLocations {
         let Some(held) = inner.by_worker.get(&worker) else {
             return Vec::new();
         };
-        stale
-            .into_iter()
-            .filter(|(inode, keep)| held.iter().any(|k| k.0 == *inode && k.1 != *keep))
-            .collect()
+        // One pass over what the worker holds (a scan of it per noted change made a
+        // re-listing that changed a big folder cost changes × blocks on every heartbeat).
+        let mut out: Vec<(u64, u64)> = held
+            .iter()
+            .filter_map(|k| {
+                let keep = *stale.get(&k.0)?;
+                (k.1 != keep).then_some((k.0, keep))
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Queues `inodes` to be dropped by every worker holding blocks of them. Returns
@@ -212,7 +220,7 @@ mod tests {
     #[test]
     fn stale_versions_are_reported_to_the_workers_holding_them() {
         let m = BlockLocations::default();
-        m.replace_worker(1, &[b(0)]);
+        m.replace_worker(1, &[b(0), b(1)]);
         m.replace_worker(
             2,
             &[BlockId {
@@ -221,11 +229,15 @@ mod tests {
                 index: 0,
             }],
         );
+        // The version a worker holds is the one to keep: nothing to drop.
+        m.note_stale(5, 9);
+        assert!(m.stale_for(1).is_empty());
+        // Once per file, however many of its blocks the worker holds.
         m.note_stale(5, 10);
         assert_eq!(m.stale_for(1), vec![(5, 10)]);
         assert!(m.stale_for(2).is_empty());
         // Once the worker reports the old blocks gone, nothing more is asked.
-        m.update(1, &[], &[b(0)]);
+        m.update(1, &[], &[b(0), b(1)]);
         assert!(m.stale_for(1).is_empty());
     }
 
