@@ -460,6 +460,7 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
             "granary_master_ufs_listing_failures_total{mount=\"/synced\"}"
         ) >= 1.0
     );
+    assert!(metric_at(&master.metrics, "granary_master_dirs_sync_failing") >= 1.0);
     std::thread::sleep(Duration::from_millis(1100)); // let the 1 s sync interval pass
     assert_eq!(
         sh(&format!("ls '{}'", synced.join("plain").display())).unwrap(),
@@ -475,6 +476,12 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     )
     .unwrap();
     granary_ok(&["fs", "sync", "-R", "/synced", "--master", &addr]).unwrap();
+    poll(
+        "every failing directory to be retried and counted healed",
+        Duration::from_secs(60),
+        || (metric_at(&master.metrics, "granary_master_dirs_sync_failing") == 0.0).then_some(()),
+    )
+    .unwrap();
 
     // The store starts refusing our credentials: a lookup of a new name is EACCES (not a
     // generic I/O error), and the cause is in the master's log.

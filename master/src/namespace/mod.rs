@@ -638,16 +638,18 @@ impl Namespace {
     fn record_failure(&self, dir: u64, e: &MasterError) -> u32 {
         let mut state = lock(&self.sync_state);
         let s = state.entry(dir).or_default();
+        if s.failures == 0 {
+            // Counted as it changes: a recount per failure made an outage's retries of n
+            // folders cost n² under the lock every lookup's `due` check takes.
+            self.metrics.failing_dirs.inc();
+        }
         s.failures += 1;
         s.last_error = Some(e.to_string());
         let backoff = SYNC_RETRY_MIN
             .saturating_mul(1 << s.failures.min(10).saturating_sub(1))
             .min(SYNC_RETRY_MAX);
         s.retry_at = Some(Instant::now() + backoff);
-        let failures = s.failures;
-        let failing = state.values().filter(|s| s.failures > 0).count();
-        self.metrics.failing_dirs.set(failing as i64);
-        failures
+        s.failures
     }
 
     fn record_success(&self, dir: u64) {
@@ -666,8 +668,7 @@ impl Namespace {
             ..Default::default()
         };
         if was_failing {
-            let failing = state.values().filter(|s| s.failures > 0).count();
-            self.metrics.failing_dirs.set(failing as i64);
+            self.metrics.failing_dirs.dec();
         }
     }
 
@@ -720,9 +721,9 @@ impl Namespace {
     /// Forgets one entry's sync state.
     pub fn forget_sync(&self, id: u64) {
         let mut state = lock(&self.sync_state);
-        state.remove(&id);
-        let failing = state.values().filter(|s| s.failures > 0).count();
-        self.metrics.failing_dirs.set(failing as i64);
+        if state.remove(&id).is_some_and(|s| s.failures > 0) {
+            self.metrics.failing_dirs.dec();
+        }
     }
 
     /// Forgets the sync state of directories listed successfully more than
@@ -753,9 +754,11 @@ impl Namespace {
 
     /// Forgets sync state (a new leader lists again on first access).
     pub fn forget_sync_state(&self) {
-        lock(&self.sync_state).clear();
-        lock(&self.missing).clear();
+        let mut state = lock(&self.sync_state);
+        state.clear();
         self.metrics.failing_dirs.set(0);
+        drop(state);
+        lock(&self.missing).clear();
     }
 }
 

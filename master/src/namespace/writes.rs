@@ -52,8 +52,9 @@ impl Namespace {
         Ok((parent, entry))
     }
 
-    /// Checks before a file is created (or replaced) at `path`.
-    pub async fn prepare_create(&self, path: &str, overwrite: bool) -> Result<(), MasterError> {
+    /// Checks before a file is created (or replaced) at `path`. Returns whether a file is
+    /// there now (whose cached pages the create makes stale).
+    pub async fn prepare_create(&self, path: &str, overwrite: bool) -> Result<bool, MasterError> {
         let (parent, entry) = self.parent_and_entry(path).await?;
         self.writable_mount(&parent, path)?;
         match entry {
@@ -63,7 +64,7 @@ impl Namespace {
             Some(e) if e.kind == Kind::Directory => Err(MasterError::IsADirectory {
                 path: path.to_string(),
             }),
-            _ => Ok(()),
+            entry => Ok(entry.is_some()),
         }
     }
 

@@ -329,7 +329,7 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
         self.may_change_parent(caller, &r.path).await?;
-        self.core.ns.prepare_create(&r.path, r.overwrite).await?;
+        let replaces = self.core.ns.prepare_create(&r.path, r.overwrite).await?;
         let out = self
             .core
             .propose_request(
@@ -344,9 +344,13 @@ impl MasterService for MasterRpc {
                 r.request_id,
             )
             .await?;
-        if let ApplyOutput::Inode(i) = &out {
-            // A replaced file's old pages are of no use any more.
-            self.core.blocks.note_stale(i.id, i.version);
+        match &out {
+            // A replaced file's old pages are of no use any more. A new file has none: noting
+            // every create would fill the table each heartbeat goes through (5 minutes of a
+            // checkpoint writer's files). A file made by someone else between the check and
+            // the apply is missed; its old pages are never read again and age out.
+            ApplyOutput::Inode(i) if replaces => self.core.blocks.note_stale(i.id, i.version),
+            _ => {}
         }
         match out {
             ApplyOutput::Inode(i) => {
