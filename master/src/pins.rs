@@ -29,6 +29,9 @@ struct Inner {
     refreshed: Option<Instant>,
     /// The term the generation counts in (a new leader starts a new series).
     term: u64,
+    /// The Raft index applied when the set was computed: every change of the namespace or
+    /// of the pins is an applied entry, so while it stands still the set does too.
+    applied: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -63,9 +66,20 @@ impl MasterCore {
             .status
             .term
             .load(std::sync::atomic::Ordering::Relaxed);
+        // Read before the walk: a change applied during it makes the next refresh walk again.
+        let applied = self
+            .raft
+            .status
+            .applied
+            .load(std::sync::atomic::Ordering::Relaxed);
         {
             let g = lock(&self.pins.inner);
-            if g.term == term && g.refreshed.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+            // A walk reads every file under every pin (a pinned dataset of a million files:
+            // seconds of reads), so it is not repeated while nothing was applied.
+            if g.term == term
+                && g.refreshed
+                    .is_some_and(|t| t.elapsed() < REFRESH_EVERY || g.applied == applied)
+            {
                 return;
             }
         }
@@ -86,6 +100,7 @@ impl MasterCore {
             g.inodes = Arc::new(set);
         }
         g.refreshed = Some(Instant::now());
+        g.applied = applied;
     }
 
     /// Every file at or below a pin (as far as the namespace is listed).

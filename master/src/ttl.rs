@@ -5,7 +5,7 @@
 //! logged once a minute; the TTL stays until it succeeds.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,11 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 pub struct TtlRunner {
     busy: AtomicBool,
     warned: Mutex<HashMap<u64, Instant>>,
+    /// TTLs set by this master (each makes the next tick read them all again).
+    sets: AtomicU64,
+    /// `(term, sets, ms)`: with this leader's term and no TTL set since, none is due before
+    /// `ms`. Reading every TTL each tick cost a decode per TTL twice a second.
+    next_due: Mutex<Option<(u64, u64, i64)>>,
 }
 
 impl MasterCore {
@@ -51,10 +56,11 @@ impl MasterCore {
             expires_ms: granary_common::now_ms().saturating_add(ttl_ms.min(i64::MAX as u64) as i64),
             action,
         });
-        match self
+        let out = self
             .propose_request(Command::SetTtl { path, ttl }, request_id)
-            .await?
-        {
+            .await?;
+        self.ttl.sets.fetch_add(1, Ordering::AcqRel);
+        match out {
             ApplyOutput::Inode(i) => Ok((i, ttl)),
             _ => Err(MasterError::corrupt("unexpected result of SetTtl")),
         }
@@ -90,10 +96,32 @@ impl MasterCore {
             return;
         }
         let now = granary_common::now_ms();
-        let due: Vec<(u64, Ttl)> = match self.ns.sm.ttls() {
-            Ok(t) => t.into_iter().filter(|(_, t)| t.expires_ms <= now).collect(),
-            Err(_) => return,
+        let term = self.raft.status.term.load(Ordering::Relaxed);
+        let sets = self.ttl.sets.load(Ordering::Acquire);
+        let mut next_due = match self.ttl.next_due.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
         };
+        if next_due.is_some_and(|(t, s, next)| t == term && s == sets && now < next) {
+            return;
+        }
+        let Ok(ttls) = self.ns.sm.ttls() else {
+            return;
+        };
+        let (due, later): (Vec<_>, Vec<_>) =
+            ttls.into_iter().partition(|(_, t)| t.expires_ms <= now);
+        // Due ones are looked at again next tick (done: gone; refused: retried).
+        let next = if due.is_empty() {
+            later
+                .iter()
+                .map(|(_, t)| t.expires_ms)
+                .min()
+                .unwrap_or(i64::MAX)
+        } else {
+            now
+        };
+        *next_due = Some((term, sets, next));
+        drop(next_due);
         if due.is_empty() || self.ttl.busy.swap(true, Ordering::AcqRel) {
             return;
         }
