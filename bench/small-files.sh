@@ -4,6 +4,8 @@
 # `granary local`, against the same reader over the local disk in the same run.
 #
 #   bench/small-files.sh [FILES] [KIB]     (default 20000 files of 128 KiB; root)
+#   ROUNDS=N  raw/warm pairs from the disk, alternating, whose median ratio is reported
+#             (default 5)
 #
 # Passes: raw disk (page cache dropped), Granary cold (every file fetched from the
 # under-store folder and cached), Granary warm from the worker's disk (page cache dropped),
@@ -70,6 +72,15 @@ rawpc=$(pass "$work/ufs/data")
 warmpc=$(pass "$work/mnt/data")
 drop; rawtar=$(tarpass "$work/ufs/data")
 drop; warmtar=$(tarpass "$work/mnt/data")
+# This VM's disk moves ±10 % and more between passes: more raw/warm pairs, alternating,
+# and the median of their ratios (ROUNDS pairs in all, counting the one above).
+pairs="$raw|$warm"
+for _ in $(seq 2 "${ROUNDS:-5}"); do
+  drop; r=$(pass "$work/ufs/data")
+  drop; w=$(pass "$work/mnt/data")
+  [ "$(echo "$w" | awk '{print $4}')" = "$(echo "$raw" | awk '{print $4}')" ] || { echo "bytes differ: $w vs $raw"; exit 1; }
+  pairs="$pairs;$r|$w"
+done
 digest() { echo "$1" | awk '{print $4}'; }
 for p in "$cold" "$warm" "$warmpc"; do
   [ "$(digest "$p")" = "$(digest "$raw")" ] || { echo "bytes differ: $p vs $raw"; exit 1; }
@@ -92,4 +103,14 @@ line "raw page cache (limit)" "$rawpc"
 line "granary page cache" "$warmpc" "$rawpc"
 line "raw disk, tar (limit)" "$rawtar"
 line "granary warm, tar" "$warmtar" "$rawtar"
+python3 - "$pairs" <<'PY'
+import statistics, sys
+rate = lambda p: int(p.split()[0]) / float(p.split()[2])
+pairs = [tuple(map(rate, pr.split("|"))) for pr in sys.argv[1].split(";")]
+ratios = [w / r for r, w in pairs]
+print(f"warm (worker's disk) vs raw disk, {len(pairs)} alternating pairs: "
+      + " / ".join(f"{w:.0f} vs {r:.0f}" for r, w in pairs) + " files/s")
+print("  ratios " + " / ".join(f"{x:.2f}" for x in ratios)
+      + f", median {statistics.median(ratios):.2f}x")
+PY
 echo "binary: $bin; $files files of $kib KiB, 8 reader threads"

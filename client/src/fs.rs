@@ -469,8 +469,11 @@ impl FileSystem {
         let after = after.to_string();
         rt.spawn(async move {
             let target = pb::path_or_id::Target::Inode(parent);
-            if let Err(e) = me.list_page(target, &after, LOOKUP_AHEAD).await {
-                tracing::debug!(parent, error = %e, "listing ahead of lookups failed");
+            match me.list_page(target, &after, LOOKUP_AHEAD).await {
+                Ok((entries, _)) => {
+                    tracing::debug!(parent, after, entries = entries.len(), "listed ahead")
+                }
+                Err(e) => tracing::debug!(parent, error = %e, "listing ahead of lookups failed"),
             }
             lock(&me.listing_ahead).remove(&parent);
         });
