@@ -260,6 +260,20 @@ fn descriptor(inode: &Inode, path: &str, index: u32) -> Option<pb::BlockDescript
 }
 
 /// The live workers, as clients see them (same order and weights).
+/// What placement depends on: the live workers and their weights (capacities), in the
+/// order of `live_workers`' list (placements are kept as positions in it).
+fn placement_key(workers: &[pb::WorkerInfo]) -> Vec<(u64, u64)> {
+    workers
+        .iter()
+        .map(|w| {
+            (
+                w.worker_id,
+                w.stats.as_ref().map_or(0, |s| s.capacity_bytes),
+            )
+        })
+        .collect()
+}
+
 fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
     let decommissioned = core.ns.sm.decommissioned().unwrap_or_default();
     core.workers
@@ -386,6 +400,11 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
     let mut last_report = Instant::now();
     let mut workers = live_workers(core);
     let mut workers_at = Instant::now();
+    // Each item's worker, placed once per worker set: the scan below may go through the
+    // whole queue on a turn (a worker with a free slot and nothing queued for it), and
+    // placing every item again each turn cost a score and a clone per worker per item.
+    let mut placed: HashMap<(u64, u64, u32, usize), usize> = HashMap::new();
+    let mut placed_for = placement_key(&workers);
     loop {
         // Retries whose backoff is over go back in the queue.
         let now = Instant::now();
@@ -400,6 +419,11 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
         if workers_at.elapsed() > Duration::from_secs(1) {
             workers = live_workers(core);
             workers_at = Instant::now();
+            let key = placement_key(&workers);
+            if key != placed_for {
+                placed.clear();
+                placed_for = key;
+            }
         }
         // Fill every worker's free task slots from the queue, in queue order.
         if !queue.is_empty() && !workers.is_empty() {
@@ -420,13 +444,20 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                 let Some(f) = loading.get(&item.inode) else {
                     continue;
                 };
-                let block = pb::BlockId {
-                    inode: item.inode,
-                    version: f.inode.version,
-                    index: item.index,
-                };
-                let order = granary_client::placement::order_workers(&block, &workers);
-                let Some(w) = order.get(item.rank.min(order.len() - 1)) else {
+                let memo = (item.inode, f.inode.version, item.index, item.rank);
+                let at = *placed.entry(memo).or_insert_with(|| {
+                    let block = pb::BlockId {
+                        inode: item.inode,
+                        version: f.inode.version,
+                        index: item.index,
+                    };
+                    let order = granary_client::placement::order_workers(&block, &workers);
+                    order
+                        .get(item.rank.min(order.len().saturating_sub(1)))
+                        .and_then(|w| workers.iter().position(|x| x.worker_id == w.worker_id))
+                        .unwrap_or(usize::MAX)
+                });
+                let Some(w) = workers.get(at) else {
                     rest.push_back(item);
                     continue;
                 };
@@ -442,6 +473,7 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                     rest.push_back(item);
                     continue;
                 }
+                placed.remove(&memo); // kept only while queued (a retry places it again)
                 b.2 += item.len;
                 b.1.push(item);
                 if b.1.len() >= TASK_BLOCKS || b.2 >= TASK_BYTES {
