@@ -51,6 +51,8 @@ pub struct ClientMetrics {
     pub prefetch_hit_bytes: Counter<u64, AtomicU64>,
     /// Bytes of small files stored into the kernel's page cache ahead of a reader.
     pub pushed_bytes: Counter<u64, AtomicU64>,
+    /// Bytes of reads answered from a push reading the same file at the time.
+    pub push_shared_bytes: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -95,6 +97,11 @@ impl ClientMetrics {
                 "granary_client_pushed_bytes",
                 "Bytes of small files sent into the kernel's page cache ahead of a reader going through a folder in name order (--push-ahead-files)",
                 self.pushed_bytes.clone(),
+            );
+            r.register(
+                "granary_client_push_shared_bytes",
+                "Bytes of reads that reached the daemon while a push was reading their file, answered from the push's bytes instead of a second read",
+                self.push_shared_bytes.clone(),
             );
             r.register(
                 "granary_client_passthrough_opens",

@@ -480,11 +480,12 @@ impl Filesystem for GranaryFs {
             reply.error(Errno::EBADF);
             return;
         };
-        // Warm data on this node under a short-circuit lease: read it on this thread.
-        let leased = {
+        // Warm data on this node: from a push reading the file now, else under a
+        // short-circuit lease, read on this thread.
+        let leased = self.cache.pushed_bytes(&file, offset, size).or_else(|| {
             let _rt = self.rt.enter(); // leases of the files ahead are asked for from a task
             self.client.read_leased(&file, offset, u64::from(size))
-        };
+        });
         if let Some(data) = leased {
             reply.data(&data);
             if offset == 0 {

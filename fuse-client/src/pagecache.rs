@@ -14,13 +14,17 @@
 //! Stale bytes are never stored for an open: a file's pages are pushed only when the pages
 //! the kernel may hold are of the same version (or it holds none), and an open of another
 //! version waits for a store of its file in progress to end before the reply that makes the
-//! kernel drop its pages. A file opened before its push got to it is left to its reads.
+//! kernel drop its pages. A file opened before its push got to it is left to its reads; a
+//! read of a file reaching the daemon while its push is reading it waits for the push's
+//! bytes instead of reading the file a second time.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use fuser::INodeNo;
 use granary_client::FileSystem;
 use granary_proto as pb;
@@ -47,6 +51,49 @@ const RECENT: Duration = Duration::from_secs(1);
 const PUSHES_IN_FLIGHT: usize = 16;
 /// How long a push waits for a short-circuit lease before giving the file up.
 const LEASE_WAIT: Duration = Duration::from_secs(2);
+/// How long a read waits for the bytes of a push reading its file before reading them
+/// itself (a push's read takes well under a millisecond; one waiting for a lease would
+/// find the read waiting for the same lease).
+const SHARE_WAIT: Duration = Duration::from_millis(100);
+
+/// A push's read of its file, shared with reads of the file reaching the daemon meanwhile.
+struct InFlight {
+    version: u64,
+    /// None until the push's read ends; then its bytes (None: it failed).
+    bytes: Mutex<Option<Option<Bytes>>>,
+    ready: Condvar,
+    /// A read took the whole file: its reply gave the kernel every page, no store needed.
+    taken: AtomicBool,
+}
+
+impl InFlight {
+    fn new(version: u64) -> Self {
+        Self {
+            version,
+            bytes: Mutex::new(None),
+            ready: Condvar::new(),
+            taken: AtomicBool::new(false),
+        }
+    }
+
+    fn set(&self, bytes: Option<Bytes>) {
+        let mut b = lock(&self.bytes);
+        if b.is_none() {
+            *b = Some(bytes);
+            self.ready.notify_all();
+        }
+    }
+
+    /// The push's bytes, waiting at most `within` for its read to end.
+    fn wait(&self, within: Duration) -> Option<Bytes> {
+        let b = lock(&self.bytes);
+        let (b, _) = self
+            .ready
+            .wait_timeout_while(b, within, |b| b.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        b.clone().flatten()
+    }
+}
 
 #[derive(Default)]
 struct State {
@@ -56,6 +103,8 @@ struct State {
     forgot: bool,
     /// Files being stored into the kernel now, with the version.
     storing: HashMap<u64, u64>,
+    /// Files a push is reading now (from when it starts until it ends).
+    reading: HashMap<u64, Arc<InFlight>>,
     /// Files queued or pushed and not opened since, with the chain's credit: how many more
     /// files the opens of pushed files may push before a read reaching the daemon shows
     /// again that the kernel lacks the folder's files.
@@ -159,10 +208,32 @@ impl State {
         true
     }
 
-    /// A queued push is about to store `inode` at `version`: false when it must not (opened
-    /// meanwhile, or pages of another version may be held now).
+    /// A queued push starts reading `inode` at `version`: None when it must not (opened
+    /// before the push got to it: left to its reads, or read by another push now).
+    fn start_read(&mut self, inode: u64, version: u64) -> Option<Arc<InFlight>> {
+        if !self.pushed.contains_key(&inode) || self.reading.contains_key(&inode) {
+            return None;
+        }
+        let slot = Arc::new(InFlight::new(version));
+        self.reading.insert(inode, slot.clone());
+        Some(slot)
+    }
+
+    fn end_read(&mut self, inode: u64, slot: &Arc<InFlight>) {
+        if self
+            .reading
+            .get(&inode)
+            .is_some_and(|s| Arc::ptr_eq(s, slot))
+        {
+            self.reading.remove(&inode);
+        }
+    }
+
+    /// A push that read `inode` is about to store it at `version`: false when it must not
+    /// (pages of another version may be held now: opened or changed meanwhile). An open of
+    /// the same version meanwhile does not stop it: the bytes are that open's too.
     fn begin_store(&mut self, inode: u64, version: u64, now: Instant) -> bool {
-        if !self.pushed.contains_key(&inode)
+        if !self.reading.contains_key(&inode)
             || self.storing.contains_key(&inode)
             || !self.may_hold_only(inode, version)
         {
@@ -286,6 +357,28 @@ impl PageCache {
         Some(keep)
     }
 
+    /// The bytes `offset..offset + size` of `file` from a push reading it now (same
+    /// version), waiting briefly for its read to end; None when no push is reading it (or
+    /// it failed, or took too long): the caller reads the file itself.
+    pub fn pushed_bytes(&self, file: &pb::FileStatus, offset: u64, size: u32) -> Option<Bytes> {
+        let slot = lock(&self.state)
+            .reading
+            .get(&file.inode)
+            .filter(|s| s.version == file.version)
+            .cloned()?;
+        let data = slot.wait(SHARE_WAIT)?;
+        let len = data.len() as u64;
+        if offset >= len {
+            return None;
+        }
+        let end = len.min(offset.saturating_add(u64::from(size)));
+        if offset == 0 && end == len {
+            slot.taken.store(true, Ordering::Release);
+        }
+        self.client.metrics.push_shared_bytes.inc_by(end - offset);
+        Some(data.slice(offset as usize..end as usize))
+    }
+
     /// The daemon is reading `file` from its start (the kernel lacks its first page): when
     /// a reader going through the folder in name order opened it right after a file the
     /// kernel lacked too, the files after it are pushed into the kernel in the background,
@@ -342,9 +435,18 @@ impl PageCache {
         let Some(notifier) = self.notifier.get() else {
             return false;
         };
-        if !lock(&self.state).pushed.contains_key(&f.inode) {
+        let Some(slot) = lock(&self.state).start_read(f.inode, f.version) else {
             return false; // opened meanwhile: its reads fetch it
+        };
+        // Whatever happens, the read ends: reads waiting for its bytes go on.
+        struct Reading<'a>(&'a Mutex<State>, u64, Arc<InFlight>);
+        impl Drop for Reading<'_> {
+            fn drop(&mut self) {
+                self.2.set(None);
+                lock(self.0).end_read(self.1, &self.2);
+            }
         }
+        let _reading = Reading(&self.state, f.inode, slot.clone());
         let leased = {
             let _rt = self.rt.enter(); // leases of the files ahead are asked for from a task
             self.client.read_leased(f, 0, f.length)
@@ -364,6 +466,10 @@ impl PageCache {
         let Some(data) = data.filter(|d| d.len() as u64 == f.length) else {
             return false;
         };
+        slot.set(Some(data.clone()));
+        if slot.taken.load(Ordering::Acquire) {
+            return true; // a read's reply gave the kernel the whole file
+        }
         if !lock(&self.state).begin_store(f.inode, f.version, Instant::now()) {
             return false;
         }
@@ -413,7 +519,8 @@ mod tests {
         let later = t + LATER;
         assert!(!st.queue(7, 2, 10, later), "the kernel may hold version 1");
         assert!(st.queue(7, 1, 10, later));
-        // The file changed after it was queued: the store is refused.
+        assert!(st.start_read(7, 1).is_some());
+        // The file changed while its push read it: the store is refused.
         st.open(7, 2, None, later);
         assert!(!st.begin_store(7, 1, later));
         // Changed through this mount: nothing is pushed until an open says which version.
@@ -428,6 +535,7 @@ mod tests {
         let mut st = State::default();
         let t = Instant::now();
         assert!(st.queue(7, 1, 10, t));
+        assert!(st.start_read(7, 1).is_some());
         assert!(st.begin_store(7, 1, t));
         assert_eq!(st.open(7, 2, None, t), None, "must wait for the store");
         // The same version need not wait: the pages being stored are its own.
@@ -447,7 +555,48 @@ mod tests {
             Some((false, 20)),
             "the larger credit"
         );
-        assert!(!st.begin_store(7, 1, t), "opened meanwhile");
+        assert!(st.start_read(7, 1).is_none(), "opened before the push");
+        assert!(!st.begin_store(7, 1, t));
+    }
+
+    #[test]
+    fn a_file_opened_while_its_push_reads_it_is_stored_only_at_the_version_opened() {
+        let mut st = State::default();
+        let t = Instant::now();
+        assert!(st.queue(7, 1, 10, t));
+        let slot = st.start_read(7, 1).unwrap();
+        assert!(st.start_read(7, 1).is_none(), "one push reads a file");
+        st.open(7, 1, None, t);
+        assert!(st.begin_store(7, 1, t), "the open's own version");
+        st.storing.remove(&7);
+        st.end_read(7, &slot);
+        assert!(st.reading.is_empty());
+        assert!(st.queue(8, 1, 10, t));
+        let slot = st.start_read(8, 1).unwrap();
+        st.open(8, 2, None, t);
+        assert!(!st.begin_store(8, 1, t), "opened at another version");
+        st.end_read(8, &slot);
+    }
+
+    #[test]
+    fn a_read_gets_the_bytes_of_the_push_reading_its_file() {
+        let slot = Arc::new(InFlight::new(1));
+        assert_eq!(slot.wait(Duration::from_millis(1)), None, "not read yet");
+        let waiter = {
+            let slot = slot.clone();
+            std::thread::spawn(move || slot.wait(Duration::from_secs(60)))
+        };
+        slot.set(Some(Bytes::from_static(b"abc")));
+        assert_eq!(waiter.join().unwrap().as_deref(), Some(&b"abc"[..]));
+        slot.set(None); // the push's end changes nothing once its bytes are in
+        assert_eq!(slot.wait(Duration::ZERO).as_deref(), Some(&b"abc"[..]));
+        let failed = InFlight::new(1);
+        failed.set(None);
+        assert_eq!(
+            failed.wait(Duration::from_secs(60)),
+            None,
+            "failed: no wait"
+        );
     }
 
     #[test]
@@ -493,6 +642,7 @@ mod tests {
         assert!(!st.read_from_start(4, t + LATER));
         // A pushed file counts as lacked: a read after the chain ran out starts it again.
         assert!(st.queue(5, 1, 1, t + LATER));
+        assert!(st.start_read(5, 1).is_some());
         assert!(st.begin_store(5, 1, t + LATER));
         st.open(5, 1, Some(6), t + LATER);
         st.open(6, 1, Some(7), t + LATER);
