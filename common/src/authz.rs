@@ -201,8 +201,11 @@ mod tests {
     /// Every `rpc` of the wire contract has an entry (else it would be refused to all).
     #[test]
     fn the_policy_covers_every_rpc_of_the_proto_files() {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto/granary/v1");
+        // The crate's folder as cargo runs the test (a test binary reused from a checkout
+        // at another path would carry that path in `env!`).
+        let crate_dir = std::env::var("CARGO_MANIFEST_DIR")
+            .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+        let dir = std::path::Path::new(&crate_dir).join("../proto/proto/granary/v1");
         let mut methods = Vec::new();
         for entry in std::fs::read_dir(&dir).unwrap() {
             let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
