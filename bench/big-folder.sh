@@ -12,7 +12,7 @@ set -euo pipefail
 n="${1:-50000}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
-[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+needs_root
 local_workdir bigdir
 mkdir -p "$work/ufs/big" "$work/mnt"
 python3 - "$work/ufs/big" "$n" <<'PY'
@@ -21,7 +21,6 @@ root, n = sys.argv[1], int(sys.argv[2])
 for i in range(n):
     open(os.path.join(root, f"f{i:07d}"), "wb").close()
 PY
-drop() { sync; echo 1 > /proc/sys/vm/drop_caches; }
 # timed COMMAND...: seconds it took; its output (one line: a count) on stdout after them.
 timed() {
   local s e out

@@ -21,7 +21,7 @@ rounds="${ROUNDS:-5}"
 export FADVISE="${FADVISE:-1}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
-[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+needs_root
 local_workdir fio
 mkdir -p "$work/ufs/blocks" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/seq.bin"
@@ -45,7 +45,7 @@ cat "$work"/mnt/blocks/*.bin > /dev/null # first passthrough opens check every C
 
 # fio JOB DIR FILE -> "MB/s IOPS"
 run_fio() {
-  sync; echo 1 > /proc/sys/vm/drop_caches
+  drop
   DIR="$2" FILE="$3" fio --readonly --output-format=json "$here/fio/$1.fio" |
     python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"] / 1e6, j["iops"]))'
 }

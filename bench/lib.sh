@@ -16,6 +16,12 @@ wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/"${2:-127.0.0.1}"/"$1"
 # metric PORT NAME: the value of one Prometheus sample served on 127.0.0.1:PORT.
 metric_at() { curl -s "127.0.0.1:$1/metrics" | awk -v m="$2" '$1 == m { print $2 }'; }
 
+# needs_root: exits unless this can drop the page cache (root).
+needs_root() { [ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }; }
+
+# drop: writes dirty pages back and drops the page cache, so the next read is from the disk.
+drop() { sync; echo 1 > /proc/sys/vm/drop_caches; }
+
 # local_workdir NAME: sets $work to a fresh folder under /tmp and, at exit, stops the
 # `granary local` process in $pid (if any), unmounts $work/mnt and removes the folder.
 local_workdir() {

@@ -16,7 +16,7 @@ kib="${2:-64}"
 large="${3:-4}"
 large_mib="${4:-256}"
 . "$(dirname "$0")/lib.sh"
-[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+needs_root
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
 procs_workdir load
 
@@ -38,7 +38,6 @@ for i in range(large):
             f.write(os.urandom(1 << 20))
 PY
 total=$(find "$work/s3/data" -type f -printf '%s\n' | awk '{s += $1} END {printf "%.0f\n", s}')
-drop() { sync; echo 1 > /proc/sys/vm/drop_caches; }
 
 drop
 t0=$(date +%s.%N); cp -r "$work/s3/data" "$work/copy"; sync; t1=$(date +%s.%N)

@@ -49,9 +49,9 @@ median() { python3 -c "import sys,statistics; print(statistics.median(float(x) f
 disk_raw=() disk_granary=()
 if [ -w /proc/sys/vm/drop_caches ]; then
   for _ in 1 2 3; do
-    sync; echo 1 > /proc/sys/vm/drop_caches
+    drop
     disk_raw+=("$(timed_read "$work/ufs/data.bin")")
-    sync; echo 1 > /proc/sys/vm/drop_caches
+    drop
     disk_granary+=("$(timed_read "$work/mnt/data.bin")")
   done
 fi
@@ -69,9 +69,9 @@ done
 disk_raw_pt=() disk_pt=()
 if [ -w /proc/sys/vm/drop_caches ]; then
   for _ in 1 2 3; do
-    sync; echo 1 > /proc/sys/vm/drop_caches
+    drop
     disk_raw_pt+=("$(timed_read "$work"/ufs/blocks/*.bin)")
-    sync; echo 1 > /proc/sys/vm/drop_caches
+    drop
     disk_pt+=("$(timed_read "$work"/mnt/blocks/*.bin)")
   done
 fi

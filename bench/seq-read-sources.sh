@@ -16,7 +16,7 @@ size_mib="${1:-1024}"
 how="${2:-dd}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
-[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+needs_root
 local_workdir seq-sources
 mkdir -p "$work/ufs" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/seq.bin"
@@ -49,11 +49,11 @@ mbps() { # dd's or fio's throughput of reading $1, in MB/s
   fi
 }
 for round in 1 2 3; do
-  sync; echo 1 > /proc/sys/vm/drop_caches
+  drop
   raw="$(mbps "$work/ufs/seq.bin")"
-  sync; echo 1 > /proc/sys/vm/drop_caches
+  drop
   blk="$(direct)"
-  sync; echo 1 > /proc/sys/vm/drop_caches
+  drop
   counters > "$work/before"
   g="$(mbps "$work/mnt/seq.bin")"
   counters > "$work/after"

@@ -18,7 +18,7 @@ files="${1:-20000}"
 kib="${2:-128}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
-[ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }
+needs_root
 local_workdir small
 mkdir -p "$work/ufs" "$work/mnt"
 python3 - "$work/ufs/data" "$files" "$kib" <<'PY'
@@ -54,7 +54,6 @@ GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir 
 pid=$!
 for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
-drop() { sync; echo 1 > /proc/sys/vm/drop_caches; }
 pass() { python3 "$work/reader.py" "$1"; }  # -> files bytes seconds digest
 # One reader going through the tree in name order: tar (its output piped on: tar skips
 # reading files when it writes to /dev/null itself).

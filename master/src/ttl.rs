@@ -58,9 +58,10 @@ impl MasterCore {
         });
         let out = self
             .propose_request(Command::SetTtl { path, ttl }, request_id)
-            .await?;
+            .await;
+        // Also when the answer is an error: the entry may have been applied all the same.
         self.ttl.sets.fetch_add(1, Ordering::AcqRel);
-        match out {
+        match out? {
             ApplyOutput::Inode(i) => Ok((i, ttl)),
             _ => Err(MasterError::corrupt("unexpected result of SetTtl")),
         }
