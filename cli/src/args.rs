@@ -464,6 +464,20 @@ pub struct MasterArgs {
     /// mounts with credentials are refused.
     #[arg(long, env = "GRANARY_SECRETS_KEY_FILE", value_name = "FILE")]
     pub secrets_key_file: Option<PathBuf>,
+    /// Allow `file://` mounts of this folder and the folders below it (repeatable; in
+    /// GRANARY_ALLOW_LOCAL_ROOTS comma-separated). Without it no local folder can be
+    /// mounted, so an admin cannot mount the masters' own keys or any other host folder.
+    ///
+    /// Example: --allow-local-root /data --allow-local-root /srv/datasets
+    #[arg(long = "allow-local-root", env = "GRANARY_ALLOW_LOCAL_ROOTS", value_name = "DIR", value_delimiter = ',')]
+    pub allow_local_roots: Vec<PathBuf>,
+    /// Only these store addresses may be named by mount options (`endpoint`, `base_url`,
+    /// `proxy_url`, Azure's emulator, …): HOST (any port) or HOST:PORT, repeatable (in
+    /// GRANARY_ALLOW_ENDPOINTS comma-separated). Without it any address is accepted.
+    ///
+    /// Example: --allow-endpoint minio.storage.svc:9000
+    #[arg(long = "allow-endpoint", env = "GRANARY_ALLOW_ENDPOINTS", value_name = "HOST[:PORT]", value_delimiter = ',')]
+    pub allow_endpoints: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]

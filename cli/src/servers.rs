@@ -67,6 +67,24 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
     config.worker_timeout = a.worker_timeout;
     config.block_size = a.block_size;
     config.secrets = secrets_key(a.secrets_key_file.as_deref())?;
+    config.mount_policy = granary_master::mounts::MountPolicy {
+        local_roots: a.allow_local_roots,
+        endpoints: a.allow_endpoints,
+    };
+    if let Some(r) = config
+        .mount_policy
+        .local_roots
+        .iter()
+        .find(|r| !r.is_absolute())
+    {
+        bail!(
+            "--allow-local-root {:?} is not an absolute folder",
+            r.display().to_string()
+        );
+    }
+    if config.mount_policy.local_roots.is_empty() {
+        tracing::info!("no --allow-local-root: file:// mounts will be refused");
+    }
     let m = granary_master::start(config, registry, shutdown.clone()).await?;
     eprintln!("granary master listening on {}", m.addr);
     if let Some(ma) = m.metrics_addr {
@@ -204,6 +222,10 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
 
     let mut mc = MasterConfig::new(dir.join("master"), "127.0.0.1:0".parse()?);
     mc.metrics_listen = None;
+    // The one folder this process serves is the one local root it allows.
+    if let Some(d) = spec.local_dir() {
+        mc.mount_policy.local_roots.push(d);
+    }
     let m = granary_master::start(mc, registry.clone(), shutdown.clone()).await?;
     let master_addr = m.addr.to_string();
 

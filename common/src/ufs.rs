@@ -7,13 +7,16 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use object_store::local::LocalFileSystem;
 use object_store::path::Path as StorePath;
 use object_store::ObjectStore;
 use thiserror::Error;
 use url::Url;
 
-/// Option keys that Granary interprets itself (not passed to `object_store`).
+mod local;
+pub use local::{ConfinedLocal, Symlinks};
+
+/// Option keys that Granary interprets itself (not passed to `object_store`). None of them
+/// is a secret.
 pub const GRANARY_OPTION_KEYS: &[&str] = &[
     "dir_mode",
     "file_mode",
@@ -21,10 +24,94 @@ pub const GRANARY_OPTION_KEYS: &[&str] = &[
     "part_concurrency",
     "part_size",
     "read_only",
+    "symlinks",
     "sync_interval",
     "uid",
     "validate_on_open",
     "write_mode",
+];
+
+/// `object_store` option keys whose values are NOT secrets (names, places, switches, paths
+/// of files holding credentials — never credentials themselves), as written without the
+/// `aws_`, `google_`, `azure_storage_` or `azure_` prefix `object_store` also accepts.
+/// Every other option value is a secret: sealed at rest, `***` in every output. A key
+/// missing here is therefore hidden, never shown by mistake.
+pub const PUBLIC_STORE_KEYS: &[&str] = &[
+    // S3 (AmazonS3ConfigKey)
+    "access_key_id",
+    "default_region",
+    "region",
+    "bucket",
+    "bucket_name",
+    "endpoint",
+    "endpoint_url",
+    "endpoint_url_s3",
+    "endpoint_url_sts",
+    "virtual_hosted_style_request",
+    "s3_express",
+    "imdsv1_fallback",
+    "metadata_endpoint",
+    "unsigned_payload",
+    "checksum_algorithm",
+    "container_credentials_relative_uri",
+    "container_credentials_full_uri",
+    "container_authorization_token_file",
+    "web_identity_token_file",
+    "role_arn",
+    "role_session_name",
+    "skip_signature",
+    "copy_if_not_exists",
+    "conditional_put",
+    "disable_tagging",
+    "disable_bulk_delete",
+    "request_payer",
+    "server_side_encryption",
+    "sse_kms_key_id",
+    "sse_bucket_key_enabled",
+    // GCS (GoogleConfigKey): service_account is the path of a key file.
+    "service_account",
+    "service_account_path",
+    "base_url",
+    "application_credentials",
+    // Azure (AzureConfigKey)
+    "account_name",
+    "client_id",
+    "tenant_id",
+    "authority_id",
+    "authority_host",
+    "use_emulator",
+    "msi_endpoint",
+    "identity_endpoint",
+    "object_id",
+    "msi_resource_id",
+    "federated_token_file",
+    "use_fabric_endpoint",
+    "use_azure_cli",
+    "container_name",
+    "fabric_token_service_url",
+    "fabric_workload_host",
+    "fabric_cluster_identifier",
+    "credential_type",
+    // HTTP client (ClientConfigKey); proxy_url may carry a password and stays secret.
+    "allow_http",
+    "allow_invalid_certificates",
+    "disable_system_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "http2_keep_alive_interval",
+    "http2_keep_alive_timeout",
+    "http2_keep_alive_while_idle",
+    "http2_max_frame_size",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "randomize_addresses",
+    "read_timeout",
+    "timeout",
+    "user_agent",
 ];
 
 /// A POSIX mode given as octal text (`0644`, `755`): permission bits only.
@@ -310,22 +397,18 @@ pub fn fingerprint_of(o: &object_store::ObjectMeta) -> granary_proto::Fingerprin
     }
 }
 
-/// Is `key` a credential whose value must never be shown?
+/// Is `key` a credential whose value must never be shown? Every key is, except Granary's
+/// own ([`GRANARY_OPTION_KEYS`]) and the store keys known not to be
+/// ([`PUBLIC_STORE_KEYS`]): secret by default.
 pub fn is_secret_key(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    [
-        "secret",
-        "token",
-        "password",
-        "sas",
-        "credential",
-        "private",
-        "access_key",
-    ]
-    .iter()
-    .any(|s| k.contains(s))
-        && k != "access_key_id"
-        && !k.ends_with("_key_id")
+    let k = key.trim().to_ascii_lowercase();
+    if GRANARY_OPTION_KEYS.contains(&k.as_str()) || PUBLIC_STORE_KEYS.contains(&k.as_str()) {
+        return false;
+    }
+    let base = ["aws_", "google_", "azure_storage_", "azure_"]
+        .iter()
+        .find_map(|p| k.strip_prefix(p));
+    !base.is_some_and(|b| PUBLIC_STORE_KEYS.contains(&b))
 }
 
 /// Options with secret values replaced by `***`.
@@ -375,6 +458,12 @@ impl UfsSpec {
                 url.scheme()
             ),
         })?;
+        if url.password().is_some() {
+            return Err(UfsError::InvalidUri {
+                uri: "(not shown: it holds a password)".into(),
+                reason: "give credentials as mount options (--option-file, --option-env), not in the URI".into(),
+            });
+        }
         if kind != Kind::Local && url.host_str().is_none_or(str::is_empty) {
             return Err(UfsError::InvalidUri {
                 uri: self.uri.clone(),
@@ -472,6 +561,22 @@ impl UfsSpec {
                 }
             }
         }
+        if let Some(v) = self.options.get("symlinks") {
+            if Symlinks::parse(v).is_none() {
+                return Err(UfsError::InvalidOption {
+                    key: "symlinks".into(),
+                    value: v.clone(),
+                    reason: "expected none (follow no symbolic link) or inside (follow links that stay inside the mount's folder)".into(),
+                });
+            }
+            if kind != Kind::Local {
+                return Err(UfsError::InvalidOption {
+                    key: "symlinks".into(),
+                    value: v.clone(),
+                    reason: "only file:// mounts have symbolic links".into(),
+                });
+            }
+        }
         if let Some(v) = self.options.get("write_mode") {
             if !WRITE_MODES.contains(&v.as_str()) {
                 return Err(UfsError::InvalidOption {
@@ -546,6 +651,23 @@ impl UfsSpec {
         url.to_file_path().ok()
     }
 
+    /// The `symlinks` option of a `file://` mount ([`Symlinks::None`] when unset).
+    pub fn symlinks(&self) -> Symlinks {
+        self.options
+            .get("symlinks")
+            .and_then(|v| Symlinks::parse(v))
+            .unwrap_or_default()
+    }
+
+    /// The `file://` store of this spec, confined to its folder (None for object stores).
+    pub fn open_local(&self) -> Option<std::io::Result<ConfinedLocal>> {
+        let dir = self.local_dir()?;
+        Some(
+            ConfinedLocal::new(&dir, self.symlinks())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::NotFound, e)),
+        )
+    }
+
     pub fn read_only(&self) -> bool {
         self.options
             .get("read_only")
@@ -576,8 +698,9 @@ impl UfsSpec {
                     path: dir.display().to_string(),
                 });
             }
+            // Confined to the folder: symbolic links leaving it are never followed.
             let store =
-                LocalFileSystem::new_with_prefix(&dir).map_err(|source| UfsError::Open {
+                ConfinedLocal::new(&dir, self.symlinks()).map_err(|source| UfsError::Open {
                     uri: self.uri.clone(),
                     source,
                 })?;
@@ -687,6 +810,220 @@ pub fn parse_option_args(args: &[String]) -> Result<BTreeMap<String, String>, Uf
     Ok(out)
 }
 
+/// Every option key `object_store` accepts for S3, GCS and Azure, with whether it is a
+/// credential: the table the secrecy tests run over (checked against `object_store`'s own
+/// key parsers, so it cannot drift from the crate).
+pub mod known_keys {
+    use super::Kind;
+
+    /// Every key string object_store 0.14 accepts (its `FromStr` of AmazonS3ConfigKey,
+    /// GoogleConfigKey, AzureConfigKey and ClientConfigKey), with the ones that are
+    /// credentials marked.
+    pub const S3_KEYS: &[(&str, bool)] = &[
+        ("aws_access_key_id", false),
+        ("access_key_id", false),
+        ("aws_secret_access_key", true),
+        ("secret_access_key", true),
+        ("aws_default_region", false),
+        ("default_region", false),
+        ("aws_region", false),
+        ("region", false),
+        ("aws_bucket", false),
+        ("aws_bucket_name", false),
+        ("bucket_name", false),
+        ("bucket", false),
+        ("aws_endpoint_url", false),
+        ("aws_endpoint", false),
+        ("endpoint_url", false),
+        ("endpoint", false),
+        ("aws_endpoint_url_s3", false),
+        ("aws_session_token", true),
+        ("aws_token", true),
+        ("session_token", true),
+        ("token", true),
+        ("aws_virtual_hosted_style_request", false),
+        ("virtual_hosted_style_request", false),
+        ("aws_s3_express", false),
+        ("s3_express", false),
+        ("aws_imdsv1_fallback", false),
+        ("imdsv1_fallback", false),
+        ("aws_metadata_endpoint", false),
+        ("metadata_endpoint", false),
+        ("aws_unsigned_payload", false),
+        ("unsigned_payload", false),
+        ("aws_checksum_algorithm", false),
+        ("checksum_algorithm", false),
+        ("aws_container_credentials_relative_uri", false),
+        ("container_credentials_relative_uri", false),
+        ("aws_container_credentials_full_uri", false),
+        ("container_credentials_full_uri", false),
+        ("aws_container_authorization_token_file", false),
+        ("container_authorization_token_file", false),
+        ("aws_web_identity_token_file", false),
+        ("web_identity_token_file", false),
+        ("aws_role_arn", false),
+        ("role_arn", false),
+        ("aws_role_session_name", false),
+        ("role_session_name", false),
+        ("aws_endpoint_url_sts", false),
+        ("endpoint_url_sts", false),
+        ("aws_skip_signature", false),
+        ("skip_signature", false),
+        ("aws_copy_if_not_exists", false),
+        ("copy_if_not_exists", false),
+        ("aws_conditional_put", false),
+        ("conditional_put", false),
+        ("aws_disable_tagging", false),
+        ("disable_tagging", false),
+        ("aws_disable_bulk_delete", false),
+        ("disable_bulk_delete", false),
+        ("aws_request_payer", false),
+        ("request_payer", false),
+        ("aws_allow_http", false),
+        ("aws_server_side_encryption", false),
+        ("server_side_encryption", false),
+        ("aws_sse_kms_key_id", false),
+        ("sse_kms_key_id", false),
+        ("aws_sse_bucket_key_enabled", false),
+        ("sse_bucket_key_enabled", false),
+        ("aws_sse_customer_key_base64", true),
+        ("sse_customer_key_base64", true),
+    ];
+    pub const GCS_KEYS: &[(&str, bool)] = &[
+        ("google_service_account", false),
+        ("service_account", false),
+        ("google_service_account_path", false),
+        ("service_account_path", false),
+        ("google_service_account_key", true),
+        ("service_account_key", true),
+        ("google_bucket", false),
+        ("google_bucket_name", false),
+        ("bucket", false),
+        ("bucket_name", false),
+        ("google_base_url", false),
+        ("base_url", false),
+        ("google_application_credentials", false),
+        ("application_credentials", false),
+        ("google_bearer_token", true),
+        ("bearer_token", true),
+        ("google_skip_signature", false),
+        ("skip_signature", false),
+    ];
+    pub const AZURE_KEYS: &[(&str, bool)] = &[
+        ("azure_storage_account_key", true),
+        ("azure_storage_access_key", true),
+        ("azure_storage_master_key", true),
+        ("master_key", true),
+        ("account_key", true),
+        ("access_key", true),
+        ("azure_storage_account_name", false),
+        ("account_name", false),
+        ("azure_storage_client_id", false),
+        ("azure_client_id", false),
+        ("client_id", false),
+        ("azure_storage_client_secret", true),
+        ("azure_client_secret", true),
+        ("client_secret", true),
+        ("azure_storage_tenant_id", false),
+        ("azure_storage_authority_id", false),
+        ("azure_tenant_id", false),
+        ("azure_authority_id", false),
+        ("tenant_id", false),
+        ("authority_id", false),
+        ("azure_storage_authority_host", false),
+        ("azure_authority_host", false),
+        ("authority_host", false),
+        ("azure_storage_sas_key", true),
+        ("azure_storage_sas_token", true),
+        ("sas_key", true),
+        ("sas_token", true),
+        ("azure_storage_token", true),
+        ("bearer_token", true),
+        ("token", true),
+        ("azure_storage_use_emulator", false),
+        ("use_emulator", false),
+        ("azure_storage_endpoint", false),
+        ("azure_endpoint", false),
+        ("endpoint", false),
+        ("azure_msi_endpoint", false),
+        ("azure_identity_endpoint", false),
+        ("identity_endpoint", false),
+        ("msi_endpoint", false),
+        ("azure_object_id", false),
+        ("object_id", false),
+        ("azure_msi_resource_id", false),
+        ("msi_resource_id", false),
+        ("azure_federated_token_file", false),
+        ("federated_token_file", false),
+        ("azure_use_fabric_endpoint", false),
+        ("use_fabric_endpoint", false),
+        ("azure_use_azure_cli", false),
+        ("use_azure_cli", false),
+        ("azure_skip_signature", false),
+        ("skip_signature", false),
+        ("azure_container_name", false),
+        ("container_name", false),
+        ("azure_disable_tagging", false),
+        ("disable_tagging", false),
+        ("azure_fabric_token_service_url", false),
+        ("fabric_token_service_url", false),
+        ("azure_fabric_workload_host", false),
+        ("fabric_workload_host", false),
+        ("azure_fabric_session_token", true),
+        ("fabric_session_token", true),
+        ("azure_fabric_cluster_identifier", false),
+        ("fabric_cluster_identifier", false),
+        ("azure_credential_type", false),
+        ("credential_type", false),
+        ("azure_storage_encryption_key", true),
+        ("encryption_key", true),
+        ("azure_allow_http", false),
+    ];
+    /// ClientConfigKey, accepted bare and with each store's prefix.
+    pub const CLIENT_KEYS: &[(&str, bool)] = &[
+        ("allow_http", false),
+        ("allow_invalid_certificates", false),
+        ("disable_system_certificates", false),
+        ("connect_timeout", false),
+        ("default_content_type", false),
+        ("http1_only", false),
+        ("http2_only", false),
+        ("http2_keep_alive_interval", false),
+        ("http2_keep_alive_timeout", false),
+        ("http2_keep_alive_while_idle", false),
+        ("http2_max_frame_size", false),
+        ("pool_idle_timeout", false),
+        ("pool_max_idle_per_host", false),
+        ("proxy_url", true),
+        ("proxy_ca_certificate", false),
+        ("proxy_excludes", false),
+        ("randomize_addresses", false),
+        ("read_timeout", false),
+        ("timeout", false),
+        ("user_agent", false),
+    ];
+
+    /// Every key of every kind with its expected verdict, each checked to be a key
+    /// object_store accepts for that kind (so this list cannot drift from the crate).
+    pub fn all_store_keys() -> Vec<(Kind, String, bool)> {
+        let mut out = Vec::new();
+        for (kind, keys, prefix) in [
+            (Kind::S3, S3_KEYS, "aws_"),
+            (Kind::Gcs, GCS_KEYS, "google_"),
+            (Kind::Azure, AZURE_KEYS, "azure_"),
+        ] {
+            for (k, secret) in keys {
+                out.push((kind, k.to_string(), *secret));
+            }
+            for (k, secret) in CLIENT_KEYS {
+                out.push((kind, k.to_string(), *secret));
+                out.push((kind, format!("{prefix}{k}"), *secret));
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,6 +1038,60 @@ mod tests {
         assert_eq!(r["secret_access_key"], "***");
         assert_eq!(r["access_key_id"], "AKIA");
         assert_eq!(r["region"], "us-east-1");
+    }
+
+    #[test]
+    fn every_credential_key_of_every_store_is_secret_and_nothing_else_is() {
+        let keys = known_keys::all_store_keys();
+        assert!(keys.len() > 200, "{}", keys.len());
+        for (kind, key, secret) in keys {
+            assert!(kind.knows(&key), "{key} is not a {} key", kind.name());
+            assert_eq!(is_secret_key(&key), secret, "{} key {key}", kind.name());
+            // Upper case is accepted by the key check too.
+            assert_eq!(is_secret_key(&key.to_ascii_uppercase()), secret, "{key}");
+            let value = format!("VALUE-OF-{key}-1234");
+            let mut o = BTreeMap::new();
+            o.insert(key.clone(), value.clone());
+            let shown = redact(&o);
+            assert_eq!(shown[&key] == "***", secret, "{key}");
+            let spec = UfsSpec {
+                uri: "s3://b".into(),
+                options: o,
+            };
+            let scrubbed = spec.scrub(&format!("error near {value}"));
+            assert_eq!(!scrubbed.contains(&value), secret, "{key}: {scrubbed}");
+        }
+        // Granary's own keys are shown; a key nobody listed is a secret.
+        for k in GRANARY_OPTION_KEYS {
+            assert!(!is_secret_key(k), "{k}");
+        }
+        assert!(is_secret_key("some_future_key"));
+        assert!(is_secret_key("azure_storage_some_future_key"));
+    }
+
+    #[test]
+    fn symlinks_option_and_uri_passwords() {
+        let opts = |k: &str, v: &str| {
+            let mut o = BTreeMap::new();
+            o.insert(k.to_string(), v.to_string());
+            o
+        };
+        assert_eq!(
+            UfsSpec::new("/tmp", BTreeMap::new()).unwrap().symlinks(),
+            Symlinks::None
+        );
+        assert_eq!(
+            UfsSpec::new("/tmp", opts("symlinks", "inside"))
+                .unwrap()
+                .symlinks(),
+            Symlinks::Inside
+        );
+        assert!(UfsSpec::new("/tmp", opts("symlinks", "all")).is_err());
+        let e = UfsSpec::new("s3://b", opts("symlinks", "inside")).unwrap_err();
+        assert!(e.to_string().contains("only file://"), "{e}");
+        let e = UfsSpec::new("s3://AKIA:hunter22@bucket/p", BTreeMap::new()).unwrap_err();
+        assert!(!e.to_string().contains("hunter22"), "{e}");
+        assert!(e.to_string().contains("not in the URI"), "{e}");
     }
 
     #[test]
@@ -808,7 +1199,7 @@ mod tests {
     fn scrub_hides_secret_values() {
         let mut o = BTreeMap::new();
         o.insert("sas_key".to_string(), "sig=abcdef".to_string());
-        o.insert("account".to_string(), "acct".to_string());
+        o.insert("account_name".to_string(), "acct".to_string());
         let spec = UfsSpec {
             uri: "az://c".into(),
             options: o,

@@ -6,7 +6,6 @@ use granary_proto as pb;
 
 use crate::blocks::BlockLocations;
 use crate::error::MasterError;
-use crate::mounts::validate_new;
 use crate::namespace::Namespace;
 use crate::raft::node::RaftHandle;
 use crate::state::{ApplyOutput, Command, Mount};
@@ -119,7 +118,7 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
-        let spec = self.ns.ufs.seal_spec(validate_new(uri, options).await?)?;
+        let spec = self.ns.ufs.seal_spec(self.ns.ufs.validate_new(uri, options).await?)?;
         match self
             .propose_request(
                 Command::AddMount {

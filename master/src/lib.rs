@@ -66,6 +66,9 @@ pub struct MasterConfig {
     /// Key sealing under-store credentials in the replicated state (`None`: mounts with
     /// credentials are refused).
     pub secrets: Option<Arc<secrets::SecretBox>>,
+    /// Folders `file://` mounts may use and addresses store options may name
+    /// (`--allow-local-root`, `--allow-endpoint`).
+    pub mount_policy: mounts::MountPolicy,
 }
 
 impl MasterConfig {
@@ -83,6 +86,7 @@ impl MasterConfig {
             join: false,
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
             secrets: None,
+            mount_policy: mounts::MountPolicy::default(),
         }
     }
 }
@@ -181,7 +185,9 @@ pub async fn start(
         chan,
     )?;
 
-    let ufs = Arc::new(mounts::UfsCache::new(config.secrets.clone()));
+    let ufs = Arc::new(
+        mounts::UfsCache::new(config.secrets.clone()).with_policy(config.mount_policy.clone()),
+    );
     let blocks = Arc::new(blocks::BlockLocations::default());
     let core = Arc::new(core::MasterCore {
         id: config.id,

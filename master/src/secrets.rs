@@ -1,4 +1,5 @@
-//! Under-store credentials at rest: every secret mount option (`ufs::is_secret_key`) is
+//! Under-store credentials at rest: every secret mount option (`ufs::is_secret_key`: every
+//! option but Granary's own and a list of store keys known not to be credentials) is
 //! sealed with AES-256-GCM before its mount is proposed, so neither the Raft log nor the
 //! state machine (both in RocksDB, both copied into snapshots) ever hold it in clear. The
 //! key is given to every master at start (`--secrets-key-file` or `GRANARY_SECRETS_KEY`);
@@ -176,6 +177,37 @@ mod tests {
             *s
         );
         assert_eq!(open_spec(Some(&b), &sealed).unwrap(), spec());
+    }
+
+    #[test]
+    fn every_credential_key_of_every_store_is_sealed_and_opened_again() {
+        use granary_common::ufs::known_keys::all_store_keys;
+        let b = SecretBox::from_text(&[7u8; 40]).unwrap();
+        let mut sealed_keys = 0;
+        for (kind, key, secret) in all_store_keys() {
+            let value = format!("clear-{key}-0123456789");
+            let spec = UfsSpec {
+                uri: "s3://bucket".into(),
+                options: [(key.clone(), value.clone())].into(),
+            };
+            let sealed = seal_spec(Some(&b), spec.clone()).unwrap();
+            // What the Raft log and the state machine hold.
+            let stored = serde_json::to_string(&sealed).unwrap();
+            assert_eq!(
+                !stored.contains(&value),
+                secret,
+                "{} key {key}: {stored}",
+                kind.name()
+            );
+            assert_eq!(is_sealed(&sealed.options[&key]), secret, "{key}");
+            assert_eq!(open_spec(Some(&b), &sealed).unwrap(), spec, "{key}");
+            // Without a key a credential is refused, never stored in clear.
+            assert_eq!(seal_spec(None, spec.clone()).is_err(), secret, "{key}");
+            // A record stored in clear before (an older version) still opens as it is.
+            assert_eq!(open_spec(Some(&b), &spec).unwrap(), spec, "{key}");
+            sealed_keys += usize::from(secret);
+        }
+        assert!(sealed_keys >= 30, "{sealed_keys}");
     }
 
     #[test]

@@ -140,6 +140,10 @@ pub fn secure_command(cmd: &mut Command, args: &[&str]) {
             "GRANARY_SECRETS_KEY_FILE",
             TestTls::get().dir.join("secrets.key"),
         );
+        // The folders tests mount (`file://`): temporary folders and cargo's target tmp.
+        if !args.iter().any(|a| a.starts_with("--allow-local-root")) {
+            cmd.env("GRANARY_ALLOW_LOCAL_ROOTS", test_local_roots());
+        }
     }
     if insecure_suite() {
         cmd.env("GRANARY_INSECURE", "1");
@@ -153,6 +157,25 @@ pub fn secure_command(cmd: &mut Command, args: &[&str]) {
         _ => "admin",
     };
     cmd.env("GRANARY_TLS_DIR", TestTls::get().identity(role));
+}
+
+/// The folders masters started by the harness allow `file://` mounts below
+/// (`--allow-local-root`, comma-separated): the system's temporary folder, where tests make
+/// their trees, and cargo's `target/tmp`, where the shared acceptance dataset lives.
+pub fn test_local_roots() -> String {
+    let mut roots = vec![std::env::temp_dir()];
+    // target/<profile>/deps/<test> → target/tmp
+    if let Some(target) = std::env::current_exe()
+        .ok()
+        .and_then(|e| Some(e.parent()?.parent()?.parent()?.to_path_buf()))
+    {
+        roots.push(target.join("tmp"));
+    }
+    roots
+        .iter()
+        .map(|r| r.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Polls `f` until it returns `Some`, failing after `timeout`.

@@ -480,7 +480,7 @@ impl MasterService for MasterRpc {
             .add_mount(&r.path, &r.uri, &r.options, r.request_id)
             .await?;
         Ok(Response::new(pb::AddMountResponse {
-            mount: Some(crate::mounts::mount_info(&mount)),
+            mount: Some(crate::mounts::mount_info(&mount, true)),
         }))
     }
 
@@ -498,6 +498,8 @@ impl MasterService for MasterRpc {
         req: Request<pb::ListMountsRequest>,
     ) -> Result<Response<pb::ListMountsResponse>, Status> {
         let who = principal(&req);
+        // Only admins see a mount's store options (credentials as `***` even then).
+        let admin = who.has(granary_common::tls::Role::Admin);
         self.core.read_barrier().await?;
         let mounts = self
             .core
@@ -506,7 +508,7 @@ impl MasterService for MasterRpc {
             .mounts()?
             .iter()
             .filter(|m| access::reach(&who, &m.path).is_ok())
-            .map(crate::mounts::mount_info)
+            .map(|m| crate::mounts::mount_info(m, admin))
             .collect();
         Ok(Response::new(pb::ListMountsResponse { mounts }))
     }
