@@ -14,22 +14,24 @@ procs_workdir tls-peer
 mkdir -p "$work/ufs"
 head -c "$((size_mib * 1048576))" /dev/urandom > "$work/ufs/big.bin"
 "$bin" cert init --ca-dir "$work/ca" > /dev/null
+"$bin" cert issue master-1 --role master --master-id 1 --ca-dir "$work/ca" --out "$work/tls-master" > /dev/null
 "$bin" cert issue node --role node --ca-dir "$work/ca" --out "$work/tls-node" > /dev/null
 "$bin" cert issue admin --role admin --ca-dir "$work/ca" --out "$work/tls-admin" > /dev/null
 
 # run MODE: starts a master and a worker in MODE (insecure|tls), reads the file 3 times,
 # prints the JSON of `bench read`, stops them.
 run() {
-  local mode="$1" node_env admin_env mport wpid mpid
+  local mode="$1" master_env node_env admin_env mport wpid mpid
   if [ "$mode" = tls ]; then
+    master_env=(GRANARY_INSECURE=0 GRANARY_TLS_DIR="$work/tls-master")
     node_env=(GRANARY_INSECURE=0 GRANARY_TLS_DIR="$work/tls-node")
     admin_env=(GRANARY_INSECURE=0 GRANARY_TLS_DIR="$work/tls-admin")
   else
-    node_env=(GRANARY_INSECURE=1); admin_env=(GRANARY_INSECURE=1)
+    master_env=(GRANARY_INSECURE=1); node_env=(GRANARY_INSECURE=1); admin_env=(GRANARY_INSECURE=1)
   fi
   mport=$(free_port)
-  env "${node_env[@]}" GRANARY_LOG=warn "$bin" master --data-dir "$work/$mode-master" \
-    --listen "127.0.0.1:$mport" > "$work/$mode-master.log" 2>&1 &
+  env "${master_env[@]}" GRANARY_LOG=warn "$bin" master --data-dir "$work/$mode-master" \
+    --listen "127.0.0.1:$mport" --allow-local-root "$work" > "$work/$mode-master.log" 2>&1 &
   mpid=$!; pids+=($mpid); wait_port "$mport"
   env "${node_env[@]}" GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" \
     --listen 127.0.0.1:0 --cache-dir "$work/$mode-cache" --cache-size "$((size_mib * 2))MiB" \

@@ -179,14 +179,18 @@ pub enum CertCommand {
     /// Issue a certificate and key signed by the cluster CA into OUT (ca.crt, tls.crt,
     /// tls.key), ready for --tls-dir.
     #[command(
-        after_help = "Roles: node (masters and workers; may serve), admin (mounts, jobs, membership),\nuser (namespace reads and writes; --subtree limits it to one folder).\n\nExamples:\n  granary cert issue master-1 --role node --ca-dir ./ca --out ./tls/master-1\n  granary cert issue worker-7 --role node --ca-dir ./ca --out ./tls/worker-7\n  granary cert issue ops --role admin --ca-dir ./ca --out ~/.granary/tls\n  granary cert issue team-a-mount --role user --subtree /datasets/team-a --ca-dir ./ca --out ./tls/team-a"
+        after_help = "Roles: master (a master; --master-id names which, its --id), node (workers, and\nmounts on a GPU node that may read under-stores themselves), admin (mounts, jobs,\nmembership), user (namespace reads and writes; --subtree limits it to one folder).\nMasters and workers are distinct identities: a worker certificate cannot speak Raft or\nserve as a master.\n\nExamples:\n  granary cert issue master-1 --role master --master-id 1 --ca-dir ./ca --out ./tls/master-1\n  granary cert issue worker-7 --role node --ca-dir ./ca --out ./tls/worker-7\n  granary cert issue ops --role admin --ca-dir ./ca --out ~/.granary/tls\n  granary cert issue team-a-mount --role user --subtree /datasets/team-a --ca-dir ./ca --out ./tls/team-a"
     )]
     Issue {
         /// The principal's name (the certificate's common name; shown in logs and errors).
         name: String,
-        /// Role(s): node, admin, user (repeat or separate with commas).
+        /// Role(s): master, node, admin, user (repeat or separate with commas).
         #[arg(long = "role", required = true, value_delimiter = ',', value_parser = role)]
         roles: Vec<granary_common::tls::Role>,
+        /// With --role master: the id of the master this certificate belongs to (its
+        /// `granary master --id`); it may send Raft messages as that master only.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+        master_id: Option<u64>,
         /// The CA folder of `granary cert init`.
         #[arg(long, value_name = "DIR")]
         ca_dir: PathBuf,
@@ -200,7 +204,7 @@ pub enum CertCommand {
         #[arg(long, value_name = "PATH")]
         subtree: Option<String>,
         /// Extra DNS name or IP address in the certificate (repeatable), for tools that
-        /// verify servers by address; Granary itself verifies node certificates by role.
+        /// verify servers by address; Granary itself verifies servers by role.
         #[arg(long = "host")]
         hosts: Vec<String>,
         /// Overwrite existing files in OUT.
@@ -221,7 +225,7 @@ pub enum CertCommand {
 
 fn role(s: &str) -> Result<granary_common::tls::Role, String> {
     granary_common::tls::Role::parse(s)
-        .ok_or_else(|| format!("unknown role {s:?}; expected node, admin or user"))
+        .ok_or_else(|| format!("unknown role {s:?}; expected master, node, admin or user"))
 }
 
 #[derive(Debug, Args)]
@@ -469,14 +473,24 @@ pub struct MasterArgs {
     /// mounted, so an admin cannot mount the masters' own keys or any other host folder.
     ///
     /// Example: --allow-local-root /data --allow-local-root /srv/datasets
-    #[arg(long = "allow-local-root", env = "GRANARY_ALLOW_LOCAL_ROOTS", value_name = "DIR", value_delimiter = ',')]
+    #[arg(
+        long = "allow-local-root",
+        env = "GRANARY_ALLOW_LOCAL_ROOTS",
+        value_name = "DIR",
+        value_delimiter = ','
+    )]
     pub allow_local_roots: Vec<PathBuf>,
     /// Only these store addresses may be named by mount options (`endpoint`, `base_url`,
     /// `proxy_url`, Azure's emulator, …): HOST (any port) or HOST:PORT, repeatable (in
     /// GRANARY_ALLOW_ENDPOINTS comma-separated). Without it any address is accepted.
     ///
     /// Example: --allow-endpoint minio.storage.svc:9000
-    #[arg(long = "allow-endpoint", env = "GRANARY_ALLOW_ENDPOINTS", value_name = "HOST[:PORT]", value_delimiter = ',')]
+    #[arg(
+        long = "allow-endpoint",
+        env = "GRANARY_ALLOW_ENDPOINTS",
+        value_name = "HOST[:PORT]",
+        value_delimiter = ','
+    )]
     pub allow_endpoints: Vec<String>,
 }
 

@@ -67,16 +67,16 @@ fn one_line(e: &anyhow::Error) -> String {
 
 /// Installs the transport security the command runs with (see [`security`]).
 fn secure(cli: &Cli) -> anyhow::Result<()> {
-    use granary_common::tls::Role;
-    let (role, daemon) = match &cli.command {
+    use security::Need;
+    let (needs, daemon) = match &cli.command {
         Command::Cert(_) => return Ok(()),
         Command::Local(_) => return security::install_local(&cli.tls),
-        Command::Master(a) if a.action.is_none() => (Some(Role::Node), true),
-        Command::Worker(a) if a.action.is_none() => (Some(Role::Node), true),
-        Command::Fuse(_) => (None, true),
-        _ => (None, false),
+        Command::Master(a) if a.action.is_none() => (vec![Need::Master(a.id)], true),
+        Command::Worker(a) if a.action.is_none() => (vec![Need::Node], true),
+        Command::Fuse(_) => (vec![], true),
+        _ => (vec![], false),
     };
-    security::install(&cli.tls, role, daemon)
+    security::install(&cli.tls, &needs, daemon)
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

@@ -40,10 +40,19 @@ impl TlsArgs {
     }
 }
 
-/// Loads and installs the process's TLS material, or plaintext with `--insecure`; `role`
-/// is the role a server mode needs in its certificate, `daemon` whether the command runs
+/// What a server mode needs its certificate to be.
+#[derive(Clone, Copy, Debug)]
+pub enum Need {
+    /// `granary master --id N`: a `master` certificate naming master N.
+    Master(u64),
+    /// `granary worker`: a `node` certificate.
+    Node,
+}
+
+/// Loads and installs the process's TLS material, or plaintext with `--insecure`; `needs`
+/// says what a server mode needs its certificate to be, `daemon` whether the command runs
 /// until stopped (it then logs its security at start).
-pub fn install(args: &TlsArgs, role: Option<Role>, daemon: bool) -> anyhow::Result<()> {
+pub fn install(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<()> {
     if args.insecure && args.given() {
         bail!("--insecure and the TLS flags (--tls-dir, --tls-ca, --tls-cert, --tls-key) exclude each other");
     }
@@ -63,14 +72,8 @@ pub fn install(args: &TlsArgs, role: Option<Role>, daemon: bool) -> anyhow::Resu
     }
     let files = args.files()?;
     let material = TlsMaterial::load(&files).context("loading the TLS material")?;
-    if let Some(need) = role {
-        if !material.principal.has(need) {
-            bail!(
-                "the certificate {} is for {}, not a {need}; issue one with `granary cert issue NAME --role {need}`",
-                files.cert.display(),
-                material.principal
-            );
-        }
+    for need in needs {
+        check_identity(&files.cert, &material.principal, *need)?;
     }
     let left_days = (material.not_after - granary_common::now_ms() / 1000) / 86_400;
     if left_days < EXPIRY_WARNING_DAYS {
@@ -86,17 +89,41 @@ pub fn install(args: &TlsArgs, role: Option<Role>, daemon: bool) -> anyhow::Resu
 /// made in memory at each start (nothing else can reach its ports), unless TLS material
 /// or `--insecure` is given.
 pub fn install_local(args: &TlsArgs) -> anyhow::Result<()> {
+    // The embedded master is master 1 (a group of one).
     if args.insecure || args.given() {
-        return install(args, Some(Role::Node), true);
+        return install(args, &[Need::Master(1), Need::Node], true);
     }
     let ca = tls::new_ca("granary local CA", 2)?;
-    let own = tls::issue(
-        &ca,
-        &LeafSpec::new("local", &[Role::Node, Role::Admin, Role::User], 2),
-    )?;
+    let mut spec = LeafSpec::new(
+        "local",
+        &[Role::Master, Role::Node, Role::Admin, Role::User],
+        2,
+    );
+    spec.master_id = Some(1);
+    let own = tls::issue(&ca, &spec)?;
     set(Security::Tls(Arc::new(TlsMaterial::from_pems(
         ca.cert, own,
     )?)))
+}
+
+/// Refuses to start a server whose certificate is not what it needs: a master needs a
+/// `master` certificate of its own id (a worker's cannot speak Raft), a worker a `node` one.
+fn check_identity(cert: &Path, p: &tls::Principal, need: Need) -> anyhow::Result<()> {
+    match need {
+        Need::Node if !p.has(Role::Node) => bail!(
+            "the certificate {} is for {p}, not a node; issue one with `granary cert issue NAME --role node`",
+            cert.display()
+        ),
+        Need::Master(id) if !p.has(Role::Master) => bail!(
+            "the certificate {} is for {p}, not a master; issue one with `granary cert issue NAME --role master --master-id {id}` (masters and workers have distinct identities)",
+            cert.display()
+        ),
+        Need::Master(id) if p.master_id != Some(id) => bail!(
+            "the certificate {} is for {p}, but this is master {id} (--id); issue one with `granary cert issue NAME --role master --master-id {id}`",
+            cert.display()
+        ),
+        _ => Ok(()),
+    }
 }
 
 fn set(s: Security) -> anyhow::Result<()> {
@@ -165,6 +192,7 @@ pub fn cert(c: CertCommand, tls_args: &TlsArgs) -> anyhow::Result<()> {
         CertCommand::Issue {
             name,
             roles,
+            master_id,
             ca_dir,
             out,
             days,
@@ -183,8 +211,15 @@ pub fn cert(c: CertCommand, tls_args: &TlsArgs) -> anyhow::Result<()> {
                 cert: read(&ca_dir.join("ca.crt"))?,
                 key: read(&ca_dir.join("ca.key"))?,
             };
+            if roles.contains(&Role::Master) && master_id.is_none() {
+                bail!("--role master needs --master-id N (the master's --id): a master certificate speaks for one master");
+            }
+            if master_id.is_some() && !roles.contains(&Role::Master) {
+                bail!("--master-id goes with --role master only");
+            }
             let mut spec = LeafSpec::new(&name, &roles, days);
             spec.subtree = subtree;
+            spec.master_id = master_id;
             spec.hosts = hosts;
             let own = tls::issue(&ca, &spec)?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -227,6 +262,7 @@ fn show(path: &Path, json: bool) -> anyhow::Result<()> {
             "name": info.principal.name,
             "roles": info.principal.roles().iter().map(|r| r.name()).collect::<Vec<_>>(),
             "subtree": info.principal.subtree,
+            "master_id": info.principal.master_id,
             "issuer": info.issuer,
             "not_before": info.not_before,
             "not_after": info.not_after,

@@ -38,7 +38,7 @@ pub async fn as_caller<F: std::future::Future>(uid: u32, gid: u32, fut: F) -> F:
 }
 
 fn endpoint(address: &str) -> Result<Endpoint, ClientError> {
-    let channel = grpc::channel(address).map_err(|e| {
+    let channel = grpc::master_channel(address).map_err(|e| {
         ClientError::InvalidArgument(format!("invalid master address {address:?}: {e}"))
     })?;
     Ok(Endpoint {

@@ -1,7 +1,14 @@
-//! gRPC channel and server settings shared by every hop, tuned for bulk block streams.
+//! gRPC channel and server settings shared by every hop, tuned for bulk block streams, with
+//! bounded cost per request: request messages limited per method ([`per_method_limits`],
+//! sizes in [`crate::authz`]), concurrent streams limited per connection.
 
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tonic::body::Body;
+use tonic::server::NamedService;
 use tonic::transport::{Channel, Endpoint};
 use tower::layer::util::{Identity, Stack};
 
@@ -31,12 +38,27 @@ pub fn endpoint_uri(addr: &str) -> String {
     }
 }
 
-/// A lazily connecting channel to `addr` with Granary's transport settings (mutual TLS
-/// when this process has TLS material).
+/// A lazily connecting channel to the worker at `addr` with Granary's transport settings
+/// (mutual TLS when this process has TLS material; the server must hold a node or master
+/// certificate of the cluster CA).
 pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    build_channel(addr, false)
+}
+
+/// A lazily connecting channel to the master at `addr`: as [`channel`], but the server
+/// must hold a master certificate (a worker's cannot pose as a master).
+pub fn master_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    build_channel(addr, true)
+}
+
+fn build_channel(addr: &str, master: bool) -> Result<Channel, tonic::transport::Error> {
     let mut endpoint = Endpoint::from_shared(endpoint_uri(addr))?;
     if let Some(m) = crate::tls::material() {
-        endpoint = endpoint.tls_config(m.client_config())?;
+        endpoint = endpoint.tls_config(if master {
+            m.master_client_config()
+        } else {
+            m.client_config()
+        })?;
     }
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
@@ -54,8 +76,10 @@ pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
 /// layer ([`crate::authz`]) in front of every method.
 pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
 
-/// Most concurrent streams one connection may open (a bound on what one peer can hold).
-pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// Most concurrent streams one connection may open (a bound on what one peer can hold:
+/// with the request limits, at most 256 × 4 MiB of control messages per connection).
+/// A client past it waits for a stream to end; it does not fail.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
 pub fn server() -> Result<Server, tonic::transport::Error> {
     let mut builder = tonic::transport::Server::builder()
@@ -76,4 +100,55 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
     tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)))
+}
+
+/// One gRPC service with a request-size limit per method: an instance of the service per
+/// limit of [`crate::authz::REQUEST_LIMITS`] (the generated servers take one decoding limit
+/// each), and each request routed to the instance of its method's limit
+/// ([`crate::authz::request_limit`]). A message over it is refused with `OUT_OF_RANGE`
+/// ("decoded message length too large") from its 5-byte header, before any of it is
+/// buffered.
+#[derive(Clone)]
+pub struct PerMethodLimits<S> {
+    by_limit: Arc<[(usize, S)]>,
+}
+
+/// Builds [`PerMethodLimits`] from `make(limit)`, which returns the service decoding
+/// messages of at most `limit` bytes, e.g.
+/// `|l| FooServer::from_arc(svc.clone()).max_decoding_message_size(l)`.
+pub fn per_method_limits<S>(make: impl Fn(usize) -> S) -> PerMethodLimits<S> {
+    PerMethodLimits {
+        by_limit: crate::authz::REQUEST_LIMITS
+            .iter()
+            .map(|&l| (l, make(l)))
+            .collect(),
+    }
+}
+
+impl<S: NamedService> NamedService for PerMethodLimits<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tower::Service<http::Request<Body>> for PerMethodLimits<S>
+where
+    S: tower::Service<http::Request<Body>, Error = Infallible> + Clone,
+{
+    type Response = S::Response;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    /// Always ready: the generated gRPC servers are (they do their work in `call`).
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let limit = crate::authz::request_limit(req.uri().path());
+        let (_, svc) = self
+            .by_limit
+            .iter()
+            .find(|(l, _)| *l == limit)
+            .unwrap_or(&self.by_limit[0]);
+        svc.clone().call(req)
+    }
 }

@@ -2,12 +2,16 @@
 //! and the principal each certificate names.
 //!
 //! A certificate says who is asking: its subject's common name is the principal's name, its
-//! organizational unit lists the roles (`admin`, `node`, `user`, comma-separated), and a URI
-//! subject alternative name `granary:subtree:<path>` (percent-encoded) limits it to one
-//! subtree of the namespace. Node certificates (masters and workers) also carry the DNS
-//! name [`NODE_SERVER_NAME`]: clients verify a server by that name, so only a node
-//! certificate of the cluster CA can serve — an address-independent check that works for
-//! pods whose IPs change.
+//! organizational unit lists the roles (`master`, `node`, `admin`, `user`, comma-separated),
+//! a URI subject alternative name `granary:subtree:<path>` (percent-encoded) limits it to one
+//! subtree of the namespace, and `granary:master:<id>` names the master a `master`
+//! certificate belongs to. Masters and workers are different identities: a master's
+//! certificate carries the DNS name [`MASTER_SERVER_NAME`], a worker's (`node`)
+//! [`NODE_SERVER_NAME`]. Clients verify a server by the name of what they expect to reach —
+//! masters by [`MASTER_SERVER_NAME`], so a worker certificate cannot pose as a master — an
+//! address-independent check that works for pods whose IPs change. Master certificates
+//! carry [`NODE_SERVER_NAME`] too (a master is trusted at least as much as a worker, and
+//! tools that verify the generic name keep working).
 //!
 //! The process's choice is made once at start ([`install`]); until then (libraries, unit
 //! tests) every hop is plaintext and every caller is trusted.
@@ -24,10 +28,14 @@ use rcgen::{
 use time::OffsetDateTime;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
-/// The DNS name every node certificate carries and every client verifies servers by.
+/// The DNS name every worker (and master) certificate carries: clients verify workers by it.
 pub const NODE_SERVER_NAME: &str = "granary-node";
+/// The DNS name only master certificates carry: clients verify masters by it.
+pub const MASTER_SERVER_NAME: &str = "granary-master";
 /// Prefix of the URI subject alternative name that limits a certificate to a subtree.
 const SUBTREE_URI: &str = "granary:subtree:";
+/// Prefix of the URI subject alternative name naming a master certificate's master id.
+const MASTER_URI: &str = "granary:master:";
 /// Time a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -45,23 +53,27 @@ pub enum TlsError {
 }
 
 /// What a principal may do. Admin operations (mounts, jobs, membership) need `Admin`;
-/// cluster-internal ones (Raft, worker registration, tasks for workers) need `Node`;
-/// namespace reads and writes need any role (and, for a subtree principal, a path in it).
+/// Raft and tasks for workers need `Master` (a master's certificate, naming its id);
+/// worker registration, heartbeats and under-store credentials need `Node` (workers, and
+/// mounts on a GPU node); namespace reads and writes need any role (and, for a subtree
+/// principal, a path in it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
     Admin,
     Node,
     User,
+    Master,
 }
 
 impl Role {
-    pub const ALL: [Role; 3] = [Role::Admin, Role::Node, Role::User];
+    pub const ALL: [Role; 4] = [Role::Admin, Role::Node, Role::User, Role::Master];
 
     pub fn name(self) -> &'static str {
         match self {
             Role::Admin => "admin",
             Role::Node => "node",
             Role::User => "user",
+            Role::Master => "master",
         }
     }
 
@@ -88,6 +100,10 @@ pub struct Principal {
     roles: u8,
     /// Namespace path the principal is limited to (`None`: the whole namespace).
     pub subtree: Option<String>,
+    /// The master a `master` certificate belongs to (its `granary:master:<id>` name).
+    pub master_id: Option<u64>,
+    /// The caller of a plaintext server: no certificate, so no identity to check.
+    unauthenticated: bool,
 }
 
 impl Principal {
@@ -96,12 +112,34 @@ impl Principal {
             name: name.to_string(),
             roles: roles.iter().fold(0, |acc, r| acc | r.bit()),
             subtree,
+            master_id: None,
+            unauthenticated: false,
         }
     }
 
-    /// The caller of a server running without TLS: no identity, every role.
+    /// The principal of master `id`'s certificate.
+    pub fn with_master_id(mut self, id: u64) -> Principal {
+        self.master_id = Some(id);
+        self
+    }
+
+    /// The caller of a server running without TLS (`--insecure`): no identity, every role.
     pub fn unauthenticated() -> Principal {
-        Principal::new("anonymous", &Role::ALL, None)
+        Principal {
+            unauthenticated: true,
+            ..Principal::new("anonymous", &Role::ALL, None)
+        }
+    }
+
+    /// Whether this is the caller of a plaintext server (nothing about it was verified).
+    pub fn is_unauthenticated(&self) -> bool {
+        self.unauthenticated
+    }
+
+    /// Whether this principal may speak as master `id` (send Raft messages from it): a
+    /// `master` certificate naming that id, or anyone on a plaintext cluster.
+    pub fn speaks_for_master(&self, id: u64) -> bool {
+        self.unauthenticated || (self.has(Role::Master) && self.master_id == Some(id))
     }
 
     pub fn has(&self, role: Role) -> bool {
@@ -132,16 +170,38 @@ impl Principal {
             }
         }
         let mut subtree = None;
+        let mut master_ids = Vec::new();
         if let Ok(Some(san)) = cert.subject_alternative_name() {
             for gn in &san.value.general_names {
                 if let x509_parser::extensions::GeneralName::URI(uri) = gn {
                     if let Some(p) = uri.strip_prefix(SUBTREE_URI) {
                         subtree = Some(percent_decode(p)?);
+                    } else if let Some(id) = uri.strip_prefix(MASTER_URI) {
+                        master_ids.push(parse_master_id(id)?);
                     }
                 }
             }
         }
-        Ok(Principal::new(&name, &roles, subtree))
+        let mut p = Principal::new(&name, &roles, subtree);
+        match master_ids.as_slice() {
+            [] => {}
+            [id] => p.master_id = Some(*id),
+            _ => {
+                return Err(TlsError::Invalid(format!(
+                    "the certificate of {name} names several masters ({master_ids:?}); a master certificate names one"
+                )))
+            }
+        }
+        Ok(p)
+    }
+}
+
+fn parse_master_id(s: &str) -> Result<u64, TlsError> {
+    match s.parse::<u64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(TlsError::Invalid(format!(
+            "bad master id {s:?} in a certificate (expected {MASTER_URI}<1, 2, ...>)"
+        ))),
     }
 }
 
@@ -149,6 +209,9 @@ impl fmt::Display for Principal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let roles: Vec<&str> = self.roles().iter().map(|r| r.name()).collect();
         write!(f, "{} ({})", self.name, roles.join(","))?;
+        if let Some(id) = self.master_id {
+            write!(f, " of master {id}")?;
+        }
         if let Some(s) = &self.subtree {
             write!(f, " limited to {s}")?;
         }
@@ -259,6 +322,8 @@ pub struct LeafSpec {
     pub name: String,
     pub roles: Vec<Role>,
     pub subtree: Option<String>,
+    /// The master id a `master` certificate belongs to (required with that role only).
+    pub master_id: Option<u64>,
     /// Extra DNS names or IP addresses (for tools that verify servers by address).
     pub hosts: Vec<String>,
     pub not_before: OffsetDateTime,
@@ -273,6 +338,7 @@ impl LeafSpec {
             name: name.to_string(),
             roles: roles.to_vec(),
             subtree: None,
+            master_id: None,
             hosts: Vec::new(),
             not_before: now - time::Duration::hours(1),
             not_after: now + time::Duration::days(i64::from(days)),
@@ -280,13 +346,30 @@ impl LeafSpec {
     }
 }
 
-/// Issues a certificate signed by the CA. Node certificates may serve (they carry
-/// [`NODE_SERVER_NAME`] and the server-auth usage); others are client certificates only.
+/// Issues a certificate signed by the CA. Master and node certificates may serve (they
+/// carry [`MASTER_SERVER_NAME`] or [`NODE_SERVER_NAME`] and the server-auth usage); others
+/// are client certificates only. A `master` certificate names its master id.
 pub fn issue(ca: &Pems, spec: &LeafSpec) -> Result<Pems, TlsError> {
     if spec.roles.is_empty() {
         return Err(TlsError::Invalid(
             "a certificate needs at least one role".into(),
         ));
+    }
+    let master = spec.roles.contains(&Role::Master);
+    match spec.master_id {
+        None if master => {
+            return Err(TlsError::Invalid(
+                "a master certificate names its master id (--master-id N, the master's --id)"
+                    .into(),
+            ))
+        }
+        Some(_) if !master => {
+            return Err(TlsError::Invalid(
+                "a master id goes with the master role only".into(),
+            ))
+        }
+        Some(0) => return Err(TlsError::Invalid("master ids start at 1".into())),
+        _ => {}
     }
     let ca_key = KeyPair::from_pem(&ca.key)
         .map_err(|e| TlsError::Invalid(format!("the CA key is not usable: {e}")))?;
@@ -294,13 +377,22 @@ pub fn issue(ca: &Pems, spec: &LeafSpec) -> Result<Pems, TlsError> {
         .map_err(|e| TlsError::Invalid(format!("the CA certificate is not usable: {e}")))?;
     let node = spec.roles.contains(&Role::Node);
     let mut names = Vec::new();
-    if node {
+    if master {
+        names.push(MASTER_SERVER_NAME.to_string());
+    }
+    if node || master {
         names.push(NODE_SERVER_NAME.to_string());
     }
     names.extend(spec.hosts.iter().cloned());
     let mut params = CertificateParams::new(names)?;
     if let Some(s) = &spec.subtree {
         let uri = format!("{SUBTREE_URI}{}", percent_encode(s));
+        params
+            .subject_alt_names
+            .push(SanType::URI(uri.as_str().try_into()?));
+    }
+    if let Some(id) = spec.master_id {
+        let uri = format!("{MASTER_URI}{id}");
         params
             .subject_alt_names
             .push(SanType::URI(uri.as_str().try_into()?));
@@ -313,7 +405,7 @@ pub fn issue(ca: &Pems, spec: &LeafSpec) -> Result<Pems, TlsError> {
     params.distinguished_name = dn;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    if node {
+    if node || master {
         params
             .extended_key_usages
             .push(ExtendedKeyUsagePurpose::ServerAuth);
@@ -421,11 +513,22 @@ impl TlsMaterial {
         })
     }
 
+    /// The client side of a connection to a worker (verified by [`NODE_SERVER_NAME`]).
     pub fn client_config(&self) -> ClientTlsConfig {
+        self.client_config_for(NODE_SERVER_NAME)
+    }
+
+    /// The client side of a connection to a master (verified by [`MASTER_SERVER_NAME`],
+    /// which worker certificates do not carry).
+    pub fn master_client_config(&self) -> ClientTlsConfig {
+        self.client_config_for(MASTER_SERVER_NAME)
+    }
+
+    fn client_config_for(&self, server_name: &str) -> ClientTlsConfig {
         ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&self.ca))
             .identity(Identity::from_pem(&self.own.cert, &self.own.key))
-            .domain_name(NODE_SERVER_NAME)
+            .domain_name(server_name)
             .timeout(HANDSHAKE_TIMEOUT)
     }
 
@@ -507,6 +610,66 @@ mod tests {
         };
         let e = TlsMaterial::from_pems(ca.cert.clone(), mixed).unwrap_err();
         assert!(e.to_string().contains("does not belong"), "{e}");
+    }
+
+    #[test]
+    fn master_certificates_name_their_master_and_workers_do_not() {
+        let ca = new_ca("test CA", 1).unwrap();
+        let mut spec = LeafSpec::new("master-2", &[Role::Master], 1);
+        spec.master_id = Some(2);
+        let m = TlsMaterial::from_pems(ca.cert.clone(), issue(&ca, &spec).unwrap()).unwrap();
+        assert_eq!(m.principal.roles(), vec![Role::Master]);
+        assert_eq!(m.principal.master_id, Some(2));
+        assert!(m.principal.speaks_for_master(2));
+        assert!(!m.principal.speaks_for_master(1));
+        assert_eq!(m.principal.to_string(), "master-2 (master) of master 2");
+
+        let w = issue(&ca, &LeafSpec::new("worker-7", &[Role::Node], 1)).unwrap();
+        let w = TlsMaterial::from_pems(ca.cert.clone(), w).unwrap();
+        assert_eq!(w.principal.master_id, None);
+        assert!(!w.principal.speaks_for_master(1));
+        // Only the plaintext caller speaks for any master without a certificate.
+        assert!(Principal::unauthenticated().speaks_for_master(3));
+        assert!(!Principal::new("x", &Role::ALL, None).speaks_for_master(3));
+
+        // The master role and the id go together.
+        let e = issue(&ca, &LeafSpec::new("m", &[Role::Master], 1)).unwrap_err();
+        assert!(e.to_string().contains("--master-id"), "{e}");
+        let mut spec = LeafSpec::new("w", &[Role::Node], 1);
+        spec.master_id = Some(1);
+        assert!(issue(&ca, &spec).is_err());
+        let mut spec = LeafSpec::new("m", &[Role::Master], 1);
+        spec.master_id = Some(0);
+        assert!(issue(&ca, &spec).is_err());
+
+        // Server names: a master serves as a master (and a node); a worker only as a node.
+        let names = |pems: &Pems| {
+            let (_, pem) = x509_parser::pem::parse_x509_pem(pems.cert.as_bytes()).unwrap();
+            let cert = pem.parse_x509().unwrap();
+            let mut dns = Vec::new();
+            for gn in &cert
+                .subject_alternative_name()
+                .unwrap()
+                .unwrap()
+                .value
+                .general_names
+            {
+                if let x509_parser::extensions::GeneralName::DNSName(d) = gn {
+                    dns.push(d.to_string());
+                }
+            }
+            dns
+        };
+        let mut spec = LeafSpec::new("m3", &[Role::Master], 1);
+        spec.master_id = Some(3);
+        assert_eq!(
+            names(&issue(&ca, &spec).unwrap()),
+            vec![MASTER_SERVER_NAME, NODE_SERVER_NAME]
+        );
+        assert_eq!(
+            names(&issue(&ca, &LeafSpec::new("w", &[Role::Node], 1)).unwrap()),
+            vec![NODE_SERVER_NAME]
+        );
     }
 
     #[test]

@@ -259,17 +259,23 @@ pub async fn start(
         });
     }
 
-    let svc = MasterServiceServer::new(service::MasterRpc { core: core.clone() })
-        .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
-    let raft_svc =
-        granary_proto::raft_service_server::RaftServiceServer::new(raft::service::RaftRpc {
-            raft: raft_handle.clone(),
-            snapshots,
-            address,
-        })
-        .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    // Request messages limited per method (granary_common::authz: control methods small).
+    let rpc = Arc::new(service::MasterRpc { core: core.clone() });
+    let svc = granary_common::grpc::per_method_limits(|limit| {
+        MasterServiceServer::from_arc(rpc.clone())
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+    });
+    let raft_rpc = Arc::new(raft::service::RaftRpc {
+        raft: raft_handle.clone(),
+        snapshots,
+        address,
+    });
+    let raft_svc = granary_common::grpc::per_method_limits(|limit| {
+        granary_proto::raft_service_server::RaftServiceServer::from_arc(raft_rpc.clone())
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+    });
     let mut server = granary_common::grpc::server().map_err(|e| MasterError::Unavailable {
         message: format!("TLS setup of the master server: {e}"),
     })?;

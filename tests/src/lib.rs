@@ -89,6 +89,26 @@ impl TestTls {
     pub fn issue(&self, name: &str, args: &[&str]) -> Result<PathBuf> {
         issue_identity(&self.ca(), name, &self.dir.join(name), args)
     }
+
+    /// The `--tls-dir` of master `id` (`master-<id>`, `--role master --master-id <id>`),
+    /// issued on first use: masters and workers are distinct identities, and a master's
+    /// certificate speaks for its own id only.
+    pub fn master(&self, id: u64) -> PathBuf {
+        static ISSUED: std::sync::Mutex<std::collections::BTreeSet<u64>> =
+            std::sync::Mutex::new(std::collections::BTreeSet::new());
+        let name = format!("master-{id}");
+        let mut issued = ISSUED.lock().unwrap_or_else(|e| e.into_inner());
+        if !issued.contains(&id) {
+            let id_s = id.to_string();
+            self.issue(
+                &name,
+                &["--role", "master", "--master-id", &id_s, "--days", "30"],
+            )
+            .expect("issuing a master identity");
+            issued.insert(id);
+        }
+        self.identity(&name)
+    }
 }
 
 /// `granary cert issue NAME --ca-dir CA --out OUT --force ARGS..`: an identity of any CA.
@@ -149,14 +169,35 @@ pub fn secure_command(cmd: &mut Command, args: &[&str]) {
         cmd.env("GRANARY_INSECURE", "1");
         return;
     }
-    // A mount on a node runs with the node's identity (it may read under-stores directly
-    // when no worker can serve); `user` identities are for the security tests.
+    // A master runs with its own id's identity; a mount on a node with the node's (it may
+    // read under-stores directly when no worker can serve); `user` identities are for the
+    // security tests.
+    if words.first() == Some(&"master") && server {
+        cmd.env("GRANARY_TLS_DIR", TestTls::get().master(master_id_of(args)));
+        return;
+    }
     let role = match words.first() {
-        Some(&"master") | Some(&"worker") if server => "node",
+        Some(&"worker") if server => "node",
         Some(&"fuse") => "node",
         _ => "admin",
     };
     cmd.env("GRANARY_TLS_DIR", TestTls::get().identity(role));
+}
+
+/// The `--id` of a `granary master` command line (1 when not given).
+fn master_id_of(args: &[&str]) -> u64 {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let v: Option<&str> = match a.strip_prefix("--id=") {
+            Some(v) => Some(v),
+            None if *a == "--id" => it.next().copied(),
+            None => None,
+        };
+        if let Some(v) = v {
+            return v.parse().expect("a numeric --id");
+        }
+    }
+    1
 }
 
 /// The folders masters started by the harness allow `file://` mounts below

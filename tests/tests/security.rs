@@ -102,15 +102,18 @@ fn expired_creds() -> Creds {
     }
 }
 
-/// A CA of its own, with an admin and a node identity: `(admin dir, node dir)`.
+/// A CA of its own, with an admin and a master (id 1) identity: `(admin dir, master dir)`.
 fn foreign_ca(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let ca = root.join("other-ca").to_string_lossy().to_string();
     granary_ok(&["cert", "init", "--ca-dir", &ca]).unwrap();
     let mut dirs = Vec::new();
-    for role in ["admin", "node"] {
+    for (role, args) in [
+        ("admin", &["--role", "admin"][..]),
+        ("master", &["--role", "master", "--master-id", "1"][..]),
+    ] {
         let out = root.join(format!("other-{role}"));
         let name = format!("other-{role}");
-        dirs.push(issue_identity(Path::new(&ca), &name, &out, &["--role", role]).unwrap());
+        dirs.push(issue_identity(Path::new(&ca), &name, &out, args).unwrap());
     }
     (dirs[0].clone(), dirs[1].clone())
 }
@@ -253,7 +256,7 @@ fn every_port_refuses_plaintext_foreign_and_expired_clients() {
         master_call(&listen, Some(&admin)),
     );
 
-    // Servers start only with a node certificate, and never with an expired one.
+    // A master starts only with a master certificate, and never with an expired one.
     let admin_dir = TestTls::get()
         .identity("admin")
         .to_string_lossy()
@@ -268,7 +271,7 @@ fn every_port_refuses_plaintext_foreign_and_expired_clients() {
         &admin_dir,
     ]);
     assert_one_sentence_error(&out, "a master with an admin certificate");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a node"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a master"));
     let exp_dir = root.join("expired");
     std::fs::create_dir_all(&exp_dir).unwrap();
     std::fs::write(exp_dir.join("ca.crt"), &expired.ca).unwrap();
@@ -1049,10 +1052,10 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             matches!(e.code(), InvalidArgument | NotFound | FailedPrecondition),
             "{e:?}"
         );
-        // A load task (a node's call) naming the holders of some of its blocks only, and
+        // A load task (a master's call) naming the holders of some of its blocks only, and
         // one of more blocks than a task may carry.
-        let node = creds_in(&TestTls::get().identity("node"));
-        let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&node)));
+        let master_creds = creds_in(&TestTls::get().master(1));
+        let mut wc = WorkerServiceClient::new(channel(&w.addr, Some(&master_creds)));
         let desc = block(0, 10).block.unwrap();
         let e = wc
             .load_blocks(pb::LoadBlocksRequest {

@@ -217,15 +217,19 @@ pub async fn start(
     };
     tokio::spawn(hb.run(shutdown.clone(), registered.clone()));
 
-    let svc = WorkerServiceServer::new(service::WorkerRpc {
+    // Request messages limited per method (granary_common::authz: control methods small).
+    let rpc = Arc::new(service::WorkerRpc {
         worker_id,
         fetcher,
         metrics,
         writes,
         grant_keys,
-    })
-    .max_decoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES);
+    });
+    let svc = granary_common::grpc::per_method_limits(|limit| {
+        WorkerServiceServer::from_arc(rpc.clone())
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
+    });
     let mut server = granary_common::grpc::server()
         .map_err(|e| WorkerError::Serve(format!("TLS setup of the worker server: {e}")))?;
     let incoming = granary_common::grpc::incoming(listener);

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use granary_common::authz::{check_master_sender, principal};
 use granary_proto as pb;
 use granary_proto::raft_service_server::RaftService;
 use protobuf::Message as _;
@@ -38,20 +39,35 @@ fn decode(bytes: &[u8]) -> Result<Message, Status> {
 #[tonic::async_trait]
 impl RaftService for RaftRpc {
     async fn send(&self, req: Request<pb::RaftBatch>) -> Result<Response<pb::RaftAck>, Status> {
+        // The sender is the master its certificate names: a batch and each of its messages.
+        let who = principal(&req)?;
         let batch = req.into_inner();
+        check_master_sender(&who, batch.from)?;
         if batch.to != self.raft.status.id {
             return Err(Status::failed_precondition(format!(
                 "this is master {}, not {}: check the --peers addresses",
                 self.raft.status.id, batch.to
             )));
         }
+        let mut msgs = Vec::with_capacity(batch.messages.len());
         for m in &batch.messages {
             let m = decode(m)?;
+            check_master_sender(&who, m.from)?;
+            if m.to != batch.to {
+                return Err(Status::invalid_argument(format!(
+                    "a raft message for master {} in a batch for master {}",
+                    m.to, batch.to
+                )));
+            }
             if m.get_msg_type() == MessageType::MsgSnapshot {
                 return Err(Status::invalid_argument(
                     "snapshots travel through InstallSnapshot",
                 ));
             }
+            msgs.push(m);
+        }
+        // Checked whole before any is stepped: a batch is refused, never half-applied.
+        for m in msgs {
             self.raft.step(m).map_err(Status::from)?;
         }
         Ok(Response::new(pb::RaftAck {}))
@@ -61,12 +77,14 @@ impl RaftService for RaftRpc {
         &self,
         req: Request<Streaming<pb::SnapshotChunk>>,
     ) -> Result<Response<pb::RaftAck>, Status> {
+        let who = principal(&req)?;
         let mut stream = req.into_inner();
         let first = stream
             .message()
             .await?
             .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
         let m = decode(&first.message)?;
+        check_master_sender(&who, m.from)?;
         if m.get_msg_type() != MessageType::MsgSnapshot || m.to != self.raft.status.id {
             return Err(Status::invalid_argument(
                 "the first chunk must carry a snapshot message for this master",
@@ -150,7 +168,7 @@ pub async fn group_status(raft: &RaftHandle, self_address: &str) -> Vec<pb::Mast
         let addr = super::transport::peer_address(&raft.peers, id).unwrap_or_default();
         asks.push(async move {
             let info = async {
-                let ch = granary_common::grpc::channel(&addr).ok()?;
+                let ch = granary_common::grpc::master_channel(&addr).ok()?;
                 let mut c = granary_proto::raft_service_client::RaftServiceClient::new(ch);
                 let mut req = Request::new(pb::MemberStatusRequest {});
                 req.set_timeout(std::time::Duration::from_millis(800));

@@ -81,7 +81,7 @@ impl GrpcTransport {
             let addr = peer_address(&self.peers, to)?;
             // Channels need the runtime's reactor; this runs on the Raft thread.
             let _rt = self.rt.enter();
-            let client = match granary_common::grpc::channel(&addr) {
+            let client = match granary_common::grpc::master_channel(&addr) {
                 Ok(ch) => RaftServiceClient::new(ch)
                     .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),

@@ -23,6 +23,11 @@ pub struct MasterRpc {
     pub core: Arc<MasterCore>,
 }
 
+/// Recursive `SyncMetadata` calls one principal may run at once.
+pub const MAX_RECURSIVE_SYNCS: u32 = 2;
+static RECURSIVE_SYNCS: granary_common::authz::CallLimit =
+    granary_common::authz::CallLimit::new("recursive metadata syncs", MAX_RECURSIVE_SYNCS);
+
 const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
 
@@ -188,7 +193,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let r = req.into_inner();
         if !r.allow_stale {
             self.core.read_barrier().await?;
@@ -207,7 +212,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         self.core.read_barrier().await?;
@@ -226,7 +231,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::ListStatusRequest>,
     ) -> Result<Response<pb::ListStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         if !r.allow_stale {
@@ -296,7 +301,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::MkdirRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
@@ -323,7 +328,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::CreateFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
@@ -366,7 +371,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::CompleteFileRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let r = req.into_inner();
         if who.subtree.is_some() {
             let inode = self.core.ns.inode(r.inode)?;
@@ -416,7 +421,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
@@ -431,7 +436,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RenameRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.src)?;
@@ -458,9 +463,16 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::SyncMetadataRequest>,
     ) -> Result<Response<pb::SyncMetadataResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
+        // A recursive sync lists every loaded folder below the path from the under-store:
+        // a few at once per principal (RESOURCE_EXHAUSTED beyond).
+        let _slot = if r.recursive {
+            Some(RECURSIVE_SYNCS.enter(&who)?)
+        } else {
+            None
+        };
         self.core.read_barrier().await?;
         let start = self.core.ns.resolve(&r.path).await?;
         let (dirs_listed, failures) = self.core.ns.sync_tree(start, r.recursive).await?;
@@ -497,7 +509,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::ListMountsRequest>,
     ) -> Result<Response<pb::ListMountsResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         // Only admins see a mount's store options (credentials as `***` even then).
         let admin = who.has(granary_common::tls::Role::Admin);
         self.core.read_barrier().await?;

@@ -235,7 +235,7 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<tonic::Streaming<pb::WriteFileRequest>>,
     ) -> Result<Response<WriteStream>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let mut inbound = req.into_inner();
         let header = match inbound.next().await {
             Some(Ok(m)) => m
@@ -261,7 +261,7 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<pb::ReadBlockRequest>,
     ) -> Result<Response<Self::ReadBlockStream>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let r = req.into_inner();
         let ps = self.fetcher.store.page_size;
         let (desc, p) = plan(&r)?;
@@ -386,7 +386,7 @@ impl WorkerService for WorkerRpc {
         &self,
         req: Request<pb::LeaseLocalBlockRequest>,
     ) -> Result<Response<pb::LeaseLocalBlockResponse>, Status> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let r = req.into_inner();
         // Leases of cached pages name no under-store object: a grant for the file will do.
         let granted = |inode: u64| {
