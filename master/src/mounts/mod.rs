@@ -109,7 +109,7 @@ impl MountPolicy {
                 )
             } else {
                 format!(
-                    "{shown} {detail}, not below a folder the masters allow for file:// mounts ({}; --allow-local-root)",
+                    "{shown} {detail} a folder the masters allow for file:// mounts ({}; --allow-local-root)",
                     self.local_roots
                         .iter()
                         .map(|r| r.display().to_string())
@@ -129,7 +129,7 @@ impl MountPolicy {
             .iter()
             .any(|(r, c)| dir.starts_with(r) || c.as_ref().is_some_and(|c| dir.starts_with(c)));
         if !lexical {
-            return Err(refuse("is".into()));
+            return Err(refuse("is not below".into()));
         }
         let Ok(real) = std::fs::canonicalize(dir) else {
             return Err(granary_common::ufs::UfsError::MissingDirectory {
@@ -141,7 +141,10 @@ impl MountPolicy {
             .iter()
             .any(|(_, c)| c.as_ref().is_some_and(|c| real.starts_with(c)))
         {
-            return Err(refuse(format!("resolves to {}, which is", real.display())));
+            return Err(refuse(format!(
+                "resolves to {}, which is not below",
+                real.display()
+            )));
         }
         Ok(())
     }
