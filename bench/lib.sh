@@ -7,6 +7,10 @@ bin="${GRANARY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/grana
 # set; bench/peer-read.sh --tls measures TLS on against off in one run).
 export GRANARY_INSECURE="${GRANARY_INSECURE:-1}"
 
+# Masters seal every mount option that is not known to be public (credentials, keys) and
+# refuse them without a secrets key: benchmarks give a throwaway one.
+export GRANARY_SECRETS_KEY="${GRANARY_SECRETS_KEY:-bench-only-secrets-key-0123456789abcdef}"
+
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 

@@ -56,7 +56,8 @@ else
   mount_args=("$work/s3/data" -o sync_interval=never)
 fi
 mport=$(free_port); maddr="127.0.0.1:$mport"
-GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "$maddr" > "$work/master.log" 2>&1 &
+GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "$maddr" --allow-local-root "$work" \
+  > "$work/master.log" 2>&1 &
 pids+=($!); wait_port "$mport"
 wports=()
 for w in 1 2 3; do

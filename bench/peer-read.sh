@@ -14,7 +14,8 @@ procs_workdir peer
 mkdir -p "$work/ufs"
 head -c "$((size_mib * 1048576))" /dev/urandom > "$work/ufs/big.bin"
 mport=$(free_port)
-GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" > "$work/master.log" 2>&1 &
+GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" \
+  --allow-local-root "$work" > "$work/master.log" 2>&1 &
 pids+=($!); wait_port "$mport"
 GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 \
   --cache-dir "$work/cache" --cache-size "$((size_mib * 2))MiB" > "$work/worker.log" 2>&1 &
