@@ -51,11 +51,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- trimSuffix "B" . -}}
 {{- end -}}
 
-{{/* Transport security of a pod: (dict "ctx" $ "identity" "node"). */}}
+{{/* Transport security of a pod: (dict "ctx" $); with "ownDir" true the command names
+     its --tls-dir itself (masters: the folder of their own id). */}}
 {{- define "granary.tlsEnv" -}}
 {{- if .ctx.Values.tls.enabled }}
+{{- if not .ownDir }}
 - name: GRANARY_TLS_DIR
   value: /etc/granary/tls
+{{- end }}
 {{- else }}
 - name: GRANARY_INSECURE
   value: "1"
@@ -70,6 +73,26 @@ app.kubernetes.io/component: {{ .component }}
   secret:
     secretName: {{ index .ctx.Values.tls.secrets .identity }}
     defaultMode: 0400
+{{- end }}
+{{- end -}}
+
+{{/* The masters' identities, master-<id>/ each (a StatefulSet's pods share one spec: each
+     master uses the folder of its own id). */}}
+{{- define "granary.masterTlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  projected:
+    defaultMode: 0400
+    sources:
+      {{- range $i := until (int .Values.master.replicas) }}
+      - secret:
+          name: {{ printf "%s-%d" $.Values.tls.secrets.master (add1 $i) }}
+          items:
+            {{- range list "ca.crt" "tls.crt" "tls.key" }}
+            - key: {{ . }}
+              path: {{ printf "master-%d/%s" (add1 $i) . }}
+            {{- end }}
+      {{- end }}
 {{- end }}
 {{- end -}}
 

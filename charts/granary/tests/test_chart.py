@@ -135,6 +135,49 @@ def check_masters(label, values, docs):
     check(mounts.get("data") == cfg["master"]["data-dir"], f"{label}: the master's data dir is not its PVC")
     check(cfg["master"]["secrets-key-file"].startswith(mounts.get("secrets-key", "?") + "/"),
           f"{label}: the secrets key file is not mounted")
+    check_master_identities(label, values, docs, sts, c, n)
+
+
+def check_master_identities(label, values, docs, sts, c, n):
+    """Masters and workers are distinct identities: each master runs with the master
+    certificate of its own id (never the workers' node certificate)."""
+    tls = values.get("tls", {})
+    if not tls.get("enabled", True):
+        return
+    prefix = tls.get("secrets", {}).get("master", "granary-master-tls")
+    node = tls.get("secrets", {}).get("node", "granary-node-tls")
+    vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    sources = vol.get("projected", {}).get("sources", [])
+    names = [s["secret"]["name"] for s in sources]
+    check(names == [f"{prefix}-{i}" for i in range(1, n + 1)],
+          f"{label}: the masters' TLS volume holds {names}, not one master Secret per id")
+    check(node not in names, f"{label}: masters mount the workers' node identity")
+    for s in sources:
+        i = s["secret"]["name"].rsplit("-", 1)[1]
+        paths = sorted(it["path"] for it in s["secret"]["items"])
+        check(paths == [f"master-{i}/{f}" for f in ("ca.crt", "tls.crt", "tls.key")],
+              f"{label}: master {i}'s files are at {paths}")
+    script = c["args"][0]
+    check('--tls-dir "/etc/granary/tls/master-$(( ${HOSTNAME##*-} + 1 ))"' in script
+          and '--id "$(( ${HOSTNAME##*-} + 1 ))"' in script,
+          f"{label}: a master does not use the identity of its own id: {script}")
+    check(not any(e["name"] == "GRANARY_TLS_DIR" for e in c.get("env", [])),
+          f"{label}: GRANARY_TLS_DIR on masters (they name their own --tls-dir)")
+    if tls.get("certManager", {}).get("enabled"):
+        certs = [d for d in docs if d["kind"] == "Certificate"]
+        for i in range(1, n + 1):
+            cert = [d for d in certs if d["spec"]["secretName"] == f"{prefix}-{i}"]
+            ok = len(cert) == 1
+            spec = cert[0]["spec"] if ok else {}
+            check(ok and spec.get("uris") == [f"granary:master:{i}"]
+                  and spec["subject"]["organizationalUnits"] == ["master"]
+                  and "granary-master" in spec.get("dnsNames", []),
+                  f"{label}: no master certificate for master {i}: {spec}")
+        worker = [d for d in certs if d["spec"]["secretName"] == node]
+        check(len(worker) == 1 and worker[0]["spec"]["subject"]["organizationalUnits"] == ["node"]
+              and "granary-master" not in worker[0]["spec"].get("dnsNames", [])
+              and not worker[0]["spec"].get("uris"),
+              f"{label}: the workers' certificate could pose as a master: {worker}")
 
 
 def cfg_port(cfg):
