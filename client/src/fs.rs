@@ -91,9 +91,10 @@ pub struct FileSystem {
     next_in_dir: Mutex<HashMap<u64, u64>>,
     /// A background lease request for the small files ahead of a reader is in flight.
     leasing_ahead: AtomicBool,
-    /// The newest read grant seen for each file (TLS clusters: workers serve a file's
-    /// blocks only with one; see `granary_common::grant`).
-    grants: Mutex<HashMap<u64, pb::ReadGrant>>,
+    /// The newest read grant seen for each version of each file, by (inode, version) (TLS
+    /// clusters: workers serve a file's blocks only with one, for the version it names;
+    /// see `granary_common::grant`).
+    grants: Mutex<HashMap<(u64, u64), pb::ReadGrant>>,
     /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
     names: Mutex<HashMap<(u64, String), u64>>,
     /// Folders whose next listing page is being fetched ahead of lookups.
@@ -292,8 +293,9 @@ impl FileSystem {
     /// Keeps the grant a status carries when it is the newest seen for its file.
     pub(crate) fn note_grant(&self, s: &pb::FileStatus) {
         let Some(g) = &s.grant else { return };
+        let key = (s.inode, g.version);
         let mut m = lock(&self.grants);
-        if m.get(&s.inode)
+        if m.get(&key)
             .is_some_and(|old| old.expires_ms >= g.expires_ms)
         {
             return;
@@ -305,7 +307,7 @@ impl FileSystem {
                 m.clear();
             }
         }
-        m.insert(s.inode, g.clone());
+        m.insert(key, g.clone());
     }
 
     /// The grant to show workers for `file` (`None` on a plaintext cluster): the newest
@@ -322,7 +324,7 @@ impl FileSystem {
         self.note_grant(file);
         let now = granary_common::now_ms().max(0) as u64;
         if !renew {
-            if let Some(g) = lock(&self.grants).get(&file.inode) {
+            if let Some(g) = lock(&self.grants).get(&(file.inode, file.version)) {
                 if granary_common::grant::fresh(g, now) {
                     return Ok(Some(g.clone()));
                 }
@@ -333,16 +335,18 @@ impl FileSystem {
             .get_status(pb::path_or_id::Target::Inode(file.inode))
             .await?;
         self.note_grant(&s);
-        Ok(lock(&self.grants).get(&file.inode).cloned())
+        // Only a grant for the version read (a file replaced meanwhile: the old version's
+        // grant while it lasts).
+        Ok(lock(&self.grants).get(&(file.inode, file.version)).cloned())
     }
 
-    /// The unexpired grants held for these files (sent with lease requests).
-    fn held_grants(&self, inodes: impl IntoIterator<Item = u64>) -> Vec<pb::ReadGrant> {
+    /// The unexpired grants held for these files' versions (sent with lease requests).
+    fn held_grants(&self, blocks: impl IntoIterator<Item = (u64, u64)>) -> Vec<pb::ReadGrant> {
         let now = granary_common::now_ms().max(0) as u64;
         let m = lock(&self.grants);
-        inodes
+        blocks
             .into_iter()
-            .filter_map(|i| m.get(&i).filter(|g| g.expires_ms > now).cloned())
+            .filter_map(|k| m.get(&k).filter(|g| g.expires_ms > now).cloned())
             .collect()
     }
 
@@ -841,7 +845,7 @@ impl FileSystem {
         let me = self.clone();
         let file = file.clone();
         tokio::spawn(async move {
-            let Ok(desc) = Self::descriptor(&file, next) else {
+            let Ok(mut desc) = Self::descriptor(&file, next) else {
                 return;
             };
             let block_id = desc.id.unwrap_or_default();
@@ -850,6 +854,7 @@ impl FileSystem {
                 return;
             };
             let grant = me.grant_for(&file, false).await.ok().flatten();
+            Self::with_grant_terms(&mut desc, grant.as_ref());
             if let Err(e) = me
                 .read_from_worker(&owner.address, &desc, 0, 1, grant)
                 .await
@@ -903,6 +908,23 @@ impl FileSystem {
         Ok(c)
     }
 
+    /// `desc` as `grant` describes its file (the master's word on the version the grant is
+    /// for): a file persisted since its status was read has a fingerprint now, and workers
+    /// serve a block only under a grant that binds the descriptor's terms. A write grant
+    /// (from the file's creation) binds no length: the descriptor stays as it is.
+    fn with_grant_terms(desc: &mut pb::BlockDescriptor, grant: Option<&pb::ReadGrant>) {
+        let Some(g) = grant else { return };
+        let same = desc
+            .id
+            .as_ref()
+            .is_some_and(|id| id.inode == g.inode && id.version == g.version);
+        if same && !g.write {
+            desc.fingerprint = g.fingerprint.clone();
+            desc.file_length = g.file_length;
+            desc.block_size = g.block_size;
+        }
+    }
+
     fn descriptor(file: &pb::FileStatus, index: u64) -> Result<pb::BlockDescriptor, ClientError> {
         let ufs = file.ufs.clone().ok_or_else(|| {
             ClientError::FailedPrecondition(format!(
@@ -919,7 +941,7 @@ impl FileSystem {
             ufs: Some(ufs),
             fingerprint: file.fingerprint.clone(),
             file_length: file.length,
-            block_size: file.block_size,
+            block_size: block_size(file),
         })
     }
 
@@ -931,9 +953,10 @@ impl FileSystem {
         offset: u64,
         len: u64,
     ) -> Result<Bytes, ClientError> {
-        let desc = Self::descriptor(file, index)?;
+        let mut desc = Self::descriptor(file, index)?;
         let block_id = desc.id.unwrap_or_default();
         let mut grant = self.grant_for(file, false).await?;
+        Self::with_grant_terms(&mut desc, grant.as_ref());
         // Two rounds: the cached worker list, then (if every worker in it failed) a fresh
         // list from the master, which may know a restarted worker's new address.
         let mut tried: Vec<String> = Vec::new();
@@ -974,6 +997,7 @@ impl FileSystem {
                     // gets with its next heartbeat: once more with a new grant.
                     tokio::time::sleep(GRANT_RETRY_PAUSE).await;
                     grant = self.grant_for(file, true).await?;
+                    Self::with_grant_terms(&mut desc, grant.as_ref());
                     res = self
                         .read_from_worker(&w.address, &desc, offset, len, grant.clone())
                         .await;
@@ -1192,8 +1216,10 @@ impl FileSystem {
     ) -> Option<Arc<LocalLease>> {
         let mut client = self.worker_client(&w.address).ok()?;
         let bytes_read = self.short_circuit.take_unreported(w.worker_id);
-        let grants =
-            self.held_grants(std::iter::once(id.inode).chain(more.iter().map(|b| b.inode)));
+        let grants = self.held_grants(
+            std::iter::once((id.inode, id.version))
+                .chain(more.iter().map(|b| (b.inode, b.version))),
+        );
         let mut req = tonic::Request::new(pb::LeaseLocalBlockRequest {
             grants,
             block: Some(*id),
@@ -1354,6 +1380,7 @@ impl FileSystem {
             // The file may stay open longer than its grant: a new one when due.
             let file = pb::FileStatus {
                 inode: h.block.inode,
+                version: h.block.version,
                 ..Default::default()
             };
             if let Err(e) = self.grant_for(&file, false).await {

@@ -7,11 +7,18 @@
 //! failover stay good until they expire. The key is never written to disk.
 //!
 //! A grant is an HMAC-SHA256 over (key id, inode, expiry, write, principal name,
-//! under-store location). Binding the location matters: a block request names the object
-//! the worker fetches on a miss, so a grant for one file cannot be used to make a worker
-//! read another object with its credentials. A `write` grant (from `CreateFile`) also
-//! covers reads of that file. Node principals (workers reading from peers) need no grant;
-//! neither does anyone on a plaintext (`--insecure`) cluster, where there are no principals.
+//! under-store location, version, block size, file length, fingerprint). Binding the
+//! location matters: a block request names the object the worker fetches on a miss, so a
+//! grant for one file cannot be used to make a worker read another object with its
+//! credentials. Binding the rest matters as much: the worker takes a block's first byte
+//! and length from the descriptor's block size and file length, and caches the bytes under
+//! (inode, version, index) for every later reader — a descriptor that disagreed with the
+//! master about any of them would cache other bytes under that name (cache poisoning), so
+//! a worker serves or fills a block only when the descriptor is the one the master signed
+//! ([`Terms`]). A `write` grant (from `CreateFile`) binds the version and block size of the
+//! file being written; it covers reads of what the master signed (a length of 0: none).
+//! Node principals (workers reading from peers) need no grant; neither does anyone on a
+//! plaintext (`--insecure`) cluster, where there are no principals.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -68,33 +75,53 @@ impl GrantKey {
         (k.id != 0).then(|| GrantKey::new(k.id, raw))
     }
 
-    /// Signs a grant for `principal` on file `inode` at `ufs`, good until `expires_ms`.
+    /// Signs a grant for `principal` on `file` as its status says it is (inode, under-store
+    /// object, version, block size, length, fingerprint), good until `expires_ms`.
     pub fn sign(
         &self,
         principal: &str,
-        inode: u64,
-        ufs: Option<&pb::UfsLocation>,
+        file: &pb::FileStatus,
         write: bool,
         expires_ms: u64,
     ) -> pb::ReadGrant {
         let mut g = pb::ReadGrant {
-            inode,
+            inode: file.inode,
             principal: principal.to_string(),
             expires_ms,
             key_id: self.id,
             mac: bytes::Bytes::new(),
             write,
-            ufs: ufs.cloned(),
+            ufs: file.ufs.clone(),
+            version: file.version,
+            block_size: effective_block_size(file.block_size),
+            file_length: file.length,
+            fingerprint: file.fingerprint.clone(),
         };
         g.mac = bytes::Bytes::copy_from_slice(hmac::sign(&self.key, &signed_bytes(&g)).as_ref());
         g
     }
 }
 
-/// The bytes a grant's MAC covers (every field but the MAC, each length-prefixed).
+/// A block size as a file's status carries it (0: the default) made explicit.
+pub fn effective_block_size(block_size: u64) -> u64 {
+    if block_size == 0 {
+        crate::DEFAULT_BLOCK_SIZE
+    } else {
+        block_size
+    }
+}
+
+/// Appends a length-prefixed string.
+fn put_str(b: &mut Vec<u8>, s: &str) {
+    b.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    b.extend_from_slice(s.as_bytes());
+}
+
+/// The bytes a grant's MAC covers (every field but the MAC, each length-prefixed). The
+/// domain tag names the layout: a grant of another layout never verifies.
 fn signed_bytes(g: &pb::ReadGrant) -> Vec<u8> {
-    let mut b = Vec::with_capacity(96 + g.principal.len());
-    b.extend_from_slice(b"granary-grant-v1");
+    let mut b = Vec::with_capacity(160 + g.principal.len());
+    b.extend_from_slice(b"granary-grant-v2");
     b.extend_from_slice(&g.key_id.to_le_bytes());
     b.extend_from_slice(&g.inode.to_le_bytes());
     b.extend_from_slice(&g.expires_ms.to_le_bytes());
@@ -110,7 +137,33 @@ fn signed_bytes(g: &pb::ReadGrant) -> Vec<u8> {
         }
         None => b.push(0),
     }
+    b.extend_from_slice(&g.version.to_le_bytes());
+    b.extend_from_slice(&g.block_size.to_le_bytes());
+    b.extend_from_slice(&g.file_length.to_le_bytes());
+    match &g.fingerprint {
+        Some(f) => {
+            b.push(1);
+            put_str(&mut b, &f.etag);
+            b.extend_from_slice(&f.size.to_le_bytes());
+            b.extend_from_slice(&f.mtime_ms.to_le_bytes());
+            put_str(&mut b, &f.version_id);
+        }
+        None => b.push(0),
+    }
     b
+}
+
+/// What a request says about the bytes of the file it uses.
+#[derive(Clone, Copy)]
+pub enum Terms<'a> {
+    /// Nothing (short-circuit leases: they hand out pages already cached, fetch nothing).
+    None,
+    /// A block read: the descriptor's version, block size, file length and fingerprint
+    /// must be those the grant binds (they decide which bytes the block holds).
+    Read(&'a pb::BlockDescriptor),
+    /// A write of the file's `version` in blocks of `block_size` (0: the default): a
+    /// write grant of that version and block size.
+    Write { version: u64, block_size: u64 },
 }
 
 /// What a request wants to do with a file.
@@ -120,7 +173,54 @@ pub struct Use<'a> {
     /// The under-store location the request names (reads through it on a miss, or writes
     /// to it); `None` when it names none (short-circuit leases of cached pages).
     pub ufs: Option<&'a pb::UfsLocation>,
-    pub write: bool,
+    pub terms: Terms<'a>,
+}
+
+impl Use<'_> {
+    fn write(&self) -> bool {
+        matches!(self.terms, Terms::Write { .. })
+    }
+}
+
+/// Why the request's terms are not the grant's (`None`: they are). Each reason names the
+/// grant, so a client takes it as a grant refusal (a new grant, and a descriptor built from
+/// it, may help: the file changed since the client looked).
+fn terms_mismatch(g: &pb::ReadGrant, terms: &Terms) -> Option<String> {
+    let (version, block_size) = match terms {
+        Terms::None => return None,
+        Terms::Read(d) => (d.id.as_ref().map_or(0, |id| id.version), d.block_size),
+        Terms::Write {
+            version,
+            block_size,
+        } => (*version, effective_block_size(*block_size)),
+    };
+    let inode = g.inode;
+    if version != g.version {
+        return Some(format!(
+            "the grant for file {inode} is for version {:x}, not {version:x}",
+            g.version
+        ));
+    }
+    if block_size != g.block_size {
+        return Some(format!(
+            "the grant for file {inode} binds block size {}, not {block_size}",
+            g.block_size
+        ));
+    }
+    if let Terms::Read(d) = terms {
+        if d.file_length != g.file_length {
+            return Some(format!(
+                "the grant for file {inode} binds length {}, not {}",
+                g.file_length, d.file_length
+            ));
+        }
+        if d.fingerprint != g.fingerprint {
+            return Some(format!(
+                "the grant for file {inode} binds another fingerprint of its under-store object"
+            ));
+        }
+    }
+    None
 }
 
 /// The keys a worker accepts grants of.
@@ -186,7 +286,7 @@ impl GrantKeys {
                 want.inode
             ));
         }
-        if want.write && !g.write {
+        if want.write() && !g.write {
             return Err(format!(
                 "the grant for file {} allows reading it, not writing it",
                 want.inode
@@ -199,6 +299,9 @@ impl GrantKeys {
                     want.inode, u.path, u.mount_id
                 ));
             }
+        }
+        if let Some(why) = terms_mismatch(g, &want.terms) {
+            return Err(why);
         }
         Ok(())
     }
@@ -225,13 +328,71 @@ mod tests {
         }
     }
 
+    fn fp() -> pb::Fingerprint {
+        pb::Fingerprint {
+            etag: "e1".into(),
+            size: 10_000,
+            mtime_ms: 5,
+            version_id: String::new(),
+        }
+    }
+
+    /// File 7 at `ufs`: version 0x77, blocks of 4096, 10,000 bytes.
+    fn file(ufs: Option<&pb::UfsLocation>) -> pb::FileStatus {
+        pb::FileStatus {
+            inode: 7,
+            ufs: ufs.cloned(),
+            version: 0x77,
+            block_size: 4096,
+            length: 10_000,
+            fingerprint: Some(fp()),
+            ..Default::default()
+        }
+    }
+
+    /// The honest descriptor of block `index` of [`file`].
+    fn desc(ufs: &pb::UfsLocation, index: u32) -> pb::BlockDescriptor {
+        pb::BlockDescriptor {
+            id: Some(pb::BlockId {
+                inode: 7,
+                version: 0x77,
+                index,
+            }),
+            ufs: Some(ufs.clone()),
+            fingerprint: Some(fp()),
+            file_length: 10_000,
+            block_size: 4096,
+        }
+    }
+
     fn want<'a>(inode: u64, ufs: Option<&'a pb::UfsLocation>, write: bool) -> Use<'a> {
         Use {
             principal: "alice",
             inode,
             ufs,
-            write,
+            terms: if write {
+                Terms::Write {
+                    version: 0x77,
+                    block_size: 4096,
+                }
+            } else {
+                Terms::None
+            },
         }
+    }
+
+    fn sign(
+        key: &GrantKey,
+        inode: u64,
+        ufs: Option<&pb::UfsLocation>,
+        write: bool,
+    ) -> pb::ReadGrant {
+        key.sign(
+            "alice",
+            &pb::FileStatus { inode, ..file(ufs) },
+            write,
+            10_000,
+        )
     }
 
     #[test]
@@ -240,7 +401,16 @@ mod tests {
         let keys = GrantKeys::default();
         keys.learn(&key.to_proto());
         let a = loc("a.bin");
-        let g = key.sign("alice", 7, Some(&a), false, 10_000);
+        let g = sign(&key, 7, Some(&a), false);
+        assert_eq!(
+            (
+                g.version,
+                g.block_size,
+                g.file_length,
+                g.fingerprint.clone()
+            ),
+            (0x77, 4096, 10_000, Some(fp()))
+        );
         assert_eq!(
             keys.check(Some(&g), &want(7, Some(&a), false), 9_999),
             Ok(())
@@ -268,6 +438,20 @@ mod tests {
             |g: &mut pb::ReadGrant| g.write = true,
             |g: &mut pb::ReadGrant| g.principal.push('x'),
             |g: &mut pb::ReadGrant| g.ufs = None,
+            |g: &mut pb::ReadGrant| g.version += 1,
+            |g: &mut pb::ReadGrant| g.block_size *= 2,
+            |g: &mut pb::ReadGrant| g.file_length -= 1,
+            |g: &mut pb::ReadGrant| g.fingerprint = None,
+            |g: &mut pb::ReadGrant| {
+                if let Some(f) = g.fingerprint.as_mut() {
+                    f.etag.push('x');
+                }
+            },
+            |g: &mut pb::ReadGrant| {
+                if let Some(f) = g.fingerprint.as_mut() {
+                    f.size += 1;
+                }
+            },
             |g: &mut pb::ReadGrant| {
                 let mut mac = g.mac.to_vec();
                 mac[0] ^= 1;
@@ -278,10 +462,101 @@ mod tests {
             alter(&mut bad);
             assert!(refused(&bad, &want(bad.inode, None, false), 1).contains("forged"));
         }
-        // A write grant covers reads too.
-        let w = key.sign("alice", 7, Some(&a), true, 10_000);
+        // A write grant covers writes of its version and block size.
+        let w = sign(&key, 7, Some(&a), true);
         assert_eq!(keys.check(Some(&w), &want(7, Some(&a), true), 1), Ok(()));
         assert_eq!(keys.check(Some(&w), &want(7, Some(&a), false), 1), Ok(()));
+        let write = |version, block_size| Use {
+            terms: Terms::Write {
+                version,
+                block_size,
+            },
+            ..want(7, Some(&a), true)
+        };
+        assert!(refused(&w, &write(0x78, 4096), 1).contains("not 78"));
+        assert!(refused(&w, &write(0x77, 8192), 1).contains("not 8192"));
+        // 0 is the default block size, which this file does not have.
+        assert!(refused(&w, &write(0x77, 0), 1).contains("block size"));
+    }
+
+    #[test]
+    fn a_block_read_must_name_the_signed_version_geometry_and_fingerprint() {
+        let key = GrantKey::random().unwrap();
+        let keys = GrantKeys::default();
+        keys.learn(&key.to_proto());
+        let a = loc("a.bin");
+        let g = sign(&key, 7, Some(&a), false);
+        let check = |d: &pb::BlockDescriptor, g: &pb::ReadGrant| {
+            keys.check(
+                Some(g),
+                &Use {
+                    principal: "alice",
+                    inode: 7,
+                    ufs: d.ufs.as_ref(),
+                    terms: Terms::Read(d),
+                },
+                1,
+            )
+        };
+        for index in 0..3 {
+            assert_eq!(check(&desc(&a, index), &g), Ok(()));
+        }
+        type Tamper = fn(&mut pb::BlockDescriptor);
+        let cases: [(Tamper, &str); 6] = [
+            (|d| d.block_size = 8192, "block size 4096, not 8192"),
+            (|d| d.block_size = 0, "block size 4096, not 0"),
+            (|d| d.file_length = 4096, "length 10000, not 4096"),
+            (
+                |d| {
+                    if let Some(id) = d.id.as_mut() {
+                        id.version = 0x76;
+                    }
+                },
+                "version 77, not 76",
+            ),
+            (|d| d.fingerprint = None, "another fingerprint"),
+            (
+                |d| {
+                    if let Some(f) = d.fingerprint.as_mut() {
+                        f.mtime_ms += 1;
+                    }
+                },
+                "another fingerprint",
+            ),
+        ];
+        for (tamper, why) in cases {
+            let mut d = desc(&a, 1);
+            tamper(&mut d);
+            let e = check(&d, &g).unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+            // Named as a grant refusal (the client asks for a new grant).
+            assert!(e.contains("grant"), "{e}");
+        }
+        // A write grant signed at creation (length 0) lets nobody read blocks of a length.
+        let created = key.sign(
+            "alice",
+            &pb::FileStatus {
+                length: 0,
+                fingerprint: None,
+                ..file(Some(&a))
+            },
+            true,
+            10_000,
+        );
+        assert!(check(&desc(&a, 0), &created)
+            .unwrap_err()
+            .contains("length 0"));
+        // A status without a block size signs the default one.
+        let default = key.sign(
+            "alice",
+            &pb::FileStatus {
+                block_size: 0,
+                ..file(Some(&a))
+            },
+            false,
+            10_000,
+        );
+        assert_eq!(default.block_size, crate::DEFAULT_BLOCK_SIZE);
     }
 
     #[test]
@@ -293,8 +568,8 @@ mod tests {
             keys.learn(&k.to_proto()); // known: ignored
         }
         let ok = |k: &GrantKey| {
-            let g = k.sign("alice", 1, None, false, 100);
-            keys.check(Some(&g), &want(1, None, false), 1)
+            let g = k.sign("alice", &file(None), false, 100);
+            keys.check(Some(&g), &want(7, None, false), 1)
         };
         assert!(ok(&all[5]).is_ok() && ok(&all[2]).is_ok());
         assert!(ok(&all[1]).unwrap_err().contains("does not know"));

@@ -23,6 +23,15 @@ pub const DEFAULT_PAGE_SIZE: u64 = 1024 * 1024;
 /// Default size of a block: the unit of placement and location tracking.
 pub const DEFAULT_BLOCK_SIZE: u64 = 64 * 1024 * 1024;
 
+/// Smallest block size a file may be created with (`CreateFile.block_size`; 0 = default).
+pub const MIN_BLOCK_SIZE: u64 = 64 * 1024;
+/// Largest block size a file may be created with: a block is the unit a worker fetches
+/// and places, so it bounds what one request makes a worker read.
+pub const MAX_BLOCK_SIZE: u64 = 1024 * 1024 * 1024;
+/// Largest file length a file may claim (`CompleteFile.length`, and what a load job plans
+/// for): 64 TiB, above every object store's largest object.
+pub const MAX_FILE_LENGTH: u64 = 64 << 40;
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

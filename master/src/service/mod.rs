@@ -92,12 +92,14 @@ fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
 }
 
 /// Signs `who` a grant for a file's blocks (a `write` grant for a file being created) when
-/// the master signs grants (TLS clusters).
+/// the master signs grants (TLS clusters). The grant binds what the status says decides
+/// the blocks' bytes (version, block size, length, fingerprint), so workers cache only
+/// blocks as the master describes them.
 fn grant(core: &MasterCore, who: &Principal, s: &mut pb::FileStatus, write: bool) {
     if let (Some(key), true) = (&core.grants, s.kind == pb::FileKind::File as i32) {
         let expires = granary_common::now_ms().max(0) as u64
             + granary_common::grant::GRANT_LIFETIME.as_millis() as u64;
-        s.grant = Some(key.sign(&who.name, s.inode, s.ufs.as_ref(), write, expires));
+        s.grant = Some(key.sign(&who.name, s, write, expires));
     }
 }
 

@@ -10,7 +10,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use granary_common::authz::principal;
-use granary_common::grant::GrantKeys;
+use granary_common::grant::{GrantKeys, Terms};
 use granary_common::tls::{Principal, Role};
 
 use crate::metrics::WorkerMetrics;
@@ -26,9 +26,13 @@ const MAX_LOAD_BLOCKS: usize = 256;
 /// Blocks of one load task fetched at once.
 const LOAD_PARALLELISM: usize = 8;
 
-/// Where a described block lies in its file: (first byte, length). Refuses a descriptor
-/// without an id or an under-store location, or a block past the end of the file.
-fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
+/// Where a described block lies in its file: (first byte, length). Refuses, as
+/// INVALID_ARGUMENT, a descriptor without an id or an under-store location, with a block
+/// size of 0 or above [`granary_common::MAX_BLOCK_SIZE`], a file length above
+/// [`granary_common::MAX_FILE_LENGTH`], or a block index past the end of the file. Whether
+/// the geometry is the file's is the grant's to say ([`check_grant`]); nodes (masters'
+/// load tasks, peers) are trusted with it, but not with its shape.
+pub(crate) fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
     let id = desc
         .id
         .as_ref()
@@ -38,17 +42,29 @@ fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
             "the block has no under-store location",
         ));
     }
-    let bs = if desc.block_size == 0 {
-        granary_common::DEFAULT_BLOCK_SIZE
-    } else {
-        desc.block_size
-    };
-    let start = u64::from(id.index)
-        .checked_mul(bs)
-        .filter(|s| *s < desc.file_length)
-        .ok_or_else(|| {
-            Status::out_of_range(format!("block {} is past the end of the file", id.index))
-        })?;
+    let bs = desc.block_size;
+    if bs == 0 || bs > granary_common::MAX_BLOCK_SIZE {
+        return Err(Status::invalid_argument(format!(
+            "block size {bs} must be between 1 and {} bytes",
+            granary_common::MAX_BLOCK_SIZE
+        )));
+    }
+    if desc.file_length > granary_common::MAX_FILE_LENGTH {
+        return Err(Status::invalid_argument(format!(
+            "file length {} is above the largest a file may have ({} bytes)",
+            desc.file_length,
+            granary_common::MAX_FILE_LENGTH
+        )));
+    }
+    let blocks = desc.file_length.div_ceil(bs);
+    if u64::from(id.index) >= blocks {
+        return Err(Status::invalid_argument(format!(
+            "block {} is past the end of the file ({blocks} blocks of {bs} bytes in {})",
+            id.index, desc.file_length
+        )));
+    }
+    // index < blocks <= file_length / bs + 1: no overflow, and start < file_length.
+    let start = u64::from(id.index) * bs;
     Ok((start, bs.min(desc.file_length - start)))
 }
 
@@ -118,14 +134,16 @@ pub struct WorkerRpc {
 }
 
 /// Refuses a request of a non-node principal without a grant for `want` (nodes, and
-/// everyone on a plaintext cluster, need none).
+/// everyone on a plaintext cluster, need none): the grant must name the caller, the file,
+/// the under-store object and the terms (a read's descriptor: version, block size, file
+/// length, fingerprint; a write's version and block size).
 fn check_grant(
     keys: &GrantKeys,
     who: &Principal,
     grant: Option<&pb::ReadGrant>,
     inode: u64,
     ufs: Option<&pb::UfsLocation>,
-    write: bool,
+    terms: Terms,
 ) -> Result<(), Status> {
     if who.has(Role::Node) {
         return Ok(());
@@ -134,7 +152,7 @@ fn check_grant(
         principal: &who.name,
         inode,
         ufs,
-        write,
+        terms,
     };
     keys.check(grant, &want, granary_common::now_ms().max(0) as u64)
         .map_err(Status::permission_denied)
@@ -186,6 +204,23 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
 
 type ReadStream = Pin<Box<dyn Stream<Item = Result<pb::ReadBlockResponse, Status>> + Send>>;
 
+/// The part of page `page` (its bytes `data`) that the read `p` wants, as (offset in the
+/// block, bytes). A page whose length is not the one the block's geometry gives it is
+/// refused (never sliced out of its bounds).
+fn piece(data: &bytes::Bytes, page: u64, ps: u64, p: Plan) -> Result<(u64, bytes::Bytes), Status> {
+    let page_start = page * ps;
+    let want_len = ps.min(p.block_len.saturating_sub(page_start));
+    let from = p.offset.max(page_start) - page_start;
+    let to = p.end.min(page_start + want_len) - page_start;
+    if data.len() as u64 != want_len || from >= to {
+        return Err(Status::internal(format!(
+            "page {page} holds {} bytes where the block has {want_len}",
+            data.len()
+        )));
+    }
+    Ok((page_start + from, data.slice(from as usize..to as usize)))
+}
+
 impl WorkerRpc {
     /// A `cached_only` read (another worker filling its cache): the cached pages of the
     /// range in order, ending with NOT_FOUND at the first page that is not cached.
@@ -201,19 +236,15 @@ impl WorkerRpc {
         let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
         tokio::spawn(async move {
             for page in pages {
-                let msg = match fetcher.store.get(&(block.key, page as u32)) {
-                    Some(data) => {
-                        let page_start = page * ps;
-                        let from = p.offset.max(page_start) - page_start;
-                        let to = p.end.min(page_start + data.len() as u64) - page_start;
-                        let slice = data.slice(from as usize..to as usize);
+                let msg = match fetcher.cached_page(&block, page) {
+                    Some(data) => piece(&data, page, ps, p).map(|(offset, slice)| {
                         metrics.peer_served_bytes.inc_by(slice.len() as u64);
-                        Ok(pb::ReadBlockResponse {
+                        pb::ReadBlockResponse {
                             data: slice,
-                            offset: page_start + from,
+                            offset,
                             hit: true,
-                        })
-                    }
+                        }
+                    }),
                     None => Err(Status::not_found(format!("page {page} is not cached here"))),
                 };
                 let failed = msg.is_err();
@@ -250,7 +281,10 @@ impl WorkerService for WorkerRpc {
             header.grant.as_ref(),
             header.inode,
             header.ufs.as_ref(),
-            true,
+            Terms::Write {
+                version: header.version,
+                block_size: header.block_size,
+            },
         )?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(self.writes.clone().receive(header, inbound, tx));
@@ -271,7 +305,7 @@ impl WorkerService for WorkerRpc {
             r.grant.as_ref(),
             desc.id.as_ref().map_or(0, |id| id.inode),
             desc.ufs.as_ref(),
-            false,
+            Terms::Read(&desc),
         )?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
@@ -304,11 +338,7 @@ impl WorkerService for WorkerRpc {
                 .buffered(PAGE_PARALLELISM);
             while let Some((page, res)) = pages.next().await {
                 let msg = match res {
-                    Ok((data, source)) => {
-                        let page_start = page * ps;
-                        let from = p.offset.max(page_start) - page_start;
-                        let to = p.end.min(page_start + data.len() as u64) - page_start;
-                        let slice = data.slice(from as usize..to as usize);
+                    Ok((data, source)) => piece(&data, page, ps, p).map(|(offset, slice)| {
                         let n = slice.len() as u64;
                         let hit = source == Source::Cache;
                         if hit {
@@ -316,12 +346,12 @@ impl WorkerService for WorkerRpc {
                         } else {
                             metrics.cache_miss_bytes.inc_by(n);
                         }
-                        Ok(pb::ReadBlockResponse {
+                        pb::ReadBlockResponse {
                             data: slice,
-                            offset: page_start + from,
+                            offset,
                             hit,
-                        })
-                    }
+                        }
+                    }),
                     Err(e) => Err(Status::from(e)),
                 };
                 let failed = msg.is_err();
@@ -391,7 +421,7 @@ impl WorkerService for WorkerRpc {
         // Leases of cached pages name no under-store object: a grant for the file will do.
         let granted = |inode: u64| {
             let grant = r.grants.iter().find(|g| g.inode == inode);
-            check_grant(&self.grant_keys, &who, grant, inode, None, false)
+            check_grant(&self.grant_keys, &who, grant, inode, None, Terms::None)
         };
         if let Some(id) = &r.block {
             granted(id.inode)?;
@@ -530,10 +560,39 @@ mod tests {
         use tonic::Code;
         let code = |r: pb::ReadBlockRequest| plan(&r).err().map(|s| s.code());
         assert_eq!(code(req(2, 10_000, 0, 1809)), Some(Code::OutOfRange));
-        assert_eq!(code(req(3, 10_000, 0, 1)), Some(Code::OutOfRange));
+        assert_eq!(code(req(3, 10_000, 0, 1)), Some(Code::InvalidArgument));
         assert_eq!(code(req(0, 10_000, 0, 0)), Some(Code::InvalidArgument));
         assert_eq!(code(req(0, 10_000, u64::MAX, 2)), Some(Code::OutOfRange));
-        assert_eq!(code(req(u32::MAX, 10_000, 0, 1)), Some(Code::OutOfRange));
+        assert_eq!(
+            code(req(u32::MAX, 10_000, 0, 1)),
+            Some(Code::InvalidArgument)
+        );
+        // Malformed geometry: no block size, one above the limit, a length above the
+        // largest file (each would make the worker size or place the block from it).
+        let with = |f: fn(&mut pb::BlockDescriptor)| {
+            let mut r = req(0, 10_000, 0, 1);
+            if let Some(b) = r.block.as_mut() {
+                f(b);
+            }
+            code(r)
+        };
+        assert_eq!(with(|b| b.block_size = 0), Some(Code::InvalidArgument));
+        assert_eq!(
+            with(|b| b.block_size = granary_common::MAX_BLOCK_SIZE + 1),
+            Some(Code::InvalidArgument)
+        );
+        assert_eq!(
+            with(|b| b.file_length = u64::MAX),
+            Some(Code::InvalidArgument)
+        );
+        assert_eq!(
+            with(|b| {
+                b.block_size = 1;
+                b.file_length = granary_common::MAX_FILE_LENGTH;
+                b.id.as_mut().unwrap().index = u32::MAX;
+            }),
+            None // the last block of a file of 1-byte blocks: no overflow on the way
+        );
         let mut r = req(0, 10, 0, 1);
         r.block = None;
         assert_eq!(code(r), Some(Code::InvalidArgument));
@@ -544,3 +603,6 @@ mod tests {
         assert_eq!(code(r), Some(Code::InvalidArgument));
     }
 }
+
+#[cfg(test)]
+mod proptests;

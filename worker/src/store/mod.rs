@@ -552,6 +552,15 @@ impl PageStore {
         }
     }
 
+    /// Drops a cached page whatever holds it (its bytes are unusable: `why` says why).
+    pub fn drop_page(self: &Arc<Self>, key: &PageKey, why: &str) {
+        let gen = match self.lock().pages.get(key) {
+            Some(m) => m.gen,
+            None => return,
+        };
+        self.drop_bad_page(key, gen, why);
+    }
+
     /// Pins `inode`: its cached pages, and those cached later, are never evicted (until
     /// [`unpin`](Self::unpin)). Returns whether it was newly pinned.
     pub fn pin(&self, inode: u64) -> bool {

@@ -225,6 +225,13 @@ impl TieredStore {
         self.tiers.iter().any(|t| t.contains(key))
     }
 
+    /// Drops a page from whichever tier holds it (see [`PageStore::drop_page`]).
+    pub fn drop_page(&self, key: &PageKey, why: &str) {
+        for t in &self.tiers {
+            t.drop_page(key, why);
+        }
+    }
+
     pub fn would_admit(&self, key: &PageKey) -> bool {
         self.tiers.iter().any(|t| t.would_admit(key))
     }

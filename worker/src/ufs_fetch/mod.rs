@@ -469,6 +469,45 @@ impl Fetcher {
         }
     }
 
+    /// Bytes page `page` of `block` holds (its block's geometry says so).
+    fn page_len(&self, block: &BlockRef, page: u64) -> u64 {
+        let ps = self.store.page_size;
+        ps.min(block.len.saturating_sub(page.saturating_mul(ps)))
+    }
+
+    /// Page `page` of `block` when it is cached with the length the block's geometry gives
+    /// it. A cached page of another length was cached for other geometry (it cannot be the
+    /// bytes this block holds there): it is dropped, never served.
+    pub fn cached_page(&self, block: &BlockRef, page: u64) -> Option<Bytes> {
+        let key = (block.key, page as u32);
+        let b = self.store.get(&key)?;
+        if b.len() as u64 == self.page_len(block, page) {
+            return Some(b);
+        }
+        tracing::warn!(
+            ?key,
+            len = b.len(),
+            "a cached page has the wrong length; dropping it"
+        );
+        self.store
+            .drop_page(&key, "has the wrong length for its block");
+        None
+    }
+
+    /// A page fetched recently but not cached, when its length fits the block.
+    fn recent_uncached_page(&self, block: &BlockRef, page: u64) -> Option<Bytes> {
+        let key = (block.key, page as u32);
+        let b = self.recent_uncached(&key)?;
+        if b.len() as u64 == self.page_len(block, page) {
+            return Some(b);
+        }
+        let mut u = lock(&self.uncached);
+        if let Some((old, _)) = u.pages.pop(&key) {
+            u.bytes -= old.len() as u64;
+        }
+        None
+    }
+
     /// Page `page` of `block`: from the cache, from a fetch in flight, or fetched now with
     /// the rest of its part.
     pub async fn page(
@@ -480,10 +519,10 @@ impl Fetcher {
         let key = (block.key, page as u32);
         let started = std::time::Instant::now();
         for _ in 0..4 {
-            if let Some(b) = self.store.get(&key) {
+            if let Some(b) = self.cached_page(block, page) {
                 return Ok((b, Source::Cache));
             }
-            if let Some(b) = self.recent_uncached(&key) {
+            if let Some(b) = self.recent_uncached_page(block, page) {
                 return Ok((b, Source::Cache));
             }
             let (ufs, _) = self.ufs(block).await?;

@@ -1,0 +1,498 @@
+//! Property tests of the worker's service under hostile block descriptors, against a real
+//! page store on a temp dir and an in-memory under-store: whatever a request names (block
+//! size, file length, version, index, fingerprint, offset, length, cached-only, leases),
+//! no worker thread panics; a `user` principal with an honest grant gets every tampered
+//! descriptor refused (PERMISSION_DENIED, INVALID_ARGUMENT, OUT_OF_RANGE) and every page
+//! cached for the file holds the source's bytes; and after any sequence of a node's
+//! (trusted, shape-checked) descriptors an honest read still answers without a panic.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use granary_common::grant::GrantKey;
+use granary_common::ufs::Ufs;
+use granary_proto::worker_service_server::WorkerService;
+use object_store::memory::InMemory;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStoreExt, PutPayload};
+use proptest::prelude::*;
+
+use super::*;
+use crate::store::{PageStore, TieredStore};
+
+const PS: u64 = 4096;
+/// The honest block size: 4 pages.
+const BS: u64 = 4 * PS;
+/// The source file: three blocks and a short fourth (two pages and 100 bytes).
+const LEN: u64 = 3 * BS + 2 * PS + 100;
+const INODE: u64 = 5;
+const VERSION: u64 = 0x77;
+
+/// Panics anywhere in the process (worker tasks run on other threads; a panic there does
+/// not fail the caller by itself).
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+fn count_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            prev(info);
+        }));
+    });
+}
+
+fn source() -> Vec<u8> {
+    (0..LEN).map(|i| (i * 7 % 253) as u8).collect()
+}
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    rpc: WorkerRpc,
+    honest: pb::BlockDescriptor,
+    grant: pb::ReadGrant,
+}
+
+async fn rig() -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = WorkerMetrics::default();
+    let pages = PageStore::open(
+        &dir.path().join("cache"),
+        1 << 30,
+        PS,
+        crate::evict::PolicyKind::default(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let store = Arc::new(InMemory::new());
+    store
+        .put(&StorePath::from("f"), PutPayload::from(source()))
+        .await
+        .unwrap();
+    let meta = store.head(&StorePath::from("f")).await.unwrap();
+    let fingerprint = granary_common::ufs::fingerprint_of(&meta);
+    let master = granary_client::MasterClient::new("127.0.0.1:1").unwrap();
+    let fetcher = Arc::new(Fetcher::new(
+        master.clone(),
+        TieredStore::single(pages),
+        metrics.clone(),
+    ));
+    fetcher.stores.insert(
+        1,
+        Ufs {
+            store,
+            prefix: StorePath::default(),
+            part_size: 2 * PS,
+            part_concurrency: 2,
+        },
+    );
+    let writes = crate::writes::Writes::open(
+        &dir.path().join("cache"),
+        fetcher.clone(),
+        master,
+        metrics.clone(),
+        0,
+    )
+    .unwrap();
+    let key = GrantKey::random().unwrap();
+    let grant_keys = Arc::new(GrantKeys::default());
+    grant_keys.learn(&key.to_proto());
+    let ufs = pb::UfsLocation {
+        mount_id: 1,
+        path: "f".into(),
+    };
+    let status = pb::FileStatus {
+        inode: INODE,
+        version: VERSION,
+        block_size: BS,
+        length: LEN,
+        fingerprint: Some(fingerprint.clone()),
+        ufs: Some(ufs.clone()),
+        ..Default::default()
+    };
+    let grant = key.sign(
+        "alice",
+        &status,
+        false,
+        granary_common::now_ms() as u64 + 600_000,
+    );
+    let honest = pb::BlockDescriptor {
+        id: Some(pb::BlockId {
+            inode: INODE,
+            version: VERSION,
+            index: 0,
+        }),
+        ufs: Some(ufs),
+        fingerprint: Some(fingerprint),
+        file_length: LEN,
+        block_size: BS,
+    };
+    Rig {
+        _dir: dir,
+        rpc: WorkerRpc {
+            worker_id: 1,
+            fetcher,
+            metrics,
+            writes,
+            grant_keys,
+        },
+        honest,
+        grant,
+    }
+}
+
+fn as_who<T>(msg: T, node: bool) -> Request<T> {
+    let mut req = Request::new(msg);
+    let who = if node {
+        Principal::new("worker-2", &[Role::Node], None)
+    } else {
+        Principal::new("alice", &[Role::User], None)
+    };
+    req.extensions_mut().insert(Arc::new(who));
+    req
+}
+
+/// One hostile change of the honest descriptor.
+#[derive(Debug, Clone)]
+enum Tamper {
+    None,
+    Index(u32),
+    Version(u64),
+    BlockSize(u64),
+    FileLength(u64),
+    NoFingerprint,
+    OtherFingerprint,
+    NoUfs,
+    OtherObject,
+}
+
+fn tamper() -> impl Strategy<Value = Tamper> {
+    let sizes = prop_oneof![
+        Just(0u64),
+        Just(1u64),
+        Just(PS - 1),
+        Just(PS),
+        Just(BS - 100),
+        Just(BS + PS),
+        Just(granary_common::MAX_BLOCK_SIZE),
+        Just(granary_common::MAX_BLOCK_SIZE + 1),
+        Just(u64::MAX),
+        any::<u64>(),
+        1..=3 * BS,
+    ];
+    let lengths = prop_oneof![
+        Just(0u64),
+        Just(1u64),
+        Just(LEN - 1),
+        Just(LEN + 1),
+        Just(BS),
+        Just(granary_common::MAX_FILE_LENGTH),
+        Just(u64::MAX),
+        any::<u64>(),
+        0..=2 * LEN,
+    ];
+    prop_oneof![
+        2 => Just(Tamper::None),
+        2 => prop_oneof![0..6u32, Just(u32::MAX), any::<u32>()].prop_map(Tamper::Index),
+        1 => prop_oneof![Just(VERSION + 1), Just(0u64), any::<u64>()].prop_map(Tamper::Version),
+        3 => sizes.prop_map(Tamper::BlockSize),
+        3 => lengths.prop_map(Tamper::FileLength),
+        1 => Just(Tamper::NoFingerprint),
+        1 => Just(Tamper::OtherFingerprint),
+        1 => Just(Tamper::NoUfs),
+        1 => Just(Tamper::OtherObject),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Op {
+    tampers: Vec<Tamper>,
+    index: u32,
+    offset: u64,
+    length: u64,
+    cache: bool,
+    cached_only: bool,
+    /// A short-circuit lease of the block from this page instead of a read.
+    lease: Option<(u32, bool)>,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    (
+        prop::collection::vec(tamper(), 0..3),
+        0..4u32,
+        prop_oneof![0..2 * BS, Just(u64::MAX), any::<u64>()],
+        prop_oneof![1..2 * BS, Just(0u64), Just(u64::MAX), Just(MAX_READ_LENGTH)],
+        any::<bool>(),
+        prop::bool::weighted(0.2),
+        prop::option::weighted(0.15, (any::<u32>(), any::<bool>())),
+    )
+        .prop_map(
+            |(tampers, index, offset, length, cache, cached_only, lease)| Op {
+                tampers,
+                index,
+                offset,
+                length,
+                cache,
+                cached_only,
+                lease,
+            },
+        )
+}
+
+fn describe(honest: &pb::BlockDescriptor, op: &Op) -> pb::BlockDescriptor {
+    let mut d = honest.clone();
+    if let Some(id) = d.id.as_mut() {
+        id.index = op.index;
+    }
+    for t in &op.tampers {
+        match t {
+            Tamper::None => {}
+            Tamper::Index(i) => d.id.as_mut().unwrap().index = *i,
+            Tamper::Version(v) => d.id.as_mut().unwrap().version = *v,
+            Tamper::BlockSize(b) => d.block_size = *b,
+            Tamper::FileLength(l) => d.file_length = *l,
+            Tamper::NoFingerprint => d.fingerprint = None,
+            Tamper::OtherFingerprint => {
+                if let Some(f) = d.fingerprint.as_mut() {
+                    f.etag.push('x');
+                }
+            }
+            Tamper::NoUfs => d.ufs = None,
+            Tamper::OtherObject => {
+                if let Some(u) = d.ufs.as_mut() {
+                    u.path = "g".into();
+                }
+            }
+        }
+    }
+    d
+}
+
+/// Runs one request; for a read, the chunks it served as (block offset, bytes) and how it
+/// ended.
+async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<(), Status>) {
+    let desc = describe(&r.honest, op);
+    let grant = (!node).then(|| r.grant.clone());
+    if let Some((first_page, whole_block)) = op.lease {
+        let req = pb::LeaseLocalBlockRequest {
+            block: desc.id,
+            first_page,
+            whole_block,
+            hold_ms: 50,
+            grants: grant.into_iter().collect(),
+            ..Default::default()
+        };
+        let res = r.rpc.lease_local_block(as_who(req, node)).await;
+        return (Vec::new(), res.map(|_| ()));
+    }
+    let req = pb::ReadBlockRequest {
+        block: Some(desc),
+        offset: op.offset,
+        length: op.length,
+        cache: op.cache,
+        cached_only: op.cached_only,
+        grant,
+    };
+    let mut stream = match r.rpc.read_block(as_who(req, node)).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => return (Vec::new(), Err(e)),
+    };
+    let mut got = Vec::new();
+    let drained = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(m) = stream.next().await {
+            match m {
+                Ok(m) => got.push((m.offset, m.data)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .expect("a read did not end within 20 s");
+    (got, drained)
+}
+
+/// Every cached page of the file holds the source's bytes where the honest geometry puts
+/// it.
+fn cached_pages_are_the_source(r: &Rig, src: &[u8]) -> Result<(), TestCaseError> {
+    let store = &r.rpc.fetcher.store;
+    for index in 0..4u32 {
+        for page in 0..(BS / PS) as u32 {
+            let Some(bytes) = store.get(&((INODE, VERSION, index), page)) else {
+                continue;
+            };
+            let at = (u64::from(index) * BS + u64::from(page) * PS) as usize;
+            let end = (at + PS as usize).min(src.len());
+            prop_assert!(
+                at < src.len(),
+                "page {page} of block {index} is past the end"
+            );
+            prop_assert_eq!(
+                &bytes[..],
+                &src[at..end],
+                "page {} of block {} holds other bytes",
+                page,
+                index
+            );
+        }
+    }
+    Ok(())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A user with an honest grant: any tampered descriptor is refused; what is served and
+    /// cached is the source's bytes; nothing panics.
+    #[test]
+    fn a_user_cannot_make_a_worker_cache_or_serve_other_bytes(ops in prop::collection::vec(op(), 1..8)) {
+        count_panics();
+        let before = PANICS.load(Ordering::SeqCst);
+        let src = source();
+        runtime().block_on(async {
+            let r = rig().await;
+            for op in &ops {
+                let desc = describe(&r.honest, op);
+                let (got, end) = run(&r, op, false).await;
+                let honest_terms = desc.block_size == BS
+                    && desc.file_length == LEN
+                    && desc.fingerprint == r.honest.fingerprint
+                    && desc.ufs == r.honest.ufs
+                    && desc.id.map(|id| (id.inode, id.version)) == Some((INODE, VERSION));
+                if !honest_terms && op.lease.is_none() {
+                    let e = end.as_ref().expect_err("a tampered descriptor was served");
+                    prop_assert!(
+                        matches!(
+                            e.code(),
+                            tonic::Code::PermissionDenied
+                                | tonic::Code::InvalidArgument
+                                | tonic::Code::OutOfRange
+                        ),
+                        "{:?}",
+                        e
+                    );
+                    prop_assert!(got.is_empty());
+                }
+                let index = u64::from(desc.id.map_or(0, |id| id.index));
+                for (offset, bytes) in &got {
+                    let at = (index * BS + offset) as usize;
+                    prop_assert_eq!(&bytes[..], &src[at..at + bytes.len()], "served other bytes");
+                }
+                // Whatever of it has reached the cache so far.
+                cached_pages_are_the_source(&r, &src)?;
+            }
+            Ok(())
+        })?;
+        prop_assert_eq!(PANICS.load(Ordering::SeqCst), before, "a worker thread panicked");
+    }
+
+    /// A node (trusted with geometry, not with its shape) sends arbitrary descriptors; no
+    /// request panics the worker, and an honest read afterwards answers (bytes or an error,
+    /// never a panic or a hang).
+    #[test]
+    fn no_descriptor_panics_a_worker(ops in prop::collection::vec(op(), 1..8)) {
+        count_panics();
+        let before = PANICS.load(Ordering::SeqCst);
+        runtime().block_on(async {
+            let r = rig().await;
+            for op in &ops {
+                let _ = run(&r, op, true).await;
+            }
+            for index in 0..4u32 {
+                let block_len = if index == 3 { LEN - 3 * BS } else { BS };
+                // The whole block, and one byte near the start and at the end of each
+                // page (past the end of a page cached short).
+                let ends = (0..block_len.div_ceil(PS)).flat_map(|p| [p * PS + 60, p * PS + PS - 1]);
+                let reads = std::iter::once((0, block_len))
+                    .chain(ends.filter(|o| *o < block_len).map(|o| (o, 1)));
+                for (offset, length) in reads {
+                    for cached_only in [true, false] {
+                        let honest = Op {
+                            tampers: Vec::new(),
+                            index,
+                            offset,
+                            length,
+                            cache: true,
+                            cached_only,
+                            lease: None,
+                        };
+                        let _ = run(&r, &honest, false).await;
+                    }
+                }
+            }
+        });
+        prop_assert_eq!(PANICS.load(Ordering::SeqCst), before, "a worker thread panicked");
+    }
+}
+
+/// A node's descriptor with another block size caches a short last page for block 0; an
+/// honest reader of that page's end gets the source's byte (the short page is dropped and
+/// fetched again), not a panic or a short answer.
+#[test]
+fn a_page_cached_short_is_dropped_not_sliced() {
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let src = source();
+    runtime().block_on(async {
+        let r = rig().await;
+        let short = Op {
+            tampers: vec![Tamper::BlockSize(BS - 100)],
+            index: 0,
+            offset: 3 * PS,
+            length: PS - 100,
+            cache: true,
+            cached_only: false,
+            lease: None,
+        };
+        let (got, end) = run(&r, &short, true).await;
+        assert!(end.is_ok(), "{end:?}");
+        assert_eq!(
+            got.iter().map(|(_, b)| b.len()).sum::<usize>(),
+            (PS - 100) as usize
+        );
+        let key = ((INODE, VERSION, 0), 3);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !r.rpc.fetcher.store.contains(&key) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the short page was never cached"
+            );
+            tokio::task::yield_now().await;
+        }
+        for cached_only in [true, false] {
+            let honest = Op {
+                tampers: Vec::new(),
+                index: 0,
+                offset: BS - 1,
+                length: 1,
+                cache: true,
+                cached_only,
+                lease: None,
+            };
+            let (got, end) = run(&r, &honest, false).await;
+            if cached_only {
+                // Dropped, not served short.
+                assert_eq!(end.unwrap_err().code(), tonic::Code::NotFound);
+            } else {
+                assert!(end.is_ok(), "{end:?}");
+                assert_eq!(got.len(), 1);
+                assert_eq!(got[0].1[..], src[(BS - 1) as usize..BS as usize]);
+            }
+        }
+    });
+    assert_eq!(
+        PANICS.load(Ordering::SeqCst),
+        before,
+        "a worker thread panicked"
+    );
+}
