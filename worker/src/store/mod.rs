@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
@@ -186,6 +186,28 @@ pub struct Reservation {
     done: bool,
 }
 
+impl Reservation {
+    /// Bytes reserved.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Adds `other`'s room to this reservation (both of one store; else `other` is given
+    /// back).
+    pub fn absorb(&mut self, mut other: Reservation) -> Result<(), Reservation> {
+        if !Arc::ptr_eq(&self.store, &other.store) {
+            return Err(other);
+        }
+        self.len += other.len;
+        other.done = true;
+        Ok(())
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.done {
@@ -273,7 +295,10 @@ impl PageStore {
         policy: PolicyKind,
         metrics: WorkerMetrics,
     ) -> Result<Arc<Self>, StoreError> {
-        std::fs::create_dir_all(dir.join("blocks")).map_err(|e| io_err(dir, e))?;
+        // Cached bytes are the data of every principal: readable by the worker's user only
+        // (folders 0700, block files 0600; a folder made by an older version is closed too).
+        let blocks = dir.join("blocks");
+        private_dir(&blocks).map_err(|e| io_err(&blocks, e))?;
         let mut opts = rocksdb::Options::default();
         opts.create_if_missing(true);
         let index = DB::open(&opts, dir.join("index"))?;
@@ -778,6 +803,19 @@ impl PageStore {
         Some((key, meta, block_gone))
     }
 
+    /// Reserves `len` bytes of this tier for something that is not a page (the journal of
+    /// an async-through write, kept on this disk until uploaded), evicting pages as for a
+    /// page but without the admission filter. The room is held until the reservation is
+    /// dropped; `None` when it cannot be freed (the rest is pinned, leased or in flight).
+    pub fn reserve_room(self: &Arc<Self>, len: u64) -> Option<Reservation> {
+        self.reserve_with(&((0, 0, 0), 0), len, false)
+    }
+
+    /// The tier's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Reserves `len` bytes for page `key` about to be filled, evicting pages as the
     /// policy chooses. `None` when the policy does not admit the page into a full cache, or
     /// when the space cannot be freed (everything else is in flight): the caller serves the
@@ -1012,12 +1050,19 @@ impl PageStore {
             .unwrap_or_else(|p| p.into_inner());
         let path = self.block_path(&key.0);
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+            if !parent.is_dir() {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(parent)
+                    .map_err(|e| io_err(parent, e))?;
+            }
         }
         let f = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| io_err(&path, e))?;
         f.write_all_at(data, u64::from(key.1) * self.page_size)
@@ -1062,6 +1107,17 @@ impl PageStore {
         self.report(&mut inner);
         Ok(())
     }
+}
+
+/// Creates `dir` (and its parents) if missing and makes it readable by this user only
+/// (0700), also when it already existed.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
 /// Reads the worker's persistent id from `dir/worker-id`, creating it on first start.

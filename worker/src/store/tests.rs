@@ -202,3 +202,55 @@ fn master_pins_and_write_pins_do_not_undo_each_other() {
     }
     assert!(!s.contains(&k(0)) && !s.contains(&k(1)));
 }
+
+/// Permission bits of `p`.
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn block_files_and_their_folders_are_the_workers_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    // A cache folder left by an older version, open to everyone.
+    std::fs::create_dir_all(d.path().join("blocks")).unwrap();
+    std::fs::set_permissions(
+        d.path().join("blocks"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let s = open(d.path(), 8 * 4096);
+    assert!(fill(&s, key(3, 0), 1));
+    let file = s.block_path(&key(3, 0).0);
+    assert_eq!(mode_of(&file), 0o600, "block file {}", file.display());
+    assert_eq!(mode_of(file.parent().unwrap()), 0o700);
+    assert_eq!(mode_of(&d.path().join("blocks")), 0o700);
+    // What the worker wrote reads back (the worker's own user still can).
+    assert_eq!(s.get(&key(3, 0)).unwrap()[..], [1; 4096]);
+}
+
+#[test]
+fn room_reserved_for_other_bytes_evicts_pages_and_is_held_until_dropped() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 4 * 4096);
+    for p in 0..4 {
+        assert!(fill(&s, key(0, p), 1));
+    }
+    // Two pages' worth of journal: two pages go.
+    let mut room = s.reserve_room(4096).unwrap();
+    room.absorb(s.reserve_room(4096).unwrap()).ok().unwrap();
+    assert_eq!(room.len(), 2 * 4096);
+    assert_eq!((s.used(), s.used_and_reserved()), (2 * 4096, 4 * 4096));
+    // Pinned pages are not evicted for it: no room beyond them.
+    s.pin(7);
+    assert!(s.reserve_room(3 * 4096).is_none());
+    drop(room);
+    assert_eq!(s.used_and_reserved(), 2 * 4096);
+    // Another store's room is given back, not merged.
+    let d2 = tempfile::tempdir().unwrap();
+    let other = open(d2.path(), 4096);
+    let mut mine = s.reserve_room(1).unwrap();
+    assert!(mine.absorb(other.reserve_room(4096).unwrap()).is_err());
+    assert_eq!(mine.len(), 1);
+}

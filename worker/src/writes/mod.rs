@@ -62,6 +62,22 @@ pub struct Writes {
     worker_id: u64,
     /// Journals with a task uploading or watching them.
     active: Mutex<HashSet<(u64, u64)>>,
+    /// File versions being received now.
+    receiving: Mutex<HashSet<(u64, u64)>>,
+    /// The cache tier whose capacity journals kept after their write (async-through, until
+    /// uploaded) count against.
+    journal_tier: Option<Arc<crate::store::PageStore>>,
+}
+
+/// Creates (or truncates) a file readable by the worker's user only.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -93,14 +109,25 @@ impl Writes {
         worker_id: u64,
     ) -> std::io::Result<Arc<Self>> {
         let dir = cache_dir.join("writes");
-        std::fs::create_dir_all(&dir)?;
+        // Journals hold what principals wrote: the worker's user only (0700, files 0600).
+        crate::store::private_dir(&dir)?;
+        // Journals live on the disk of the tier in `cache_dir` (else of the last tier) and
+        // count against its capacity.
+        let tiers = &fetcher.store.tiers;
+        let journal_tier = tiers
+            .iter()
+            .find(|t| t.dir() == cache_dir)
+            .or(tiers.last())
+            .cloned();
         Ok(Arc::new(Self {
             dir,
+            journal_tier,
             fetcher,
             master,
             metrics,
             worker_id,
             active: Mutex::new(HashSet::new()),
+            receiving: Mutex::new(HashSet::new()),
         }))
     }
 
@@ -116,7 +143,7 @@ impl Writes {
         let (_, meta) = self.paths(j.inode, j.version);
         let tmp = meta.with_extension("json.tmp");
         let body = serde_json::to_vec(j).map_err(std::io::Error::other)?;
-        let f = std::fs::File::create(&tmp)?;
+        let f = private_file(&tmp)?;
         std::io::Write::write_all(&mut &f, &body)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &meta)?;
@@ -127,6 +154,31 @@ impl Writes {
         let (data, meta) = self.paths(inode, version);
         let _ = std::fs::remove_file(meta);
         let _ = std::fs::remove_file(data);
+    }
+
+    /// Takes the write of one file version: once per version per worker. A version's
+    /// pages, once cached here, are what its readers get; a second stream (a writer's grant
+    /// used again after the file was completed) could cache other bytes under that name.
+    fn claim(&self, inode: u64, version: u64) -> Result<(), Status> {
+        let key = (inode, version);
+        let mut receiving = lock(&self.receiving);
+        let (_, meta) = self.paths(inode, version);
+        if receiving.contains(&key)
+            || lock(&self.active).contains(&key)
+            || meta.exists()
+            || self.fetcher.store.contains(&((inode, version, 0), 0))
+        {
+            return Err(Status::already_exists(format!(
+                "this worker already took version {version:x} of file {inode}"
+            )));
+        }
+        receiving.insert(key);
+        Ok(())
+    }
+
+    /// Room for `len` more bytes of journal in the journal tier (`None`: it cannot be had).
+    fn journal_room(&self, len: u64) -> Option<crate::store::Reservation> {
+        self.journal_tier.as_ref()?.reserve_room(len)
     }
 
     /// Resumes what a previous run left: closed journals are uploaded (or watched), others
@@ -152,7 +204,17 @@ impl Writes {
                         bytes = j.length,
                         "resuming the upload of a file written async-through"
                     );
-                    self.spawn_background(j);
+                    // Counted against the cache again (a smaller cache than when it was
+                    // written may not hold it: it is kept and uploaded all the same).
+                    let room = self.journal_room(j.length);
+                    if room.is_none() && j.length > 0 {
+                        tracing::warn!(
+                            inode = j.inode,
+                            bytes = j.length,
+                            "the cache cannot count this journal; it is kept until uploaded"
+                        );
+                    }
+                    self.spawn_background(j, room);
                     resumed += 1;
                 }
                 Some(j) => {
@@ -172,14 +234,22 @@ impl Writes {
     }
 
     /// Serves one WriteFile stream; answers go to `tx`.
-    pub async fn receive(
+    pub async fn receive<S>(
         self: Arc<Self>,
         header: pb::WriteFileHeader,
-        mut inbound: tonic::Streaming<pb::WriteFileRequest>,
+        mut inbound: S,
         tx: mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
-    ) {
+    ) where
+        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
+    {
         let (inode, version, mode) = (header.inode, header.version, header.mode);
+        if let Err(e) = self.claim(inode, version) {
+            self.metrics.write_failures.inc();
+            let _ = tx.send(Err(e)).await;
+            return;
+        }
         let out = self.clone().receive_inner(header, &mut inbound, &tx).await;
+        lock(&self.receiving).remove(&(inode, version));
         if let Err(e) = out {
             tracing::warn!(inode, error = %e.message(), "write failed");
             self.metrics.write_failures.inc();
@@ -194,12 +264,15 @@ impl Writes {
         }
     }
 
-    async fn receive_inner(
+    async fn receive_inner<S>(
         self: Arc<Self>,
         h: pb::WriteFileHeader,
-        inbound: &mut tonic::Streaming<pb::WriteFileRequest>,
+        inbound: &mut S,
         tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
-    ) -> Result<(), Status> {
+    ) -> Result<(), Status>
+    where
+        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
+    {
         let mode = pb::WriteMode::try_from(h.mode)
             .map_err(|_| Status::invalid_argument(format!("unknown write mode {}", h.mode)))?;
         if h.inode == 0 || h.version == 0 {
@@ -213,17 +286,21 @@ impl Writes {
                 "a file outside any mount can only be written must-cache",
             ));
         }
-        let block_size = if h.block_size == 0 {
-            granary_common::DEFAULT_BLOCK_SIZE
-        } else {
-            h.block_size
-        };
+        let block_size = granary_common::grant::effective_block_size(h.block_size);
         if block_size < self.fetcher.store.page_size {
             return Err(Status::invalid_argument(format!(
                 "block size {block_size} is below the worker's page size {}",
                 self.fetcher.store.page_size
             )));
         }
+        if block_size > granary_common::MAX_BLOCK_SIZE {
+            return Err(Status::invalid_argument(format!(
+                "block size {block_size} is above the largest a file may have ({} bytes)",
+                granary_common::MAX_BLOCK_SIZE
+            )));
+        }
+        // Block indexes are 32-bit: a file ends before block 2^32 (and at the largest length).
+        let max_length = granary_common::MAX_FILE_LENGTH.min(block_size << 32);
         let mut journal = Journal {
             inode: h.inode,
             version: h.version,
@@ -241,10 +318,16 @@ impl Writes {
                 .map_err(|e| io_status("saving the write journal", e))
         };
         save(&journal)?;
-        let file = std::fs::File::create(&data_path)
-            .map_err(|e| io_status("creating the write journal", e))?;
+        let file =
+            private_file(&data_path).map_err(|e| io_status("creating the write journal", e))?;
         let caching = mode != pb::WriteMode::Through;
         let pinned = mode == pb::WriteMode::AsyncThrough;
+        // An async-through journal outlives the write (until uploaded): its bytes are held
+        // against the cache's capacity as they arrive. When the cache cannot hold them, the
+        // persisting worker uploads the file before answering (its journal then goes at
+        // once) and a replica refuses the write.
+        let mut room: Option<crate::store::Reservation> = None;
+        let mut uncounted = false;
         if pinned {
             self.fetcher.store.pin(h.inode);
         }
@@ -283,6 +366,32 @@ impl Writes {
                 return Err(Status::aborted("the client gave the write up"));
             }
             let (n, sync) = (msg.data.len() as u64, msg.sync);
+            if offset.saturating_add(n) > max_length {
+                return Err(Status::invalid_argument(format!(
+                    "the file would be longer than {max_length} bytes (the most a file of \
+                     {block_size}-byte blocks may have)"
+                )));
+            }
+            if pinned && n > 0 && !uncounted {
+                match self.journal_room(n) {
+                    Some(r) => match room.as_mut() {
+                        Some(held) => {
+                            // One tier: always the same store.
+                            let _ = held.absorb(r);
+                        }
+                        None => room = Some(r),
+                    },
+                    None => {
+                        uncounted = true;
+                        room = None;
+                    }
+                }
+                if uncounted && !journal.persist {
+                    return Err(Status::resource_exhausted(
+                        "the worker's cache cannot hold this replica of an async-through write",
+                    ));
+                }
+            }
             if n > 0 || sync {
                 blocking(&mut sink, move |s| {
                     s.take(&msg.data)?;
@@ -331,11 +440,11 @@ impl Writes {
                 }
                 let _ = tx.send(Ok(answer(None, false))).await;
             }
-            pb::WriteMode::AsyncThrough if !(cache_full && journal.persist) => {
+            pb::WriteMode::AsyncThrough if !((cache_full || uncounted) && journal.persist) => {
                 journal.closed = true;
                 save(&journal)?;
                 self.metrics.pending_uploads.inc();
-                self.spawn_background(journal);
+                self.spawn_background(journal, room.take());
                 let _ = tx.send(Ok(answer(None, false))).await;
             }
             _ => {
@@ -411,7 +520,9 @@ impl Writes {
         Ok(granary_common::ufs::fingerprint_of(&meta))
     }
 
-    fn spawn_background(self: &Arc<Self>, j: Journal) {
+    /// Uploads (or watches, for a replica) a closed journal in the background; `room` (its
+    /// bytes held in the cache) is released once the journal is gone.
+    fn spawn_background(self: &Arc<Self>, j: Journal, room: Option<crate::store::Reservation>) {
         if !lock(&self.active).insert((j.inode, j.version)) {
             return;
         }
@@ -423,6 +534,7 @@ impl Writes {
             } else {
                 me.watch(j).await;
             }
+            drop(room);
             lock(&me.active).remove(&key);
             me.metrics.pending_uploads.dec();
         });
@@ -706,7 +818,160 @@ impl PageCutter {
 
 #[cfg(test)]
 mod tests {
-    use super::PageCutter;
+    use super::*;
+    use crate::store::{PageStore, TieredStore};
+
+    const PS: u64 = 4096;
+
+    /// Writes over a cache of `pages` pages in a temp dir, with an in-memory store as
+    /// mount 1.
+    fn writes(dir: &Path, pages: u64) -> Arc<Writes> {
+        let metrics = WorkerMetrics::default();
+        let store = PageStore::open(
+            dir,
+            pages * PS,
+            PS,
+            crate::evict::PolicyKind::Lru,
+            metrics.clone(),
+        )
+        .unwrap();
+        let master = MasterClient::new("127.0.0.1:1").unwrap();
+        let fetcher = Arc::new(Fetcher::new(
+            master.clone(),
+            TieredStore::single(store),
+            metrics.clone(),
+        ));
+        fetcher.stores.insert(
+            1,
+            granary_common::ufs::Ufs {
+                store: Arc::new(object_store::memory::InMemory::new()),
+                prefix: object_store::path::Path::default(),
+                part_size: PS,
+                part_concurrency: 1,
+            },
+        );
+        Writes::open(dir, fetcher, master, metrics, 1).unwrap()
+    }
+
+    /// Writes `len` bytes as file `inode` (version 1) in `mode`; the last answer.
+    async fn write(
+        w: &Arc<Writes>,
+        inode: u64,
+        len: usize,
+        mode: pb::WriteMode,
+        persist: bool,
+    ) -> Result<pb::WriteFileResponse, Status> {
+        let header = pb::WriteFileHeader {
+            inode,
+            version: 1,
+            block_size: 4 * PS,
+            ufs: Some(pb::UfsLocation {
+                mount_id: 1,
+                path: format!("f{inode}"),
+            }),
+            mode: mode as i32,
+            persist,
+            grant: None,
+        };
+        let data = pb::WriteFileRequest {
+            data: vec![7u8; len].into(),
+            ..Default::default()
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        w.clone()
+            .receive(header, futures::stream::iter(vec![Ok(data)]), tx)
+            .await;
+        let mut last = Err(Status::internal("no answer"));
+        while let Some(a) = rx.recv().await {
+            last = a;
+        }
+        last
+    }
+
+    fn mode_of(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn async_through_journals_count_against_the_cache_and_are_private() {
+        let d = tempfile::tempdir().unwrap();
+        let w = writes(d.path(), 32);
+        let store = w.fetcher.store.clone();
+        // A replica of 8 pages: its pages (pinned) and its journal, 16 pages in all.
+        let len = 8 * PS as usize;
+        let a = write(&w, 10, len, pb::WriteMode::AsyncThrough, false).await;
+        assert!(a.as_ref().is_ok_and(|a| a.done), "{a:?}");
+        assert_eq!(store.used(), 8 * PS);
+        assert_eq!(store.used_and_reserved(), 16 * PS);
+        let (data, meta) = w.paths(10, 1);
+        assert_eq!(std::fs::metadata(&data).unwrap().len(), len as u64);
+        assert_eq!((mode_of(&data), mode_of(&meta)), (0o600, 0o600));
+        assert_eq!(mode_of(&d.path().join("writes")), 0o700);
+        // A second replica that does not fit beside them (20 pages + 20 of journal): refused,
+        // and nothing of it stays counted.
+        let e = write(&w, 11, 20 * PS as usize, pb::WriteMode::AsyncThrough, false)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert_eq!(store.used_and_reserved(), 16 * PS);
+        assert!(!w.paths(11, 1).0.exists());
+        // The persisting copy of a file too big to hold is uploaded before the answer, and
+        // leaves no journal counted either.
+        let a = write(&w, 12, 20 * PS as usize, pb::WriteMode::AsyncThrough, true)
+            .await
+            .unwrap();
+        assert!(a.persisted && a.fingerprint.is_some(), "{a:?}");
+        assert!(!w.paths(12, 1).0.exists());
+        let journals = |s: &TieredStore| s.used_and_reserved() - s.used();
+        assert_eq!(journals(&store), 8 * PS, "only the first replica's journal");
+        // A cache-through write's journal goes with its upload: only its pages stay.
+        let a = write(&w, 13, 2 * PS as usize, pb::WriteMode::CacheThrough, true)
+            .await
+            .unwrap();
+        assert!(a.persisted);
+        assert_eq!(journals(&store), 8 * PS);
+        assert!(store.get(&((13, 1, 0), 1)).is_some());
+        // One write per version per worker: the first file cannot be written again.
+        let e = write(&w, 10, PS as usize, pb::WriteMode::MustCache, false)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
+        assert_eq!(store.get(&((10, 1, 0), 0)).unwrap()[..], [7u8; PS as usize]);
+        assert!(
+            data.exists() && meta.exists(),
+            "the refusal removed the first journal"
+        );
+        assert_eq!(journals(&store), 8 * PS);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_of_a_hostile_block_size_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let w = writes(d.path(), 8);
+        for bs in [granary_common::MAX_BLOCK_SIZE + 1, u64::MAX, PS - 1] {
+            let header = pb::WriteFileHeader {
+                inode: 20,
+                version: 1,
+                block_size: bs,
+                ufs: None,
+                mode: pb::WriteMode::MustCache as i32,
+                persist: true,
+                grant: None,
+            };
+            let (tx, mut rx) = mpsc::channel(8);
+            let data = pb::WriteFileRequest {
+                data: vec![1u8; 10].into(),
+                ..Default::default()
+            };
+            w.clone()
+                .receive(header, futures::stream::iter(vec![Ok(data)]), tx)
+                .await;
+            let e = rx.recv().await.unwrap().unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bs}: {e:?}");
+        }
+        assert_eq!(w.fetcher.store.used_and_reserved(), 0);
+    }
 
     #[test]
     fn pages_end_at_page_and_block_boundaries() {
