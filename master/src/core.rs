@@ -118,7 +118,8 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
-        let spec = self.ns.ufs.seal_spec(self.ns.ufs.validate_new(uri, options).await?)?;
+        let spec = self.ns.ufs.validate_new(uri, options).await?;
+        let spec = self.ns.ufs.seal_spec(spec)?;
         match self
             .propose_request(
                 Command::AddMount {
