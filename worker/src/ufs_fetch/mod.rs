@@ -556,6 +556,13 @@ impl Fetcher {
                 Err(_) => None,
             };
             return match outcome {
+                Some(Ok(b)) if b.len() as u64 != self.page_len(block, page) => {
+                    // A fetch for other geometry (a node's descriptor) had this page in
+                    // flight: once it has settled, the page is dropped (its length is not
+                    // this block's) and fetched again.
+                    self.cached_after_fetch(&key).await;
+                    continue;
+                }
                 Some(Ok(b)) => {
                     self.metrics.miss_latency.record(started.elapsed());
                     Ok((b, Source::UnderStore))

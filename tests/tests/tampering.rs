@@ -1,0 +1,350 @@
+//! Cache poisoning through the block descriptor, on real processes: a `user` holding an
+//! honest read grant sends `ReadBlock` with a tampered block size, file length, version,
+//! fingerprint or index (or alters the grant to match): every one is refused
+//! (PERMISSION_DENIED or INVALID_ARGUMENT) and nothing is cached; the honest read of the
+//! block then returns the source's bytes, and so does a second, cached read. A node's
+//! descriptor with a short length (trusted geometry, cached short) does not make a later
+//! honest read fail or panic the worker. Block files are the worker user's alone.
+
+use std::path::Path;
+use std::time::Duration;
+
+use granary_common::tls;
+use granary_proto as pb;
+use granary_proto::master_service_client::MasterServiceClient;
+use granary_proto::worker_service_client::WorkerServiceClient;
+use granary_tests::*;
+use sha2::{Digest, Sha256};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::Code;
+
+const MIB: u64 = 1 << 20;
+/// The master's block size here: a 2.5 MiB file has three blocks.
+const BLOCK: u64 = MIB;
+const LEN: u64 = 5 * MIB / 2;
+
+/// A client identity for a direct gRPC call: trusted CA, certificate and key (PEM).
+struct Creds {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+fn creds_in(dir: &Path) -> Creds {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    Creds {
+        ca: read("ca.crt"),
+        cert: read("tls.crt"),
+        key: read("tls.key"),
+    }
+}
+
+fn channel(addr: &str, c: &Creds) -> Channel {
+    Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&c.ca))
+                .identity(Identity::from_pem(&c.cert, &c.key))
+                .domain_name(tls::NODE_SERVER_NAME),
+        )
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(30))
+        .connect_lazy()
+}
+
+/// A master whose files loaded from under-stores have blocks of [`BLOCK`] bytes.
+fn master(root: &Path) -> Master {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let data_dir = root.join("master-data");
+    let d = data_dir.to_string_lossy().to_string();
+    let mut proc = Proc::spawn(
+        "master",
+        root,
+        &[
+            "master",
+            "--data-dir",
+            &d,
+            "--listen",
+            &listen,
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--worker-timeout",
+            "3s",
+            "--block-size",
+            "1MiB",
+        ],
+    )
+    .unwrap();
+    let addr = proc
+        .wait_for_line("granary master listening on", Duration::from_secs(60))
+        .unwrap();
+    let metrics = proc
+        .wait_for_line("metrics on http://", Duration::from_secs(10))
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_string();
+    Master {
+        proc,
+        addr,
+        metrics,
+        data_dir,
+        port,
+    }
+}
+
+/// Reads `[offset, offset+length)` of the block `desc` names as `creds`, showing `grant`:
+/// the bytes, in order, and whether they all came from the worker's cache.
+async fn read(
+    worker: &str,
+    creds: &Creds,
+    desc: &pb::BlockDescriptor,
+    offset: u64,
+    length: u64,
+    grant: Option<pb::ReadGrant>,
+) -> Result<(Vec<u8>, bool), tonic::Status> {
+    let mut wc = WorkerServiceClient::new(channel(worker, creds));
+    let req = pb::ReadBlockRequest {
+        block: Some(desc.clone()),
+        offset,
+        length,
+        cache: true,
+        cached_only: false,
+        grant,
+    };
+    let mut stream = wc.read_block(req).await?.into_inner();
+    let (mut out, mut hits) = (Vec::new(), true);
+    while let Some(m) = stream.message().await? {
+        assert_eq!(m.offset, offset + out.len() as u64, "chunks out of order");
+        out.extend_from_slice(&m.data);
+        hits &= m.hit;
+    }
+    Ok((out, hits))
+}
+
+async fn cached_pages(worker: &str, creds: &Creds) -> u64 {
+    WorkerServiceClient::new(channel(worker, creds))
+        .get_cache_info(pb::GetCacheInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .cached_pages
+}
+
+/// Permission bits of every entry under `dir` that is not as wanted (files 0600, folders
+/// 0700).
+fn open_modes(dir: &Path) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut bad = Vec::new();
+    if std::fs::metadata(dir).unwrap().permissions().mode() & 0o777 != 0o700 {
+        bad.push(dir.display().to_string());
+    }
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let meta = e.metadata().unwrap();
+            let mode = meta.permissions().mode() & 0o777;
+            let want = if meta.is_dir() { 0o700 } else { 0o600 };
+            if mode != want {
+                bad.push(format!("{} {mode:o}", e.path().display()));
+            }
+            if meta.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
+    if std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1") {
+        eprintln!("skipped: grants exist only on TLS clusters");
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-tamper-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("a.bin"), LEN).unwrap();
+    let bytes = std::fs::read(src.join("a.bin")).unwrap();
+    let block_sum = |i: u64| {
+        let end = ((i + 1) * BLOCK).min(LEN) as usize;
+        Sha256::digest(&bytes[(i * BLOCK) as usize..end])
+    };
+    let m = master(root);
+    let w = Worker::start(root, "w1", &m.addr, "64MiB").unwrap();
+    wait_live_workers(&m.addr, 1).unwrap();
+    mount_local("/d", &src, &m.addr).unwrap();
+    let tls = TestTls::get();
+    let mallory = creds_in(&tls.issue("mallory", &["--role", "user"]).unwrap());
+    let node = creds_in(&tls.identity("node"));
+
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let status = MasterServiceClient::new(channel(&m.addr, &mallory))
+                .get_status(pb::GetStatusRequest {
+                    target: Some(pb::PathOrId {
+                        target: Some(pb::path_or_id::Target::Path("/d/a.bin".into())),
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+                .unwrap();
+            assert_eq!((status.length, status.block_size), (LEN, BLOCK));
+            let grant = status.grant.clone().expect("a grant with the status");
+            // The grant binds what decides the blocks' bytes.
+            assert_eq!(
+                (
+                    grant.version,
+                    grant.block_size,
+                    grant.file_length,
+                    grant.fingerprint.clone()
+                ),
+                (status.version, BLOCK, LEN, status.fingerprint.clone())
+            );
+            let honest = |index: u32| pb::BlockDescriptor {
+                id: Some(pb::BlockId {
+                    inode: status.inode,
+                    version: status.version,
+                    index,
+                }),
+                ufs: status.ufs.clone(),
+                fingerprint: status.fingerprint.clone(),
+                file_length: LEN,
+                block_size: BLOCK,
+            };
+
+            // Block 1 as the attacker would have it: from byte B' (another block size),
+            // short, of another version or fingerprint, past the end; each refused.
+            type Tamper = fn(&mut pb::BlockDescriptor);
+            let cases: [(&str, Tamper, Code, &str); 8] = [
+                (
+                    "block size",
+                    |d| d.block_size = BLOCK / 2,
+                    Code::PermissionDenied,
+                    "block size",
+                ),
+                (
+                    "short length",
+                    |d| d.file_length = BLOCK + 4096,
+                    Code::PermissionDenied,
+                    "length",
+                ),
+                (
+                    "long length",
+                    |d| d.file_length = 3 * BLOCK,
+                    Code::PermissionDenied,
+                    "length",
+                ),
+                (
+                    "version",
+                    |d| d.id.as_mut().unwrap().version ^= 1,
+                    Code::PermissionDenied,
+                    "version",
+                ),
+                (
+                    "no fingerprint",
+                    |d| d.fingerprint = None,
+                    Code::PermissionDenied,
+                    "fingerprint",
+                ),
+                (
+                    "block size 0",
+                    |d| d.block_size = 0,
+                    Code::InvalidArgument,
+                    "block size 0",
+                ),
+                (
+                    "index past the end",
+                    |d| d.id.as_mut().unwrap().index = 3,
+                    Code::InvalidArgument,
+                    "past the end",
+                ),
+                (
+                    "overflowing length",
+                    |d| d.file_length = u64::MAX,
+                    Code::InvalidArgument,
+                    "length",
+                ),
+            ];
+            for (what, tamper, code, why) in cases {
+                let mut d = honest(1);
+                tamper(&mut d);
+                let e = read(&w.addr, &mallory, &d, 0, 4096, Some(grant.clone()))
+                    .await
+                    .expect_err(what);
+                assert_eq!(e.code(), code, "{what}: {e:?}");
+                assert!(e.message().contains(why), "{what}: {e:?}");
+            }
+            // A grant altered to match the tampered descriptor no longer verifies.
+            let mut d = honest(1);
+            d.block_size = BLOCK / 2;
+            let mut forged = grant.clone();
+            forged.block_size = BLOCK / 2;
+            let e = read(&w.addr, &mallory, &d, 0, 4096, Some(forged))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+            assert!(e.message().contains("forged or altered"), "{e:?}");
+            // Nothing was fetched for any of them.
+            assert_eq!(cached_pages(&w.addr, &mallory).await, 0);
+
+            // The honest read of block 1: the source's bytes, then again from the cache
+            // (once its page is in: pages reach the cache after their readers).
+            for cached in [false, true] {
+                if cached {
+                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                    while cached_pages(&w.addr, &mallory).await < 1 {
+                        assert!(std::time::Instant::now() < deadline, "block 1 never cached");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                let (got, hits) =
+                    read(&w.addr, &mallory, &honest(1), 0, BLOCK, Some(grant.clone()))
+                        .await
+                        .unwrap();
+                assert_eq!(Sha256::digest(&got), block_sum(1), "cached: {cached}");
+                assert_eq!(hits, cached);
+            }
+
+            // A node (trusted with geometry) caches block 2 short; an honest reader of its
+            // end still gets the source's bytes (the short pages are dropped and fetched
+            // again), and the worker lives on.
+            let mut short = honest(2);
+            short.file_length = 2 * BLOCK + 1000;
+            let (got, _) = read(&w.addr, &node, &short, 0, 1000, None).await.unwrap();
+            assert_eq!(got.len(), 1000);
+            let last = LEN - 2 * BLOCK;
+            let (got, _) = read(
+                &w.addr,
+                &mallory,
+                &honest(2),
+                last - 10,
+                10,
+                Some(grant.clone()),
+            )
+            .await
+            .unwrap();
+            assert_eq!(got, bytes[(LEN - 10) as usize..]);
+            let (got, _) = read(&w.addr, &mallory, &honest(2), 0, last, Some(grant.clone()))
+                .await
+                .unwrap();
+            assert_eq!(Sha256::digest(&got), block_sum(2));
+        });
+    // Block files and their folders: the worker's user only.
+    let bad = open_modes(&w.cache_dir.join("blocks"));
+    assert!(bad.is_empty(), "readable by others: {bad:?}");
+    // The source was never written.
+    assert_eq!(std::fs::read(src.join("a.bin")).unwrap(), bytes);
+}
