@@ -383,3 +383,76 @@ fn sha256_file(p: &Path) -> String {
     use sha2::{Digest, Sha256};
     hex::encode(Sha256::digest(std::fs::read(p).unwrap()))
 }
+
+#[test]
+fn recursive_syncs_are_limited_per_principal() {
+    if !tls_suite() {
+        return;
+    }
+    let tmp = workdir("granary-ids-sync-");
+    let root = tmp.path();
+    let src = root.join("src");
+    for i in 0..40 {
+        for j in 0..40 {
+            let d = src.join(format!("d{i}/e{j}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("f"), b"x").unwrap();
+        }
+    }
+    let master = Master::start(root).unwrap();
+    mount_local("/d", &src, &master.addr).unwrap();
+    // Every folder loaded: a recursive sync lists each of them from the folder again.
+    let all = granary_ok(&["fs", "ls", "-R", "/d", "--master", &master.addr]).unwrap();
+    assert_eq!(all.lines().count(), 40 + 1600 + 1600, "{}", &all[..200]);
+    let t = TestTls::get();
+    let alice = t
+        .issue("alice", &["--role", "user", "--days", "1"])
+        .unwrap();
+    let ops = t.identity("admin");
+    let sync = |who: &Path| {
+        let (addr, who) = (master.addr.clone(), who.to_path_buf());
+        async move {
+            let ch = channel(&addr, &who, tls::MASTER_SERVER_NAME);
+            let mut c = MasterServiceClient::new(ch);
+            c.sync_metadata(pb::SyncMetadataRequest {
+                path: "/d".into(),
+                recursive: true,
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+    // Six at once from alice (and one from the admin meanwhile): beyond two of alice's,
+    // RESOURCE_EXHAUSTED; the others complete. Repeated until a round overlaps (each
+    // sync lists 1,641 folders, so nearly every round does).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (mine, theirs) = rt().block_on(async {
+            let mine = futures::future::join_all((0..6).map(|_| sync(&alice)));
+            futures::join!(mine, sync(&ops))
+        });
+        let ops_sync = theirs.expect("another principal's sync is not held up");
+        assert_eq!(ops_sync.dirs_listed, 1641, "{ops_sync:?}");
+        let refused: Vec<&tonic::Status> = mine.iter().filter_map(|r| r.as_ref().err()).collect();
+        for e in &refused {
+            assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+            assert_eq!(
+                e.message(),
+                "alice already runs 2 recursive metadata syncs at once (the most one principal may); retry when one ends"
+            );
+        }
+        for r in mine.iter().flatten() {
+            assert_eq!(r.dirs_listed, 1641, "{r:?}");
+        }
+        assert!(refused.len() <= 4, "at most 4 of 6 refused: {refused:?}");
+        if !refused.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no round ran more than two of alice's syncs at once"
+        );
+    }
+    // Slots are given back: alone, a sync of alice's runs.
+    assert_eq!(rt().block_on(sync(&alice)).unwrap().dirs_listed, 1641);
+}
