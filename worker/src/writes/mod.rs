@@ -89,15 +89,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 fn io_status(what: &str, e: std::io::Error) -> Status {
     if e.raw_os_error() == Some(28) {
-        let mut s = Status::resource_exhausted(format!("{what}: the worker's disk is full"));
-        // ENOSPC through the mount.
-        s.metadata_mut().insert(
-            pb::ERRNO_KEY,
-            tonic::metadata::MetadataValue::from_static("28"),
-        );
-        return s;
+        return no_space(format!("{what}: the worker's disk is full"));
     }
     Status::internal(format!("{what}: {e}"))
+}
+
+/// RESOURCE_EXHAUSTED that a mount reports as ENOSPC.
+fn no_space(message: String) -> Status {
+    let mut s = Status::resource_exhausted(message);
+    s.metadata_mut().insert(
+        pb::ERRNO_KEY,
+        tonic::metadata::MetadataValue::from_static("28"),
+    );
+    s
 }
 
 impl Writes {
@@ -387,8 +391,10 @@ impl Writes {
                     }
                 }
                 if uncounted && !journal.persist {
-                    return Err(Status::resource_exhausted(
-                        "the worker's cache cannot hold this replica of an async-through write",
+                    return Err(no_space(
+                        "the worker's cache cannot hold this replica of an async-through write \
+                         (its pages and its journal count against --cache-size until uploaded)"
+                            .to_string(),
                     ));
                 }
             }
@@ -914,6 +920,11 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert_eq!(
+            e.metadata().get(pb::ERRNO_KEY).map(|v| v.as_bytes()),
+            Some(&b"28"[..]),
+            "ENOSPC through a mount"
+        );
         assert_eq!(store.used_and_reserved(), 16 * PS);
         assert!(!w.paths(11, 1).0.exists());
         // The persisting copy of a file too big to hold is uploaded before the answer, and
