@@ -85,6 +85,10 @@ fn with_tls_hint(msg: String) -> String {
         return msg;
     }
     let hint = match granary_common::tls::material() {
+        // Masters are verified by the name only master certificates carry.
+        Some(_) if m.contains(granary_common::tls::MASTER_SERVER_NAME) => {
+            "the server is not a master of this cluster: its certificate is not a master's (is this a worker's address?)"
+        }
         Some(_) => "TLS mismatch: the server may run --insecure, hold a certificate of another CA, or have refused this one",
         None => "the server may require TLS: pass --tls-dir with a certificate of the cluster CA",
     };
