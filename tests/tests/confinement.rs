@@ -6,7 +6,8 @@
 //! - a symbolic link in a `file://` folder that leaves it is not listed, not read (ENOENT or
 //!   EACCES through FUSE; its target's bytes are never served or cached), not followed by a
 //!   recursive delete; `symlinks=inside` follows links that stay inside;
-//! - masters accept `file://` mounts only below `--allow-local-root` folders.
+//! - masters accept `file://` mounts only below `--allow-local-root` folders, and store
+//!   addresses only from `--allow-endpoint` when it is given.
 
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
@@ -441,6 +442,8 @@ fn masters_mount_local_folders_only_below_allowed_roots() {
             &listen,
             "--allow-local-root",
             &a,
+            "--allow-endpoint",
+            "s3.internal.example:9000",
         ],
     )
     .unwrap();
@@ -468,6 +471,27 @@ fn masters_mount_local_folders_only_below_allowed_roots() {
             err.contains("--allow-local-root") && err.contains(says),
             "{at}: {err}"
         );
+    }
+    // Store addresses outside --allow-endpoint are refused before anything is contacted.
+    for endpoint in [
+        "endpoint=http://169.254.169.254",
+        "endpoint=http://s3.internal.example:9001",
+    ] {
+        let out = granary(&[
+            "mount",
+            "add",
+            "/s3",
+            "s3://bucket",
+            "--option",
+            endpoint,
+            "--option",
+            "region=us-east-1",
+            "--master",
+            &listen,
+        ]);
+        assert_one_sentence_error(&out, &format!("mount add with {endpoint}"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--allow-endpoint"), "{endpoint}: {err}");
     }
     let list = granary_ok(&["mount", "list", "--json", "--master", &listen]).unwrap();
     let list: serde_json::Value = serde_json::from_str(&list).unwrap();
