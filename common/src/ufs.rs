@@ -245,7 +245,7 @@ impl Kind {
             Self::Local => "local mounts take only Granary's options",
             Self::S3 => "see object_store's AmazonS3ConfigKey, e.g. endpoint, region, access_key_id, secret_access_key, allow_http, skip_signature",
             Self::Gcs => "see object_store's GoogleConfigKey, e.g. service_account, service_account_key, bucket",
-            Self::Azure => "see object_store's AzureConfigKey, e.g. account, access_key, use_emulator, sas_key",
+            Self::Azure => "see object_store's AzureConfigKey, e.g. account_name, access_key, use_emulator, sas_key",
         }
     }
 }

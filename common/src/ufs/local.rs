@@ -317,6 +317,17 @@ impl ConfinedLocal {
     }
 }
 
+/// Is the file `got` holds open the one whose metadata the walk returned (same device and
+/// inode)?
+fn opened_what_was_checked(md: &Metadata, got: &GetResult) -> bool {
+    match &got.payload {
+        GetResultPayload::File(file, _) => file
+            .metadata()
+            .is_ok_and(|f| f.dev() == md.dev() && f.ino() == md.ino()),
+        GetResultPayload::Stream(_) => false,
+    }
+}
+
 fn empty_listing() -> ListResult {
     ListResult {
         common_prefixes: Vec::new(),
@@ -378,13 +389,7 @@ impl ObjectStore for ConfinedLocal {
             };
             let got = self.inner.get_opts(location, options).await?;
             // The file opened must be the one the walk ended on (not a link swapped in).
-            let same = match &got.payload {
-                GetResultPayload::File(file, _) => file
-                    .metadata()
-                    .is_ok_and(|f| f.dev() == md.dev() && f.ino() == md.ino()),
-                GetResultPayload::Stream(_) => false,
-            };
-            if !same {
+            if !opened_what_was_checked(&md, &got) {
                 return Err(object_store::Error::NotFound {
                     path: location.to_string(),
                     source:
@@ -689,19 +694,30 @@ mod tests {
         let s = ConfinedLocal::new(&t.root, Symlinks::None).unwrap();
         std::fs::create_dir(t.root.join("d")).unwrap();
         std::fs::write(t.root.join("d/secret"), b"harmless").unwrap();
-        let md = s
-            .root
-            .check(&t.root.join("d/secret"), Last::Object)
-            .unwrap()
-            .unwrap();
-        // The swap happens between the walk and the open: simulate by opening the path
-        // after replacing the folder, and comparing as get_opts does.
+        let loc = StorePath::from("d/secret");
+        // The walk sees d/secret; then d is swapped for a link out of the folder before
+        // the file is opened (what an attacker racing the worker would do).
+        let md = s.check(&loc, Last::Object).await.unwrap().unwrap();
         std::fs::rename(t.root.join("d"), t.root.join("d-old")).unwrap();
         symlink(&t.outside, t.root.join("d")).unwrap();
-        let f = std::fs::File::open(t.root.join("d/secret")).unwrap();
-        let fm = f.metadata().unwrap();
-        assert!(fm.ino() != md.ino() || fm.dev() != md.dev());
-        // And the store itself refuses the path now.
+        std::fs::write(t.outside.join("secret"), b"TOP-SECRET-BYTES").unwrap();
+        let opened = s.inner.get_opts(&loc, GetOptions::default()).await.unwrap();
+        assert!(
+            !opened_what_was_checked(&md, &opened),
+            "the swapped-in file passes the check"
+        );
+        // Without a swap the check passes, and the store itself refuses the path now.
+        let md = s
+            .check(&StorePath::from("a.txt"), Last::Object)
+            .await
+            .unwrap()
+            .unwrap();
+        let opened = s
+            .inner
+            .get_opts(&StorePath::from("a.txt"), GetOptions::default())
+            .await
+            .unwrap();
+        assert!(opened_what_was_checked(&md, &opened));
         assert!(read(&s, "d/secret").await.is_err());
     }
 }
