@@ -30,6 +30,14 @@ pub enum MasterError {
     NotLeader { leader_hint: Option<String> },
     #[error("{message}")]
     Unavailable { message: String },
+    #[error("cannot remove or move {path}: the mount point {mount} is at or below it (remove the mount first: `granary mount remove {mount}`)")]
+    Busy { path: String, mount: String },
+    /// The replicated state breaks one of its rules (a record naming a missing one). The
+    /// same on every member, so it is the command's result, never a reason to stop.
+    #[error(
+        "the namespace is inconsistent: {message} (see docs/operations.md, \"Inconsistent state\")"
+    )]
+    Inconsistent { message: String },
     #[error("master storage is corrupt or inconsistent: {message}")]
     Corrupt { message: String },
     #[error("storage error: {message}")]
@@ -41,6 +49,11 @@ pub enum MasterError {
 impl MasterError {
     pub fn corrupt(message: impl Into<String>) -> Self {
         Self::Corrupt {
+            message: message.into(),
+        }
+    }
+    pub fn inconsistent(message: impl Into<String>) -> Self {
+        Self::Inconsistent {
             message: message.into(),
         }
     }
@@ -92,6 +105,7 @@ impl From<granary_common::ufs::UfsError> for MasterError {
 
 /// Linux errno values sent in the `ERRNO_KEY` metadata.
 mod libc_errno {
+    pub const EBUSY: i32 = 16;
     pub const ENOTDIR: i32 = 20;
     pub const EISDIR: i32 = 21;
     pub const EXDEV: i32 = 18;
@@ -114,11 +128,14 @@ impl From<MasterError> for tonic::Status {
             | MasterError::NotEmpty { .. }
             | MasterError::CrossMount { .. }
             | MasterError::IsADirectory { .. }
-            | MasterError::ReadOnly { .. } => Code::FailedPrecondition,
+            | MasterError::ReadOnly { .. }
+            | MasterError::Busy { .. } => Code::FailedPrecondition,
             MasterError::NotLeader { .. }
             | MasterError::Unavailable { .. }
             | MasterError::ShuttingDown => Code::Unavailable,
-            MasterError::Corrupt { .. } | MasterError::Storage { .. } => Code::Internal,
+            MasterError::Corrupt { .. }
+            | MasterError::Storage { .. }
+            | MasterError::Inconsistent { .. } => Code::Internal,
             MasterError::PermissionDenied { .. } => Code::PermissionDenied,
         };
         let mut status = tonic::Status::new(code, e.to_string());
@@ -129,6 +146,7 @@ impl From<MasterError> for tonic::Status {
             MasterError::CrossMount { .. } => Some(libc_errno::EXDEV),
             MasterError::IsADirectory { .. } => Some(libc_errno::EISDIR),
             MasterError::ReadOnly { .. } => Some(libc_errno::EROFS),
+            MasterError::Busy { .. } => Some(libc_errno::EBUSY),
             _ => None,
         };
         if let Some(n) = errno {

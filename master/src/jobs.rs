@@ -33,6 +33,9 @@ const TASK_TIMEOUT: Duration = Duration::from_secs(600);
 const REPORT_EVERY: Duration = Duration::from_millis(500);
 /// Entries listed per directory page while enumerating.
 const LIST_PAGE: usize = 1000;
+/// Block copies queued at once: a job's further blocks are queued as the queue drains, so
+/// what a load holds in memory follows its files, never the lengths they claim.
+const QUEUE_TARGET: usize = 4096;
 
 /// Jobs this master is running (leader only).
 #[derive(Default)]
@@ -182,6 +185,10 @@ struct Loading {
     /// Block copies not settled yet.
     remaining: usize,
     error: Option<String>,
+    block_size: u64,
+    blocks: u32,
+    /// The next block to queue.
+    next: u32,
 }
 
 /// One copy of one block to cache.
@@ -235,13 +242,32 @@ async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)
     Ok(files)
 }
 
-fn block_count(inode: &Inode, default_bs: u64) -> (u64, u32) {
+/// A file's block size and number of blocks as a load plans them; the error says why the
+/// file cannot be loaded (a length no real file has: it would plan billions of blocks).
+fn plan_blocks(inode: &Inode, default_bs: u64) -> Result<(u64, u32), String> {
     let bs = if inode.block_size == 0 {
         default_bs
     } else {
         inode.block_size
     };
-    (bs, inode.length.div_ceil(bs) as u32)
+    if inode.length > granary_common::MAX_FILE_LENGTH {
+        return Err(format!(
+            "the file claims {} bytes, more than the {} TiB a file may hold",
+            inode.length,
+            granary_common::MAX_FILE_LENGTH >> 40
+        ));
+    }
+    if bs == 0 {
+        return Err("the file has no block size".into());
+    }
+    u32::try_from(inode.length.div_ceil(bs))
+        .map(|n| (bs, n))
+        .map_err(|_| {
+            format!(
+                "the file claims {} bytes, more blocks of {bs} bytes than a file may have",
+                inode.length
+            )
+        })
 }
 
 fn descriptor(inode: &Inode, path: &str, index: u32) -> Option<pb::BlockDescriptor> {
@@ -318,7 +344,9 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
         Err(e) => return Err(e),
     };
     let files = enumerate(core, root).await?;
-    let total_bytes: u64 = files.iter().map(|(f, _)| f.length).sum();
+    let total_bytes = files
+        .iter()
+        .fold(0u64, |sum, (f, _)| sum.saturating_add(f.length));
     let mut job = if job.state == JobState::Planning
         || job.total_files != files.len() as u64
         || job.total_bytes != total_bytes
@@ -350,6 +378,8 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
     let replicas = job.replicas.max(1) as usize;
     let mut loading: HashMap<u64, Loading> = HashMap::new();
     let mut queue: VecDeque<Item> = VecDeque::new();
+    // Files with blocks not queued yet, in order.
+    let mut to_queue: VecDeque<u64> = VecDeque::new();
     let mut report = Report::default();
     for (inode, path) in files {
         if done.contains(&inode.id) || failed_before.contains(&inode.id) {
@@ -370,19 +400,18 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
             });
             continue;
         }
-        let (bs, blocks) = block_count(&inode, core.ns.block_size);
-        for index in 0..blocks {
-            let len = bs.min(inode.length - u64::from(index) * bs);
-            for rank in 0..replicas {
-                queue.push_back(Item {
+        let (bs, blocks) = match plan_blocks(&inode, core.ns.block_size) {
+            Ok(p) => p,
+            Err(reason) => {
+                report.failed.push(FailedFile {
                     inode: inode.id,
-                    index,
-                    rank,
-                    attempt: 0,
-                    len,
+                    path,
+                    reason,
                 });
+                continue;
             }
-        }
+        };
+        to_queue.push_back(inode.id);
         loading.insert(
             inode.id,
             Loading {
@@ -390,6 +419,9 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                 inode,
                 path,
                 error: None,
+                block_size: bs,
+                blocks,
+                next: 0,
             },
         );
     }
@@ -406,6 +438,35 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
     let mut placed: HashMap<(u64, u64, u32, usize), usize> = HashMap::new();
     let mut placed_for = placement_key(&workers);
     loop {
+        // The next blocks, while the queue is short.
+        while queue.len() < QUEUE_TARGET {
+            let Some(&id) = to_queue.front() else {
+                break;
+            };
+            let Some(f) = loading.get_mut(&id) else {
+                to_queue.pop_front();
+                continue;
+            };
+            while f.next < f.blocks && queue.len() < QUEUE_TARGET {
+                let index = f.next;
+                let len = f
+                    .block_size
+                    .min(f.inode.length - u64::from(index) * f.block_size);
+                for rank in 0..replicas {
+                    queue.push_back(Item {
+                        inode: id,
+                        index,
+                        rank,
+                        attempt: 0,
+                        len,
+                    });
+                }
+                f.next += 1;
+            }
+            if f.next >= f.blocks {
+                to_queue.pop_front();
+            }
+        }
         // Retries whose backoff is over go back in the queue.
         let now = Instant::now();
         delayed.retain(|(at, item)| {
@@ -516,7 +577,8 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                 });
             }
         }
-        let settled = loading.is_empty() && queue.is_empty() && delayed.is_empty();
+        let settled =
+            loading.is_empty() && queue.is_empty() && delayed.is_empty() && to_queue.is_empty();
         if settled && in_flight.is_empty() {
             break;
         }
@@ -564,6 +626,9 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                     };
                     if let Some(e) = error {
                         f.error.get_or_insert(e);
+                        // A failed file's blocks not queued yet are not tried.
+                        f.remaining -= (f.blocks - f.next) as usize * replicas;
+                        f.next = f.blocks;
                     }
                     f.remaining -= 1;
                     if f.remaining == 0 {
@@ -658,5 +723,40 @@ async fn load_on(
         Ok(Ok(r)) => Ok(r.into_inner()),
         Ok(Err(s)) => Err(format!("worker {address}: {}", s.message())),
         Err(_) => Err(format!("worker {address} did not finish the task in time")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(length: u64, block_size: u64) -> Inode {
+        let mut f = Inode::directory(9, 1, "f", 0o644, 0);
+        f.kind = Kind::File;
+        f.length = length;
+        f.block_size = block_size;
+        f
+    }
+
+    #[test]
+    fn a_load_plans_real_files_and_refuses_impossible_lengths() {
+        assert_eq!(plan_blocks(&file(0, 0), 64 << 20), Ok((64 << 20, 0)));
+        assert_eq!(plan_blocks(&file(1, 0), 64 << 20), Ok((64 << 20, 1)));
+        assert_eq!(
+            plan_blocks(&file((64 << 20) + 1, 64 << 20), 1),
+            Ok((64 << 20, 2))
+        );
+        // The largest file a load takes: 64 TiB in 1 MiB blocks, 2^26 blocks.
+        assert_eq!(
+            plan_blocks(&file(granary_common::MAX_FILE_LENGTH, 1 << 20), 1),
+            Ok((1 << 20, 1 << 26))
+        );
+        // A file claiming 2^58 bytes (its block count would wrap a u32 to 0 at 64 MiB).
+        let err = plan_blocks(&file(1 << 58, 64 << 20), 1).unwrap_err();
+        assert!(err.contains("288230376151711744 bytes"), "{err}");
+        // A block size of 1 byte would plan more blocks than an index can name.
+        let err = plan_blocks(&file(1 << 40, 1), 1).unwrap_err();
+        assert!(err.contains("more blocks"), "{err}");
+        assert!(plan_blocks(&file(10, 0), 0).is_err());
     }
 }

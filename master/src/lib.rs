@@ -146,8 +146,30 @@ pub async fn start(
         .or_else(|| config.peers.get(&config.id).cloned())
         .unwrap_or_else(|| addr.to_string());
 
+    if !(granary_common::MIN_BLOCK_SIZE..=granary_common::MAX_BLOCK_SIZE)
+        .contains(&config.block_size)
+    {
+        return Err(MasterError::invalid(format!(
+            "--block-size must be between {} KiB and {} MiB",
+            granary_common::MIN_BLOCK_SIZE >> 10,
+            granary_common::MAX_BLOCK_SIZE >> 20
+        )));
+    }
     let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
     let sm = state::StateMachine::open(db.clone())?;
+    // A state left broken (by an older version, or a damaged disk) is named, not fatal:
+    // commands touching the broken part fail, the rest is served.
+    let broken = sm.check_invariants(false, 100)?;
+    for v in &broken {
+        tracing::error!(key = %v.key, rule = %v.rule, "the master's state breaks a rule; see docs/operations.md, \"Inconsistent state\"");
+    }
+    if !broken.is_empty() {
+        eprintln!(
+            "granary master: the state breaks {} rule(s) (first: {}); serving anyway, see docs/operations.md",
+            broken.len(),
+            broken[0]
+        );
+    }
     let initial_voters: Vec<u64> = if config.join {
         Vec::new()
     } else if config.peers.is_empty() {

@@ -1216,3 +1216,177 @@ fn owners_and_modes_are_enforced_for_the_users_of_a_mount() {
     // Root may do anything.
     sh(&format!("touch '{}/by-root'", team.display())).unwrap();
 }
+
+/// Mounts a fresh tmpfs at `dir` (it holds sparse files of any length); unmounted on drop.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        sh(&format!(
+            "mount -t tmpfs -o size=4m granary-test {}",
+            dir.display()
+        ))
+        .unwrap();
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// What stopped every master for good: a user removes the folder above a mount point, an
+/// admin then removes the mount (the committed entry failed its apply as "storage corrupt"
+/// on every member, at every restart). And a "load bomb": files claiming absurd lengths.
+/// On a 3-master TLS group, with the `user` certificate: the removal and the move are
+/// refused (one-sentence CLI error naming the mount; EBUSY through FUSE), the mount keeps
+/// serving its bytes, `mount remove` succeeds; a file written by one principal cannot be
+/// completed by another, nor claim 2^58 bytes or a 1-byte block size; a store file that
+/// claims 2^58 bytes fails its load with a reason. Every master stays up throughout and
+/// the group keeps committing.
+#[test]
+fn no_user_request_stops_a_master_group() {
+    let tmp = tempfile::Builder::new()
+        .prefix("gr-busy")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("a/f1"), 300_000).unwrap();
+    random_file(&src.join("f2"), 70_000).unwrap();
+    let g = MasterGroup::start(root, 3, 1000).unwrap();
+    let addrs = g.addrs();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    let _w = Worker::start(root, "w1", &addrs, "256MiB").unwrap();
+    wait_live_workers(&addrs, 1).unwrap();
+    granary_ok(&["fs", "mkdir", "-p", "/datasets", "--master", &addrs]).unwrap();
+    mount_local("/datasets/imagenet", &src, &addrs).unwrap();
+    let user = TestTls::get().identity("user");
+    let user = user.to_string_lossy();
+
+    for args in [
+        vec!["fs", "rm", "-R", "/datasets"],
+        vec!["fs", "rm", "-R", "/datasets/imagenet"],
+        vec!["fs", "mv", "/datasets", "/old"],
+    ] {
+        let mut all = args.clone();
+        all.extend(["--master", &addrs, "--tls-dir", &user]);
+        let out = granary(&all);
+        assert_one_sentence_error(&out, &format!("{args:?}"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("the mount point /datasets/imagenet is at or below it"),
+            "{args:?}: {err}"
+        );
+    }
+    let fuse = Fuse::start(root, &addrs).unwrap();
+    let mnt = fuse.mountpoint.clone();
+    let renamed = sh(&format!(
+        "python3 -c 'import os,sys\ntry:\n os.rename(sys.argv[1], sys.argv[2])\nexcept OSError as e:\n print(e.errno)' {} {}",
+        mnt.join("datasets").display(),
+        mnt.join("old").display()
+    ))
+    .unwrap();
+    assert_eq!(
+        renamed.trim(),
+        "16",
+        "rename of a folder holding a mount: EBUSY"
+    );
+    assert_eq!(
+        tree_sums(&mnt.join("datasets/imagenet")).unwrap(),
+        tree_sums(&src).unwrap(),
+        "the mount serves its bytes after the refused removal"
+    );
+
+    // Writes: only the writer completes its file, with a real length and block size.
+    let alice = TestTls::get()
+        .issue("alice", &["--role", "user", "--days", "1"])
+        .unwrap();
+    let bob = TestTls::get()
+        .issue("bob", &["--role", "user", "--days", "1"])
+        .unwrap();
+    let leader_addr = g.addr(g.wait_leader(Duration::from_secs(10)).unwrap());
+    rt().block_on(async {
+        let mut a = MasterServiceClient::new(channel(&leader_addr, Some(&creds_in(&alice))));
+        let mut b = MasterServiceClient::new(channel(&leader_addr, Some(&creds_in(&bob))));
+        let create = |block_size| pb::CreateFileRequest {
+            path: "/scratch-file".into(),
+            block_size,
+            ..Default::default()
+        };
+        let e = a.create_file(create(1)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let e = a.create_file(create(1 << 40)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let f = a
+            .create_file(create(0))
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap();
+        let complete = |length| pb::CompleteFileRequest {
+            inode: f.inode,
+            length,
+            version: f.version,
+            ..Default::default()
+        };
+        let e = b.complete_file(complete(10)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("alice"), "{e:?}");
+        let e = a.complete_file(complete(1 << 58)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let done = a.complete_file(complete(0)).await.unwrap().into_inner();
+        assert!(done.status.unwrap().complete);
+    });
+
+    // A store file claiming 2^58 bytes (sparse, on a tmpfs): its load fails with a reason,
+    // the file beside it loads.
+    let bomb_dir = root.join("bomb");
+    let _tmpfs = Tmpfs::mount(&bomb_dir);
+    sh(&format!(
+        "truncate -s {} {}",
+        1u64 << 58,
+        bomb_dir.join("huge").display()
+    ))
+    .unwrap();
+    std::fs::write(bomb_dir.join("small"), b"0123456789").unwrap();
+    mount_local("/bomb", &bomb_dir, &addrs).unwrap();
+    let out = granary(&["load", "/bomb", "--json", "--master", &addrs]);
+    let job: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(job["state"], "failed", "{job}");
+    assert_eq!(job["done_files"], 1, "{job}");
+    assert_eq!(job["failed_files"], 1, "{job}");
+    let reason = job["failed"][0]["reason"].as_str().unwrap_or_default();
+    assert!(
+        job["failed"][0]["path"] == "/bomb/huge" && reason.contains("288230376151711744 bytes"),
+        "{job}"
+    );
+
+    // The admin removes the mount; the folder can go then.
+    granary_ok(&["mount", "remove", "/datasets/imagenet", "--master", &addrs]).unwrap();
+    granary_ok(&["mount", "remove", "/bomb", "--master", &addrs]).unwrap();
+    granary_ok(&[
+        "fs",
+        "rm",
+        "-R",
+        "/datasets",
+        "--master",
+        &addrs,
+        "--tls-dir",
+        &user,
+    ])
+    .unwrap();
+    granary_ok(&["fs", "mkdir", "/after", "--master", &addrs]).unwrap();
+    g.wait_caught_up(Duration::from_secs(30)).unwrap();
+    let mut g = g;
+    for id in 1..=3 {
+        assert!(g.is_running(id), "master {id} stopped:\n{}", g.log_text(id));
+    }
+    assert!(!g.logs().contains("stops applying"), "{}", g.logs());
+    drop(fuse);
+}

@@ -94,9 +94,10 @@ impl Namespace {
         let path = paths::normalize(path)?;
         let inode = self.resolve(&path).await?;
         if inode.is_mount_point {
-            return Err(MasterError::precondition(format!(
-                "{path} is a mount point; use `granary mount remove {path}`"
-            )));
+            return Err(MasterError::Busy {
+                path: path.clone(),
+                mount: path,
+            });
         }
         let Some(mount) = self.writable_mount(&inode, &path)? else {
             return Ok(inode);
@@ -173,9 +174,10 @@ impl Namespace {
             return Ok(());
         };
         if inode.is_mount_point {
-            return Err(MasterError::precondition(format!(
-                "{src} is a mount point; mount points cannot be renamed"
-            )));
+            return Err(MasterError::Busy {
+                path: src.clone(),
+                mount: src,
+            });
         }
         if let Some(e) = &existing {
             if e.kind == Kind::Directory && inode.kind == Kind::File {

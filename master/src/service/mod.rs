@@ -30,6 +30,8 @@ static RECURSIVE_SYNCS: granary_common::authz::CallLimit =
 
 const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
+/// Blocks one `GetBlockLocations` may ask about (a client asks for one file's at most).
+pub const MAX_LOCATION_BLOCKS: usize = 4096;
 
 /// The spec of mount `id` (None: not in a mount, or gone).
 fn mount_spec(core: &MasterCore, id: Option<u64>) -> Option<granary_common::ufs::UfsSpec> {
@@ -100,6 +102,54 @@ fn grant(core: &MasterCore, who: &Principal, s: &mut pb::FileStatus, write: bool
         let expires = granary_common::now_ms().max(0) as u64
             + granary_common::grant::GRANT_LIFETIME.as_millis() as u64;
         s.grant = Some(key.sign(&who.name, s, write, expires));
+    }
+}
+
+/// A request id as the state machine remembers it: per principal, so that another caller
+/// reusing an id (by chance or on purpose) never gets the first caller's outcome — and a
+/// grant on the file that outcome names.
+fn scoped(who: &Principal, request_id: u64) -> u64 {
+    if request_id == 0 {
+        return 0;
+    }
+    granary_common::ids::stable_hash(&[
+        b"granary-request",
+        who.name.as_bytes(),
+        &request_id.to_le_bytes(),
+    ])
+    .max(1)
+}
+
+/// A block size a file may be created with (0: the master's).
+fn check_block_size(bs: u64) -> Result<(), Status> {
+    if bs == 0 || (granary_common::MIN_BLOCK_SIZE..=granary_common::MAX_BLOCK_SIZE).contains(&bs) {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "a block size must be between {} KiB and {} MiB, not {bs} bytes",
+            granary_common::MIN_BLOCK_SIZE >> 10,
+            granary_common::MAX_BLOCK_SIZE >> 20
+        )))
+    }
+}
+
+/// Only the principal writing a file (or an admin) completes it, naming the version it
+/// created: the version check at apply then covers a replace by someone else meanwhile.
+fn may_complete(who: &Principal, inode: &Inode, version: u64) -> Result<(), Status> {
+    if who.has(granary_common::tls::Role::Admin) {
+        return Ok(());
+    }
+    if version == 0 {
+        return Err(Status::invalid_argument(
+            "CompleteFile must name the version the file was created with",
+        ));
+    }
+    match &inode.creator {
+        Some(c) if *c != who.name => Err(Status::permission_denied(format!(
+            "{} is being written by {c}; only it (or an admin) may complete it",
+            inode.name
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -180,11 +230,20 @@ impl MasterRpc {
         Ok(())
     }
 
-    async fn target(&self, t: Option<pb::PathOrId>) -> Result<Inode, MasterError> {
+    /// The inode a request names. A path outside the caller's reach is refused before it is
+    /// resolved: whether it exists is not the caller's to learn.
+    async fn target(&self, who: &Principal, t: Option<pb::PathOrId>) -> Result<Inode, Status> {
         match t.and_then(|t| t.target) {
-            Some(pb::path_or_id::Target::Path(p)) => self.core.ns.resolve(&p).await,
-            Some(pb::path_or_id::Target::Inode(id)) => self.core.ns.inode(id),
-            None => Err(MasterError::invalid("a path or inode id is required")),
+            Some(pb::path_or_id::Target::Path(p)) => {
+                if who.subtree.is_some() {
+                    let n = granary_common::paths::normalize(&p)
+                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    access::reach(who, &n)?;
+                }
+                Ok(self.core.ns.resolve(&p).await?)
+            }
+            Some(pb::path_or_id::Target::Inode(id)) => Ok(self.core.ns.inode(id)?),
+            None => Err(MasterError::invalid("a path or inode id is required").into()),
         }
     }
 }
@@ -200,7 +259,7 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let mut inode = self.target(r.target).await?;
+        let mut inode = self.target(&who, r.target).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         if r.validate && !r.allow_stale {
             inode = self.core.ns.validate(inode).await?;
@@ -222,6 +281,11 @@ impl MasterService for MasterRpc {
             let parent = status_of(&self.core, &self.core.ns.inode(r.parent)?)?;
             access::posix(caller, &parent, access::EXEC, "look up entries of")?;
         }
+        if who.subtree.is_some() {
+            let parent = self.core.ns.inode(r.parent)?;
+            let p = self.core.ns.sm.path_of(&parent)?;
+            access::reach(&who, &granary_common::paths::join(&p, &r.name))?;
+        }
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         Ok(Response::new(pb::GetStatusResponse {
@@ -239,7 +303,7 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let dir = self.target(r.target).await?;
+        let dir = self.target(&who, r.target).await?;
         let reach = access::reach(&who, &self.core.ns.sm.path_of(&dir)?)?;
         let limit = match r.page_size as usize {
             0 => DEFAULT_PAGE,
@@ -320,7 +384,7 @@ impl MasterService for MasterRpc {
                     now_ms: granary_common::now_ms(),
                     owner: caller.map(Caller::owner),
                 },
-                r.request_id,
+                scoped(&who, r.request_id),
             )
             .await?;
         one(&self.core, &who, out)
@@ -334,6 +398,7 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
+        check_block_size(r.block_size)?;
         self.core.ensure_leader()?;
         self.may_change_parent(caller, &r.path).await?;
         let replaces = self.core.ns.prepare_create(&r.path, r.overwrite).await?;
@@ -347,8 +412,9 @@ impl MasterService for MasterRpc {
                     now_ms: granary_common::now_ms(),
                     overwrite: r.overwrite,
                     owner: caller.map(Caller::owner),
+                    creator: Some(who.name.clone()),
                 },
-                r.request_id,
+                scoped(&who, r.request_id),
             )
             .await?;
         match &out {
@@ -375,9 +441,34 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        if r.length > granary_common::MAX_FILE_LENGTH {
+            return Err(Status::invalid_argument(format!(
+                "a file may be at most {} TiB long, not {} bytes",
+                granary_common::MAX_FILE_LENGTH >> 40,
+                r.length
+            )));
+        }
+        let inode = self.core.ns.inode(r.inode)?;
         if who.subtree.is_some() {
-            let inode = self.core.ns.inode(r.inode)?;
             access::full(&who, &self.core.ns.sm.path_of(&inode)?)?;
+        }
+        may_complete(&who, &inode, r.version)?;
+        // A file not in the store is kept (and pinned) by the worker it names: one that is
+        // not registered would leave it pending, and its replicas pinned, for good. (A new
+        // leader knows the workers after a few heartbeats; until then it believes the writer.)
+        let settled = self.core.workers.term_age() >= self.core.heartbeat_interval * 3;
+        if r.persist_state != pb::PersistState::Persisted as i32
+            && settled
+            && !self
+                .core
+                .workers
+                .get(r.persist_worker)
+                .is_some_and(|w| self.core.workers.is_live(&w))
+        {
+            return Err(Status::invalid_argument(format!(
+                "persist_worker {} is not a live worker of this cluster",
+                r.persist_worker
+            )));
         }
         let out = self
             .core
@@ -391,7 +482,7 @@ impl MasterService for MasterRpc {
                     persist: crate::state::Persist::from_proto(r.persist_state),
                     persist_worker: r.persist_worker,
                 },
-                r.request_id,
+                scoped(&who, r.request_id),
             )
             .await?;
         one(&self.core, &who, out)
@@ -429,7 +520,7 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.path)?;
         self.may_change_parent(caller, &r.path).await?;
         self.core
-            .delete_path(&r.path, r.recursive, r.request_id)
+            .delete_path(&r.path, r.recursive, scoped(&who, r.request_id))
             .await?;
         Ok(Response::new(pb::DeleteResponse {}))
     }
@@ -455,7 +546,7 @@ impl MasterService for MasterRpc {
                     dst: r.dst,
                     now_ms: granary_common::now_ms(),
                 },
-                r.request_id,
+                scoped(&who, r.request_id),
             )
             .await?;
         one(&self.core, &who, out)
@@ -488,10 +579,11 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::AddMountRequest>,
     ) -> Result<Response<pb::AddMountResponse>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
         let mount = self
             .core
-            .add_mount(&r.path, &r.uri, &r.options, r.request_id)
+            .add_mount(&r.path, &r.uri, &r.options, scoped(&who, r.request_id))
             .await?;
         Ok(Response::new(pb::AddMountResponse {
             mount: Some(crate::mounts::mount_info(&mount, true)),
@@ -502,8 +594,11 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RemoveMountRequest>,
     ) -> Result<Response<pb::RemoveMountResponse>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
-        self.core.remove_mount(&r.path, r.request_id).await?;
+        self.core
+            .remove_mount(&r.path, scoped(&who, r.request_id))
+            .await?;
         Ok(Response::new(pb::RemoveMountResponse {}))
     }
 
@@ -554,6 +649,12 @@ impl MasterService for MasterRpc {
         req: Request<pb::GetBlockLocationsRequest>,
     ) -> Result<Response<pb::GetBlockLocationsResponse>, Status> {
         let r = req.into_inner();
+        if r.blocks.len() > MAX_LOCATION_BLOCKS {
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_LOCATION_BLOCKS} blocks per GetBlockLocations, not {}",
+                r.blocks.len()
+            )));
+        }
         self.core.ensure_leader()?;
         let locations = r
             .blocks
@@ -655,10 +756,11 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::SetTtlRequest>,
     ) -> Result<Response<pb::SetTtlResponse>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
         let (_, ttl) = self
             .core
-            .set_ttl(&r.path, r.ttl_ms, &r.action, r.request_id)
+            .set_ttl(&r.path, r.ttl_ms, &r.action, scoped(&who, r.request_id))
             .await?;
         Ok(Response::new(pb::SetTtlResponse {
             expires_ms: ttl.map_or(0, |t| t.expires_ms.max(0) as u64),
@@ -679,8 +781,12 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::SetPinRequest>,
     ) -> Result<Response<pb::JobInfo>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
-        let job = self.core.set_pin(&r.path, r.replicas, r.request_id).await?;
+        let job = self
+            .core
+            .set_pin(&r.path, r.replicas, scoped(&who, r.request_id))
+            .await?;
         Ok(Response::new(match job {
             Some(j) => self.core.job_info(j.id, 0)?,
             None => pb::JobInfo::default(),
@@ -691,10 +797,16 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::StartJobRequest>,
     ) -> Result<Response<pb::JobInfo>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
         let job = self
             .core
-            .start_job(&r.kind, &r.path, r.replicas.max(1), r.request_id)
+            .start_job(
+                &r.kind,
+                &r.path,
+                r.replicas.max(1),
+                scoped(&who, r.request_id),
+            )
             .await?;
         Ok(Response::new(self.core.job_info(job.id, 0)?))
     }

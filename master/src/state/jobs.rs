@@ -259,7 +259,7 @@ impl Txn<'_> {
         if job.state.finished() {
             return Ok(job); // a late report of a cancelled job changes nothing
         }
-        job.fetched_bytes += fetched_bytes;
+        job.fetched_bytes = job.fetched_bytes.saturating_add(fetched_bytes);
         for d in done {
             let key = job_file_key(b'j', id, d.inode);
             if self.get(&key)?.is_some() {
@@ -271,8 +271,8 @@ impl Txn<'_> {
                 job.failed_files = job.failed_files.saturating_sub(1);
             }
             self.put(key, d.length.to_be_bytes().to_vec());
-            job.done_files += 1;
-            job.done_bytes += d.length;
+            job.done_files = job.done_files.saturating_add(1);
+            job.done_bytes = job.done_bytes.saturating_add(d.length);
         }
         for f in failed {
             let fkey = job_file_key(b'f', id, f.inode);
@@ -280,7 +280,7 @@ impl Txn<'_> {
                 continue;
             }
             self.put(fkey, to_json(f)?);
-            job.failed_files += 1;
+            job.failed_files = job.failed_files.saturating_add(1);
         }
         self.put_job(&job)?;
         Ok(job)

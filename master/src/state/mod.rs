@@ -3,6 +3,7 @@
 //! index in one atomic batch, so after a crash the state is exactly "all entries up to
 //! `applied`" and Raft re-delivers the rest.
 
+pub mod invariants;
 pub mod jobs;
 pub mod pins;
 pub mod records;
@@ -193,7 +194,7 @@ impl StateMachine {
             match self.inode(id)? {
                 Some(inode) => out.push(inode),
                 None => {
-                    return Err(MasterError::corrupt(format!(
+                    return Err(MasterError::inconsistent(format!(
                         "directory {parent} lists inode {id}, which does not exist"
                     )))
                 }
@@ -211,12 +212,15 @@ impl StateMachine {
         let mut guard = 0;
         while cur.id != ROOT_INODE {
             names.push(cur.name.clone());
-            cur = self
-                .inode(cur.parent)?
-                .ok_or_else(|| MasterError::corrupt(format!("inode {} has no parent", cur.id)))?;
+            cur = self.inode(cur.parent)?.ok_or_else(|| {
+                MasterError::inconsistent(format!("inode {} has no parent", cur.id))
+            })?;
             guard += 1;
             if guard > 4096 {
-                return Err(MasterError::corrupt("parent chain loops"));
+                return Err(MasterError::inconsistent(format!(
+                    "the parent chain of inode {} loops",
+                    inode.id
+                )));
             }
         }
         names.reverse();
@@ -249,7 +253,7 @@ impl StateMachine {
     pub fn resolve_loaded(&self, path: &str) -> Result<Option<Inode>, MasterError> {
         let mut cur = self
             .inode(ROOT_INODE)?
-            .ok_or_else(|| MasterError::corrupt("root inode is missing"))?;
+            .ok_or_else(|| MasterError::inconsistent("the root inode is missing"))?;
         for comp in paths::components(path)? {
             match self.child(cur.id, comp)? {
                 Some(c) => cur = c,
@@ -305,7 +309,7 @@ impl StateMachine {
         txn.put(request_key(p.request_id), to_json(&outcome)?);
         txn.put(request_age_key(p.at_ms, p.request_id), Vec::new());
         // Forget outcomes older than the retention (deterministic: uses the entry's clock).
-        let horizon = request_age_key(p.at_ms - REQUEST_RETENTION_MS, 0);
+        let horizon = request_age_key(p.at_ms.saturating_sub(REQUEST_RETENTION_MS), 0);
         let mut it = self.db.raw_iterator_cf(self.cf()?);
         it.seek(b"Q");
         let mut pruned = 0;
@@ -399,6 +403,8 @@ struct Txn<'a> {
     pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     /// Owner of the entries the command being applied creates.
     owner: Option<Owner>,
+    /// The principal creating the file the command being applied creates.
+    creator: Option<String>,
 }
 
 impl<'a> Txn<'a> {
@@ -407,6 +413,7 @@ impl<'a> Txn<'a> {
             sm,
             pending: BTreeMap::new(),
             owner: None,
+            creator: None,
         }
     }
 
@@ -513,9 +520,26 @@ impl<'a> Txn<'a> {
         self.sm.mounts()
     }
 
+    /// Refuses to delete or move `path` when it is a mount point or holds one: the mount
+    /// record names its path, and a record naming no inode (or the wrong one) would be
+    /// left behind.
+    fn refuse_if_holds_mount(&self, path: &str) -> Result<(), MasterError> {
+        match self
+            .mounts()?
+            .into_iter()
+            .find(|m| paths::is_within(&m.path, path))
+        {
+            Some(m) => Err(MasterError::Busy {
+                path: path.to_string(),
+                mount: m.path,
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn root(&self) -> Result<Inode, MasterError> {
         self.inode(ROOT_INODE)?
-            .ok_or_else(|| MasterError::corrupt("root inode is missing"))
+            .ok_or_else(|| MasterError::inconsistent("the root inode is missing"))
     }
 
     /// Resolves `path` to an existing inode.
@@ -721,8 +745,10 @@ impl<'a> Txn<'a> {
                 now_ms,
                 overwrite,
                 owner,
+                creator,
             } => {
                 self.owner = *owner;
+                self.creator = creator.clone();
                 self.create_file(path, *mode, *block_size, *now_ms, *overwrite)
             }
             Command::CompleteFile {
@@ -820,9 +846,15 @@ impl<'a> Txn<'a> {
             .ok_or_else(|| MasterError::NotFound {
                 path: format!("{path} (no mount there)"),
             })?;
-        let inode = self
-            .inode(mount.inode)?
-            .ok_or_else(|| MasterError::corrupt(format!("mount {path} has no inode")))?;
+        // A mount whose inode is gone or no longer its mount point (state left by an older
+        // version that let a folder above it be deleted or renamed): only the record goes.
+        let inode = match self.inode(mount.inode)? {
+            Some(i) if i.is_mount_point && i.mount_id == Some(mount.id) => i,
+            _ => {
+                self.delete(mount_key(mount.id));
+                return Ok(ApplyOutput::Mount(mount));
+            }
+        };
         if inode.id == ROOT_INODE {
             let mut root = inode.clone();
             root.mount_id = None;
@@ -908,6 +940,7 @@ impl<'a> Txn<'a> {
             persist_worker: 0,
             created: false,
             owner: None,
+            creator: None,
         };
         self.link(&inode)?;
         Ok(inode)
@@ -1156,6 +1189,7 @@ impl<'a> Txn<'a> {
             old.created = true;
             old.persist = Persist::Persisted;
             old.persist_worker = 0;
+            old.creator = self.creator.clone();
             self.put_inode(&old)?;
             return Ok(ApplyOutput::Inode(old));
         }
@@ -1188,6 +1222,7 @@ impl<'a> Txn<'a> {
             persist_worker: 0,
             created: true,
             owner: self.owner,
+            creator: self.creator.clone(),
         };
         self.link(&inode)?;
         Ok(ApplyOutput::Inode(inode))
@@ -1240,6 +1275,7 @@ impl<'a> Txn<'a> {
             0
         };
         inode.complete = true;
+        inode.creator = None;
         self.put_inode(&inode)?;
         Ok(ApplyOutput::Inode(inode))
     }
@@ -1275,11 +1311,7 @@ impl<'a> Txn<'a> {
             return Err(MasterError::invalid("the root directory cannot be deleted"));
         }
         let inode = self.resolve(&path)?;
-        if inode.is_mount_point {
-            return Err(MasterError::precondition(format!(
-                "{path} is a mount point; use `granary mount remove {path}`"
-            )));
-        }
+        self.refuse_if_holds_mount(&path)?;
         if inode.kind == Kind::Directory && !recursive && !self.child_ids(inode.id)?.is_empty() {
             return Err(MasterError::NotEmpty { path });
         }
@@ -1299,11 +1331,7 @@ impl<'a> Txn<'a> {
             )));
         }
         let mut inode = self.resolve(&src)?;
-        if inode.is_mount_point {
-            return Err(MasterError::precondition(format!(
-                "{src} is a mount point; mount points cannot be renamed"
-            )));
-        }
+        self.refuse_if_holds_mount(&src)?;
         let dcomps = paths::components(&dst)?;
         let Some((last, parents)) = dcomps.split_last() else {
             return Err(MasterError::invalid("bad destination"));
@@ -1321,8 +1349,13 @@ impl<'a> Txn<'a> {
             match (inode.kind, existing.kind) {
                 _ if existing.id == inode.id => return Ok(ApplyOutput::Inode(inode)),
                 (Kind::File, Kind::File) => {}
-                (Kind::Directory, Kind::Directory)
-                    if self.child_ids(existing.id)?.is_empty() && !existing.is_mount_point => {}
+                (Kind::Directory, Kind::Directory) if existing.is_mount_point => {
+                    return Err(MasterError::Busy {
+                        path: dst.clone(),
+                        mount: dst,
+                    })
+                }
+                (Kind::Directory, Kind::Directory) if self.child_ids(existing.id)?.is_empty() => {}
                 (Kind::Directory, Kind::Directory) => {
                     return Err(MasterError::NotEmpty { path: dst })
                 }
@@ -1421,6 +1454,8 @@ pub fn to_status(inode: &Inode, path: String) -> pb::FileStatus {
     }
 }
 
+#[cfg(test)]
+mod adversarial;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]

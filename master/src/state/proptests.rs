@@ -174,7 +174,7 @@ proptest! {
         for (i, op) in ops.iter().enumerate() {
             let cmd = match op {
                 Op::Mkdir(p, r) => Command::Mkdir { path: p.clone(), recursive: *r, mode: 0, now_ms: 1, owner: None },
-                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1, overwrite: false, owner: None },
+                Op::Create(p) => Command::CreateFile { path: p.clone(), mode: 0, block_size: 0, now_ms: 1, overwrite: false, owner: None, creator: None },
                 Op::Delete(p, r) => Command::Delete { path: p.clone(), recursive: *r },
                 Op::Rename(a, b) => Command::Rename { src: a.clone(), dst: b.clone(), now_ms: 1 },
             };
@@ -224,7 +224,8 @@ mod hostile_entries {
                 block_size: b,
                 now_ms: 1,
                 overwrite: o,
-                owner: None
+                owner: None,
+                creator: None
             }),
             (nasty_path(), any::<bool>()).prop_map(|(p, r)| Command::Delete {
                 path: p,

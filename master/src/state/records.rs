@@ -97,6 +97,10 @@ pub struct Inode {
     /// while the listing ran) keeps it.
     #[serde(default)]
     pub created: bool,
+    /// The principal writing this version (a file created or replaced through Granary, until
+    /// it is complete): only it, or an admin, may complete it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creator: Option<String>,
 }
 
 fn yes() -> bool {
@@ -156,6 +160,7 @@ impl Inode {
             persist_worker: 0,
             created: false,
             owner: None,
+            creator: None,
         }
     }
 
@@ -293,6 +298,9 @@ pub enum Command {
         /// Owner of a new file (a replaced file keeps its owner).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         owner: Option<Owner>,
+        /// The principal creating it (who may complete it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        creator: Option<String>,
     },
     CompleteFile {
         inode: u64,

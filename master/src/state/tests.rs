@@ -179,6 +179,7 @@ fn namespace_mutations_outside_mounts() {
                 now_ms: 1,
                 overwrite: false,
                 owner: None,
+                creator: None,
             },
         )
         .unwrap()
@@ -276,6 +277,7 @@ fn writes_inside_mounts_keep_store_paths_and_persistence() {
         now_ms: 5,
         overwrite,
         owner: None,
+        creator: None,
     };
     let Ok(ApplyOutput::Inode(f)) = apply(create("/m/x/y/ckpt", false)) else {
         panic!()
@@ -389,7 +391,7 @@ fn writes_inside_mounts_keep_store_paths_and_persistence() {
             path: "/m".into(),
             recursive: true,
         }),
-        Err(MasterError::FailedPrecondition { .. })
+        Err(MasterError::Busy { .. })
     ));
     assert!(sm.resolve_loaded("/m/z/y/ckpt").unwrap().is_some());
 }

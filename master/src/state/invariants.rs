@@ -1,0 +1,199 @@
+//! The rules the replicated state keeps, checked when a master starts (and after every step
+//! of the adversarial model test). A state that breaks one was left by an older version or
+//! by a damaged disk: the master names the key and the rule and keeps serving — commands
+//! touching the broken part fail with `INTERNAL` ("the namespace is inconsistent"), the
+//! same on every member, and `docs/operations.md` says how to repair each kind.
+
+use std::fmt;
+
+use super::{from_json, inode_key, u64_of, Inode, Kind, Mount, StateMachine, ROOT_INODE};
+use crate::error::MasterError;
+
+/// One broken rule: the key (printable) and the rule it breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub key: String,
+    pub rule: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.key, self.rule)
+    }
+}
+
+/// Renders a key as tag + big-endian id + rest (names as text).
+fn show_key(k: &[u8]) -> String {
+    match k {
+        [tag, rest @ ..] if rest.len() >= 8 => {
+            let id = u64::from_be_bytes(rest[..8].try_into().unwrap_or_default());
+            let tail = String::from_utf8_lossy(&rest[8..]);
+            if tail.is_empty() {
+                format!("{}{}", *tag as char, id)
+            } else {
+                format!("{}{}/{}", *tag as char, id, tail)
+            }
+        }
+        _ => String::from_utf8_lossy(k).into_owned(),
+    }
+}
+
+impl StateMachine {
+    /// Checks the rules of the state; at most `limit` violations are returned. `full` also
+    /// walks every inode (each linked from its parent under its own name): one pass over
+    /// the namespace, for tests and `--check-state`-like tools; without it the check reads
+    /// the mounts, pins, TTLs and every directory entry once.
+    pub fn check_invariants(
+        &self,
+        full: bool,
+        limit: usize,
+    ) -> Result<Vec<Violation>, MasterError> {
+        let mut out = Vec::new();
+        let mut note = |key: String, rule: String| {
+            if out.len() < limit {
+                out.push(Violation { key, rule });
+            }
+        };
+        match self.inode(ROOT_INODE)? {
+            Some(r) if r.kind == Kind::Directory => {}
+            Some(_) => note(
+                show_key(&inode_key(ROOT_INODE)),
+                "the root is not a directory".into(),
+            ),
+            None => note(
+                show_key(&inode_key(ROOT_INODE)),
+                "the root inode is missing".into(),
+            ),
+        }
+        // Mounts: an inode that is this mount's mount point, at the recorded path.
+        for m in self.mounts()? {
+            let key = show_key(&super::mount_key(m.id));
+            match self.inode(m.inode)? {
+                None => note(
+                    key,
+                    format!(
+                        "mount {} names inode {}, which does not exist",
+                        m.path, m.inode
+                    ),
+                ),
+                Some(i) if !i.is_mount_point || i.mount_id != Some(m.id) => note(
+                    key,
+                    format!(
+                        "mount {} names inode {}, which is not its mount point",
+                        m.path, m.inode
+                    ),
+                ),
+                Some(i) => match self.path_of(&i) {
+                    Ok(p) if p == m.path => {}
+                    Ok(p) => note(key, format!("mount {} has its mount point at {p}", m.path)),
+                    Err(e) => note(key, format!("mount {}: {e}", m.path)),
+                },
+            }
+        }
+        check_mount_overlaps(&self.mounts()?, &mut note);
+        // Pins and TTLs name existing inodes.
+        for (tag, what) in [(b'P', "pin"), (b'T', "TTL")] {
+            let mut named = Vec::new();
+            self.scan(&[tag], |k, _| {
+                named.push((k.to_vec(), u64_of(&k[1..])?));
+                Ok(true)
+            })?;
+            for (k, id) in named {
+                if self.inode(id)?.is_none() {
+                    note(
+                        show_key(&k),
+                        format!("a {what} names inode {id}, which does not exist"),
+                    );
+                }
+            }
+        }
+        // Directory entries: parent is a directory, child exists and names it back.
+        let mut entries = Vec::new();
+        self.scan(b"c", |k, v| {
+            entries.push((k.to_vec(), u64_of(v)?));
+            Ok(true)
+        })?;
+        let mut last_parent: Option<(u64, bool)> = None;
+        for (k, child) in &entries {
+            if k.len() < 9 {
+                note(show_key(k), "a directory entry key is too short".into());
+                continue;
+            }
+            let parent = u64::from_be_bytes(k[1..9].try_into().unwrap_or_default());
+            let name = String::from_utf8_lossy(&k[9..]).into_owned();
+            let parent_ok = match last_parent {
+                Some((p, ok)) if p == parent => ok,
+                _ => {
+                    let ok = self
+                        .inode(parent)?
+                        .is_some_and(|p| p.kind == Kind::Directory);
+                    last_parent = Some((parent, ok));
+                    ok
+                }
+            };
+            if !parent_ok {
+                note(
+                    show_key(k),
+                    format!("an entry of inode {parent}, which is not an existing directory"),
+                );
+            }
+            match self.inode(*child)? {
+                None => note(
+                    show_key(k),
+                    format!("entry {name} names inode {child}, which does not exist"),
+                ),
+                Some(c) if c.parent != parent || c.name != name => note(
+                    show_key(k),
+                    format!(
+                        "entry {name} names inode {child}, whose parent and name are {} and {}",
+                        c.parent, c.name
+                    ),
+                ),
+                Some(_) => {}
+            }
+        }
+        if full {
+            let mut inodes: Vec<Inode> = Vec::new();
+            self.scan(b"i", |_, v| {
+                inodes.push(from_json(v)?);
+                Ok(true)
+            })?;
+            let linked: std::collections::HashSet<u64> = entries.iter().map(|(_, c)| *c).collect();
+            for i in &inodes {
+                if i.id != ROOT_INODE && !linked.contains(&i.id) {
+                    note(
+                        show_key(&inode_key(i.id)),
+                        format!("inode {} ({}) is in no directory", i.id, i.name),
+                    );
+                }
+            }
+            let count = self.inode_count()?;
+            if count != inodes.len() as u64 {
+                note(
+                    "Minodes".into(),
+                    format!(
+                        "the inode count is {count}, but {} inodes exist",
+                        inodes.len()
+                    ),
+                );
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// No mount point is at or below another.
+fn check_mount_overlaps(mounts: &[Mount], note: &mut impl FnMut(String, String)) {
+    for (i, a) in mounts.iter().enumerate() {
+        for b in &mounts[i + 1..] {
+            if granary_common::paths::is_within(&a.path, &b.path)
+                || granary_common::paths::is_within(&b.path, &a.path)
+            {
+                note(
+                    show_key(&super::mount_key(b.id)),
+                    format!("mount {} overlaps mount {}", b.path, a.path),
+                );
+            }
+        }
+    }
+}
