@@ -12,11 +12,25 @@ pub enum PathError {
 pub const MAX_PATH_LEN: usize = 4096;
 pub const MAX_NAME_LEN: usize = 255;
 
+/// A path as an error shows it: at most its first 256 bytes (a refused path may be
+/// megabytes long, and error messages travel in gRPC headers).
+pub fn shown(path: &str) -> String {
+    const SHOWN: usize = 256;
+    if path.len() <= SHOWN {
+        return path.to_string();
+    }
+    let mut end = SHOWN;
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &path[..end], path.len())
+}
+
 /// Splits an absolute Granary path into its components, rejecting what the namespace
 /// cannot hold. `/` yields no components.
 pub fn components(path: &str) -> Result<Vec<&str>, PathError> {
     let invalid = |reason| PathError::Invalid {
-        path: path.to_string(),
+        path: shown(path),
         reason,
     };
     if !path.starts_with('/') {
@@ -36,7 +50,7 @@ pub fn components(path: &str) -> Result<Vec<&str>, PathError> {
 /// Checks a single entry name.
 pub fn validate_name(name: &str) -> Result<(), PathError> {
     let invalid = |reason| PathError::Invalid {
-        path: name.to_string(),
+        path: shown(name),
         reason,
     };
     if name.is_empty() || name == "." || name == ".." {
@@ -81,6 +95,18 @@ pub fn is_within(inner: &str, outer: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_path_is_shown_short() {
+        let long = format!("/{}", "é".repeat(1 << 19));
+        let e = normalize(&long).unwrap_err().to_string();
+        assert!(e.len() < 400, "{}", e.len());
+        assert!(
+            e.contains("(1048577 bytes)") && e.contains("longer than 4096"),
+            "{e}"
+        );
+        assert_eq!(shown("/a/b"), "/a/b");
+    }
 
     #[test]
     fn normalizes() {
