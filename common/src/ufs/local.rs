@@ -20,7 +20,7 @@
 //! itself may be a link: replacing or deleting a link changes only the link).
 //! Not covered: hard links (a hard link inside the root to a file outside it is that file).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fs::Metadata;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -183,11 +183,6 @@ impl Root {
             Err(_) => true,
         }
     }
-
-    /// Is the entry at `path` a symbolic link (recursive listings do not descend into it)?
-    fn is_link(path: &Path) -> bool {
-        std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
-    }
 }
 
 fn not_found(loc: &StorePath, e: Refused) -> object_store::Error {
@@ -328,6 +323,130 @@ fn opened_what_was_checked(md: &Metadata, got: &GetResult) -> bool {
     }
 }
 
+/// The state of a recursive listing ([`ConfinedLocal::list`]).
+struct Walk {
+    root: Arc<Root>,
+    top: StorePath,
+    started: bool,
+    /// Folders still to read: file-system path and store prefix.
+    dirs: VecDeque<(PathBuf, String)>,
+    current: Option<(std::fs::ReadDir, String)>,
+    ready: VecDeque<ObjectMeta>,
+}
+
+impl Walk {
+    /// Reads up to `n` more entries (blocking).
+    fn step(&mut self, n: usize) -> Result<()> {
+        if !self.started {
+            self.started = true;
+            let Ok(top) = self.root.fs_path(&self.top) else {
+                return Ok(());
+            };
+            // Missing, a file, or behind a refused link: nothing below it.
+            if let Ok(Some(md)) = self.root.check(&top, Last::Object) {
+                if md.is_dir() {
+                    self.dirs.push_back((top, self.top.as_ref().to_string()));
+                }
+            }
+        }
+        let mut budget = n;
+        while budget > 0 {
+            let Some((dir, prefix)) = &mut self.current else {
+                let Some((path, prefix)) = self.dirs.pop_front() else {
+                    return Ok(());
+                };
+                match std::fs::read_dir(&path) {
+                    Ok(rd) => self.current = Some((rd, prefix)),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(walk_error(&path, e)),
+                }
+                continue;
+            };
+            budget -= 1;
+            let entry = match dir.next() {
+                None => {
+                    self.current = None;
+                    continue;
+                }
+                Some(Err(e)) => {
+                    return Err(walk_error(Path::new(prefix.as_str()), e));
+                }
+                Some(Ok(e)) => e,
+            };
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let loc = if prefix.is_empty() {
+                name.clone()
+            } else {
+                format!("{prefix}/{name}")
+            };
+            let path = entry.path();
+            let Ok(ft) = entry.file_type() else { continue };
+            let md = if ft.is_dir() {
+                self.dirs.push_back((path, loc));
+                continue;
+            } else if ft.is_symlink() {
+                // Followed only to a file inside the root; linked folders are not entered.
+                if !self.root.entry_ok(&path) {
+                    continue;
+                }
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() => m,
+                    _ => continue,
+                }
+            } else if ft.is_file() {
+                if staging_name(&name) {
+                    continue;
+                }
+                match entry.metadata() {
+                    Ok(m) => m,
+                    Err(_) => continue,
+                }
+            } else {
+                continue;
+            };
+            let Ok(location) = StorePath::parse(&loc) else {
+                continue;
+            };
+            self.ready.push_back(object_meta(location, &md));
+        }
+        Ok(())
+    }
+}
+
+fn walk_error(path: &Path, e: std::io::Error) -> object_store::Error {
+    object_store::Error::Generic {
+        store: STORE,
+        source: format!("listing {}: {e}", path.display()).into(),
+    }
+}
+
+/// `LocalFileSystem`'s in-progress upload files (`name#123`), never listed.
+fn staging_name(name: &str) -> bool {
+    match name.split_once('#') {
+        Some((_, suffix)) => !suffix.is_empty() && suffix.bytes().all(|b| b.is_ascii_digit()),
+        None => false,
+    }
+}
+
+/// An object's metadata as `LocalFileSystem` reports it (the same ETag scheme, so a listing
+/// and a HEAD of one file agree).
+fn object_meta(location: StorePath, md: &Metadata) -> ObjectMeta {
+    let modified = md.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH);
+    let mtime = modified
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros();
+    ObjectMeta {
+        location,
+        last_modified: modified.into(),
+        size: md.len(),
+        e_tag: Some(format!("\"{:x}-{mtime:x}-{:x}\"", md.ino(), md.len())),
+        version: None,
+    }
+}
+
 fn empty_listing() -> ListResult {
     ListResult {
         common_prefixes: Vec::new(),
@@ -419,55 +538,30 @@ impl ObjectStore for ConfinedLocal {
     }
 
     fn list(&self, prefix: Option<&StorePath>) -> BoxStream<'static, Result<ObjectMeta>> {
-        // Level by level (never through a linked folder), instead of the inner store's
-        // walk, which follows every link wherever it goes.
-        struct Walk {
-            store: ConfinedLocal,
-            dirs: VecDeque<StorePath>,
-            ready: VecDeque<ObjectMeta>,
-            seen: HashSet<StorePath>,
-            started: bool,
-            top: Option<StorePath>,
-        }
+        // A walk of its own, folder by folder and lazily (the first object comes without
+        // reading a whole folder), that never enters a linked folder: the inner store's
+        // walk follows every link wherever it goes.
         let walk = Walk {
-            store: self.clone(),
-            dirs: VecDeque::new(),
-            ready: VecDeque::new(),
-            seen: HashSet::new(),
+            root: self.root.clone(),
+            top: prefix.cloned().unwrap_or_default(),
             started: false,
-            top: prefix.cloned(),
+            dirs: VecDeque::new(),
+            current: None,
+            ready: VecDeque::new(),
         };
         stream::try_unfold(walk, |mut w| async move {
             loop {
                 if let Some(o) = w.ready.pop_front() {
                     return Ok(Some((o, w)));
                 }
-                let level = if !w.started {
-                    w.started = true;
-                    w.store.list_level(w.top.as_ref()).await?
-                } else if let Some(d) = w.dirs.pop_front() {
-                    w.store.list_level(Some(&d)).await?
-                } else {
+                if w.started && w.current.is_none() && w.dirs.is_empty() {
                     return Ok(None);
-                };
-                w.ready.extend(level.objects);
-                let root = w.store.root.clone();
-                let subdirs = blocking(move || {
-                    level
-                        .common_prefixes
-                        .into_iter()
-                        .filter(|p| match root.fs_path(p) {
-                            Ok(fs) => !Root::is_link(&fs),
-                            Err(_) => false,
-                        })
-                        .collect::<Vec<_>>()
-                })
-                .await?;
-                for d in subdirs {
-                    if w.seen.insert(d.clone()) {
-                        w.dirs.push_back(d);
-                    }
                 }
+                w = blocking(move || {
+                    let r = w.step(1024);
+                    r.map(|()| w)
+                })
+                .await??;
             }
         })
         .boxed()
@@ -653,6 +747,45 @@ mod tests {
             s.checked_path("sub/b.txt", false).unwrap(),
             t.root.join("sub/b.txt").canonicalize().unwrap()
         );
+    }
+
+    #[tokio::test]
+    async fn a_recursive_listing_agrees_with_heads_and_the_inner_listing() {
+        let t = setup("agree");
+        std::fs::write(t.root.join("sub/upload#12"), b"partial").unwrap();
+        std::fs::write(t.root.join("sub/name#tag"), b"kept").unwrap();
+        let s = ConfinedLocal::new(&t.root, Symlinks::None).unwrap();
+        let listed: Vec<ObjectMeta> = s.list(None).try_collect().await.unwrap();
+        let mut names: Vec<String> = listed.iter().map(|o| o.location.to_string()).collect();
+        names.sort();
+        assert_eq!(names, ["a.txt", "sub/b.txt", "sub/name#tag"]);
+        for o in &listed {
+            let head = s.head(&o.location).await.unwrap();
+            assert_eq!(head.e_tag, o.e_tag, "{}", o.location);
+            assert_eq!(head.size, o.size);
+            assert_eq!(head.last_modified, o.last_modified);
+        }
+        // Where no link is involved, exactly what LocalFileSystem itself lists.
+        let sub = StorePath::from("sub");
+        let mut mine: Vec<ObjectMeta> = s.list(Some(&sub)).try_collect().await.unwrap();
+        let mut theirs: Vec<ObjectMeta> = s.inner.list(Some(&sub)).try_collect().await.unwrap();
+        mine.sort_by(|a, b| a.location.cmp(&b.location));
+        theirs.sort_by(|a, b| a.location.cmp(&b.location));
+        assert_eq!(mine, theirs);
+        // The first object of a big folder comes without reading all of it.
+        for i in 0..3000 {
+            std::fs::write(t.root.join(format!("sub/f{i:04}")), b"x").unwrap();
+        }
+        let first = s
+            .list(Some(&StorePath::from("sub")))
+            .next()
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(first.location.as_ref().starts_with("sub/"));
+        assert_eq!(all(&s, Some("sub")).await.len(), 3002);
+        assert!(all(&s, Some("a.txt")).await.is_empty());
+        assert!(all(&s, Some("missing")).await.is_empty());
     }
 
     #[tokio::test]
