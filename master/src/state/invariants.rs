@@ -39,10 +39,11 @@ fn show_key(k: &[u8]) -> String {
 }
 
 impl StateMachine {
-    /// Checks the rules of the state; at most `limit` violations are returned. `full` also
-    /// walks every inode (each linked from its parent under its own name): one pass over
-    /// the namespace, for tests and `--check-state`-like tools; without it the check reads
-    /// the mounts, pins, TTLs and every directory entry once.
+    /// Checks the rules of the state; at most `limit` violations are returned. Without
+    /// `full` (a master's start) it reads the mounts, pins and TTLs, and each directory
+    /// entry's key once with one read per directory; `full` (the model tests) also reads
+    /// every entry's inode and every inode (each linked from its parent under its name,
+    /// and counted).
     pub fn check_invariants(
         &self,
         full: bool,
@@ -107,20 +108,18 @@ impl StateMachine {
                 }
             }
         }
-        // Directory entries: parent is a directory, child exists and names it back.
-        let mut entries = Vec::new();
-        self.scan(b"c", |k, v| {
-            entries.push((k.to_vec(), u64_of(v)?));
-            Ok(true)
-        })?;
+        // Directory entries: the parent is a directory (one read per directory: entries
+        // of one parent are adjacent); with `full`, the child exists and names it back.
+        // Streamed: nothing proportional to the namespace is held, except `full`'s set.
         let mut last_parent: Option<(u64, bool)> = None;
-        for (k, child) in &entries {
+        let mut linked = std::collections::HashSet::new();
+        self.scan(b"c", |k, v| {
             if k.len() < 9 {
                 note(show_key(k), "a directory entry key is too short".into());
-                continue;
+                return Ok(true);
             }
+            let child = u64_of(v)?;
             let parent = u64::from_be_bytes(k[1..9].try_into().unwrap_or_default());
-            let name = String::from_utf8_lossy(&k[9..]).into_owned();
             let parent_ok = match last_parent {
                 Some((p, ok)) if p == parent => ok,
                 _ => {
@@ -137,44 +136,44 @@ impl StateMachine {
                     format!("an entry of inode {parent}, which is not an existing directory"),
                 );
             }
-            match self.inode(*child)? {
-                None => note(
-                    show_key(k),
-                    format!("entry {name} names inode {child}, which does not exist"),
-                ),
-                Some(c) if c.parent != parent || c.name != name => note(
-                    show_key(k),
-                    format!(
-                        "entry {name} names inode {child}, whose parent and name are {} and {}",
-                        c.parent, c.name
+            if full {
+                linked.insert(child);
+                let name = String::from_utf8_lossy(&k[9..]);
+                match self.inode(child)? {
+                    None => note(
+                        show_key(k),
+                        format!("entry {name} names inode {child}, which does not exist"),
                     ),
-                ),
-                Some(_) => {}
+                    Some(c) if c.parent != parent || c.name != name => note(
+                        show_key(k),
+                        format!(
+                            "entry {name} names inode {child}, whose parent and name are {} and {}",
+                            c.parent, c.name
+                        ),
+                    ),
+                    Some(_) => {}
+                }
             }
-        }
+            Ok(true)
+        })?;
         if full {
-            let mut inodes: Vec<Inode> = Vec::new();
+            let mut count = 0u64;
             self.scan(b"i", |_, v| {
-                inodes.push(from_json(v)?);
-                Ok(true)
-            })?;
-            let linked: std::collections::HashSet<u64> = entries.iter().map(|(_, c)| *c).collect();
-            for i in &inodes {
+                let i: Inode = from_json(v)?;
+                count += 1;
                 if i.id != ROOT_INODE && !linked.contains(&i.id) {
                     note(
                         show_key(&inode_key(i.id)),
                         format!("inode {} ({}) is in no directory", i.id, i.name),
                     );
                 }
-            }
-            let count = self.inode_count()?;
-            if count != inodes.len() as u64 {
+                Ok(true)
+            })?;
+            let recorded = self.inode_count()?;
+            if recorded != count {
                 note(
                     "Minodes".into(),
-                    format!(
-                        "the inode count is {count}, but {} inodes exist",
-                        inodes.len()
-                    ),
+                    format!("the inode count is {recorded}, but {count} inodes exist"),
                 );
             }
         }
