@@ -205,15 +205,16 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
 type ReadStream = Pin<Box<dyn Stream<Item = Result<pb::ReadBlockResponse, Status>> + Send>>;
 
 /// The part of page `page` (its bytes `data`) that the read `p` wants, as (offset in the
-/// block, bytes). A page whose length is not the one the block's geometry gives it is
-/// refused (never sliced out of its bounds).
+/// block, bytes). A page whose length is not the one the block's geometry gives it (a
+/// fetch for other geometry joined in a race) is refused as UNAVAILABLE — the reader tries
+/// again or elsewhere — and never sliced out of its bounds.
 fn piece(data: &bytes::Bytes, page: u64, ps: u64, p: Plan) -> Result<(u64, bytes::Bytes), Status> {
     let page_start = page * ps;
     let want_len = ps.min(p.block_len.saturating_sub(page_start));
     let from = p.offset.max(page_start) - page_start;
     let to = p.end.min(page_start + want_len) - page_start;
     if data.len() as u64 != want_len || from >= to {
-        return Err(Status::internal(format!(
+        return Err(Status::unavailable(format!(
             "page {page} holds {} bytes where the block has {want_len}",
             data.len()
         )));
