@@ -956,6 +956,38 @@ mod tests {
         assert_eq!(journals(&store), 8 * PS);
     }
 
+    #[test]
+    fn a_resumed_journal_counts_against_the_cache_again() {
+        let d = tempfile::tempdir().unwrap();
+        let rt = || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        // A replica written, then the worker stops (its tasks and store go with the runtime).
+        {
+            let rt = rt();
+            rt.block_on(async {
+                let w = writes(d.path(), 32);
+                let a = write(&w, 30, 6 * PS as usize, pb::WriteMode::AsyncThrough, false).await;
+                assert!(a.is_ok(), "{a:?}");
+            });
+            rt.shutdown_timeout(Duration::from_secs(10));
+        }
+        // Restarted: the closed journal is resumed and held against the capacity again.
+        let rt = rt();
+        rt.block_on(async {
+            let w = writes(d.path(), 32);
+            assert_eq!(w.resume(), 1);
+            let store = &w.fetcher.store;
+            assert_eq!(store.used_and_reserved() - store.used(), 6 * PS);
+            assert_eq!(store.used(), 6 * PS, "its pages, cached before the restart");
+        });
+        rt.shutdown_timeout(Duration::from_secs(10));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_of_a_hostile_block_size_is_refused() {
         let d = tempfile::tempdir().unwrap();
