@@ -577,6 +577,19 @@ impl PageStore {
         }
     }
 
+    /// Whether any page of version `version` of file `inode` is cached in this tier.
+    pub fn holds_version(&self, inode: u64, version: u64) -> bool {
+        let inner = self.lock();
+        let first = ((inode, version, 0), 0);
+        let of_it = |k: &PageKey| k.0 .0 == inode && k.0 .1 == version;
+        inner
+            .pages
+            .range(first..)
+            .next()
+            .is_some_and(|(k, _)| of_it(k))
+            || inner.moving.keys().any(of_it)
+    }
+
     /// Drops a cached page whatever holds it (its bytes are unusable: `why` says why).
     pub fn drop_page(self: &Arc<Self>, key: &PageKey, why: &str) {
         let gen = match self.lock().pages.get(key) {

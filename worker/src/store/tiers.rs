@@ -225,6 +225,11 @@ impl TieredStore {
         self.tiers.iter().any(|t| t.contains(key))
     }
 
+    /// Whether any tier holds a page of version `version` of file `inode`.
+    pub fn holds_version(&self, inode: u64, version: u64) -> bool {
+        self.tiers.iter().any(|t| t.holds_version(inode, version))
+    }
+
     /// Drops a page from whichever tier holds it (see [`PageStore::drop_page`]).
     pub fn drop_page(&self, key: &PageKey, why: &str) {
         for t in &self.tiers {

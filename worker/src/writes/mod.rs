@@ -64,6 +64,8 @@ pub struct Writes {
     active: Mutex<HashSet<(u64, u64)>>,
     /// File versions being received now.
     receiving: Mutex<HashSet<(u64, u64)>>,
+    /// File versions this worker took a write of, and when (see [`Writes::claim`]).
+    taken: Mutex<std::collections::HashMap<(u64, u64), std::time::Instant>>,
     /// The cache tier whose capacity journals kept after their write (async-through, until
     /// uploaded) count against.
     journal_tier: Option<Arc<crate::store::PageStore>>,
@@ -132,6 +134,7 @@ impl Writes {
             worker_id,
             active: Mutex::new(HashSet::new()),
             receiving: Mutex::new(HashSet::new()),
+            taken: Mutex::new(std::collections::HashMap::new()),
         }))
     }
 
@@ -163,14 +166,32 @@ impl Writes {
     /// Takes the write of one file version: once per version per worker. A version's
     /// pages, once cached here, are what its readers get; a second stream (a writer's grant
     /// used again after the file was completed) could cache other bytes under that name.
+    /// Versions written here are remembered for a write grant's lifetime, so a write
+    /// whose pages were evicted since cannot be taken again either.
     fn claim(&self, inode: u64, version: u64) -> Result<(), Status> {
         let key = (inode, version);
         let mut receiving = lock(&self.receiving);
         let (_, meta) = self.paths(inode, version);
-        if receiving.contains(&key)
+        let taken = {
+            let mut taken = lock(&self.taken);
+            let now = std::time::Instant::now();
+            let fresh = |at: &std::time::Instant| {
+                now.duration_since(*at) < granary_common::grant::GRANT_LIFETIME
+            };
+            if taken.len() >= MAX_TAKEN {
+                taken.retain(|_, at| fresh(at));
+            }
+            let seen = taken.get(&key).is_some_and(fresh);
+            if !seen && taken.len() < MAX_TAKEN {
+                taken.insert(key, now);
+            }
+            seen
+        };
+        if taken
+            || receiving.contains(&key)
             || lock(&self.active).contains(&key)
             || meta.exists()
-            || self.fetcher.store.contains(&((inode, version, 0), 0))
+            || self.fetcher.store.holds_version(inode, version)
         {
             return Err(Status::already_exists(format!(
                 "this worker already took version {version:x} of file {inode}"
@@ -711,6 +732,9 @@ enum Retry {
     Failed(String),
 }
 
+/// File versions [`Writes::claim`] remembers at most (writes of a grant's lifetime).
+const MAX_TAKEN: usize = 100_000;
+
 /// Bytes per part of an upload.
 const UPLOAD_PART: usize = 16 * 1024 * 1024;
 
@@ -954,6 +978,14 @@ mod tests {
             "the refusal removed the first journal"
         );
         assert_eq!(journals(&store), 8 * PS);
+        // Nor can file 13, written through and gone from the journal, once its pages are
+        // gone too (the worker remembers it took that version).
+        store.drop_stale(13, 0);
+        assert!(!store.holds_version(13, 1));
+        let e = write(&w, 13, PS as usize, pb::WriteMode::CacheThrough, true)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
     }
 
     #[test]
@@ -992,9 +1024,12 @@ mod tests {
     async fn a_write_of_a_hostile_block_size_is_refused() {
         let d = tempfile::tempdir().unwrap();
         let w = writes(d.path(), 8);
-        for bs in [granary_common::MAX_BLOCK_SIZE + 1, u64::MAX, PS - 1] {
+        for (i, bs) in [granary_common::MAX_BLOCK_SIZE + 1, u64::MAX, PS - 1]
+            .into_iter()
+            .enumerate()
+        {
             let header = pb::WriteFileHeader {
-                inode: 20,
+                inode: 20 + i as u64,
                 version: 1,
                 block_size: bs,
                 ufs: None,
