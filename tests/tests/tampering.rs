@@ -348,3 +348,163 @@ fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
     // The source was never written.
     assert_eq!(std::fs::read(src.join("a.bin")).unwrap(), bytes);
 }
+
+/// Writes `data` as version `status.version` of `status`'s file to `worker` as `creds`
+/// (cache-through), answering the last message or the refusal.
+async fn write_file(
+    worker: &str,
+    creds: &Creds,
+    status: &pb::FileStatus,
+    data: &[u8],
+) -> Result<pb::WriteFileResponse, tonic::Status> {
+    let mut wc = WorkerServiceClient::new(channel(worker, creds));
+    let header = pb::WriteFileHeader {
+        inode: status.inode,
+        version: status.version,
+        block_size: status.block_size,
+        ufs: status.ufs.clone(),
+        mode: pb::WriteMode::CacheThrough as i32,
+        persist: true,
+        grant: status.grant.clone(),
+    };
+    let msgs = vec![
+        pb::WriteFileRequest {
+            header: Some(header),
+            ..Default::default()
+        },
+        pb::WriteFileRequest {
+            data: data.to_vec().into(),
+            ..Default::default()
+        },
+    ];
+    let mut answers = wc
+        .write_file(futures::stream::iter(msgs))
+        .await?
+        .into_inner();
+    let mut last = None;
+    while let Some(a) = answers.message().await? {
+        last = Some(a);
+    }
+    last.ok_or_else(|| tonic::Status::internal("no answer"))
+}
+
+#[test]
+fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
+    if std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1") {
+        eprintln!("skipped: grants exist only on TLS clusters");
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-rewrite-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let m = master(root);
+    let w1 = Worker::start(root, "w1", &m.addr, "64MiB").unwrap();
+    let w2 = Worker::start(root, "w2", &m.addr, "64MiB").unwrap();
+    wait_live_workers(&m.addr, 2).unwrap();
+    mount_local("/d", &src, &m.addr).unwrap();
+    let mallory = creds_in(
+        &TestTls::get()
+            .issue("mallory", &["--role", "user"])
+            .unwrap(),
+    );
+    let honest: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let other = vec![0x5a; honest.len()];
+
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let mut mc = MasterServiceClient::new(channel(&m.addr, &mallory));
+            let created = mc
+                .create_file(pb::CreateFileRequest {
+                    path: "/d/new.bin".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+                .unwrap();
+            let grant = created.grant.clone().expect("a write grant");
+            assert!(grant.write);
+            assert_eq!(
+                (grant.version, grant.block_size, grant.file_length),
+                (created.version, created.block_size, 0)
+            );
+            // Another version or block size than the one created: refused.
+            for (what, version, block_size) in [
+                ("version", created.version ^ 1, created.block_size),
+                ("block size", created.version, created.block_size / 2),
+            ] {
+                let bad = pb::FileStatus {
+                    version,
+                    block_size,
+                    ..created.clone()
+                };
+                let e = write_file(&w1.addr, &mallory, &bad, &other)
+                    .await
+                    .expect_err(what);
+                assert_eq!(e.code(), Code::PermissionDenied, "{what}: {e:?}");
+                assert!(e.message().contains(what), "{what}: {e:?}");
+            }
+            // The honest write, completed.
+            let done = write_file(&w1.addr, &mallory, &created, &honest)
+                .await
+                .unwrap();
+            let complete = mc
+                .complete_file(pb::CompleteFileRequest {
+                    inode: created.inode,
+                    length: honest.len() as u64,
+                    fingerprint: done.fingerprint.clone(),
+                    version: created.version,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+                .unwrap();
+            assert!(complete.complete);
+            // The same write grant, other bytes: refused by the worker that took the file
+            // and by one that never saw it.
+            for w in [&w1, &w2] {
+                let e = write_file(&w.addr, &mallory, &created, &other)
+                    .await
+                    .unwrap_err();
+                assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+                assert!(e.message().contains("complete"), "{e:?}");
+            }
+            // Both workers serve the written bytes.
+            let read_grant = complete.grant.clone().unwrap();
+            let desc = pb::BlockDescriptor {
+                id: Some(pb::BlockId {
+                    inode: complete.inode,
+                    version: complete.version,
+                    index: 0,
+                }),
+                ufs: complete.ufs.clone(),
+                fingerprint: complete.fingerprint.clone(),
+                file_length: complete.length,
+                block_size: complete.block_size,
+            };
+            for w in [&w1, &w2] {
+                let (got, _) = read(
+                    &w.addr,
+                    &mallory,
+                    &desc,
+                    0,
+                    complete.length,
+                    Some(read_grant.clone()),
+                )
+                .await
+                .unwrap();
+                assert_eq!(got, honest);
+            }
+        });
+    assert_eq!(std::fs::read(src.join("new.bin")).unwrap(), honest);
+}

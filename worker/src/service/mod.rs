@@ -287,6 +287,12 @@ impl WorkerService for WorkerRpc {
                 block_size: header.block_size,
             },
         )?;
+        if !who.has(Role::Node) {
+            // Only a file the master still has being written at this version.
+            self.writes
+                .being_written(header.inode, header.version)
+                .await?;
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(self.writes.clone().receive(header, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))

@@ -201,6 +201,31 @@ impl Writes {
         Ok(())
     }
 
+    /// Whether the master still has version `version` of file `inode` being written (created,
+    /// not completed): a write grant lasts minutes, and without this its holder could stream
+    /// other bytes for a completed version to a worker that never saw it — cached under the
+    /// version's name for every reader. Asked for writes of principals other than nodes.
+    pub async fn being_written(&self, inode: u64, version: u64) -> Result<(), Status> {
+        match self
+            .master
+            .get_status(pb::path_or_id::Target::Inode(inode))
+            .await
+        {
+            Ok(s) if s.version == version && !s.complete => Ok(()),
+            Ok(s) if s.version == version => Err(Status::failed_precondition(format!(
+                "version {version:x} of file {inode} is complete; it cannot be written again"
+            ))),
+            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => {
+                Err(Status::failed_precondition(format!(
+                    "file {inode} is no longer at version {version:x} (replaced or removed)"
+                )))
+            }
+            Err(e) => Err(Status::unavailable(format!(
+                "cannot ask the master whether file {inode} is being written: {e}"
+            ))),
+        }
+    }
+
     /// Room for `len` more bytes of journal in the journal tier (`None`: it cannot be had).
     fn journal_room(&self, len: u64) -> Option<crate::store::Reservation> {
         self.journal_tier.as_ref()?.reserve_room(len)
