@@ -137,9 +137,9 @@ impl Namespace {
                 })
                 .await
                 .map_err(scrub)?;
-                if let Some(dir) = mount.spec.local_dir() {
-                    // A local store keeps directories of its own.
-                    let local = dir.join(&inode.ufs_path);
+                if let Some(local) = confined_path(&mount, &inode.ufs_path)? {
+                    // A local store keeps directories of its own (a link is removed, never
+                    // followed: `remove_dir_all` does not follow links).
                     match std::fs::remove_dir_all(&local) {
                         Ok(()) => {}
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -214,9 +214,11 @@ impl Namespace {
         };
         let from = ufs.path_of(&inode.ufs_path);
         let to = ufs.path_of(&to_rel);
-        if let Some(dir) = mount.spec.local_dir() {
+        if let (Some(a), Some(b)) = (
+            confined_path(&mount, &inode.ufs_path)?,
+            confined_path(&mount, &to_rel)?,
+        ) {
             // A local store renames in one step (files and whole directories).
-            let (a, b) = (dir.join(&inode.ufs_path), dir.join(&to_rel));
             if inode.kind == Kind::File && inode.persist != Persist::Persisted && !a.exists() {
                 return Ok(());
             }
@@ -300,4 +302,26 @@ where
         }
     }
     Ok(())
+}
+
+/// The file-system path of `rel` in a local mount, checked against the mount's link policy
+/// (no folder on the way may be a link leaving the root, even one swapped in after the
+/// listing); `None` for other stores.
+fn confined_path(mount: &Mount, rel: &str) -> Result<Option<std::path::PathBuf>, MasterError> {
+    let Some(store) = mount.spec.open_local() else {
+        return Ok(None);
+    };
+    let unavailable = |e: std::io::Error| MasterError::Unavailable {
+        message: format!("the local under-store of {}: {e}", mount.path),
+    };
+    let store = store.map_err(unavailable)?;
+    match store.checked_path(rel, true) {
+        Ok(p) => Ok(Some(p)),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            Err(MasterError::PermissionDenied {
+                message: format!("{rel} in {}: {e}", mount.path),
+            })
+        }
+        Err(e) => Err(unavailable(e)),
+    }
 }
