@@ -281,7 +281,8 @@ fn descriptor(inode: &Inode, path: &str, index: u32) -> Option<pb::BlockDescript
         ufs: Some(st.ufs?),
         fingerprint: st.fingerprint,
         file_length: st.length,
-        block_size: st.block_size,
+        // What clients and grants take a 0 for (files of states from older versions).
+        block_size: granary_common::grant::effective_block_size(st.block_size),
     })
 }
 
@@ -400,7 +401,7 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
             });
             continue;
         }
-        let (bs, blocks) = match plan_blocks(&inode, core.ns.block_size) {
+        let (bs, blocks) = match plan_blocks(&inode, granary_common::DEFAULT_BLOCK_SIZE) {
             Ok(p) => p,
             Err(reason) => {
                 report.failed.push(FailedFile {
