@@ -80,7 +80,9 @@ fn a_checkpoint_written_async_through_survives_a_worker_kill_and_cache_through_w
     let s3 = TestStore::s3(root, "ckpt", "ckpt-access", "ckpt-secret-key-1").unwrap();
     let master = Master::start(root).unwrap();
     let cache = root.join("w1-cache");
-    let mut w = Worker::start_with(root, "w1", &master.addr, "3GiB", &cache).unwrap();
+    // Room for the 2 GiB file's pages and its async-through journal, which counts against
+    // the cache until it is uploaded.
+    let mut w = Worker::start_with(root, "w1", &master.addr, "5GiB", &cache).unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
     // Listed once, never again: nothing below needs the store while it is stopped.
     s3.mount(&master.addr, "/s3", &["sync_interval=never"])
@@ -127,7 +129,7 @@ fn a_checkpoint_written_async_through_survives_a_worker_kill_and_cache_through_w
     // The worker dies before it could upload; it comes back and finishes the job.
     w.proc.kill9().unwrap();
     drop(resume);
-    w = Worker::start_with(root, "w1", &master.addr, "3GiB", &cache).unwrap();
+    w = Worker::start_with(root, "w1", &master.addr, "5GiB", &cache).unwrap();
     poll(
         "the checkpoint to be persisted",
         Duration::from_secs(300),
