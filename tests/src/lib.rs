@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+pub mod grpc;
 pub mod stores;
+
+pub use grpc::*;
 
 /// The `granary` binary under test: `$GRANARY_BIN`, or the one cargo built next to this test.
 ///
@@ -128,7 +131,8 @@ pub fn issue_identity(ca: &Path, name: &str, out: &Path, args: &[&str]) -> Resul
     Ok(out.to_path_buf())
 }
 
-fn insecure_suite() -> bool {
+/// Whether the whole suite runs plaintext (`GRANARY_TEST_INSECURE=1`).
+pub fn insecure_suite() -> bool {
     std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1")
 }
 

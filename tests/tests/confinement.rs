@@ -23,41 +23,8 @@ use sha2::{Digest, Sha256};
 const AZURITE_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
-fn workdir(prefix: &str) -> tempfile::TempDir {
-    tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
-}
-
-fn insecure_suite() -> bool {
-    std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1")
-}
-
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
-}
-
-/// Every file below `dir` whose bytes contain `needle`.
-fn files_containing(dir: &Path, needle: &[u8]) -> Vec<String> {
-    let mut hits = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            let Ok(ft) = e.file_type() else { continue };
-            if ft.is_dir() {
-                stack.push(p);
-            } else if ft.is_file() {
-                if let Ok(bytes) = std::fs::read(&p) {
-                    if contains(&bytes, needle) {
-                        hits.push(p.display().to_string());
-                    }
-                }
-            }
-        }
-    }
-    hits
 }
 
 #[test]

@@ -12,40 +12,16 @@ use granary_proto::master_service_client::MasterServiceClient;
 use granary_proto::raft_service_client::RaftServiceClient;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use granary_tests::*;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-
-fn workdir(prefix: &str) -> tempfile::TempDir {
-    tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
-}
 
 /// The suite may run plaintext (`GRANARY_TEST_INSECURE=1`): identities need TLS.
 fn tls_suite() -> bool {
-    std::env::var("GRANARY_TEST_INSECURE").map_or(true, |v| v != "1")
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+    !insecure_suite()
 }
 
 /// A mutual-TLS channel to `addr` with the identity in `dir`, verifying the server by
-/// `server_name` (what a client expecting a master, or a worker, checks).
-fn channel(addr: &str, dir: &Path, server_name: &str) -> Channel {
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
-    Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(read("ca.crt")))
-                .identity(Identity::from_pem(read("tls.crt"), read("tls.key")))
-                .domain_name(server_name),
-        )
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(10))
-        .connect_lazy()
+/// `server_name`.
+fn channel_as(addr: &str, dir: &Path, server_name: &str) -> tonic::transport::Channel {
+    channel_to(addr, Some(&creds_in(dir)), server_name)
 }
 
 fn varint(out: &mut Vec<u8>, mut v: u64) {
@@ -76,7 +52,7 @@ fn send(
     term: u64,
 ) -> Result<pb::RaftAck, tonic::Status> {
     rt().block_on(async {
-        let mut c = RaftServiceClient::new(channel(addr, identity, tls::MASTER_SERVER_NAME));
+        let mut c = RaftServiceClient::new(channel_as(addr, identity, tls::MASTER_SERVER_NAME));
         c.send(pb::RaftBatch {
             from,
             to,
@@ -136,8 +112,11 @@ fn only_a_masters_own_certificate_speaks_raft_and_the_group_stays_healthy() {
     );
     let e = rt()
         .block_on(async {
-            let mut c =
-                RaftServiceClient::new(channel(&faddr, &t.master(other), tls::MASTER_SERVER_NAME));
+            let mut c = RaftServiceClient::new(channel_as(
+                &faddr,
+                &t.master(other),
+                tls::MASTER_SERVER_NAME,
+            ));
             c.send(pb::RaftBatch {
                 from: other,
                 to: follower,
@@ -151,7 +130,7 @@ fn only_a_masters_own_certificate_speaks_raft_and_the_group_stays_healthy() {
     let e = rt()
         .block_on(async {
             let mut c =
-                RaftServiceClient::new(channel(&faddr, &t.identity("node"), "granary-master"));
+                RaftServiceClient::new(channel_as(&faddr, &t.identity("node"), "granary-master"));
             let first = pb::SnapshotChunk {
                 message: heartbeat(leader, follower, hostile).into(),
                 ..Default::default()
@@ -206,7 +185,7 @@ fn a_worker_cannot_pose_as_a_master_nor_start_as_one() {
     );
     let direct = |addr: &str| {
         rt().block_on(async {
-            let mut c = MasterServiceClient::new(channel(
+            let mut c = MasterServiceClient::new(channel_as(
                 addr,
                 &t.identity("admin"),
                 tls::MASTER_SERVER_NAME,
@@ -232,7 +211,7 @@ fn a_worker_cannot_pose_as_a_master_nor_start_as_one() {
     for who in ["node", "user"] {
         let e = rt()
             .block_on(async {
-                let mut c = WorkerServiceClient::new(channel(
+                let mut c = WorkerServiceClient::new(channel_as(
                     &worker.addr,
                     &t.identity(who),
                     tls::NODE_SERVER_NAME,
@@ -315,7 +294,7 @@ fn control_requests_are_bounded_in_size_and_data_requests_are_not_cut() {
     let t = TestTls::get();
     let mkdir = |len: usize| {
         rt().block_on(async {
-            let mut c = MasterServiceClient::new(channel(
+            let mut c = MasterServiceClient::new(channel_as(
                 &master.addr,
                 &t.identity("admin"),
                 tls::MASTER_SERVER_NAME,
@@ -338,7 +317,7 @@ fn control_requests_are_bounded_in_size_and_data_requests_are_not_cut() {
     // and 3 MiB of block ids (about 250,000) for their locations.
     mkdir(200).unwrap();
     let r = rt().block_on(async {
-        let mut c = MasterServiceClient::new(channel(
+        let mut c = MasterServiceClient::new(channel_as(
             &master.addr,
             &t.identity("admin"),
             tls::MASTER_SERVER_NAME,
@@ -413,7 +392,7 @@ fn recursive_syncs_are_limited_per_principal() {
     let sync = |who: &Path| {
         let (addr, who) = (master.addr.clone(), who.to_path_buf());
         async move {
-            let ch = channel(&addr, &who, tls::MASTER_SERVER_NAME);
+            let ch = channel_as(&addr, &who, tls::MASTER_SERVER_NAME);
             let mut c = MasterServiceClient::new(ch);
             c.sync_metadata(pb::SyncMetadataRequest {
                 path: "/d".into(),

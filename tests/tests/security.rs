@@ -12,51 +12,6 @@ use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use granary_tests::*;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-
-/// A client identity for a direct gRPC call: trusted CA, certificate and key (PEM).
-#[derive(Clone)]
-struct Creds {
-    ca: String,
-    cert: String,
-    key: String,
-}
-
-fn creds_in(dir: &Path) -> Creds {
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
-    Creds {
-        ca: read("ca.crt"),
-        cert: read("tls.crt"),
-        key: read("tls.key"),
-    }
-}
-
-/// A channel to `addr`: plaintext without credentials, else mutual TLS with them.
-fn channel(addr: &str, creds: Option<&Creds>) -> Channel {
-    let endpoint = match creds {
-        None => Endpoint::from_shared(format!("http://{addr}")).unwrap(),
-        Some(c) => Endpoint::from_shared(format!("https://{addr}"))
-            .unwrap()
-            .tls_config(
-                ClientTlsConfig::new()
-                    .ca_certificate(Certificate::from_pem(&c.ca))
-                    .identity(Identity::from_pem(&c.cert, &c.key))
-                    .domain_name(tls::NODE_SERVER_NAME),
-            )
-            .unwrap(),
-    };
-    endpoint
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(10))
-        .connect_lazy()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// `GetClusterInfo` on a master.
 fn master_call(
@@ -702,25 +657,6 @@ fn a_worker_serves_blocks_only_with_a_valid_grant() {
     );
 }
 
-/// Every file below `dir` whose bytes contain `needle`.
-fn files_containing(dir: &Path, needle: &[u8]) -> Vec<String> {
-    let mut hits = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(bytes) = std::fs::read(&p) {
-                if bytes.windows(needle.len()).any(|w| w == needle) {
-                    hits.push(p.display().to_string());
-                }
-            }
-        }
-    }
-    hits
-}
-
 #[test]
 fn credentials_never_appear_in_clear_in_logs_outputs_metrics_or_the_masters_files() {
     let tmp = tempfile::Builder::new()
@@ -895,7 +831,7 @@ impl tonic::codec::Codec for RawCodec {
 }
 
 async fn raw_call(
-    ch: Channel,
+    ch: tonic::transport::Channel,
     path: &'static str,
     body: Vec<u8>,
 ) -> Result<Vec<u8>, tonic::Status> {

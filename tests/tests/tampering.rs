@@ -9,50 +9,17 @@
 use std::path::Path;
 use std::time::Duration;
 
-use granary_common::tls;
 use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use granary_tests::*;
 use sha2::{Digest, Sha256};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::Code;
 
 const MIB: u64 = 1 << 20;
 /// The master's block size here: a 2.5 MiB file has three blocks.
 const BLOCK: u64 = MIB;
 const LEN: u64 = 5 * MIB / 2;
-
-/// A client identity for a direct gRPC call: trusted CA, certificate and key (PEM).
-struct Creds {
-    ca: String,
-    cert: String,
-    key: String,
-}
-
-fn creds_in(dir: &Path) -> Creds {
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
-    Creds {
-        ca: read("ca.crt"),
-        cert: read("tls.crt"),
-        key: read("tls.key"),
-    }
-}
-
-fn channel(addr: &str, c: &Creds) -> Channel {
-    Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(&c.ca))
-                .identity(Identity::from_pem(&c.cert, &c.key))
-                .domain_name(tls::NODE_SERVER_NAME),
-        )
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(30))
-        .connect_lazy()
-}
 
 /// A master whose files loaded from under-stores have blocks of [`BLOCK`] bytes.
 fn master(root: &Path) -> Master {
@@ -105,7 +72,7 @@ async fn read(
     length: u64,
     grant: Option<pb::ReadGrant>,
 ) -> Result<(Vec<u8>, bool), tonic::Status> {
-    let mut wc = WorkerServiceClient::new(channel(worker, creds));
+    let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
     let req = pb::ReadBlockRequest {
         block: Some(desc.clone()),
         offset,
@@ -125,7 +92,7 @@ async fn read(
 }
 
 async fn cached_pages(worker: &str, creds: &Creds) -> u64 {
-    WorkerServiceClient::new(channel(worker, creds))
+    WorkerServiceClient::new(channel(worker, Some(creds)))
         .get_cache_info(pb::GetCacheInfoRequest {})
         .await
         .unwrap()
@@ -189,7 +156,7 @@ fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
         .build()
         .unwrap()
         .block_on(async {
-            let status = MasterServiceClient::new(channel(&m.addr, &mallory))
+            let status = MasterServiceClient::new(channel(&m.addr, Some(&mallory)))
                 .get_status(pb::GetStatusRequest {
                     target: Some(pb::PathOrId {
                         target: Some(pb::path_or_id::Target::Path("/d/a.bin".into())),
@@ -357,7 +324,7 @@ async fn write_file(
     status: &pb::FileStatus,
     data: &[u8],
 ) -> Result<pb::WriteFileResponse, tonic::Status> {
-    let mut wc = WorkerServiceClient::new(channel(worker, creds));
+    let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
     let header = pb::WriteFileHeader {
         inode: status.inode,
         version: status.version,
@@ -419,7 +386,7 @@ fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
         .build()
         .unwrap()
         .block_on(async {
-            let mut mc = MasterServiceClient::new(channel(&m.addr, &mallory));
+            let mut mc = MasterServiceClient::new(channel(&m.addr, Some(&mallory)));
             let created = mc
                 .create_file(pb::CreateFileRequest {
                     path: "/d/new.bin".into(),
