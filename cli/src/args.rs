@@ -390,6 +390,10 @@ pub struct LocalArgs {
     /// Eviction policy: lfu-admission or lru (see `granary worker --help`).
     #[arg(long, env = "GRANARY_EVICTION", value_parser = eviction, default_value = "lfu-admission")]
     pub eviction: granary_worker::evict::PolicyKind,
+    /// Symbolic links in a local folder: `inside` shows links whose target stays inside the
+    /// folder (links leaving it are never listed nor followed), `none` hides every link.
+    #[arg(long, env = "GRANARY_SYMLINKS", default_value = "inside", value_parser = ["inside", "none"])]
+    pub symlinks: String,
     #[command(flatten)]
     pub fuse: FuseOpts,
 }

@@ -258,13 +258,30 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     // replaced.
     let admin = MasterClient::new(&master_addr)?;
     let mounts = admin.list_mounts().await?;
-    let already = mounts.len() == 1 && mounts[0].path == "/" && mounts[0].uri == spec.uri;
+    // A local folder's links that stay inside it are shown (`--symlinks`); links leaving it
+    // never are.
+    let options: Vec<granary_proto::MountOptionEntry> = match spec.local_dir() {
+        Some(_) => vec![granary_proto::MountOptionEntry {
+            key: "symlinks".into(),
+            value: a.symlinks.clone(),
+        }],
+        None => Vec::new(),
+    };
+    let already = mounts.len() == 1
+        && mounts[0].path == "/"
+        && mounts[0].uri == spec.uri
+        && options.iter().all(|o| {
+            mounts[0]
+                .options
+                .iter()
+                .any(|m| m.key == o.key && m.value == o.value)
+        });
     if !already {
         for mnt in &mounts {
             admin.remove_mount(&mnt.path).await?;
         }
         admin
-            .add_mount("/", &spec.uri, Vec::new())
+            .add_mount("/", &spec.uri, options)
             .await
             .with_context(|| {
                 format!(
