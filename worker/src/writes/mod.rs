@@ -37,6 +37,11 @@ const REPLICA_CHECK: Duration = Duration::from_secs(2);
 const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
 /// How long a journal waits for its client to commit the file before it is dropped.
 const UNCOMMITTED_GIVE_UP: Duration = Duration::from_secs(600);
+/// A replica uploads a file still pending this long after it was committed even while its
+/// persisting worker is live: a writer may name a worker that holds no journal (the file
+/// would stay pending, and the replicas' pages pinned, for good), or the upload is stuck.
+/// A second upload of the same version is harmless (the master records the first).
+const PENDING_TAKEOVER_AFTER: Duration = Duration::from_secs(3600);
 /// Longest pause between retries of a failed upload.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -704,6 +709,7 @@ impl Writes {
     /// uploads it if the persisting worker stays gone.
     async fn watch(&self, j: Journal) {
         let mut missing_since: Option<tokio::time::Instant> = None;
+        let mut pending_since: Option<tokio::time::Instant> = None;
         let started = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(REPLICA_CHECK).await;
@@ -731,6 +737,19 @@ impl Writes {
                         .any(|w| w.worker_id == status.persist_worker && w.state != "lost")
                 })
                 .unwrap_or(true);
+            let pending_for = pending_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed();
+            if status.persist_worker != self.worker_id && pending_for >= PENDING_TAKEOVER_AFTER {
+                tracing::warn!(
+                    inode = j.inode,
+                    worker = status.persist_worker,
+                    pending_s = pending_for.as_secs(),
+                    "the file is still not persisted by the worker it names; this replica uploads it"
+                );
+                self.persist(j).await;
+                return;
+            }
             if owner_live || status.persist_worker == self.worker_id {
                 missing_since = None;
                 continue;
