@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The training-loader pattern: N loader processes (a PyTorch DataLoader with num_workers=N)
+# each open, read whole and close sample files, in a new random order every epoch, in
+# batches of 32, no compute between batches. Targets in the same run, alternating:
+#   raw     the folder on the local disk
+#   bindfs  the same folder through `bindfs -o multithreaded` (a FUSE passthrough with no
+#           caching logic; installed here when missing)
+#   warm    Granary (`granary local` over the folder), every block cached on the worker's
+#           disk; page cache dropped before each epoch
+#   cold    Granary's first epoch, every file from the under-store (once, first)
+#   raw-cold the raw folder's first read after a drop (the limit of `cold`)
+#
+#   bench/loader.sh [FILES] [KIB] [LOADERS]   (default 4000 files of ~100 KiB, 4 loaders; root)
+#   ROUNDS=N  raw/bindfs/warm triples, alternating, medians reported (default 3)
+#
+# Sample sizes vary ±15 % around KIB. Every sample of the cold epoch and of the first warm
+# epoch is checked against the SHA-256 of the source file. Reports samples/s, MB/s, the
+# ratios warm/bindfs and warm/raw, CPU seconds per 1,000 samples of the FUSE processes
+# (granary local is master, worker and FUSE daemon in one), and Granary's requests per
+# sample by kind (those that wait on the network: `granary_client_op_seconds_count`).
+# Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags
+# to `granary local`.
+set -euo pipefail
+files="${1:-4000}"
+kib="${2:-100}"
+loaders="${3:-4}"
+rounds="${ROUNDS:-3}"
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/lib.sh"
+needs_root
+command -v bindfs >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bindfs >/dev/null 2>&1; }
+local_workdir loader
+bindfs_pid=""
+cleanup_all() {
+  mountpoint -q "$work/bind" && umount "$work/bind" || true
+  local_cleanup
+}
+trap cleanup_all EXIT
+mkdir -p "$work/ufs" "$work/mnt" "$work/bind"
+python3 - "$work/ufs/data" "$files" "$kib" "$work/manifest" <<'PY'
+import hashlib, os, random, sys
+root, n, kib, manifest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = random.Random(7)
+blob = os.urandom(int(kib * 1024 * 1.2) + 65536)
+per = max(1, n // 20)
+with open(manifest, "w") as m:
+    for i in range(n):
+        d = os.path.join(root, f"d{i // per:03d}")
+        os.makedirs(d, exist_ok=True)
+        size = max(1, int(kib * 1024 * rng.uniform(0.85, 1.15)))
+        off = rng.randrange(0, 65536)
+        data = blob[off:off + size]
+        rel = f"d{i // per:03d}/s{i:06d}.bin"
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(data)
+        m.write(f"{rel} {hashlib.sha256(data).hexdigest()}\n")
+PY
+cat > "$work/loader.py" <<'PY'
+# loader.py ROOT MANIFEST LOADERS EPOCH_SEED CHECK -> samples bytes seconds bad
+import hashlib, multiprocessing as mp, os, random, sys, time
+root, manifest, n, seed, check = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+want = dict(l.split() for l in open(manifest))
+names = sorted(want)
+random.Random(seed).shuffle(names)
+def work(i, q):
+    total, bad, count = 0, 0, 0
+    mine = names[i::n]
+    for b in range(0, len(mine), 32):
+        for rel in mine[b:b + 32]:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+            total += len(data)
+            count += 1
+            if check and hashlib.sha256(data).hexdigest() != want[rel]:
+                bad += 1
+    q.put((count, total, bad))
+q = mp.Queue()
+t = time.monotonic()
+ps = [mp.Process(target=work, args=(i, q)) for i in range(n)]
+for p in ps: p.start()
+res = [q.get() for _ in ps]
+for p in ps: p.join()
+took = time.monotonic() - t
+print(sum(r[0] for r in res), sum(r[1] for r in res), f"{took:.3f}", sum(r[2] for r in res))
+PY
+mport=$(free_port)
+GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
+  --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" --metrics-listen "127.0.0.1:$mport" \
+  ${GRANARY_FLAGS:-} > "$work/local.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
+mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
+bindfs -o multithreaded "$work/ufs" "$work/bind"
+bindfs_pid=$(pgrep -n -f "bindfs -o multithreaded $work/ufs" || true)
+
+cpu_of() { [ -n "$1" ] && awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+ops() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_op_seconds_count/ { print $1, $2 }'; }
+epoch=0
+# pass TARGET_DIR CHECK PID -> "samples bytes seconds bad cpu_ticks"
+pass() {
+  epoch=$((epoch + 1))
+  local c0 c1 out
+  c0=$(cpu_of "$3")
+  out=$(python3 "$work/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2")
+  c1=$(cpu_of "$3")
+  echo "$out $((c1 - c0))"
+}
+drop; rawcold=$(pass "$work/ufs/data" 0 "")
+ops0=$(ops)
+drop; cold=$(pass "$work/mnt/data" 1 "$pid")
+drop; first=$(pass "$work/mnt/data" 1 "$pid")
+for r in "$cold" "$first"; do
+  [ "$(echo "$r" | awk '{print $4}')" = 0 ] || { echo "samples differ from the source: $r"; exit 1; }
+  [ "$(echo "$r" | awk '{print $1}')" = "$files" ] || { echo "samples missing: $r"; exit 1; }
+done
+ops1=$(ops)
+triples=""
+for _ in $(seq 1 "$rounds"); do
+  drop; r=$(pass "$work/ufs/data" 0 "")
+  drop; b=$(pass "$work/bind/data" 0 "$bindfs_pid")
+  drop; w=$(pass "$work/mnt/data" 0 "$pid")
+  triples="$triples$r|$b|$w;"
+done
+python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" <<'PY'
+import statistics, sys
+files, kib, loaders = sys.argv[1], sys.argv[2], sys.argv[3]
+tck = int(sys.argv[7])
+def parse(s):
+    n, b, t, bad, cpu = s.split()
+    return int(n), int(b), float(t), int(cpu)
+def rate(s):
+    n, b, t, _ = parse(s)
+    return n / t, b / t / 1e6
+def cpu_per_k(s):
+    n, _, _, cpu = parse(s)
+    return cpu / tck / n * 1000
+triples = [t.split("|") for t in sys.argv[6].split(";") if t]
+raw = [rate(t[0])[0] for t in triples]
+bind = [rate(t[1])[0] for t in triples]
+warm = [rate(t[2])[0] for t in triples]
+print(f"{files} files of ~{kib} KiB, {loaders} loaders, {len(triples)} alternating rounds (medians)")
+for name, xs, ts in [("raw", raw, [t[0] for t in triples]), ("bindfs", bind, [t[1] for t in triples]), ("granary warm", warm, [t[2] for t in triples])]:
+    mbs = statistics.median(rate(t)[1] for t in ts)
+    cpu = statistics.median(cpu_per_k(t) for t in ts)
+    cpu_s = f", {cpu:.2f} CPU s / 1,000 samples of the FUSE process" if name != "raw" else ""
+    print(f"  {name:13s} {statistics.median(xs):9.0f} samples/s {mbs:8.1f} MB/s{cpu_s}")
+print(f"  warm/bindfs   {statistics.median(w / b for w, b in zip(warm, bind)):.2f}x   warm/raw {statistics.median(w / r for w, r in zip(warm, raw)):.2f}x")
+rc, c = rate(sys.argv[4])[0], rate(sys.argv[5])[0]
+print(f"  cold (first epoch from the store) {c:.0f} samples/s, raw first read {rc:.0f}: {c / rc:.2f}x, {cpu_per_k(sys.argv[5]):.2f} CPU s / 1,000 samples")
+def opmap(s):
+    out = {}
+    for line in s.splitlines():
+        k, v = line.rsplit(" ", 1)
+        out[k] = float(v)
+    return out
+o0, o1 = opmap(sys.argv[8]), opmap(sys.argv[9])
+per = {k.split('op="')[1].split('"')[0]: (o1[k] - o0.get(k, 0)) / (2 * int(files)) for k in o1 if 'op="' in k}
+print("  requests per sample (cold + first warm epoch, those that wait on the network): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()) if v > 0))
+PY
