@@ -113,6 +113,23 @@ impl Root {
     /// what the path names (of the link's target for a followed link; of the link itself
     /// for an [`Last::Entry`] that is a link).
     fn check(&self, path: &Path, last: Last) -> std::result::Result<Option<Metadata>, Refused> {
+        let md = self.check_links(path, last)?;
+        // A FIFO, socket or device is no object: opening a FIFO blocks for good (a local
+        // user's `mkfifo` and a few lookups would hold the master's blocking threads).
+        match &md {
+            Some(m) if last == Last::Object && !m.is_file() && !m.is_dir() => Err(Refused {
+                path: path.to_path_buf(),
+                why: "is not a regular file or a folder".into(),
+            }),
+            _ => Ok(md),
+        }
+    }
+
+    fn check_links(
+        &self,
+        path: &Path,
+        last: Last,
+    ) -> std::result::Result<Option<Metadata>, Refused> {
         let io = |p: &Path, e: std::io::Error| Refused {
             path: p.to_path_buf(),
             why: format!("cannot be checked: {e}"),
@@ -178,7 +195,7 @@ impl Root {
                 self.links == Symlinks::Inside
                     && std::fs::canonicalize(path).is_ok_and(|t| t.starts_with(&self.dir))
             }
-            Ok(_) => true,
+            Ok(md) => md.is_file() || md.is_dir(),
             // Gone meanwhile: the listing's own answer stands.
             Err(_) => true,
         }
@@ -689,6 +706,34 @@ mod tests {
             .unwrap();
         v.sort();
         v
+    }
+
+    /// A FIFO in the folder is neither listed nor opened (opening one blocks for good).
+    #[tokio::test]
+    async fn a_fifo_is_neither_listed_nor_opened() {
+        let t = setup("fifo");
+        let fifo = t.root.join("pipe");
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        let s = ConfinedLocal::new(&t.root, Symlinks::Inside).unwrap();
+        let got = tokio::time::timeout(std::time::Duration::from_secs(5), read(&s, "pipe"))
+            .await
+            .expect("reading a FIFO blocked");
+        assert!(
+            matches!(got, Err(object_store::Error::NotFound { .. })),
+            "{got:?}"
+        );
+        let head = s.head(&StorePath::from("pipe")).await;
+        assert!(
+            matches!(head, Err(object_store::Error::NotFound { .. })),
+            "{head:?}"
+        );
+        let (_, files) = names(&s, None).await;
+        assert!(!files.iter().any(|f| f == "pipe"), "{files:?}");
+        assert!(!all(&s, None).await.iter().any(|f| f == "pipe"));
     }
 
     #[tokio::test]

@@ -683,16 +683,22 @@ impl Run {
         if self.next >= self.slots.len() {
             return;
         }
+        // A version without a fingerprint is not in the under-store (yet): a file written
+        // async-through or must-cache, whose store path may still hold the object it
+        // replaces. Only cached copies serve it; bytes fetched from the store would be
+        // another version's, cached under this one's name for every reader.
+        let Some(fingerprint) = self.block.desc.fingerprint.as_ref() else {
+            return self.fail_rest(&FetchError::Unavailable(format!(
+                "version {} of file {} is not in the under-store yet (no fingerprint): only cached copies serve it",
+                self.block.desc.id.as_ref().map_or(0, |i| i.version),
+                self.block.desc.id.as_ref().map_or(0, |i| i.inode),
+            )));
+        };
+        let expect = Some(granary_common::ufs::Expected::from(fingerprint));
         let (ufs, loc) = match f.ufs(&self.block).await {
             Ok(x) => x,
             Err(e) => return self.fail_rest(&e),
         };
-        let expect = self
-            .block
-            .desc
-            .fingerprint
-            .as_ref()
-            .map(granary_common::ufs::Expected::from);
         let op = UfsMetrics::op(loc.mount_id, "get");
         let ps = f.store.page_size;
         let end = self
