@@ -42,11 +42,24 @@ const ADDRESS_KEYS: &[&str] = &[
     "proxy_url",
 ];
 
+/// Option keys (without their prefix) whose value is a file on the machine that opens the
+/// store, which the store client reads (and may send away: a web identity token goes to
+/// the STS endpoint): an admin naming `/etc/granary/tls/tls.key` there would read a
+/// master's key. Accepted only below `--allow-local-root`.
+const FILE_KEYS: &[&str] = &[
+    "web_identity_token_file",
+    "container_authorization_token_file",
+    "service_account",
+    "service_account_path",
+    "application_credentials",
+    "federated_token_file",
+];
+
 fn base_key(key: &str) -> String {
     let k = key.trim().to_ascii_lowercase();
     for p in ["aws_", "google_", "azure_storage_", "azure_"] {
         if let Some(b) = k.strip_prefix(p) {
-            if ADDRESS_KEYS.contains(&b) || b == "use_emulator" {
+            if ADDRESS_KEYS.contains(&b) || FILE_KEYS.contains(&b) || b == "use_emulator" {
                 return b.to_string();
             }
         }
@@ -57,6 +70,14 @@ fn base_key(key: &str) -> String {
 /// The host (lower case, an IPv6 address in brackets) and port (the scheme's default when
 /// none is written) of a URL.
 fn host_port(url: &str) -> Option<(String, Option<u16>)> {
+    // What HTTP clients read differently from this split (a backslash is a slash to them;
+    // spaces and controls) is no address of an allowed store.
+    if url
+        .chars()
+        .any(|c| c == '\\' || c.is_whitespace() || c.is_control())
+    {
+        return None;
+    }
     let (scheme, rest) = url.split_once("://")?;
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
     let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
@@ -188,11 +209,29 @@ impl MountPolicy {
         Ok(())
     }
 
-    /// Checks a spec against the policy (local folder, addresses).
+    /// Refuses options naming a local file (credential files the store client reads)
+    /// outside `--allow-local-root`.
+    pub fn check_files(&self, spec: &UfsSpec) -> Result<(), MasterError> {
+        for (k, v) in &spec.options {
+            if FILE_KEYS.contains(&base_key(k).as_str()) {
+                self.check_local(Path::new(v.trim())).map_err(|e| match e {
+                    MasterError::PermissionDenied { message } => MasterError::PermissionDenied {
+                        message: format!("the mount option {k}: {message}"),
+                    },
+                    e => e,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a spec (its options in clear) against the policy (local folder, credential
+    /// files, addresses).
     pub fn check(&self, spec: &UfsSpec) -> Result<(), MasterError> {
         if let Some(dir) = spec.local_dir() {
             self.check_local(&dir)?;
         }
+        self.check_files(spec)?;
         self.check_endpoints(spec)
     }
 }
@@ -254,13 +293,15 @@ impl UfsCache {
     /// The mount's spec with its credentials in clear (for a worker, or to open it). A
     /// mount the policy no longer allows (added before it, or under other flags) is refused.
     pub fn open_spec(&self, mount: &Mount) -> Result<UfsSpec, MasterError> {
-        self.policy.check(&mount.spec).map_err(|e| match e {
+        // Checked in clear: a sealed value (a proxy URL holding a password) names no address.
+        let spec = crate::secrets::open_spec(self.secrets.as_deref(), &mount.spec)?;
+        self.policy.check(&spec).map_err(|e| match e {
             MasterError::PermissionDenied { message } => MasterError::PermissionDenied {
-                message: format!("mount {}: {message}", mount.path),
+                message: format!("mount {}: {}", mount.path, spec.scrub(&message)),
             },
             e => e,
         })?;
-        crate::secrets::open_spec(self.secrets.as_deref(), &mount.spec)
+        Ok(spec)
     }
 
     /// Validates a requested mount before it is proposed: the URI parses, the options are
@@ -395,6 +436,62 @@ mod tests {
         };
         let e = cache.open_spec(&m).unwrap_err();
         assert!(e.to_string().starts_with("mount /x: "), "{e}");
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+
+    /// Found by review: a credential-file option read (and sent to an STS endpoint) a file
+    /// of the master's choosing; a backslash made an HTTP client connect elsewhere than the
+    /// allow-list saw.
+    #[test]
+    fn credential_files_and_tricky_addresses_are_refused() {
+        let none = MountPolicy::default();
+        for k in [
+            "aws_web_identity_token_file",
+            "web_identity_token_file",
+            "google_service_account",
+            "service_account_path",
+            "google_application_credentials",
+            "azure_federated_token_file",
+            "aws_container_authorization_token_file",
+        ] {
+            let e = none
+                .check(&spec("s3://b", &[(k, "/etc/granary/tls/tls.key")]))
+                .unwrap_err();
+            assert!(
+                matches!(e, MasterError::PermissionDenied { .. }),
+                "{k}: {e}"
+            );
+            assert!(e.to_string().contains(k), "{k}: {e}");
+        }
+        let tmp = std::env::temp_dir().join(format!("granary-files-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        std::fs::write(tmp.join("token"), b"t").unwrap();
+        let p = MountPolicy {
+            local_roots: vec![tmp.clone()],
+            endpoints: vec!["allowed.example".into()],
+        };
+        let token = tmp.join("token").display().to_string();
+        p.check(&spec("s3://b", &[("aws_web_identity_token_file", &token)]))
+            .unwrap();
+        for v in [
+            "https://evil.internal\\@allowed.example",
+            "https://evil.internal\\.allowed.example",
+            "https://evil.internal/@allowed.example",
+            "https://allowed.example\t",
+        ] {
+            assert!(
+                p.check_endpoints(&spec("s3://b", &[("endpoint", v)]))
+                    .is_err(),
+                "{v:?} was allowed"
+            );
+        }
+        for v in [
+            "https://allowed.example/p",
+            "http://user:pw@allowed.example:3128",
+        ] {
+            p.check_endpoints(&spec("s3://b", &[("proxy_url", v)]))
+                .unwrap();
+        }
         let _ = std::fs::remove_dir_all(&tmp);
     }
 

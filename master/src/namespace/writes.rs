@@ -110,10 +110,11 @@ impl Namespace {
             }
         }
         let ufs = self.ufs.get(&mount)?;
+        // Scrubbed with the options in clear (the stored ones are sealed).
         let scrub = |e: object_store::Error| MasterError::Unavailable {
-            message: mount
-                .spec
-                .scrub(&format!("deleting {path} in the under-store: {e}")),
+            message: self
+                .ufs
+                .scrub(&mount, &format!("deleting {path} in the under-store: {e}")),
         };
         match inode.kind {
             // An unfinished file has nothing in the store yet (a replaced file's old object
@@ -207,10 +208,12 @@ impl Namespace {
             )
         };
         let ufs = self.ufs.get(&mount)?;
+        // Scrubbed with the options in clear (the stored ones are sealed).
         let scrub = |e: object_store::Error| MasterError::Unavailable {
-            message: mount
-                .spec
-                .scrub(&format!("moving {src} to {dst} in the under-store: {e}")),
+            message: self.ufs.scrub(
+                &mount,
+                &format!("moving {src} to {dst} in the under-store: {e}"),
+            ),
         };
         let from = ufs.path_of(&inode.ufs_path);
         let to = ufs.path_of(&to_rel);
