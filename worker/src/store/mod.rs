@@ -97,7 +97,6 @@ struct Inner {
     /// How many leases hold each page.
     leased: HashMap<PageKey, u32>,
     leased_bytes: u64,
-    next_lease: u64,
     /// The next [`PageMeta::gen`].
     next_gen: u64,
     /// (used bytes, pages) last added to the worker-wide gauges.
@@ -321,7 +320,6 @@ impl PageStore {
                 lease_expiry: BTreeSet::new(),
                 leased: HashMap::new(),
                 leased_bytes: 0,
-                next_lease: 1,
                 next_gen: 1,
                 reported: (0, 0),
                 moving: HashMap::new(),
@@ -705,8 +703,15 @@ impl PageStore {
         if keys.is_empty() {
             return None;
         }
-        let id = inner.next_lease;
-        inner.next_lease += 1;
+        // Unguessable: `release_leases` ends any lease it names, whoever asks, so a lease id
+        // must not be one another client can count to (sequential ids let anyone end every
+        // lease, and the pages punched out under a reader read as zeros).
+        // 56 random bits: a tiered store puts the tier in the low bits of the ids it hands out.
+        let fresh = || (rand::random::<u64>() >> 8).max(1);
+        let mut id = fresh();
+        while inner.leases.contains_key(&id) {
+            id = fresh();
+        }
         inner.leases.insert(id, (keys, until));
         inner.lease_expiry.insert((until, id));
         drop(inner);
