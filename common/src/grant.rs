@@ -228,6 +228,11 @@ fn terms_mismatch(g: &pb::ReadGrant, terms: &Terms) -> Option<String> {
 pub struct GrantKeys(Mutex<VecDeque<GrantKey>>);
 
 impl GrantKeys {
+    /// Has the master sent any key (a cluster whose masters sign grants)?
+    pub fn any(&self) -> bool {
+        !self.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     /// Adds a key the master sent (a known one is ignored); the oldest beyond the last few go.
     pub fn learn(&self, k: &pb::GrantKey) {
         let mut keys = self.0.lock().unwrap_or_else(|e| e.into_inner());

@@ -2,9 +2,9 @@
 //! honest read grant sends `ReadBlock` with a tampered block size, file length, version,
 //! fingerprint or index (or alters the grant to match): every one is refused
 //! (PERMISSION_DENIED or INVALID_ARGUMENT) and nothing is cached; the honest read of the
-//! block then returns the source's bytes, and so does a second, cached read. A node's
-//! descriptor with a short length (trusted geometry, cached short) does not make a later
-//! honest read fail or panic the worker. Block files are the worker user's alone.
+//! block then returns the source's bytes, and so does a second, cached read. A node
+//! without a grant cannot fill the cache with a descriptor of its own either. Block files
+//! are the worker user's alone.
 
 use std::path::Path;
 use std::time::Duration;
@@ -285,13 +285,15 @@ fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
                 assert_eq!(hits, cached);
             }
 
-            // A node (trusted with geometry) caches block 2 short; an honest reader of its
-            // end still gets the source's bytes (the short pages are dropped and fetched
-            // again), and the worker lives on.
+            // A node without a grant (a worker's or a node mount's certificate) cannot fill
+            // the cache with a descriptor of its own either (a short block 2 here); an
+            // honest reader of block 2 gets the source's bytes.
             let mut short = honest(2);
             short.file_length = 2 * BLOCK + 1000;
-            let (got, _) = read(&w.addr, &node, &short, 0, 1000, None).await.unwrap();
-            assert_eq!(got.len(), 1000);
+            let e = read(&w.addr, &node, &short, 0, 1000, None)
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
             let last = LEN - 2 * BLOCK;
             let (got, _) = read(
                 &w.addr,

@@ -144,9 +144,20 @@ fn check_grant(
     inode: u64,
     ufs: Option<&pb::UfsLocation>,
     terms: Terms,
+    fills: bool,
 ) -> Result<(), Status> {
-    if who.has(Role::Node) {
-        return Ok(());
+    // A node's request without a grant: another worker reading cached pages only, a
+    // lease, or any request of a cluster whose masters sign no grants (plaintext). One
+    // that may fill the cache or write needs a grant like anyone's, and a grant a node
+    // shows is checked like anyone's: a node's descriptor cannot put other bytes under a
+    // block's name either.
+    if who.has(Role::Node) && grant.is_none() {
+        if !fills || !keys.any() {
+            return Ok(());
+        }
+        return Err(Status::permission_denied(format!(
+            "no read grant for file {inode}: a node's request that may fill the cache or write needs one too (ask the master for the file's status first)"
+        )));
     }
     let want = granary_common::grant::Use {
         principal: &who.name,
@@ -286,8 +297,9 @@ impl WorkerService for WorkerRpc {
                 version: header.version,
                 block_size: header.block_size,
             },
+            true,
         )?;
-        if !who.has(Role::Node) {
+        if !who.has(Role::Node) || header.grant.is_some() {
             // Only a file the master still has being written at this version.
             self.writes
                 .being_written(header.inode, header.version)
@@ -313,6 +325,7 @@ impl WorkerService for WorkerRpc {
             desc.id.as_ref().map_or(0, |id| id.inode),
             desc.ufs.as_ref(),
             Terms::Read(&desc),
+            !r.cached_only,
         )?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
@@ -428,7 +441,15 @@ impl WorkerService for WorkerRpc {
         // Leases of cached pages name no under-store object: a grant for the file will do.
         let granted = |inode: u64| {
             let grant = r.grants.iter().find(|g| g.inode == inode);
-            check_grant(&self.grant_keys, &who, grant, inode, None, Terms::None)
+            check_grant(
+                &self.grant_keys,
+                &who,
+                grant,
+                inode,
+                None,
+                Terms::None,
+                false,
+            )
         };
         if let Some(id) = &r.block {
             granted(id.inode)?;

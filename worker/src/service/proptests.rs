@@ -56,6 +56,13 @@ struct Rig {
 }
 
 async fn rig() -> Rig {
+    rig_with(true).await
+}
+
+/// A worker of a cluster whose masters sign grants (`signed`), or of a plaintext one (no
+/// grant keys: nodes are trusted with a block's geometry, and the worker's own checks
+/// are all that stands between a descriptor and a panic).
+async fn rig_with(signed: bool) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let metrics = WorkerMetrics::default();
     let pages = PageStore::open(
@@ -98,7 +105,9 @@ async fn rig() -> Rig {
     .unwrap();
     let key = GrantKey::random().unwrap();
     let grant_keys = Arc::new(GrantKeys::default());
-    grant_keys.learn(&key.to_proto());
+    if signed {
+        grant_keys.learn(&key.to_proto());
+    }
     let ufs = pb::UfsLocation {
         mount_id: 1,
         path: "f".into(),
@@ -396,15 +405,15 @@ proptest! {
         prop_assert_eq!(PANICS.load(Ordering::SeqCst), before, "a worker thread panicked");
     }
 
-    /// A node (trusted with geometry, not with its shape) sends arbitrary descriptors; no
-    /// request panics the worker, and an honest read afterwards answers (bytes or an error,
+    /// A node of a plaintext cluster (trusted with geometry, not with its shape) sends
+    /// arbitrary descriptors; no request panics the worker, and an honest read afterwards answers (bytes or an error,
     /// never a panic or a hang).
     #[test]
     fn no_descriptor_panics_a_worker(ops in prop::collection::vec(op(), 1..8)) {
         count_panics();
         let before = PANICS.load(Ordering::SeqCst);
         runtime().block_on(async {
-            let r = rig().await;
+            let r = rig_with(false).await;
             for op in &ops {
                 let _ = run(&r, op, true).await;
             }
@@ -426,13 +435,45 @@ proptest! {
                             cached_only,
                             lease: None,
                         };
-                        let _ = run(&r, &honest, false).await;
+                        let _ = run(&r, &honest, true).await;
                     }
                 }
             }
         });
         prop_assert_eq!(PANICS.load(Ordering::SeqCst), before, "a worker thread panicked");
     }
+}
+
+/// In a cluster whose masters sign grants, a node's read without a grant gets cached pages
+/// only: one that may fill the cache (and so name its bytes) is refused, as a user's is.
+#[test]
+fn a_node_without_a_grant_fills_nothing_where_grants_are_signed() {
+    runtime().block_on(async {
+        let r = rig().await;
+        let fill = Op {
+            tampers: vec![Tamper::BlockSize(BS - 100)],
+            index: 0,
+            offset: 0,
+            length: PS,
+            cache: true,
+            cached_only: false,
+            lease: None,
+        };
+        let (got, end) = run(&r, &fill, true).await;
+        let e = end.expect_err("a node's grant-less fill was served");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(got.is_empty());
+        assert!(!r.rpc.fetcher.store.contains(&((INODE, VERSION, 0), 0)));
+        // Reading cached pages only (a peer filling its own cache) needs none.
+        let peek = Op {
+            cached_only: true,
+            ..fill.clone()
+        };
+        let (_, end) = run(&r, &peek, true).await;
+        if let Err(e) = end {
+            assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}"); // not cached: not refused
+        }
+    });
 }
 
 /// A node's descriptor with another block size caches a short last page for block 0; an
@@ -444,7 +485,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
     let before = PANICS.load(Ordering::SeqCst);
     let src = source();
     runtime().block_on(async {
-        let r = rig().await;
+        let r = rig_with(false).await;
         let short = Op {
             tampers: vec![Tamper::BlockSize(BS - 100)],
             index: 0,
@@ -479,7 +520,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
                 cached_only,
                 lease: None,
             };
-            let (got, end) = run(&r, &honest, false).await;
+            let (got, end) = run(&r, &honest, true).await;
             if cached_only {
                 // Dropped, not served short.
                 assert_eq!(end.unwrap_err().code(), tonic::Code::NotFound);
