@@ -490,6 +490,17 @@ async fn read_with_grant(
     file: &pb::FileStatus,
     grant: Option<pb::ReadGrant>,
 ) -> Result<Vec<u8>, tonic::Status> {
+    read_block0(worker, creds, file, grant, false).await
+}
+
+/// Block 0 of `file` from `worker` (`cached_only`: what it holds, as a peer asks).
+async fn read_block0(
+    worker: &str,
+    creds: &Creds,
+    file: &pb::FileStatus,
+    grant: Option<pb::ReadGrant>,
+    cached_only: bool,
+) -> Result<Vec<u8>, tonic::Status> {
     let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
     let req = pb::ReadBlockRequest {
         block: Some(pb::BlockDescriptor {
@@ -506,7 +517,7 @@ async fn read_with_grant(
         offset: 0,
         length: file.length,
         cache: true,
-        cached_only: false,
+        cached_only,
         grant,
     };
     let mut stream = wc.read_block(req).await?.into_inner();
@@ -646,9 +657,14 @@ fn a_worker_serves_blocks_only_with_a_valid_grant() {
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
         assert!(e.message().contains("not writing"), "{e:?}");
 
-        // A node (a worker filling its cache from a peer) needs none.
-        let got = read_with_grant(&w, &node_creds, &a, None).await.unwrap();
+        // A node reading cached pages only (a worker filling its cache from a peer) needs
+        // none; a node's read that may fill the cache needs one like anyone's.
+        let got = read_block0(&w, &node_creds, &a, None, true).await.unwrap();
         assert_eq!(Sha256::digest(&got), want);
+        let e = read_with_grant(&w, &node_creds, &a, None)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
     });
     // Nothing was written over a.bin.
     assert_eq!(
