@@ -88,29 +88,40 @@ impl TestTls {
         self.dir.join("ca")
     }
 
-    /// Issues another identity of the test CA (`granary cert issue NAME ARGS..`).
+    /// Issues another identity of the test CA (`granary cert issue NAME ARGS..`), once per
+    /// test process for each name and arguments: tests running at once that ask for the
+    /// same identity share it (issuing it again under their feet let one read a new
+    /// certificate with the old key).
     pub fn issue(&self, name: &str, args: &[&str]) -> Result<PathBuf> {
-        issue_identity(&self.ca(), name, &self.dir.join(name), args)
+        static ISSUED: std::sync::Mutex<BTreeMap<String, PathBuf>> =
+            std::sync::Mutex::new(BTreeMap::new());
+        let key = format!("{name} {}", args.join(" "));
+        let mut issued = ISSUED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(dir) = issued.get(&key) {
+            return Ok(dir.clone());
+        }
+        // The name's own folder (as `identity(name)` finds it), unless other arguments
+        // took it.
+        let folder = if issued.values().any(|d| *d == self.dir.join(name)) {
+            format!("{name}-{}", issued.len())
+        } else {
+            name.to_string()
+        };
+        let dir = issue_identity(&self.ca(), name, &self.dir.join(folder), args)?;
+        issued.insert(key, dir.clone());
+        Ok(dir)
     }
 
     /// The `--tls-dir` of master `id` (`master-<id>`, `--role master --master-id <id>`),
     /// issued on first use: masters and workers are distinct identities, and a master's
     /// certificate speaks for its own id only.
     pub fn master(&self, id: u64) -> PathBuf {
-        static ISSUED: std::sync::Mutex<std::collections::BTreeSet<u64>> =
-            std::sync::Mutex::new(std::collections::BTreeSet::new());
-        let name = format!("master-{id}");
-        let mut issued = ISSUED.lock().unwrap_or_else(|e| e.into_inner());
-        if !issued.contains(&id) {
-            let id_s = id.to_string();
-            self.issue(
-                &name,
-                &["--role", "master", "--master-id", &id_s, "--days", "30"],
-            )
-            .expect("issuing a master identity");
-            issued.insert(id);
-        }
-        self.identity(&name)
+        let id_s = id.to_string();
+        self.issue(
+            &format!("master-{id}"),
+            &["--role", "master", "--master-id", &id_s, "--days", "30"],
+        )
+        .expect("issuing a master identity")
     }
 }
 
