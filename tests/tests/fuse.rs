@@ -229,6 +229,34 @@ fn small_files() -> std::path::PathBuf {
     dir
 }
 
+/// The training-loader pattern (a DataLoader with num_workers=N): N processes each open,
+/// read whole and close sample files in a new random order every epoch, in batches of 32;
+/// prints the samples read, the distinct samples, and those whose SHA-256 differs.
+const LOADER: &str = r#"
+import hashlib, multiprocessing as mp, os, random, sys
+root, want_file, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+want = dict(l.split() for l in open(want_file))
+names = sorted(want)
+random.Random(seed).shuffle(names)
+def work(i, q):
+    seen, bad = 0, []
+    mine = names[i::n]
+    for b in range(0, len(mine), 32):
+        for rel in mine[b:b + 32]:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+            seen += 1
+            if hashlib.sha256(data).hexdigest() != want[rel]:
+                bad.append(rel)
+    q.put((seen, bad))
+q = mp.Queue()
+ps = [mp.Process(target=work, args=(i, q)) for i in range(n)]
+for p in ps: p.start()
+res = [q.get() for _ in ps]
+for p in ps: p.join()
+print(sum(r[0] for r in res), len(set(names)), " ".join(b for r in res for b in r[1]))
+"#;
+
 #[test]
 fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
     let src = small_files();
@@ -239,6 +267,47 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
     let root = tmp.path();
     let c = Cluster::start(root, 1, "4GiB", &src).unwrap();
     let mnt = c.data();
+
+    // The loader pattern first: 4 shuffled loader processes over 3,000 samples, cold (from
+    // the under-store) then warm (the worker's disk, the kernel's pages dropped), every
+    // sample against the source's SHA-256 (the first 3,000 samples by name).
+    let want = root.join("want.txt");
+    sh(&format!(
+        "cd '{}' && ls s*/*.bin | sort | head -3000 | xargs sha256sum | awk '{{print $2, $1}}' > '{}'",
+        src.display(),
+        want.display()
+    ))
+    .unwrap();
+    let script = root.join("loader.py");
+    std::fs::write(&script, LOADER).unwrap();
+    for epoch in 1..=2 {
+        // The kernel forgets these samples: the second epoch reads the worker's disk.
+        sh(&format!(
+            "cd '{}' && cut -d' ' -f1 '{}' | xargs -I{{}} dd if={{}} iflag=nocache count=0 status=none",
+            mnt.display(),
+            want.display()
+        ))
+        .unwrap();
+        let out = sh(&format!(
+            "python3 '{}' '{}' '{}' 4 {epoch}",
+            script.display(),
+            mnt.display(),
+            want.display()
+        ))
+        .unwrap();
+        let mut it = out.split_whitespace();
+        assert_eq!(
+            it.next(),
+            Some("3000"),
+            "epoch {epoch}: samples read: {out}"
+        );
+        assert_eq!(
+            it.next(),
+            Some("3000"),
+            "epoch {epoch}: distinct samples: {out}"
+        );
+        assert_eq!(it.next(), None, "epoch {epoch}: samples that differ: {out}");
+    }
 
     // Python, 8 readers: open().read() of every small file, SHA-256 against the source.
     let digests = |d: &std::path::Path| {
@@ -293,85 +362,6 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
         mnt.join("fio/verify.bin").display()
     ))
     .unwrap();
-}
-
-/// The training-loader pattern: 4 loader processes each open, read whole and close sample
-/// files in a new random order every epoch, in batches of 32 (a DataLoader with
-/// num_workers=4), over 3,000 files through a real mount: the first epoch fetches them from
-/// the under-store, the second (page cache dropped) reads the worker's disk. Every sample
-/// of both epochs matches the source's SHA-256.
-#[test]
-fn shuffled_loader_processes_read_every_sample_correctly_cold_and_warm() {
-    const LOADER: &str = r#"
-import hashlib, multiprocessing as mp, os, random, sys
-root, want_file, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-want = dict(l.split() for l in open(want_file))
-names = sorted(want)
-random.Random(seed).shuffle(names)
-def work(i, q):
-    seen, bad = 0, []
-    mine = names[i::n]
-    for b in range(0, len(mine), 32):
-        for rel in mine[b:b + 32]:
-            with open(os.path.join(root, rel), "rb") as f:
-                data = f.read()
-            seen += 1
-            if hashlib.sha256(data).hexdigest() != want[rel]:
-                bad.append(rel)
-    q.put((seen, bad))
-q = mp.Queue()
-ps = [mp.Process(target=work, args=(i, q)) for i in range(n)]
-for p in ps: p.start()
-res = [q.get() for _ in ps]
-for p in ps: p.join()
-print(sum(r[0] for r in res), len(set(names)), " ".join(b for r in res for b in r[1]))
-"#;
-    let src = small_files();
-    let tmp = tempfile::Builder::new()
-        .prefix("granary-loader-")
-        .tempdir()
-        .unwrap();
-    let root = tmp.path();
-    // The first 3,000 samples (by name) and their digests, from the source.
-    let want = root.join("want.txt");
-    sh(&format!(
-        "cd '{}' && ls s*/*.bin | sort | head -3000 | xargs sha256sum | awk '{{print $2, $1}}' > '{}'",
-        src.display(),
-        want.display()
-    ))
-    .unwrap();
-    let script = root.join("loader.py");
-    std::fs::write(&script, LOADER).unwrap();
-    let c = Cluster::start(root, 1, "4GiB", &src).unwrap();
-    let mnt = c.data();
-    for epoch in 1..=2 {
-        // The kernel forgets these samples: the second epoch reads the worker's disk.
-        sh(&format!(
-            "cd '{}' && cut -d' ' -f1 '{}' | xargs -I{{}} dd if={{}} iflag=nocache count=0 status=none",
-            mnt.display(),
-            want.display()
-        ))
-        .unwrap();
-        let out = sh(&format!(
-            "python3 '{}' '{}' '{}' 4 {epoch}",
-            script.display(),
-            mnt.display(),
-            want.display()
-        ))
-        .unwrap();
-        let mut it = out.split_whitespace();
-        assert_eq!(
-            it.next(),
-            Some("3000"),
-            "epoch {epoch}: samples read: {out}"
-        );
-        assert_eq!(
-            it.next(),
-            Some("3000"),
-            "epoch {epoch}: distinct samples: {out}"
-        );
-        assert_eq!(it.next(), None, "epoch {epoch}: samples that differ: {out}");
-    }
 }
 
 /// A program reading a folder's small files one after another in name order (here `cat`
