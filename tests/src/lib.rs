@@ -541,23 +541,30 @@ impl Master {
     }
 
     pub fn start_on(root: &Path, data_dir: &Path, port: u16) -> Result<Self> {
+        Self::start_opts(root, data_dir, port, &[])
+    }
+
+    /// A master with more flags (e.g. `--block-size 1MiB`).
+    pub fn start_with(root: &Path, extra: &[&str]) -> Result<Self> {
+        Self::start_opts(root, &root.join("master-data"), free_port(), extra)
+    }
+
+    fn start_opts(root: &Path, data_dir: &Path, port: u16, extra: &[&str]) -> Result<Self> {
         let listen = format!("127.0.0.1:{port}");
         let d = data_dir.to_string_lossy().to_string();
-        let mut proc = Proc::spawn(
+        let mut args = vec![
             "master",
-            root,
-            &[
-                "master",
-                "--data-dir",
-                &d,
-                "--listen",
-                &listen,
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--worker-timeout",
-                "3s",
-            ],
-        )?;
+            "--data-dir",
+            &d,
+            "--listen",
+            &listen,
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--worker-timeout",
+            "3s",
+        ];
+        args.extend_from_slice(extra);
+        let mut proc = Proc::spawn("master", root, &args)?;
         let addr = proc.wait_for_line("granary master listening on", Duration::from_secs(60))?;
         let metrics = proc
             .wait_for_line("metrics on http://", Duration::from_secs(10))?

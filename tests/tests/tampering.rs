@@ -23,43 +23,7 @@ const LEN: u64 = 5 * MIB / 2;
 
 /// A master whose files loaded from under-stores have blocks of [`BLOCK`] bytes.
 fn master(root: &Path) -> Master {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let data_dir = root.join("master-data");
-    let d = data_dir.to_string_lossy().to_string();
-    let mut proc = Proc::spawn(
-        "master",
-        root,
-        &[
-            "master",
-            "--data-dir",
-            &d,
-            "--listen",
-            &listen,
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--worker-timeout",
-            "3s",
-            "--block-size",
-            "1MiB",
-        ],
-    )
-    .unwrap();
-    let addr = proc
-        .wait_for_line("granary master listening on", Duration::from_secs(60))
-        .unwrap();
-    let metrics = proc
-        .wait_for_line("metrics on http://", Duration::from_secs(10))
-        .unwrap()
-        .trim_end_matches("/metrics")
-        .to_string();
-    Master {
-        proc,
-        addr,
-        metrics,
-        data_dir,
-        port,
-    }
+    Master::start_with(root, &["--block-size", "1MiB"]).unwrap()
 }
 
 /// Reads `[offset, offset+length)` of the block `desc` names as `creds`, showing `grant`:
