@@ -1293,6 +1293,68 @@ fn no_user_request_stops_a_master_group() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         let done = a.complete_file(complete(0)).await.unwrap().into_inner();
         assert!(done.status.unwrap().complete);
+
+        // The same request id from another principal is another request: bob's create is
+        // made, not answered with alice's outcome (and a write grant on her file).
+        let mine = |path: &str| pb::CreateFileRequest {
+            path: path.into(),
+            request_id: 77,
+            ..Default::default()
+        };
+        let fa = a
+            .create_file(mine("/rid-alice"))
+            .await
+            .unwrap()
+            .into_inner();
+        let fb = b.create_file(mine("/rid-bob")).await.unwrap().into_inner();
+        let (fa, fb) = (fa.status.unwrap(), fb.status.unwrap());
+        assert_ne!(fa.inode, fb.inode);
+        assert_eq!(fb.path, "/rid-bob");
+        // A location ask past the limit is refused.
+        let e = a
+            .get_block_locations(pb::GetBlockLocationsRequest {
+                blocks: (0..5000)
+                    .map(|index| pb::BlockId {
+                        inode: fa.inode,
+                        version: fa.version,
+                        index,
+                    })
+                    .collect(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    });
+
+    // A principal limited to a subtree learns nothing of names outside it: a path that
+    // exists and one that does not get the same refusal.
+    let team = TestTls::get()
+        .issue(
+            "team-x",
+            &[
+                "--role",
+                "user",
+                "--subtree",
+                "/datasets/team-x",
+                "--days",
+                "1",
+            ],
+        )
+        .unwrap();
+    rt().block_on(async {
+        let mut t = MasterServiceClient::new(channel(&leader_addr, Some(&creds_in(&team))));
+        for path in ["/scratch-file", "/no-such-file"] {
+            let e = t
+                .get_status(pb::GetStatusRequest {
+                    target: Some(pb::PathOrId {
+                        target: Some(pb::path_or_id::Target::Path(path.into())),
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{path}: {e:?}");
+        }
     });
 
     // A store file claiming 2^58 bytes (sparse, on a tmpfs): its load fails with a reason,
