@@ -294,9 +294,18 @@ impl Expected {
     }
 }
 
-/// An ETag without weak marker and quotes.
-fn bare_etag(e: &str) -> &str {
-    e.trim_start_matches("W/").trim_matches('"')
+/// An ETag without its weak marker and quotes (`W/"abc"` and `"abc"` → `abc`). Stores
+/// quote the same ETag differently in listings and responses (GCS lists it bare and sends
+/// it quoted), and a bare ETag may itself begin with `W/` (a base64 MD5 does one time in
+/// 4,096): `W/` is a marker only in front of a quote.
+pub fn bare_etag(e: &str) -> &str {
+    let e = e.trim();
+    if let Some(rest) = e.strip_prefix("W/\"") {
+        return rest.strip_suffix('"').unwrap_or(rest);
+    }
+    e.strip_prefix('"')
+        .and_then(|r| r.strip_suffix('"'))
+        .unwrap_or(e)
 }
 
 impl From<&granary_proto::Fingerprint> for Expected {
@@ -1185,6 +1194,24 @@ mod tests {
         assert_eq!(e.mismatch(&meta(Some("\"abc\""), 10, 99)), None);
         assert!(e.mismatch(&meta(Some("\"abd\""), 10, 5)).is_some());
         assert!(e.mismatch(&meta(Some("abc"), 11, 5)).is_some());
+        // A bare base64 MD5 that begins with `W/` (GCS lists it so, and sends it quoted):
+        // the same object, not a weak tag. (It once failed a CI run with ESTALE.)
+        let e = Expected {
+            etag: "W/Jgw/R5W7gtUNfkgH5Wrw==".into(),
+            size: 10,
+            mtime_ms: 0,
+        };
+        assert_eq!(
+            e.mismatch(&meta(Some("\"W/Jgw/R5W7gtUNfkgH5Wrw==\""), 10, 5)),
+            None
+        );
+        assert!(e
+            .mismatch(&meta(Some("\"Jgw/R5W7gtUNfkgH5Wrw==\""), 10, 5))
+            .is_some());
+        // A weak tag and the strong one of the same value.
+        assert_eq!(bare_etag("W/\"abc\""), "abc");
+        assert_eq!(bare_etag("\"abc\""), "abc");
+        assert_eq!(bare_etag("W/abc"), "W/abc");
         // Without an ETag, the modification time decides (to the second).
         let e = Expected {
             etag: String::new(),

@@ -291,7 +291,10 @@ impl Proc {
         }
         let child = cmd
             .args(args)
-            .env("GRANARY_LOG", "info")
+            .env(
+                "GRANARY_LOG",
+                std::env::var("GRANARY_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(f.try_clone()?)
             .stderr(f)
@@ -818,6 +821,40 @@ pub fn count_in_log(path: &Path, marker: &str) -> usize {
     std::fs::read_to_string(path)
         .map(|t| t.lines().filter(|l| l.contains(marker)).count())
         .unwrap_or(0)
+}
+
+/// The WARN and ERROR lines of the logs named `names` (`<root>/<name>.log`), colour codes
+/// stripped: what a failed assertion prints so a run on another machine can be diagnosed.
+pub fn warnings_in_logs(root: &Path, names: &[&str]) -> String {
+    let mut out = String::new();
+    for name in names {
+        let text = std::fs::read_to_string(root.join(format!("{name}.log"))).unwrap_or_default();
+        for line in text.lines() {
+            let plain = strip_ansi(line);
+            if plain.contains(" WARN ") || plain.contains(" ERROR ") {
+                out.push_str(&format!("[{name}] {plain}\n"));
+            }
+        }
+    }
+    out
+}
+
+/// `s` without terminal colour sequences (`ESC [ ... m`).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The last `n` lines of the file at `path`.

@@ -32,9 +32,9 @@ impl Fingerprint {
     /// ETags decide when both have one (quotes aside); otherwise size and modification time
     /// to the second (`Last-Modified` has no finer precision; listings often do).
     pub fn same_object(&self, other: &Fingerprint) -> bool {
-        let bare = |e: &str| e.trim_start_matches("W/").trim_matches('"').to_string();
+        use granary_common::ufs::bare_etag;
         if !self.etag.is_empty() && !other.etag.is_empty() {
-            return bare(&self.etag) == bare(&other.etag) && self.size == other.size;
+            return bare_etag(&self.etag) == bare_etag(&other.etag) && self.size == other.size;
         }
         self.size == other.size && self.mtime_ms.div_euclid(1000) == other.mtime_ms.div_euclid(1000)
     }
@@ -427,4 +427,27 @@ impl Proposal {
 pub struct RequestOutcome {
     pub at_ms: i64,
     pub result: Result<ApplyOutput, crate::error::MasterError>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fingerprint;
+
+    fn fp(etag: &str) -> Fingerprint {
+        Fingerprint {
+            etag: etag.into(),
+            size: 7,
+            mtime_ms: 0,
+            version_id: String::new(),
+        }
+    }
+
+    #[test]
+    fn an_etag_is_the_same_however_it_is_quoted() {
+        // GCS lists a base64 MD5 bare and sends it quoted; one in 4,096 begins with `W/`.
+        assert!(fp("W/Jgw/R5W7gtUNfkgH5Wrw==").same_object(&fp("\"W/Jgw/R5W7gtUNfkgH5Wrw==\"")));
+        assert!(fp("W/\"abc\"").same_object(&fp("\"abc\"")));
+        assert!(fp("abc").same_object(&fp("\"abc\"")));
+        assert!(!fp("W/abc").same_object(&fp("abc")));
+    }
 }
