@@ -95,6 +95,8 @@ bindfs_pid=$(pgrep -n -f "bindfs -o multithreaded $work/ufs" || true)
 
 cpu_of() { [ -n "$1" ] && awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 ops() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_op_seconds_count/ { print $1, $2 }'; }
+# FUSE requests by kind, network waits by kind, kept-file reads (counters).
+counters() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_fuse_requests_total|^granary_client_op_seconds_count|^granary_client_kept_reads_total/ { print $1, $2 }'; }
 epoch=0
 # pass TARGET_DIR CHECK PID -> "samples bytes seconds bad cpu_ticks"
 pass() {
@@ -115,13 +117,15 @@ for r in "$cold" "$first"; do
 done
 ops1=$(ops)
 triples=""
+warm0=$(counters)
 for _ in $(seq 1 "$rounds"); do
   drop; r=$(pass "$work/ufs/data" 0 "")
   drop; b=$(pass "$work/bind/data" 0 "$bindfs_pid")
   drop; w=$(pass "$work/mnt/data" 0 "$pid")
   triples="$triples$r|$b|$w;"
 done
-python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" <<'PY'
+warm1=$(counters)
+python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" "$warm0" "$warm1" "$rounds" <<'PY'
 import statistics, sys
 files, kib, loaders = sys.argv[1], sys.argv[2], sys.argv[3]
 tck = int(sys.argv[7])
@@ -156,4 +160,14 @@ def opmap(s):
 o0, o1 = opmap(sys.argv[8]), opmap(sys.argv[9])
 per = {k.split('op="')[1].split('"')[0]: (o1[k] - o0.get(k, 0)) / (2 * int(files)) for k in o1 if 'op="' in k}
 print("  requests per sample (cold + first warm epoch, those that wait on the network): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()) if v > 0))
+w0, w1, rounds = opmap(sys.argv[10]), opmap(sys.argv[11]), int(sys.argv[12])
+n = rounds * int(files)
+def per_kind(prefix):
+    return {k.split('op="')[1].split('"')[0]: (w1[k] - w0.get(k, 0)) / n for k in w1 if k.startswith(prefix) and 'op="' in k}
+fuse = per_kind("granary_client_fuse_requests_total")
+net = per_kind("granary_client_op_seconds_count")
+kept = (w1.get("granary_client_kept_reads_total", 0) - w0.get("granary_client_kept_reads_total", 0)) / n
+print("  warm epochs, per sample: FUSE requests " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(fuse.items()) if v > 0.005)
+      + "; waiting on the network " + (", ".join(f"{k} {v:.2f}" for k, v in sorted(net.items()) if v > 0.005) or "none")
+      + f"; reads from kept block files {kept:.2f}")
 PY

@@ -70,6 +70,13 @@ struct Held {
     renewed: Instant,
 }
 
+/// A status seen lately: when it arrived and in which epoch of the namespace watch.
+pub(crate) struct Recent {
+    pub(crate) at: Instant,
+    pub(crate) epoch: u64,
+    pub(crate) status: pb::FileStatus,
+}
+
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
@@ -84,7 +91,10 @@ pub struct FileSystem {
     read_timeout_ms: std::sync::atomic::AtomicU64,
     /// Statuses seen lately (lookups, listings), by inode: an open within `status_ttl` of
     /// one uses it instead of asking the master again (0: never).
-    recent: Mutex<HashMap<u64, (Instant, pb::FileStatus)>>,
+    pub(crate) recent: Mutex<HashMap<u64, Recent>>,
+    /// The namespace watch: statuses it covers are used beyond `status_ttl` (see
+    /// [`crate::watch`]).
+    pub watch: crate::watch::Watch,
     status_ttl_ms: std::sync::atomic::AtomicU64,
     /// The entry listed after each file (by inode): a reader of a folder of small files
     /// leases the next ones with the one it opens.
@@ -96,7 +106,7 @@ pub struct FileSystem {
     /// see `granary_common::grant`).
     grants: Mutex<HashMap<(u64, u64), pb::ReadGrant>>,
     /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
-    names: Mutex<HashMap<(u64, String), u64>>,
+    pub(crate) names: Mutex<HashMap<(u64, String), u64>>,
     /// Folders whose next listing page is being fetched ahead of lookups.
     listing_ahead: Mutex<std::collections::HashSet<u64>>,
     /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
@@ -168,7 +178,7 @@ fn block_ranges(offset: u64, end: u64, bs: u64) -> impl Iterator<Item = (u64, u6
     })
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
@@ -190,6 +200,7 @@ impl FileSystem {
                 DEFAULT_READ_TIMEOUT.as_millis() as u64
             ),
             recent: Mutex::new(HashMap::new()),
+            watch: crate::watch::Watch::default(),
             status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
             next_in_dir: Mutex::new(HashMap::new()),
             leasing_ahead: AtomicBool::new(false),
@@ -256,16 +267,25 @@ impl FileSystem {
             .store(ttl.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn remember(&self, s: &pb::FileStatus) {
+    /// Keeps a status the master sent in answer to a request sent at `since`.
+    pub(crate) fn remember(&self, s: &pb::FileStatus, since: crate::watch::Since) {
         self.note_grant(s);
         if self.status_ttl() == 0 {
             return;
         }
+        let epoch = self.watch.epoch_for(s.inode, since);
         let mut r = lock(&self.recent);
         if r.len() >= RECENT_STATUSES {
             r.clear();
         }
-        r.insert(s.inode, (Instant::now(), s.clone()));
+        r.insert(
+            s.inode,
+            Recent {
+                at: Instant::now(),
+                epoch,
+                status: s.clone(),
+            },
+        );
     }
 
     /// Forgets what the client saw of `inode` (it changed through this client).
@@ -276,9 +296,20 @@ impl FileSystem {
     fn recent_status(&self, inode: u64) -> Option<pb::FileStatus> {
         let ttl = self.status_ttl();
         let r = lock(&self.recent);
-        let (at, s) = r.get(&inode)?;
-        (at.elapsed().as_millis() < u128::from(ttl) && !s.validate_on_open && s.complete)
-            .then(|| s.clone())
+        let e = r.get(&inode)?;
+        let s = &e.status;
+        (self.fresh(e, ttl) && !s.validate_on_open && s.complete).then(|| s.clone())
+    }
+
+    /// Whether a status seen lately may be used without asking the master: within the
+    /// attribute timeout `ttl` (ms; 0: never), or beyond it while the namespace watch
+    /// covers it.
+    fn fresh(&self, e: &Recent, ttl: u64) -> bool {
+        if ttl == 0 {
+            return false;
+        }
+        let age = e.at.elapsed();
+        age.as_millis() < u128::from(ttl) || self.watch.trusts(e.epoch, age, e.status.cache_ms)
     }
 
     pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
@@ -356,6 +387,20 @@ impl FileSystem {
         self.recent_status(inode)
     }
 
+    /// A folder's status when the namespace watch vouches for it (any change of its
+    /// entries is announced, which drops it): a `stat` of a folder may use it. Without
+    /// the watch a folder is always asked for (its entries may have just changed).
+    pub fn watched_dir_status(&self, inode: u64) -> Option<pb::FileStatus> {
+        let r = lock(&self.recent);
+        let e = r.get(&inode)?;
+        (e.status.kind == pb::FileKind::Directory as i32
+            && self.status_ttl() > 0
+            && self
+                .watch
+                .trusts(e.epoch, e.at.elapsed(), e.status.cache_ms))
+        .then(|| e.status.clone())
+    }
+
     /// The entry after `inode` in its folder's name order, as the last listing page that
     /// held both gave it.
     pub fn next_in_folder(&self, inode: u64) -> Option<u64> {
@@ -391,11 +436,12 @@ impl FileSystem {
         if let Some(s) = self.recent_status(inode) {
             return Ok(s);
         }
+        let since = self.watch.since();
         let s = self
             .master
             .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
             .await?;
-        self.remember(&s);
+        self.remember(&s, since);
         let listed = lock(&self.names).contains_key(&(s.parent, s.name.clone()));
         if listed && !s.validate_on_open {
             self.list_ahead(s.parent, &s.name);
@@ -404,17 +450,26 @@ impl FileSystem {
     }
 
     pub async fn stat_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
+        let since = self.watch.since();
         let s = self
             .master
             .get_status(pb::path_or_id::Target::Inode(inode))
             .await?;
-        self.remember(&s);
+        self.remember(&s, since);
         Ok(s)
     }
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
+        let since = self.watch.since();
         let s = self.master.lookup(parent, name).await?;
-        self.remember(&s);
+        self.remember(&s, since);
+        if self.status_ttl() > 0 {
+            let mut names = lock(&self.names);
+            if names.len() >= RECENT_STATUSES {
+                names.clear();
+            }
+            names.insert((s.parent, s.name.clone()), s.inode);
+        }
         Ok(s)
     }
 
@@ -436,9 +491,9 @@ impl FileSystem {
             .get(&(parent, name.to_string()))
             .copied()?;
         let r = lock(&self.recent);
-        let (at, s) = r.get(&inode)?;
-        (at.elapsed().as_millis() < u128::from(ttl) && s.parent == parent && s.name == name)
-            .then(|| s.clone())
+        let e = r.get(&inode)?;
+        let s = &e.status;
+        (self.fresh(e, ttl) && s.parent == parent && s.name == name).then(|| s.clone())
     }
 
     /// A lookup for the kernel (FUSE): answered from a fresh listing when it holds the name
@@ -452,6 +507,23 @@ impl FileSystem {
     ) -> Result<pb::FileStatus, ClientError> {
         if let Some(s) = self.lookup_fresh(parent, name) {
             return Ok(s);
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let inode = lock(&self.names).get(&(parent, name.to_string())).copied();
+            let entry = inode.and_then(|i| {
+                lock(&self.recent)
+                    .get(&i)
+                    .map(|e| (e.epoch, e.at.elapsed(), e.status.cache_ms))
+            });
+            tracing::debug!(
+                parent,
+                name,
+                ?inode,
+                ?entry,
+                live = self.watch.live(),
+                epoch = self.watch.epoch(),
+                "lookup asks the master"
+            );
         }
         let s = self.lookup(parent, name).await?;
         if self.status_ttl() > 0 {
@@ -490,12 +562,13 @@ impl FileSystem {
         after: &str,
         page_size: u32,
     ) -> Result<(Vec<pb::FileStatus>, String), ClientError> {
+        let since = self.watch.since();
         let r = self
             .master
             .list_page(target, after.to_string(), page_size, false)
             .await?;
         for e in &r.entries {
-            self.remember(e);
+            self.remember(e, since);
         }
         if self.status_ttl() > 0 {
             let mut names = lock(&self.names);
@@ -613,11 +686,31 @@ impl FileSystem {
             let mut pos = in_block;
             while pos < in_block + n {
                 let k = (span - pos % span).min(in_block + n - pos);
-                let lease = self
+                let data = match self
                     .short_circuit
-                    .lease(&id, self.short_circuit.window_of(pos))?;
-                let data = lease.read(pos, k).ok()?;
-                reads.push((lease.worker_id, data.len() as u64));
+                    .lease(&id, self.short_circuit.window_of(pos))
+                {
+                    Some(lease) => {
+                        let data = lease.read(pos, k).ok()?;
+                        reads.push((lease.worker_id, data.len() as u64));
+                        data
+                    }
+                    // A small file read before: its block file may still be open here.
+                    None => {
+                        let kept = self.short_circuit.kept(&id)?;
+                        match kept.read_kept(pos, k) {
+                            Ok(data) => {
+                                self.metrics.kept_reads.inc();
+                                reads.push((kept.worker_id, data.len() as u64));
+                                data
+                            }
+                            Err(_) => {
+                                self.short_circuit.drop_kept(&id);
+                                return None;
+                            }
+                        }
+                    }
+                };
                 parts.push(data);
                 pos += k;
             }
@@ -699,7 +792,14 @@ impl FileSystem {
         if file.kind != pb::FileKind::File as i32 || file.length == 0 {
             return;
         }
-        if file.length <= small {
+        if file.length <= small && file.length <= block_size(file) {
+            let id = pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index: 0,
+            };
+            self.short_circuit.keep_open(&id, file.length);
+        } else if file.length <= small {
             let id = pb::BlockId {
                 inode: file.inode,
                 version: file.version,
@@ -731,7 +831,7 @@ impl FileSystem {
             }
             cur
         };
-        let Some(s) = lock(&self.recent).get(&target).map(|(_, s)| s.clone()) else {
+        let Some(s) = lock(&self.recent).get(&target).map(|e| e.status.clone()) else {
             return;
         };
         let Some(id) = self.small_block_to_lease(&s, small) else {
@@ -1136,8 +1236,9 @@ impl FileSystem {
     /// have no lease yet: leased together with it, a loader reading a folder file by file
     /// costs one lease request per batch rather than per file.
     fn small_files_after(&self, inode: u64) -> Vec<pb::BlockId> {
-        if lock(&self.recent).get(&inode).is_none_or(|(_, s)| {
-            s.length > self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES)
+        if lock(&self.recent).get(&inode).is_none_or(|e| {
+            e.status.length
+                > self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES)
         }) {
             return Vec::new();
         }
@@ -1151,7 +1252,7 @@ impl FileSystem {
                 break;
             };
             cur = n;
-            let Some((_, s)) = recent.get(&n) else {
+            let Some(Recent { status: s, .. }) = recent.get(&n) else {
                 continue;
             };
             let Some(id) = self.small_block_to_lease(s, small) else {
@@ -1176,7 +1277,8 @@ impl FileSystem {
             version: s.version,
             index: 0,
         };
-        let leased = self.short_circuit.lease(&id, 0).is_some();
+        let leased =
+            self.short_circuit.lease(&id, 0).is_some() || self.short_circuit.kept(&id).is_some();
         (!leased && !self.short_circuit.recently_missing(&id)).then_some(id)
     }
 

@@ -13,6 +13,7 @@ pub mod master;
 pub mod metrics;
 pub mod mounts;
 pub mod placement;
+pub mod watch;
 pub mod write;
 
 pub use error::ClientError;

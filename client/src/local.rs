@@ -53,6 +53,12 @@ const RENEW_MARGIN: Duration = Duration::from_secs(2);
 const NOT_LOCAL_FOR: Duration = Duration::from_secs(60);
 /// Deadline of a lease request.
 pub const LEASE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Small files' block files kept open after their leases are given back, at most (each
+/// holds one or two descriptors; fewer when the process may open few files).
+const KEPT_FILES: usize = 16_384;
+/// Bytes of the block files kept open, at most: a kept file the worker evicts meanwhile
+/// still takes disk space until this client lets it go.
+const KEPT_BYTES: u64 = 1 << 30;
 /// A block that had no lease, or whose lease lacked a page, is read over gRPC for this long
 /// before a new lease is asked for (a cold block does not cost a lease request per read).
 const RETRY_LEASE_AFTER: Duration = Duration::from_millis(50);
@@ -266,6 +272,68 @@ impl LocalLease {
 }
 
 impl LocalLease {
+    /// Whether the lease holds every byte of a `len`-byte block from its first page (all
+    /// of a small file).
+    pub fn holds_whole(&self, len: u64) -> bool {
+        let ps = self.page_size;
+        self.first == 0
+            && len > 0
+            && (0..len.div_ceil(ps)).all(|p| {
+                u32::try_from(p)
+                    .ok()
+                    .and_then(|i| self.pages.get(&i))
+                    .is_some_and(|&(l, _)| u64::from(l) == ps.min(len - p * ps))
+            })
+    }
+
+    /// Reads `len` bytes at `offset` of a block file kept open after its lease was given
+    /// back (see [`ShortCircuit::keep_open`]). The worker may have evicted the block since:
+    /// a removed file still reads as it was (this descriptor holds it), a page punched out
+    /// or written again reads as zeros or other bytes and fails its checksum. So every
+    /// page read is checked whole, every time, and nothing depends on the lease's end.
+    pub fn read_kept(&self, offset: u64, len: u64) -> Result<Bytes, Miss> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let ps = self.page_size;
+        let (first, last) = (offset / ps, (offset + len - 1) / ps);
+        let from = first * ps;
+        let mut want = 0u64;
+        let mut pages = Vec::with_capacity((last - first + 1) as usize);
+        for page in first..=last {
+            let index = u32::try_from(page).map_err(|_| Miss::Bad)?;
+            let &(plen, crc) = self.pages.get(&index).ok_or(Miss::NotCached)?;
+            let end = page * ps + u64::from(plen);
+            if (offset + len).min(page * ps + ps) > end {
+                return Err(Miss::NotCached);
+            }
+            want = end - from;
+            pages.push((page * ps, u64::from(plen), crc));
+        }
+        let whole = match &self.direct {
+            Some(d) => crate::direct::read_at(d, from, want as usize),
+            None => None,
+        };
+        let whole = match whole {
+            Some(w) => w,
+            None => {
+                let file = self.file().map_err(|_| Miss::Bad)?;
+                crate::direct::filled(want as usize, |out| {
+                    file.read_exact_at(out, from).map_err(|_| Miss::Bad)
+                })?
+            }
+        };
+        for &(page_start, plen, crc) in &pages {
+            let at = (page_start - from) as usize;
+            let bytes = whole.get(at..at + plen as usize).ok_or(Miss::Bad)?;
+            if crc32c::crc32c(bytes) != crc {
+                return Err(Miss::Bad);
+            }
+        }
+        let at = (offset - from) as usize;
+        Ok(whole.slice(at..at + len as usize))
+    }
+
     /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
     /// 0, that the block file is exactly that long, and every page's CRC32C (blocking I/O).
     /// Returns a descriptor of the block file.
@@ -347,6 +415,57 @@ pub struct ShortCircuit {
     page_size: AtomicU64,
     /// Leases this client is done with, to be released on their worker: worker → ids.
     done: Mutex<HashMap<u64, Vec<u64>>>,
+    /// Small files' block files kept open after their leases were given back.
+    kept: Mutex<Kept>,
+}
+
+/// Block files of small files read whole and closed, kept open (see
+/// [`ShortCircuit::keep_open`]); the oldest go first.
+#[derive(Default)]
+struct Kept {
+    files: HashMap<BlockKey, (Arc<LocalLease>, u64)>,
+    order: std::collections::VecDeque<BlockKey>,
+    bytes: u64,
+    max_files: usize,
+}
+
+impl Kept {
+    fn remove(&mut self, key: &BlockKey) {
+        if let Some((_, len)) = self.files.remove(key) {
+            self.bytes -= len;
+        }
+    }
+
+    fn insert(&mut self, key: BlockKey, lease: Arc<LocalLease>, len: u64) {
+        self.remove(&key);
+        while !self.order.is_empty()
+            && (self.files.len() >= self.max_files || self.bytes + len > KEPT_BYTES)
+        {
+            if let Some(old) = self.order.pop_front() {
+                self.remove(&old);
+            }
+        }
+        if self.files.len() >= self.max_files || self.bytes + len > KEPT_BYTES {
+            return;
+        }
+        self.files.insert(key, (lease, len));
+        self.order.push_back(key);
+        self.bytes += len;
+        // Keys of files removed meanwhile are dropped as they reach the front.
+        if self.order.len() > 2 * self.max_files.max(1) {
+            let files = &self.files;
+            self.order.retain(|k| files.contains_key(k));
+        }
+    }
+}
+
+/// How many block files may be kept open, given the descriptors this process may open
+/// (two per file at most, a quarter of the limit in all).
+fn kept_files_limit() -> usize {
+    let soft = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft)
+        .unwrap_or(1024);
+    KEPT_FILES.min(usize::try_from(soft / 8).unwrap_or(KEPT_FILES))
 }
 
 impl ShortCircuit {
@@ -362,7 +481,47 @@ impl ShortCircuit {
             unreachable: Mutex::new(HashMap::new()),
             page_size: AtomicU64::new(granary_common::DEFAULT_PAGE_SIZE),
             done: Mutex::new(HashMap::new()),
+            kept: Mutex::new(Kept {
+                max_files: kept_files_limit(),
+                ..Kept::default()
+            }),
         }
+    }
+
+    /// A small file (one block of `len` bytes) read and closed: its lease is given back as
+    /// by [`done_with`](Self::done_with), but when the lease held the whole file its block
+    /// file stays open here, so the file's next reads (the next epoch of a training loop)
+    /// need no new lease. A block file stays valid to read through a descriptor whatever
+    /// the worker does to it later (see [`LocalLease::read_kept`]); what it costs is disk
+    /// space the worker freed but this client still holds — at most [`KEPT_BYTES`].
+    pub fn keep_open(&self, id: &pb::BlockId, len: u64) {
+        let lease = {
+            let mut m = lock(&self.leases);
+            Self::take_unused(&mut m, (block_key(id), 0))
+        };
+        let Some(l) = lease else { return };
+        self.queue_release(&l);
+        if l.holds_whole(len) {
+            lock(&self.kept).insert(block_key(id), l, len);
+        }
+    }
+
+    /// The block file of a small file kept open (see [`keep_open`](Self::keep_open)).
+    pub fn kept(&self, id: &pb::BlockId) -> Option<Arc<LocalLease>> {
+        lock(&self.kept)
+            .files
+            .get(&block_key(id))
+            .map(|(l, _)| l.clone())
+    }
+
+    /// A kept block file failed a read: it is let go.
+    pub fn drop_kept(&self, id: &pb::BlockId) {
+        lock(&self.kept).remove(&block_key(id));
+    }
+
+    /// Block files kept open now.
+    pub fn kept_files(&self) -> usize {
+        lock(&self.kept).files.len()
     }
 
     /// Sets the node this client runs on (default: [`granary_common::node_name`]).

@@ -272,6 +272,18 @@ impl MasterClient {
         .await
     }
 
+    /// Opens a namespace watch on the leader (`WatchNamespace`): a stream with no deadline
+    /// (only its opening is bounded by the call timeout).
+    pub async fn watch_namespace(
+        &self,
+    ) -> Result<tonic::Streaming<pb::NamespaceChanges>, ClientError> {
+        self.call(|mut c| async move {
+            c.watch_namespace(tonic::Request::new(pb::WatchNamespaceRequest {}))
+                .await
+        })
+        .await
+    }
+
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
         let r = self
             .call(|mut c| {

@@ -10,6 +10,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 
+/// A plain counter (as kept by callers that count often).
+pub type Count = Counter<u64, AtomicU64>;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReadSource {
     /// `worker` (over gRPC), `short_circuit` (a same-host worker's block file, read
@@ -53,6 +56,13 @@ pub struct ClientMetrics {
     pub pushed_bytes: Counter<u64, AtomicU64>,
     /// Bytes of reads answered from a push reading the same file at the time.
     pub push_shared_bytes: Counter<u64, AtomicU64>,
+    /// Times the namespace watch was opened, and inodes it announced changed.
+    pub watch_starts: Counter<u64, AtomicU64>,
+    pub watch_changes: Counter<u64, AtomicU64>,
+    /// Reads of small files answered from block files kept open after their leases.
+    pub kept_reads: Counter<u64, AtomicU64>,
+    /// Requests the kernel sent the FUSE daemon, by operation (answered locally or not).
+    pub fuse_requests: Family<Op, Counter>,
 }
 
 impl ClientMetrics {
@@ -104,11 +114,39 @@ impl ClientMetrics {
                 self.push_shared_bytes.clone(),
             );
             r.register(
+                "granary_client_namespace_watch_starts",
+                "Times this client opened its namespace watch on the leader (statuses it caches are used past the attribute timeout while the watch is live)",
+                self.watch_starts.clone(),
+            );
+            r.register(
+                "granary_client_namespace_watch_changes",
+                "Inodes the leader announced changed on the namespace watch (their cached statuses are dropped, and the kernel's caches of them)",
+                self.watch_changes.clone(),
+            );
+            r.register(
+                "granary_client_kept_reads",
+                "Reads of small files answered from their block files kept open since an earlier read (no lease request: the next epoch of a loader)",
+                self.kept_reads.clone(),
+            );
+            r.register(
+                "granary_client_fuse_requests",
+                "Requests the kernel sent this FUSE mount, by operation (lookup, getattr, open, read, release, ...), whether answered from the mount's caches or over the network",
+                self.fuse_requests.clone(),
+            );
+            r.register(
                 "granary_client_passthrough_opens",
                 "Files opened in FUSE passthrough mode (the kernel reads a worker's block file; the daemon sees no reads)",
                 self.passthrough_opens.clone(),
             );
         }
+    }
+
+    /// The counter of FUSE requests of kind `op` (kept by the caller: counting is then
+    /// one atomic add, no label lookup per request).
+    pub fn fuse_request_counter(&self, op: &str) -> Count {
+        self.fuse_requests
+            .get_or_create(&Op { op: op.to_string() })
+            .clone()
     }
 
     pub fn add_read(&self, source: &str, bytes: u64) {

@@ -353,6 +353,7 @@ impl FileWriter {
             }
         };
         self.fs.forget_status(self.status.inode);
+        let since = self.fs.watch.since();
         let done = self
             .fs
             .master
@@ -366,7 +367,7 @@ impl FileWriter {
                 persist_worker: worker,
             })
             .await?;
-        self.fs.remember(&done);
+        self.fs.remember(&done, since);
         Ok(done)
     }
 }

@@ -59,6 +59,8 @@ const POLICY: &[(&str, &[Role], usize)] = &[
     ("/granary.v1.MasterService/Delete", ANY, CONTROL),
     ("/granary.v1.MasterService/Rename", ANY, CONTROL),
     ("/granary.v1.MasterService/SyncMetadata", ANY, CONTROL),
+    // Inode numbers of changes, for clients' status caches (no names, no contents).
+    ("/granary.v1.MasterService/WatchNamespace", ANY, CONTROL),
     ("/granary.v1.MasterService/GetBlockLocations", ANY, CONTROL),
     ("/granary.v1.MasterService/ListMounts", ANY, CONTROL),
     ("/granary.v1.MasterService/GetClusterInfo", ANY, CONTROL),

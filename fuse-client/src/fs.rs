@@ -104,8 +104,49 @@ type Capacity = (u64, u64, u64);
 /// How long a statfs answer is reused.
 const CAPACITY_TTL: Duration = Duration::from_secs(5);
 
+/// Counters of the kernel's requests by kind (`granary_client_fuse_requests`).
+struct Requests {
+    lookup: Counter,
+    getattr: Counter,
+    open: Counter,
+    read: Counter,
+    release: Counter,
+    flush: Counter,
+    opendir: Counter,
+    readdir: Counter,
+    releasedir: Counter,
+    statfs: Counter,
+    access: Counter,
+    write: Counter,
+    other: Counter,
+}
+
+type Counter = granary_client::metrics::Count;
+
+impl Requests {
+    fn new(m: &granary_client::metrics::ClientMetrics) -> Self {
+        let c = |op: &str| m.fuse_request_counter(op);
+        Self {
+            lookup: c("lookup"),
+            getattr: c("getattr"),
+            open: c("open"),
+            read: c("read"),
+            release: c("release"),
+            flush: c("flush"),
+            opendir: c("opendir"),
+            readdir: c("readdir"),
+            releasedir: c("releasedir"),
+            statfs: c("statfs"),
+            access: c("access"),
+            write: c("write"),
+            other: c("other"),
+        }
+    }
+}
+
 pub struct GranaryFs {
     client: Arc<FileSystem>,
+    requests: Requests,
     rt: tokio::runtime::Handle,
     attr_ttl: Duration,
     entry_ttl: Duration,
@@ -223,6 +264,7 @@ impl GranaryFs {
         );
         Self {
             client: client.clone(),
+            requests: Requests::new(&client.metrics),
             rt: rt.clone(),
             attr_ttl: config.attr_timeout,
             entry_ttl: config.entry_timeout,
@@ -344,6 +386,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.requests.lookup.inc();
         let caller = (req.uid(), req.gid());
         if name.len() > NAME_MAX {
             reply.error(Errno::ENAMETOOLONG);
@@ -385,6 +428,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.requests.getattr.inc();
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
         // A file's status seen within the attribute timeout (a listing, a lookup, an open):
         // answered here, without a hop to the runtime — the staleness lookups and opens
@@ -396,6 +440,11 @@ impl Filesystem for GranaryFs {
                     reply.attr(&ttl, &attr_of(&s, uid, gid));
                     return;
                 }
+            }
+            // A folder, only when the namespace watch vouches for it.
+            if let Some(s) = self.client.watched_dir_status(ino.0) {
+                reply.attr(&ttl, &attr_of(&s, uid, gid));
+                return;
             }
         }
         let client = self.client.clone();
@@ -419,6 +468,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.requests.open.inc();
         if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
             self.open_for_write(ino, flags, reply);
             return;
@@ -476,6 +526,7 @@ impl Filesystem for GranaryFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        self.requests.read.inc();
         let Some(file) = lock(&self.files).get(&fh.0).cloned() else {
             reply.error(Errno::EBADF);
             return;
@@ -558,6 +609,7 @@ impl Filesystem for GranaryFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.requests.release.inc();
         if let Some(file) = lock(&self.files).remove(&fh.0) {
             self.client.closed(&file);
         }
@@ -580,6 +632,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.requests.opendir.inc();
         let client = self.client.clone();
         let dirs = self.dirs.clone();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
@@ -628,6 +681,7 @@ impl Filesystem for GranaryFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        self.requests.readdir.inc();
         let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
@@ -660,6 +714,7 @@ impl Filesystem for GranaryFs {
         offset: u64,
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
+        self.requests.readdir.inc();
         let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
@@ -703,6 +758,7 @@ impl Filesystem for GranaryFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        self.requests.releasedir.inc();
         lock(&self.dirs).remove(&fh.0);
         reply.ok();
     }
@@ -710,6 +766,7 @@ impl Filesystem for GranaryFs {
     /// Answered from the cluster capacity fetched at most [`CAPACITY_TTL`] ago (`df` and
     /// training launchers call statfs often); a failed refresh answers the last known.
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.requests.statfs.inc();
         const BSIZE: u64 = 4096;
         let answer = |reply: ReplyStatfs, (cap, used, files): (u64, u64, u64)| {
             let blocks = cap / BSIZE;
@@ -752,6 +809,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        self.requests.access.inc();
         if mask.contains(fuser::AccessFlags::W_OK) && self.read_only {
             reply.error(Errno::EROFS);
         } else {
@@ -769,6 +827,7 @@ impl Filesystem for GranaryFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
+        self.requests.other.inc();
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -821,6 +880,7 @@ impl Filesystem for GranaryFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.requests.write.inc();
         let Some(h) = self.writes.handle(fh.0) else {
             return reply.error(Errno::EBADF);
         };
@@ -842,6 +902,7 @@ impl Filesystem for GranaryFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        self.requests.flush.inc();
         self.on_writer(fh, reply, |w, h| async move { w.flush(&h).await });
     }
 
@@ -853,6 +914,7 @@ impl Filesystem for GranaryFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.requests.other.inc();
         self.on_writer(fh, reply, |w, h| async move { w.fsync(&h).await });
     }
 
@@ -870,6 +932,7 @@ impl Filesystem for GranaryFs {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
+        self.requests.other.inc();
         reply.error(Errno::ENOTTY);
     }
 
@@ -882,6 +945,7 @@ impl Filesystem for GranaryFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        self.requests.other.inc();
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -910,10 +974,12 @@ impl Filesystem for GranaryFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.requests.other.inc();
         self.remove((req.uid(), req.gid()), parent, name, false, reply);
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.requests.other.inc();
         self.remove((req.uid(), req.gid()), parent, name, true, reply);
     }
 
@@ -927,6 +993,7 @@ impl Filesystem for GranaryFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        self.requests.other.inc();
         let names = self
             .writable()
             .and_then(|()| Ok((Self::name_of(name)?, Self::name_of(newname)?)));
@@ -996,6 +1063,7 @@ impl Filesystem for GranaryFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.requests.other.inc();
         if let Err(e) = self.writable() {
             return reply.error(e);
         }

@@ -142,7 +142,7 @@ pub fn mount(
     client.set_read_timeout(config.op_timeout);
     // An open may use the status a lookup or listing fetched within the attribute timeout.
     client.set_status_ttl(config.attr_timeout);
-    let fs = GranaryFs::new(client, config, runtime);
+    let fs = GranaryFs::new(client.clone(), config, runtime.clone());
     let page_cache = fs.page_cache();
     let mut c = Config::default();
     c.mount_options = vec![
@@ -166,6 +166,19 @@ pub fn mount(
             source,
         })?;
     page_cache.set_notifier(session.notifier());
+    // Changes the master announces drop the kernel's caches of the inodes concerned (off
+    // the runtime's threads: a kernel invalidation may wait on the file's pages).
+    let (pc, rt) = (page_cache.clone(), runtime.clone());
+    client.watch.on_change(Box::new(
+        move |inodes: &[u64], entries: &[(u64, String)]| {
+            let (pc, inodes, entries) = (pc.clone(), inodes.to_vec(), entries.to_vec());
+            rt.spawn_blocking(move || pc.changed(&inodes, &entries));
+        },
+    ));
+    {
+        let _rt = runtime.enter();
+        client.start_watch();
+    }
     if config.read_ahead > 0 {
         set_read_ahead(&config.mountpoint, config.read_ahead);
     }

@@ -340,6 +340,27 @@ impl PageCache {
         lock(&self.state).forget(inode);
     }
 
+    /// The master announced that these inodes changed (the namespace watch): the kernel
+    /// drops its attributes and cached pages of each now, rather than when its attribute
+    /// timeout runs out or the file is next opened.
+    pub fn changed(&self, inodes: &[u64], entries: &[(u64, String)]) {
+        let Some(n) = self.notifier.get() else {
+            return;
+        };
+        for &inode in inodes {
+            lock(&self.state).forget(inode);
+            // ENOENT: the kernel no longer knows the inode; nothing to drop.
+            if let Err(e) = n.inval_inode(INodeNo(inode), 0, 0) {
+                tracing::trace!(inode, error = %e, "kernel invalidation of a changed inode");
+            }
+        }
+        for (parent, name) in entries {
+            if let Err(e) = n.inval_entry(INodeNo(*parent), std::ffi::OsStr::new(name)) {
+                tracing::trace!(parent, name, error = %e, "kernel invalidation of a name");
+            }
+        }
+    }
+
     /// An open of `s` for reading: whether the kernel may keep its pages of the file (they
     /// are of this version). None while the kernel is being sent pages of another version
     /// of the file: the open must wait (its reply makes the kernel drop the pages it holds,

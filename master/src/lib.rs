@@ -282,7 +282,7 @@ pub async fn start(
     }
 
     // Request messages limited per method (granary_common::authz: control methods small).
-    let rpc = Arc::new(service::MasterRpc { core: core.clone() });
+    let rpc = Arc::new(service::MasterRpc::new(core.clone(), shutdown.clone()));
     let svc = granary_common::grpc::per_method_limits(|limit| {
         MasterServiceServer::from_arc(rpc.clone())
             .max_decoding_message_size(limit)

@@ -542,3 +542,154 @@ fn opens_past_the_attribute_timeout_fetch_the_folder_listing_ahead() {
         "{getattrs} of {n} getattrs asked the master"
     );
 }
+
+/// A mount answers lookups, opens and `stat`s of files it has seen from what it holds —
+/// past the attribute timeout, without asking the master — and small files' reads from
+/// their block files kept open; yet a change made elsewhere (another mount, the CLI)
+/// reaches it at once, because the master announces every change on the namespace watch.
+/// The dataset's mount never lists its store again (`sync_interval=never`), so nothing
+/// but the announcements can tell this mount about the changes.
+#[test]
+fn a_mount_serves_from_its_caches_until_the_master_announces_a_change() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-watch-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("ufs");
+    let n = 50;
+    for i in 0..n {
+        random_file(&src.join(format!("d/f{i:02}.bin")), 20_000 + i).unwrap();
+    }
+    std::fs::write(src.join("d/note.txt"), "one\n").unwrap();
+    let master = Master::start(root).unwrap();
+    let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src.to_string_lossy(),
+        "--option",
+        "sync_interval=never",
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
+    let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
+    let dir = reader.mountpoint.join("data/d");
+    let sums = |d: &std::path::Path| {
+        sh(&format!(
+            "cd / && python3 -c 'import sys, hashlib, os\nh = hashlib.sha256()\n\
+             for i in range({n}):\n    h.update(open(os.path.join(sys.argv[1], \"f%02d.bin\" % i), \"rb\").read())\n\
+             print(h.hexdigest())' '{}'",
+            d.display()
+        ))
+        .unwrap()
+    };
+    // The kernel drops its pages of the files (by name: a listing would refresh the
+    // kernel's names by itself, and the point is that the kernel asks the daemon).
+    let drop_pages = |d: &std::path::Path| {
+        sh(&format!(
+            "cd / && python3 -c 'import sys, os\n\
+             for i in range({n}):\n    fd = os.open(os.path.join(sys.argv[1], \"f%02d.bin\" % i), os.O_RDONLY)\n    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n    os.close(fd)' '{}'",
+            d.display()
+        ))
+        .unwrap()
+    };
+    let want = sums(&src.join("d"));
+    poll(
+        "the reader's namespace watch",
+        Duration::from_secs(20),
+        || (reader.metric("granary_client_namespace_watch_starts_total") >= 1.0).then_some(()),
+    )
+    .unwrap();
+    assert_eq!(sums(&dir), want, "first pass (from the store)");
+    // The worker's disk now: read under short-circuit leases, kept open at close.
+    drop_pages(&dir);
+    assert_eq!(sums(&dir), want, "second pass");
+    let asked =
+        |op: &str| reader.metric(&format!("granary_client_op_seconds_count{{op=\"{op}\"}}"));
+    let requests = |op: &str| {
+        reader.metric(&format!(
+            "granary_client_fuse_requests_total{{op=\"{op}\"}}"
+        ))
+    };
+    // Past the attribute and entry timeouts (1 s): the kernel asks the daemon again, the
+    // daemon answers from what it holds. (The wait is the condition under test.)
+    // Statuses fetched while the first pass loaded the folder (its entries were being
+    // created: announced changes) are trusted only within the timeouts; once past them
+    // they are asked for again, once.
+    std::thread::sleep(Duration::from_millis(2500));
+    drop_pages(&dir);
+    assert_eq!(sums(&dir), want, "third pass");
+    std::thread::sleep(Duration::from_millis(2500));
+    let before: Vec<f64> = ["lookup", "open", "getattr", "read"]
+        .iter()
+        .map(|o| asked(o))
+        .collect();
+    let (lookups0, kept0) = (
+        requests("lookup"),
+        reader.metric("granary_client_kept_reads_total"),
+    );
+    drop_pages(&dir);
+    assert_eq!(sums(&dir), want, "fourth pass");
+    let after: Vec<f64> = ["lookup", "open", "getattr", "read"]
+        .iter()
+        .map(|o| asked(o))
+        .collect();
+    assert!(
+        requests("lookup") - lookups0 >= n as f64,
+        "the kernel did not ask again: {} lookups before, {} after",
+        lookups0,
+        requests("lookup")
+    );
+    assert_eq!(
+        after,
+        before,
+        "lookups, opens, getattrs and reads that waited on the network (in that order); {}",
+        log_tail(&root.join("fuse-reader.log"), 400)
+    );
+    assert!(
+        reader.metric("granary_client_kept_reads_total") - kept0 >= n as f64,
+        "reads not served from kept block files"
+    );
+
+    // Changes through the other mount: the reader sees each one at once (a poll with a
+    // deadline well under any timeout that could otherwise explain it).
+    let note = dir.join("note.txt");
+    assert_eq!(std::fs::read_to_string(&note).unwrap(), "one\n");
+    std::thread::sleep(Duration::from_millis(2500)); // past the timeouts again
+    assert_eq!(std::fs::read_to_string(&note).unwrap(), "one\n");
+    let wdir = writer.mountpoint.join("data/d");
+    std::fs::write(wdir.join("note.txt"), "two, longer\n").unwrap();
+    poll(
+        "the reader to see the new bytes",
+        Duration::from_secs(5),
+        || (std::fs::read_to_string(&note).ok()? == "two, longer\n").then_some(()),
+    )
+    .unwrap();
+    std::fs::remove_file(wdir.join("f07.bin")).unwrap();
+    poll(
+        "the reader to see the removal",
+        Duration::from_secs(5),
+        || (!dir.join("f07.bin").exists()).then_some(()),
+    )
+    .unwrap();
+    std::fs::write(wdir.join("new.txt"), "new\n").unwrap();
+    poll(
+        "the reader to see the new file",
+        Duration::from_secs(5),
+        || (std::fs::read_to_string(dir.join("new.txt")).ok()? == "new\n").then_some(()),
+    )
+    .unwrap();
+    granary_ok(&["fs", "rm", "/data/d/f08.bin", "--master", &master.addr]).unwrap();
+    poll(
+        "the reader to see the CLI's removal",
+        Duration::from_secs(5),
+        || (!dir.join("f08.bin").exists()).then_some(()),
+    )
+    .unwrap();
+    assert!(reader.metric("granary_client_namespace_watch_changes_total") > 0.0);
+}

@@ -869,6 +869,7 @@ impl Driver {
         // sees the members that go with it.
         self.publish_status();
         self.status.applied.store(meta.index, Ordering::Relaxed);
+        self.sm.announce_reset(meta.index);
         self.config.snapshots.prune(meta.index);
         // Addresses of members added after the initial configuration travel in the state.
         for (id, addr) in self.sm.member_addresses().unwrap_or_default() {

@@ -21,12 +21,73 @@ use crate::state::{to_status, ApplyOutput, Command, Inode};
 
 pub struct MasterRpc {
     pub core: Arc<MasterCore>,
+    leadership: Arc<Leadership>,
+    /// Fires when the master stops: open watches end (the server waits for every stream).
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl MasterRpc {
+    pub fn new(core: Arc<MasterCore>, shutdown: tokio_util::sync::CancellationToken) -> Self {
+        Self {
+            core,
+            leadership: Arc::new(Leadership::default()),
+            shutdown,
+        }
+    }
+}
+
+/// Leadership confirmed with a quorum, shared by the namespace watches: a watch tells its
+/// client "nothing changed" only while this master is known to be the leader (a leader cut
+/// off from the others stops confirming, and its watchers stop trusting their caches).
+#[derive(Default)]
+struct Leadership {
+    /// When it was last confirmed (ms since the Unix epoch).
+    confirmed_ms: std::sync::atomic::AtomicI64,
+    confirming: tokio::sync::Mutex<()>,
+}
+
+impl Leadership {
+    /// Whether this master was the leader within the last heartbeat period (one quorum
+    /// round at most per period, however many watches ask).
+    async fn confirm(&self, core: &MasterCore) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let fresh = |s: &Self| {
+            granary_common::now_ms() - s.confirmed_ms.load(Relaxed)
+                < WATCH_HEARTBEAT.as_millis() as i64
+        };
+        if fresh(self) {
+            return true;
+        }
+        let _one = self.confirming.lock().await;
+        if fresh(self) {
+            return true;
+        }
+        let started = granary_common::now_ms();
+        match tokio::time::timeout(WATCH_HEARTBEAT * 4, core.read_barrier()).await {
+            Ok(Ok(())) => {
+                self.confirmed_ms.store(started, Relaxed);
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Recursive `SyncMetadata` calls one principal may run at once.
 pub const MAX_RECURSIVE_SYNCS: u32 = 2;
 static RECURSIVE_SYNCS: granary_common::authz::CallLimit =
     granary_common::authz::CallLimit::new("recursive metadata syncs", MAX_RECURSIVE_SYNCS);
+
+/// Namespace watches one principal may hold at once (a mount holds one; on a plaintext
+/// cluster every client is the same principal).
+pub const MAX_WATCHES: u32 = 4096;
+static WATCHES: granary_common::authz::CallLimit =
+    granary_common::authz::CallLimit::new("namespace watches", MAX_WATCHES);
+/// A watch hears from the leader at least this often (a heartbeat when nothing changed).
+const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(500);
+
+type WatchStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::NamespaceChanges, Status>> + Send>>;
 
 const DEFAULT_PAGE: usize = 1000;
 const MAX_PAGE: usize = 10_000;
@@ -66,13 +127,14 @@ fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterE
     let spec = mount_spec(core, inode.mount_id);
     fill_perms(&mut s, spec.as_ref());
     // A file whose mount validates every open: clients never open it from a cached status.
-    s.validate_on_open =
-        inode.kind == crate::state::Kind::File && spec.is_some_and(|m| m.validate_on_open());
+    s.validate_on_open = inode.kind == crate::state::Kind::File
+        && spec.as_ref().is_some_and(|m| m.validate_on_open());
     s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
     if let Some(t) = core.ns.sm.ttl_of(inode.id)? {
         s.ttl_expires_ms = t.expires_ms.max(0) as u64;
         s.ttl_action = t.action.as_str().to_string();
     }
+    s.cache_ms = cache_ms(core, inode, spec.as_ref());
     if let Some(sync) = core.ns.sync_info(inode.id) {
         s.sync_failures = sync.failures;
         s.sync_error = sync.last_error.unwrap_or_default();
@@ -82,6 +144,27 @@ fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterE
             .unwrap_or(0);
     }
     Ok(s)
+}
+
+/// How long a watching client may answer from this status and its name (see
+/// `FileStatus.cache_ms`): until its folder is due to be listed again from the under-store.
+/// Entries outside mounts (and mount points, in folders outside them) change only through
+/// the master, which announces every change.
+fn cache_ms(core: &MasterCore, inode: &Inode, spec: Option<&granary_common::ufs::UfsSpec>) -> u64 {
+    use granary_common::ufs::SyncPolicy;
+    let Some(spec) = spec.filter(|_| !inode.is_mount_point && inode.id != crate::state::ROOT_INODE)
+    else {
+        return u64::MAX;
+    };
+    match spec.sync_policy() {
+        SyncPolicy::Never => u64::MAX,
+        SyncPolicy::Always => 0,
+        SyncPolicy::Every(d) => core
+            .ns
+            .sync_info(inode.parent)
+            .and_then(|s| s.synced_at)
+            .map_or(0, |t| d.saturating_sub(t.elapsed()).as_millis() as u64),
+    }
 }
 
 fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
@@ -250,6 +333,101 @@ impl MasterRpc {
 
 #[tonic::async_trait]
 impl MasterService for MasterRpc {
+    type WatchNamespaceStream = WatchStream;
+
+    async fn watch_namespace(
+        &self,
+        req: Request<pb::WatchNamespaceRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let who = principal(&req)?;
+        let slot = WATCHES.enter(&who)?;
+        // Subscribed before the barrier: every change applied after the state the barrier
+        // covers is heard.
+        let mut changes = self.core.ns.sm.watch();
+        self.core.read_barrier().await?;
+        let core = self.core.clone();
+        let leadership = self.leadership.clone();
+        let shutdown = self.shutdown.clone();
+        let start = core
+            .raft
+            .status
+            .applied
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::NamespaceChanges, Status>>(64);
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut last = start;
+            let mut msg = pb::NamespaceChanges {
+                applied_index: start,
+                reset: true,
+                inodes: Vec::new(),
+            };
+            loop {
+                if tx.send(Ok(msg)).await.is_err() {
+                    return; // the watcher went away
+                }
+                if !core.raft.status.is_leader() || !leadership.confirm(&core).await {
+                    let _ = tx
+                        .send(Err(Status::unavailable(
+                            "this master is no longer the leader; watch the new one",
+                        )))
+                        .await;
+                    return;
+                }
+                let next = tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        let _ = tx.send(Err(Status::unavailable("the master is stopping"))).await;
+                        return;
+                    }
+                    next = tokio::time::timeout(WATCH_HEARTBEAT, changes.recv()) => next,
+                };
+                msg = match next {
+                    Ok(Ok(c)) => {
+                        last = last.max(c.index);
+                        let mut m = pb::NamespaceChanges {
+                            applied_index: last,
+                            reset: c.reset,
+                            inodes: c.inodes.to_vec(),
+                        };
+                        // What is already waiting goes in the same message.
+                        while m.inodes.len() < 10_000 {
+                            match changes.try_recv() {
+                                Ok(c) => {
+                                    last = last.max(c.index);
+                                    m.applied_index = last;
+                                    m.reset |= c.reset;
+                                    m.inodes.extend_from_slice(&c.inodes);
+                                }
+                                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {
+                                    m.reset = true;
+                                }
+                                Err(_) => break,
+                            }
+                        }
+                        m
+                    }
+                    // Fell behind: what it missed is not known.
+                    Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {
+                        pb::NamespaceChanges {
+                            applied_index: last,
+                            reset: true,
+                            inodes: Vec::new(),
+                        }
+                    }
+                    Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
+                    Err(_) => pb::NamespaceChanges {
+                        applied_index: last,
+                        reset: false,
+                        inodes: Vec::new(),
+                    },
+                };
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
     async fn get_status(
         &self,
         req: Request<pb::GetStatusRequest>,
@@ -324,7 +502,8 @@ impl MasterService for MasterRpc {
             access::posix(caller, &shown, access::READ, "list")?;
         }
         let children = self.core.ns.list(dir, after, limit).await?;
-        let spec = mount_spec(&self.core, children.first().and_then(|c| c.mount_id));
+        let page_mount = children.first().and_then(|c| c.mount_id);
+        let spec = mount_spec(&self.core, page_mount);
         // One mount for the whole page: does it validate every open?
         let validated = spec.as_ref().is_some_and(|m| m.validate_on_open());
         let next_page_token = if is_dir && children.len() == limit {
@@ -349,6 +528,11 @@ impl MasterService for MasterRpc {
                 let mut s = to_status(c, p);
                 fill_perms(&mut s, spec.as_ref());
                 s.validate_on_open = validated && c.kind == crate::state::Kind::File;
+                s.cache_ms = if c.mount_id == page_mount {
+                    cache_ms(&self.core, c, spec.as_ref())
+                } else {
+                    cache_ms(&self.core, c, mount_spec(&self.core, c.mount_id).as_ref())
+                };
                 s.pinned_replicas = match self.core.ns.sm.pin_of(c.id)? {
                     Some(pin) => pin.replicas,
                     None => dir_pin,

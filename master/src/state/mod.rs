@@ -107,12 +107,30 @@ fn from_json<T: serde::de::DeserializeOwned>(v: &[u8]) -> Result<T, MasterError>
 #[derive(Clone)]
 pub struct StateMachine {
     db: Arc<DB>,
+    /// Inodes changed by each applied entry, for namespace watchers (see [`Changes`]).
+    changes: tokio::sync::broadcast::Sender<Changes>,
+}
+
+/// Applied entries a namespace watcher may fall behind by before it is told to start over.
+const CHANGES_BUFFERED: usize = 4096;
+
+/// What one applied entry changed in the namespace: inodes whose record was written or
+/// removed, and folders whose entries were (their child records). Sent to namespace
+/// watchers (`WatchNamespace`); `reset`: what changed is not known (a snapshot installed).
+#[derive(Debug, Clone)]
+pub struct Changes {
+    pub index: u64,
+    pub reset: bool,
+    pub inodes: Arc<[u64]>,
 }
 
 impl StateMachine {
     /// Opens the state in `db`, creating the root directory in a brand-new store.
     pub fn open(db: Arc<DB>) -> Result<Self, MasterError> {
-        let sm = Self { db };
+        let sm = Self {
+            db,
+            changes: tokio::sync::broadcast::channel(CHANGES_BUFFERED).0,
+        };
         if sm.inode(ROOT_INODE)?.is_none() {
             let mut txn = Txn::new(&sm);
             txn.put_inode(&Inode::directory(
@@ -143,6 +161,31 @@ impl StateMachine {
         match self.get(key)? {
             Some(v) => u64_of(&v),
             None => Ok(0),
+        }
+    }
+
+    /// Changes of the entries applied from now on, one message per entry that changed the
+    /// namespace (a receiver that falls more than [`CHANGES_BUFFERED`] behind is told so).
+    pub fn watch(&self) -> tokio::sync::broadcast::Receiver<Changes> {
+        self.changes.subscribe()
+    }
+
+    /// Tells watchers that the state was replaced wholesale (a snapshot was installed).
+    pub fn announce_reset(&self, index: u64) {
+        let _ = self.changes.send(Changes {
+            index,
+            reset: true,
+            inodes: Arc::from(Vec::new()),
+        });
+    }
+
+    fn announce(&self, index: u64, inodes: Vec<u64>) {
+        if !inodes.is_empty() && self.changes.receiver_count() > 0 {
+            let _ = self.changes.send(Changes {
+                index,
+                reset: false,
+                inodes: Arc::from(inodes),
+            });
         }
     }
 
@@ -277,8 +320,10 @@ impl StateMachine {
             Ok(_) => txn,
             Err(_) => Txn::new(self), // discard partial changes
         };
+        let changed = txn.changed_inodes();
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()?;
+        self.announce(index, changed);
         result
     }
 
@@ -302,6 +347,7 @@ impl StateMachine {
             Ok(_) => txn,
             Err(_) => Txn::new(self),
         };
+        let changed = txn.changed_inodes();
         let outcome = RequestOutcome {
             at_ms: p.at_ms,
             result: result.clone(),
@@ -327,6 +373,7 @@ impl StateMachine {
         it.status()?;
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()?;
+        self.announce(index, changed);
         result
     }
 
@@ -441,6 +488,26 @@ impl<'a> Txn<'a> {
             Some(v) => u64_of(&v),
             None => Ok(0),
         }
+    }
+
+    /// Inodes whose record (or pin, or TTL: both shown in its status) this transaction
+    /// writes or removes, and folders whose entries it changes (sorted, once each). A pin
+    /// of a folder changes what its files show too; their cached statuses keep the old
+    /// count until they are fetched again.
+    fn changed_inodes(&self) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .pending
+            .keys()
+            .filter(|k| match k.first() {
+                Some(b'i' | b'P' | b'T') => k.len() == 9,
+                Some(b'c') => k.len() > 9,
+                _ => false,
+            })
+            .filter_map(|k| k[1..9].try_into().ok().map(u64::from_be_bytes))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     fn commit(self) -> Result<(), MasterError> {

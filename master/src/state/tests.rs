@@ -244,6 +244,58 @@ fn namespace_mutations_outside_mounts() {
 }
 
 #[test]
+fn watchers_hear_which_inodes_each_applied_entry_changed() {
+    let (_d, sm) = open();
+    let mut rx = sm.watch();
+    let mkdir = |path: &str| Command::Mkdir {
+        path: path.into(),
+        recursive: true,
+        mode: 0,
+        now_ms: 1,
+        owner: None,
+    };
+    sm.apply(1, &mkdir("/a")).unwrap();
+    let a = sm.resolve_loaded("/a").unwrap().unwrap().id;
+    let c = rx.try_recv().unwrap();
+    assert_eq!((c.index, c.reset), (1, false));
+    // The new folder and the folder that got an entry.
+    assert_eq!(&*c.inodes, &[ROOT_INODE, a]);
+    // A failed command changes nothing and announces nothing.
+    sm.apply(
+        2,
+        &Command::Mkdir {
+            path: "/x/y".into(),
+            recursive: false,
+            mode: 0,
+            now_ms: 1,
+            owner: None,
+        },
+    )
+    .unwrap_err();
+    assert!(rx.try_recv().is_err());
+    // A rename: the entry, both folders.
+    sm.apply(3, &mkdir("/b")).unwrap();
+    let b = sm.resolve_loaded("/b").unwrap().unwrap().id;
+    rx.try_recv().unwrap();
+    sm.apply(
+        4,
+        &Command::Rename {
+            src: "/a".into(),
+            dst: "/b/a".into(),
+            now_ms: 2,
+        },
+    )
+    .unwrap();
+    let c = rx.try_recv().unwrap();
+    assert_eq!(c.index, 4);
+    let mut want = [ROOT_INODE, a, b];
+    want.sort_unstable();
+    assert_eq!(&*c.inodes, &want[..]);
+    sm.announce_reset(9);
+    assert!(rx.try_recv().unwrap().reset);
+}
+
+#[test]
 fn writes_inside_mounts_keep_store_paths_and_persistence() {
     let (_d, sm) = open();
     let mut n = 0;
