@@ -16,9 +16,21 @@ use args::{Cli, Command};
 /// Raises the soft limit on open files to the hard one: a worker keeps a block file open per
 /// cached block in use and a client one per short-circuit lease, and the usual soft limit
 /// (1,024) is far below what a busy node needs.
+/// Where allowed (root, `CAP_SYS_RESOURCE`), the hard limit is raised first, up to
+/// 1,048,576 or the kernel's `fs.nr_open`: a mount keeps small files' block files open
+/// across a loader's epochs, one descriptor per sample file.
 fn raise_open_files_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    const WANTED: u64 = 1 << 20;
     if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(hard);
+        let want = WANTED.min(nr_open).max(hard);
+        if want > hard && setrlimit(Resource::RLIMIT_NOFILE, want, want).is_ok() {
+            return;
+        }
         if soft < hard {
             if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
                 tracing::warn!(soft, hard, error = %e, "cannot raise the open files limit");

@@ -213,11 +213,18 @@ impl FileSystem {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
             rt.spawn(async move {
+                let mut swept = Instant::now();
                 loop {
                     tokio::time::sleep(SHORT_CIRCUIT_REPORT_EVERY).await;
                     let Some(fs) = weak.upgrade() else { break };
                     fs.report_short_circuit().await;
                     fs.renew_passthrough().await;
+                    if swept.elapsed() >= crate::local::KEPT_SWEEP_EVERY {
+                        swept = Instant::now();
+                        let me = fs.clone();
+                        let _ = tokio::task::spawn_blocking(move || me.short_circuit.sweep_kept())
+                            .await;
+                    }
                 }
             });
         }

@@ -54,11 +54,13 @@ const NOT_LOCAL_FOR: Duration = Duration::from_secs(60);
 /// Deadline of a lease request.
 pub const LEASE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Small files' block files kept open after their leases are given back, at most (each
-/// holds one or two descriptors; fewer when the process may open few files).
-const KEPT_FILES: usize = 16_384;
-/// Bytes of the block files kept open, at most: a kept file the worker evicts meanwhile
-/// still takes disk space until this client lets it go.
-const KEPT_BYTES: u64 = 1 << 30;
+/// holds one descriptor, two at times; fewer when the process may open few files).
+const KEPT_FILES: usize = 65_536;
+/// Bytes of the block files kept open, at most.
+const KEPT_BYTES: u64 = 8 << 30;
+/// How often kept block files are checked for removal by their worker (a removed file
+/// still takes disk space while a descriptor holds it: those are let go).
+pub const KEPT_SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// A block that had no lease, or whose lease lacked a page, is read over gRPC for this long
 /// before a new lease is asked for (a cold block does not cost a lease request per read).
 const RETRY_LEASE_AFTER: Duration = Duration::from_millis(50);
@@ -460,12 +462,13 @@ impl Kept {
 }
 
 /// How many block files may be kept open, given the descriptors this process may open
-/// (two per file at most, a quarter of the limit in all).
+/// (half the limit, less what the rest of the process may need).
 fn kept_files_limit() -> usize {
     let soft = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
         .map(|(soft, _)| soft)
         .unwrap_or(1024);
-    KEPT_FILES.min(usize::try_from(soft / 8).unwrap_or(KEPT_FILES))
+    let room = (soft / 2).saturating_sub(4096);
+    KEPT_FILES.min(usize::try_from(room).unwrap_or(KEPT_FILES))
 }
 
 impl ShortCircuit {
@@ -522,6 +525,31 @@ impl ShortCircuit {
     /// Block files kept open now.
     pub fn kept_files(&self) -> usize {
         lock(&self.kept).files.len()
+    }
+
+    /// Lets go of kept block files their worker removed (evicted, dropped): their disk
+    /// space is freed once no descriptor holds them. Returns how many went.
+    pub fn sweep_kept(&self) -> usize {
+        use std::os::unix::fs::MetadataExt;
+        let kept: Vec<(BlockKey, Arc<LocalLease>)> = lock(&self.kept)
+            .files
+            .iter()
+            .map(|(k, (l, _))| (*k, l.clone()))
+            .collect();
+        let removed: Vec<BlockKey> = kept
+            .into_iter()
+            .filter(|(_, l)| {
+                let file = l.direct.as_ref().or_else(|| l.file.get());
+                file.and_then(|f| f.metadata().ok())
+                    .is_none_or(|m| m.nlink() == 0)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        let mut m = lock(&self.kept);
+        for k in &removed {
+            m.remove(k);
+        }
+        removed.len()
     }
 
     /// Sets the node this client runs on (default: [`granary_common::node_name`]).
@@ -825,6 +853,53 @@ mod tests {
             ..Default::default()
         };
         LocalLease::open(1, &r, Instant::now()).unwrap()
+    }
+
+    #[test]
+    fn a_small_file_kept_open_reads_right_after_its_lease_and_never_wrong() {
+        let data: Vec<u8> = (0..6_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("block");
+        std::fs::write(&path, &data).unwrap();
+        // A lease that has already ended: what is kept does not depend on it.
+        let sc = ShortCircuit::new("n".into());
+        let id = pb::BlockId {
+            inode: 7,
+            version: 1,
+            index: 0,
+        };
+        sc.keep(&id, Arc::new(lease_on(&path, &data, 4096, 0)));
+        sc.keep_open(&id, data.len() as u64);
+        assert_eq!(sc.take_done(1), vec![1], "the lease itself is given back");
+        let kept = sc.kept(&id).expect("kept open");
+        assert_eq!(&kept.read_kept(0, 6_000).unwrap()[..], &data[..]);
+        assert_eq!(&kept.read_kept(4000, 200).unwrap()[..], &data[4000..4200]);
+        // The worker evicts the block: the removed file still reads as it was, and the
+        // sweep lets it go (its space is freed).
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(&kept.read_kept(100, 50).unwrap()[..], &data[100..150]);
+        assert_eq!(sc.sweep_kept(), 1);
+        assert!(sc.kept(&id).is_none());
+        // A page punched out or written again in place fails its checksum: never served.
+        std::fs::write(&path, &data).unwrap();
+        sc.keep(&id, Arc::new(lease_on(&path, &data, 4096, 0)));
+        sc.keep_open(&id, data.len() as u64);
+        let kept = sc.kept(&id).unwrap();
+        let mut other = data.clone();
+        other[5000] ^= 1;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&other[4096..], 4096)
+            .unwrap();
+        assert_eq!(kept.read_kept(5000, 10), Err(Miss::Bad));
+        assert_eq!(sc.sweep_kept(), 0, "not removed: kept until a read fails");
+        // A lease that lacked part of the file keeps nothing.
+        let part = pb::BlockId { inode: 8, ..id };
+        sc.keep(&part, Arc::new(lease_on(&path, &data[..4096], 4096, 0)));
+        sc.keep_open(&part, data.len() as u64);
+        assert!(sc.kept(&part).is_none());
     }
 
     #[test]
