@@ -84,6 +84,9 @@ pub struct LocalLease {
     /// Bit `i`: page `first + i` was read whole and matched its CRC32C under this lease
     /// (pages past the 64th of a window are not remembered).
     verified: AtomicU64,
+    /// When a read of a kept file last checked every page of it (ms since `taken`; 0:
+    /// never): a kept file opened in passthrough is read by the kernel unchecked.
+    checked_whole_ms: AtomicU64,
     /// When the worker may evict the pages again (at the earliest).
     until: Instant,
     taken: Instant,
@@ -132,6 +135,7 @@ impl LocalLease {
                 .map(|p| (p.index, (p.length, p.crc32c)))
                 .collect(),
             verified: AtomicU64::new(0),
+            checked_whole_ms: AtomicU64::new(0),
             until: sent + Duration::from_millis(r.lease_ms),
             taken: sent,
         })
@@ -332,8 +336,38 @@ impl LocalLease {
                 return Err(Miss::Bad);
             }
         }
+        if from == 0 && pages.len() == self.pages.len() {
+            self.checked_whole_ms.store(
+                (self.taken.elapsed().as_millis() as u64).max(1),
+                Ordering::Relaxed,
+            );
+        }
         let at = (offset - from) as usize;
         Ok(whole.slice(at..at + len as usize))
+    }
+
+    /// A descriptor of its own for a kept file of one page that a read checked whole less
+    /// than [`REVERIFY_AFTER`] ago, to hand the kernel for passthrough (see
+    /// [`ShortCircuit::kept_for_passthrough`]).
+    fn passthrough_file(&self) -> Option<File> {
+        let at = self.checked_whole_ms.load(Ordering::Relaxed);
+        if at == 0
+            || self
+                .taken
+                .elapsed()
+                .saturating_sub(Duration::from_millis(at))
+                >= REVERIFY_AFTER
+            || self.pages.len() != 1
+        {
+            return None;
+        }
+        let fd = match (&self.direct, self.file.get()) {
+            (Some(f), _) | (None, Some(f)) => std::os::fd::AsRawFd::as_raw_fd(f),
+            (None, None) => return None,
+        };
+        // Reopened through /proc: the same file even if the worker removed it since (its
+        // bytes are still this version's), without O_DIRECT and with read-ahead of its own.
+        File::open(format!("/proc/self/fd/{fd}")).ok()
     }
 
     /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
@@ -515,6 +549,15 @@ impl ShortCircuit {
             .files
             .get(&block_key(id))
             .map(|(l, _)| l.clone())
+    }
+
+    /// For a FUSE passthrough open of a small file without a lease: a descriptor of its
+    /// kept block file, when the file is one page (a page of a one-page block is only ever
+    /// evicted by removing the file, which a descriptor still reads as it was — never
+    /// punched out under the kernel's reads) and a read checked it whole within the last
+    /// [`REVERIFY_AFTER`] (the rule for passthrough opens under leases too).
+    pub fn kept_for_passthrough(&self, id: &pb::BlockId) -> Option<File> {
+        self.kept(id)?.passthrough_file()
     }
 
     /// A kept block file failed a read: it is let go.
@@ -895,6 +938,24 @@ mod tests {
             .unwrap();
         assert_eq!(kept.read_kept(5000, 10), Err(Miss::Bad));
         assert_eq!(sc.sweep_kept(), 0, "not removed: kept until a read fails");
+        // Only a file of one page, checked whole by a read, is handed out for passthrough.
+        assert!(sc.kept_for_passthrough(&id).is_none(), "two pages");
+        let small = pb::BlockId { inode: 9, ..id };
+        let one = d.path().join("one");
+        std::fs::write(&one, &data[..3000]).unwrap();
+        sc.keep(&small, Arc::new(lease_on(&one, &data[..3000], 4096, 0)));
+        sc.keep_open(&small, 3000);
+        assert!(sc.kept_for_passthrough(&small).is_none(), "not checked yet");
+        sc.kept(&small).unwrap().read_kept(0, 3000).unwrap();
+        let f = sc.kept_for_passthrough(&small).expect("checked whole");
+        std::fs::remove_file(&one).unwrap();
+        let mut got = Vec::new();
+        std::io::Read::read_to_end(&mut &f, &mut got).unwrap();
+        assert_eq!(
+            got,
+            &data[..3000],
+            "the removed file's bytes, through its own descriptor"
+        );
         // A lease that lacked part of the file keeps nothing.
         let part = pb::BlockId { inode: 8, ..id };
         sc.keep(&part, Arc::new(lease_on(&path, &data[..4096], 4096, 0)));
@@ -977,6 +1038,7 @@ mod tests {
                 page_size: 4096,
                 pages: l.pages.clone(),
                 verified: AtomicU64::new(0),
+                checked_whole_ms: AtomicU64::new(0),
                 until: l.until,
                 taken: l.taken + Duration::from_millis(i),
             };
@@ -1040,6 +1102,7 @@ mod tests {
             page_size: 4096,
             pages: l.pages.clone(),
             verified: AtomicU64::new(0),
+            checked_whole_ms: AtomicU64::new(0),
             until: l.until,
             taken: l.taken,
         };

@@ -477,10 +477,18 @@ impl Filesystem for GranaryFs {
         let pt_min = self.passthrough_min;
         // A file whose status is fresh and that will not be opened in passthrough: answer on
         // this thread (a hop to the runtime costs more than the rest of the open).
+        let mut reply = reply;
         if let Some(s) = self.client.cached_open_status(ino.0) {
-            if s.kind == pb::FileKind::File as i32
-                && !(self.passthrough.load(Ordering::Relaxed) && s.length >= pt_min)
-            {
+            let pt = self.passthrough.load(Ordering::Relaxed);
+            if s.kind == pb::FileKind::File as i32 && pt && s.length < pt_min {
+                // A small file read before, its block file kept open: the kernel reads it
+                // directly (no READ requests, no copy through the daemon).
+                match self.open_kept_passthrough(&s, fh, reply) {
+                    None => return,
+                    Some(r) => reply = r,
+                }
+            }
+            if s.kind == pb::FileKind::File as i32 && !(pt && s.length >= pt_min) {
                 return opened_file(&self.cache, &self.files, fh, s, reply);
             }
         }
@@ -616,7 +624,7 @@ impl Filesystem for GranaryFs {
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {
-            {
+            if handle != 0 {
                 let _rt = self.rt.enter(); // the lease release is sent from a task
                 self.client.close_passthrough(handle);
             }
@@ -1112,6 +1120,64 @@ impl GranaryFs {
     /// Opens an existing file for writing: with O_TRUNC (or when it is empty) it is
     /// replaced by what is written; appending to or rewriting a file with data is
     /// EOPNOTSUPP.
+    /// Opens a small file in passthrough from its block file kept open since an earlier
+    /// read (see `ShortCircuit::kept_for_passthrough`), on this thread; gives the reply
+    /// back when it cannot.
+    fn open_kept_passthrough(
+        &self,
+        s: &pb::FileStatus,
+        fh: u64,
+        reply: ReplyOpen,
+    ) -> Option<ReplyOpen> {
+        if s.length == 0 || self.writes.size_of(s.inode).is_some() {
+            return Some(reply);
+        }
+        let id = pb::BlockId {
+            inode: s.inode,
+            version: s.version,
+            index: 0,
+        };
+        let id = {
+            let mut b = lock(&self.backings);
+            match b.get_mut(&s.inode) {
+                Some(e) if e.version == s.version => {
+                    e.opens += 1;
+                    e.id.clone()
+                }
+                Some(_) => return Some(reply),
+                None => {
+                    let Some(file) = self.client.short_circuit.kept_for_passthrough(&id) else {
+                        return Some(reply);
+                    };
+                    match reply.open_backing(&file) {
+                        Ok(backing) => {
+                            let backing = Arc::new(backing);
+                            b.insert(
+                                s.inode,
+                                Backing {
+                                    version: s.version,
+                                    id: backing.clone(),
+                                    opens: 1,
+                                },
+                            );
+                            backing
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
+                            self.passthrough.store(false, Ordering::Relaxed);
+                            return Some(reply);
+                        }
+                    }
+                }
+            }
+        };
+        lock(&self.passthrough_fhs).insert(fh, (s.inode, 0));
+        lock(&self.files).insert(fh, Arc::new(s.clone()));
+        self.client.metrics.passthrough_opens.inc();
+        reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
+        None
+    }
+
     fn open_for_write(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         if let Err(e) = self.writable() {
             return reply.error(e);
