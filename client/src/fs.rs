@@ -115,6 +115,8 @@ pub struct FileSystem {
     /// Where the last read served from leases ended, by inode (sequential detection of the
     /// fast path).
     leased_ends: Mutex<HashMap<u64, u64>>,
+    /// The small file read last in each folder: parent → inode (name-order detection).
+    last_read_in_dir: Mutex<HashMap<u64, u64>>,
 }
 
 /// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
@@ -209,6 +211,7 @@ impl FileSystem {
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
             leased_ends: Mutex::new(HashMap::new()),
+            last_read_in_dir: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -653,6 +656,9 @@ impl FileSystem {
             let data = self
                 .read_block_range(file, index, index * bs, in_block, n)
                 .await?;
+            if index == 0 {
+                self.keep_small_file(file);
+            }
             if data.len() as u64 != n {
                 return Err(ClientError::Internal(format!(
                     "short read of {} at {}: wanted {n} bytes, got {}",
@@ -664,6 +670,43 @@ impl FileSystem {
             parts.push(data);
         }
         Ok(join(parts, end - offset))
+    }
+
+    /// Is `inode` read right after the file listed before it in its folder (a reader going
+    /// through the folder in name order)? Only then are the files after it leased ahead:
+    /// a shuffled loader reads a file's neighbours at random times, and leases taken for
+    /// them ran out before use and filled the worker's leased share.
+    fn in_name_order(&self, inode: u64) -> bool {
+        let Some(parent) = lock(&self.recent).get(&inode).map(|e| e.status.parent) else {
+            return false;
+        };
+        let Some(last) = lock(&self.last_read_in_dir).get(&parent).copied() else {
+            return false;
+        };
+        last == inode || lock(&self.next_in_dir).get(&last) == Some(&inode)
+    }
+
+    /// A small file was read: remembered as its folder's last read (see
+    /// [`in_name_order`](Self::in_name_order)); when it was read under a lease, its block
+    /// file stays open for later reads (see `ShortCircuit::keep_if_whole`).
+    fn keep_small_file(&self, file: &pb::FileStatus) {
+        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        if file.length == 0 || file.length > small || file.length > block_size(file) {
+            return;
+        }
+        {
+            let mut m = lock(&self.last_read_in_dir);
+            if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
+                m.clear();
+            }
+            m.insert(file.parent, file.inode);
+        }
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index: 0,
+        };
+        self.short_circuit.keep_if_whole(&id, file.length);
     }
 
     /// Reads a range only from short-circuit leases already held (no network, no lease
@@ -682,6 +725,7 @@ impl FileSystem {
         let bs = block_size(file);
         let mut parts: Vec<Bytes> = Vec::new();
         let mut reads = Vec::new();
+        let mut from_kept = false;
         let span = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
         for (index, in_block, n) in block_ranges(offset, end, bs) {
             let id = pb::BlockId {
@@ -700,6 +744,9 @@ impl FileSystem {
                     Some(lease) => {
                         let data = lease.read(pos, k).ok()?;
                         reads.push((lease.worker_id, data.len() as u64));
+                        if index == 0 {
+                            self.keep_small_file(file);
+                        }
                         data
                     }
                     // A small file read before: its block file may still be open here.
@@ -707,6 +754,8 @@ impl FileSystem {
                         let kept = self.short_circuit.kept(&id)?;
                         match kept.read_kept(pos, k) {
                             Ok(data) => {
+                                from_kept = true;
+                                self.keep_small_file(file);
                                 self.metrics.kept_reads.inc();
                                 reads.push((kept.worker_id, data.len() as u64));
                                 data
@@ -722,7 +771,9 @@ impl FileSystem {
                 pos += k;
             }
         }
-        if let [(worker, _)] = reads[..] {
+        // A file kept open: its neighbours were most likely read (and kept) too.
+        if let ([(worker, _)], false) = (&reads[..], from_kept) {
+            let worker = *worker;
             if offset == 0 {
                 self.lease_further_ahead(file, worker);
             }
@@ -824,7 +875,7 @@ impl FileSystem {
     /// request — and several reader threads do not all ask for the same files at once.
     fn lease_further_ahead(self: &Arc<Self>, file: &pb::FileStatus, worker_id: u64) {
         let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
-        if file.length > small {
+        if file.length > small || !self.in_name_order(file.inode) {
             return;
         }
         let target = {
@@ -1246,7 +1297,8 @@ impl FileSystem {
         if lock(&self.recent).get(&inode).is_none_or(|e| {
             e.status.length
                 > self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES)
-        }) {
+        }) || !self.in_name_order(inode)
+        {
             return Vec::new();
         }
         let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);

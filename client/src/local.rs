@@ -543,6 +543,23 @@ impl ShortCircuit {
         }
     }
 
+    /// A small file (one block of `len` bytes) was just read under a lease: when the lease
+    /// holds all of it, its block file is kept open from now on (as at its close, see
+    /// [`keep_open`](Self::keep_open)) — leases taken ahead for other files may push this
+    /// one out of the lease table before the file is closed.
+    pub fn keep_if_whole(&self, id: &pb::BlockId, len: u64) {
+        let key = block_key(id);
+        if lock(&self.kept).files.contains_key(&key) {
+            return;
+        }
+        let Some(l) = lock(&self.leases).get(&(key, 0)).cloned() else {
+            return;
+        };
+        if l.holds_whole(len) {
+            lock(&self.kept).insert(key, l, len);
+        }
+    }
+
     /// The block file of a small file kept open (see [`keep_open`](Self::keep_open)).
     pub fn kept(&self, id: &pb::BlockId) -> Option<Arc<LocalLease>> {
         lock(&self.kept)
