@@ -760,7 +760,12 @@ impl FileSystem {
                                 reads.push((kept.worker_id, data.len() as u64));
                                 data
                             }
-                            Err(_) => {
+                            Err(miss) => {
+                                tracing::debug!(
+                                    inode = file.inode,
+                                    ?miss,
+                                    "a kept block file failed a read; let go"
+                                );
                                 self.short_circuit.drop_kept(&id);
                                 return None;
                             }
