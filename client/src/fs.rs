@@ -77,6 +77,49 @@ pub(crate) struct Recent {
     pub(crate) status: pb::FileStatus,
 }
 
+/// Names seen in listings and lookups, by folder: parent → name → inode (the statuses are
+/// in `recent`). By folder, so a lookup needs no key allocated and a changed folder's
+/// names are found without a scan of all.
+#[derive(Default)]
+pub(crate) struct Names {
+    by_dir: HashMap<u64, HashMap<String, u64>>,
+    len: usize,
+}
+
+impl Names {
+    fn get(&self, parent: u64, name: &str) -> Option<u64> {
+        self.by_dir.get(&parent)?.get(name).copied()
+    }
+
+    /// Remembers a name (everything is forgotten first when [`RECENT_STATUSES`] are held).
+    fn insert(&mut self, parent: u64, name: &str, inode: u64) {
+        if self.len >= RECENT_STATUSES {
+            self.by_dir.clear();
+            self.len = 0;
+        }
+        if self
+            .by_dir
+            .entry(parent)
+            .or_default()
+            .insert(name.to_string(), inode)
+            .is_none()
+        {
+            self.len += 1;
+        }
+    }
+
+    /// Forgets the names of folder `parent`, returning them.
+    pub(crate) fn take_dir(&mut self, parent: u64) -> Vec<String> {
+        let names: Vec<String> = self
+            .by_dir
+            .remove(&parent)
+            .map(|m| m.into_keys().collect())
+            .unwrap_or_default();
+        self.len -= names.len();
+        names
+    }
+}
+
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
@@ -106,7 +149,7 @@ pub struct FileSystem {
     /// see `granary_common::grant`).
     grants: Mutex<HashMap<(u64, u64), pb::ReadGrant>>,
     /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
-    pub(crate) names: Mutex<HashMap<(u64, String), u64>>,
+    pub(crate) names: Mutex<Names>,
     /// Folders whose next listing page is being fetched ahead of lookups.
     listing_ahead: Mutex<std::collections::HashSet<u64>>,
     /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
@@ -207,7 +250,7 @@ impl FileSystem {
             next_in_dir: Mutex::new(HashMap::new()),
             leasing_ahead: AtomicBool::new(false),
             grants: Mutex::new(HashMap::new()),
-            names: Mutex::new(HashMap::new()),
+            names: Mutex::new(Names::default()),
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
             leased_ends: Mutex::new(HashMap::new()),
@@ -452,7 +495,7 @@ impl FileSystem {
             .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
             .await?;
         self.remember(&s, since);
-        let listed = lock(&self.names).contains_key(&(s.parent, s.name.clone()));
+        let listed = lock(&self.names).get(s.parent, &s.name).is_some();
         if listed && !s.validate_on_open {
             self.list_ahead(s.parent, &s.name);
         }
@@ -474,11 +517,7 @@ impl FileSystem {
         let s = self.master.lookup(parent, name).await?;
         self.remember(&s, since);
         if self.status_ttl() > 0 {
-            let mut names = lock(&self.names);
-            if names.len() >= RECENT_STATUSES {
-                names.clear();
-            }
-            names.insert((s.parent, s.name.clone()), s.inode);
+            lock(&self.names).insert(s.parent, &s.name, s.inode);
         }
         Ok(s)
     }
@@ -497,9 +536,7 @@ impl FileSystem {
         if ttl == 0 {
             return None;
         }
-        let inode = lock(&self.names)
-            .get(&(parent, name.to_string()))
-            .copied()?;
+        let inode = lock(&self.names).get(parent, name)?;
         let r = lock(&self.recent);
         let e = r.get(&inode)?;
         let s = &e.status;
@@ -519,7 +556,7 @@ impl FileSystem {
             return Ok(s);
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
-            let inode = lock(&self.names).get(&(parent, name.to_string())).copied();
+            let inode = lock(&self.names).get(parent, name);
             let entry = inode.and_then(|i| {
                 lock(&self.recent)
                     .get(&i)
@@ -582,11 +619,8 @@ impl FileSystem {
         }
         if self.status_ttl() > 0 {
             let mut names = lock(&self.names);
-            if names.len() >= RECENT_STATUSES {
-                names.clear();
-            }
             for e in &r.entries {
-                names.insert((e.parent, e.name.clone()), e.inode);
+                names.insert(e.parent, &e.name, e.inode);
             }
         }
         {
@@ -672,6 +706,21 @@ impl FileSystem {
         Ok(join(parts, end - offset))
     }
 
+    /// Remembers `file` as its folder's last read when it is a small file (one block, one
+    /// lease window); false when it is not.
+    fn note_small_read(&self, file: &pb::FileStatus) -> bool {
+        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
+        if file.length == 0 || file.length > small || file.length > block_size(file) {
+            return false;
+        }
+        let mut m = lock(&self.last_read_in_dir);
+        if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
+            m.clear();
+        }
+        m.insert(file.parent, file.inode);
+        true
+    }
+
     /// Is `inode` read right after the file listed before it in its folder (a reader going
     /// through the folder in name order)? Only then are the files after it leased ahead:
     /// a shuffled loader reads a file's neighbours at random times, and leases taken for
@@ -690,16 +739,8 @@ impl FileSystem {
     /// [`in_name_order`](Self::in_name_order)); when it was read under a lease, its block
     /// file stays open for later reads (see `ShortCircuit::keep_if_whole`).
     fn keep_small_file(&self, file: &pb::FileStatus) {
-        let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
-        if file.length == 0 || file.length > small || file.length > block_size(file) {
+        if !self.note_small_read(file) {
             return;
-        }
-        {
-            let mut m = lock(&self.last_read_in_dir);
-            if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
-                m.clear();
-            }
-            m.insert(file.parent, file.inode);
         }
         let id = pb::BlockId {
             inode: file.inode,
@@ -755,7 +796,7 @@ impl FileSystem {
                         match kept.read_kept(pos, k) {
                             Ok(data) => {
                                 from_kept = true;
-                                self.keep_small_file(file);
+                                self.note_small_read(file);
                                 self.metrics.kept_reads.inc();
                                 reads.push((kept.worker_id, data.len() as u64));
                                 data

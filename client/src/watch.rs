@@ -289,15 +289,10 @@ impl crate::FileSystem {
             Vec::new()
         } else {
             let mut names = lock(&self.names);
-            let gone: Vec<(u64, String)> = names
-                .keys()
-                .filter(|(p, _)| folders.contains(p))
-                .cloned()
-                .collect();
-            for k in &gone {
-                names.remove(k);
-            }
-            gone
+            folders
+                .iter()
+                .flat_map(|&p| names.take_dir(p).into_iter().map(move |n| (p, n)))
+                .collect()
         };
         if let Some(l) = self.watch.listener.get() {
             l(&known, &entries);

@@ -76,6 +76,47 @@ struct Backing {
     opens: usize,
 }
 
+/// The kernel's backing file for `version` of `inode`, shared by the open handles of the
+/// file as the kernel requires: the registered one, or a new one from `file()`. None when
+/// there can be none: the file is open in another version, `file()` has none, or the
+/// kernel refused (then passthrough is off from now on, `on`).
+fn shared_backing<F: std::os::fd::AsFd>(
+    backings: &Mutex<HashMap<u64, Backing>>,
+    on: &AtomicBool,
+    (inode, version): (u64, u64),
+    reply: &ReplyOpen,
+    file: impl FnOnce() -> Option<F>,
+) -> Option<Arc<BackingId>> {
+    let mut b = lock(backings);
+    match b.get_mut(&inode) {
+        Some(e) if e.version == version => {
+            e.opens += 1;
+            Some(e.id.clone())
+        }
+        // Still open in an older version: this handle reads through the daemon.
+        Some(_) => None,
+        None => match reply.open_backing(file()?) {
+            Ok(id) => {
+                let id = Arc::new(id);
+                b.insert(
+                    inode,
+                    Backing {
+                        version,
+                        id: id.clone(),
+                        opens: 1,
+                    },
+                );
+                Some(id)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
+                on.store(false, Ordering::Relaxed);
+                None
+            }
+        },
+    }
+}
+
 /// An open directory: its entries fetched so far, page by page as `readdir` gets to them
 /// (a directory of millions of names shows its first entries at once and never needs all
 /// of them in memory before the first reply).
@@ -1137,44 +1178,19 @@ impl GranaryFs {
             version: s.version,
             index: 0,
         };
-        let id = {
-            let mut b = lock(&self.backings);
-            match b.get_mut(&s.inode) {
-                Some(e) if e.version == s.version => {
-                    e.opens += 1;
-                    e.id.clone()
-                }
-                Some(_) => return Some(reply),
-                None => {
-                    let Some(file) = self.client.short_circuit.kept_for_passthrough(&id) else {
-                        return Some(reply);
-                    };
-                    match reply.open_backing(&file) {
-                        Ok(backing) => {
-                            let backing = Arc::new(backing);
-                            b.insert(
-                                s.inode,
-                                Backing {
-                                    version: s.version,
-                                    id: backing.clone(),
-                                    opens: 1,
-                                },
-                            );
-                            backing
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
-                            self.passthrough.store(false, Ordering::Relaxed);
-                            return Some(reply);
-                        }
-                    }
-                }
-            }
+        let Some(backing) = shared_backing(
+            &self.backings,
+            &self.passthrough,
+            (s.inode, s.version),
+            &reply,
+            || self.client.short_circuit.kept_for_passthrough(&id),
+        ) else {
+            return Some(reply);
         };
         lock(&self.passthrough_fhs).insert(fh, (s.inode, 0));
         lock(&self.files).insert(fh, Arc::new(s.clone()));
         self.client.metrics.passthrough_opens.inc();
-        reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
+        reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
         None
     }
 
@@ -1329,36 +1345,13 @@ impl Passthrough {
         let Some(pf) = client.open_passthrough(s).await else {
             return Some(reply);
         };
-        let id = {
-            let mut b = lock(&self.backings);
-            match b.get_mut(&s.inode) {
-                Some(e) if e.version == s.version => {
-                    e.opens += 1;
-                    Some(e.id.clone())
-                }
-                // Still open in an older version: this handle reads through the daemon.
-                Some(_) => None,
-                None => match reply.open_backing(&pf.file) {
-                    Ok(id) => {
-                        let id = Arc::new(id);
-                        b.insert(
-                            s.inode,
-                            Backing {
-                                version: s.version,
-                                id: id.clone(),
-                                opens: 1,
-                            },
-                        );
-                        Some(id)
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
-                        self.on.store(false, Ordering::Relaxed);
-                        None
-                    }
-                },
-            }
-        };
+        let id = shared_backing(
+            &self.backings,
+            &self.on,
+            (s.inode, s.version),
+            &reply,
+            || Some(&pf.file),
+        );
         let Some(id) = id else {
             client.close_passthrough(pf.handle);
             return Some(reply);

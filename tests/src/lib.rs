@@ -1510,12 +1510,16 @@ pub fn assert_one_sentence_error(out: &Output, what: &str) {
 
 /// `granary mount add PATH DIR --master MASTER` for a local folder.
 pub fn mount_local(path: &str, dir: &Path, master: &str) -> Result<String> {
-    granary_ok(&[
-        "mount",
-        "add",
-        path,
-        &dir.to_string_lossy(),
-        "--master",
-        master,
-    ])
+    mount_local_opts(path, dir, master, &[])
+}
+
+/// [`mount_local`] with mount options (`key=value`, each passed as `--option`).
+pub fn mount_local_opts(path: &str, dir: &Path, master: &str, options: &[&str]) -> Result<String> {
+    let dir = dir.to_string_lossy();
+    let mut args = vec!["mount", "add", path, &dir];
+    for o in options {
+        args.extend(["--option", o]);
+    }
+    args.extend(["--master", master]);
+    granary_ok(&args)
 }

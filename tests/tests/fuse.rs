@@ -565,17 +565,7 @@ fn a_mount_serves_from_its_caches_until_the_master_announces_a_change() {
     let master = Master::start(root).unwrap();
     let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
     wait_live_workers(&master.addr, 1).unwrap();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src.to_string_lossy(),
-        "--option",
-        "sync_interval=never",
-        "--master",
-        &master.addr,
-    ])
-    .unwrap();
+    mount_local_opts("/data", &src, &master.addr, &["sync_interval=never"]).unwrap();
     let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
     let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
     let dir = reader.mountpoint.join("data/d");

@@ -1621,3 +1621,92 @@ fn arbitrary_requests_get_precise_answers_and_no_master_stops() {
     let listed = granary_ok(&["fs", "ls", "/t/m/d", "--master", &addrs]).unwrap();
     assert!(listed.contains('f'), "{listed}");
 }
+
+/// The namespace watch from a hostile caller's side: a subtree user may watch (what it
+/// hears is inode numbers — the message has no field for a name, a path or bytes), the same
+/// principal may watch twice, and a watcher that stops reading stalls nothing: the master
+/// keeps applying and answering, holds at most a bounded backlog for it, and the watcher
+/// later hears every change or is told to start over (`reset`).
+#[test]
+fn a_watcher_that_never_reads_stalls_nothing_and_hears_only_inode_numbers() {
+    let n = node("granary-watch-", &[("a.bin", 1000)], Some("/d"));
+    let addr = n.master.addr.as_str();
+    let carol = TestTls::get()
+        .issue("carol", &["--role", "user", "--subtree", "/d/team"])
+        .unwrap();
+    let carol = creds_in(&carol);
+    rt().block_on(async {
+        let mut m = MasterServiceClient::new(channel(addr, Some(&carol)));
+        let mut first = m
+            .watch_namespace(pb::WatchNamespaceRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let mut idle = m
+            .watch_namespace(pb::WatchNamespaceRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let hello = first.message().await.unwrap().unwrap();
+        assert!(hello.reset, "a watch starts with a reset: {hello:?}");
+        assert!(idle.message().await.unwrap().unwrap().reset);
+        // More applied entries than the master buffers for a watcher (4,096), while `idle`
+        // reads nothing (its stream fills, then the master's sender for it waits).
+        let admin = creds_in(&TestTls::get().identity("admin"));
+        let mut a = MasterServiceClient::new(channel(addr, Some(&admin)));
+        a.mkdir(pb::MkdirRequest {
+            path: "/x".into(),
+            recursive: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        for chunk in (0..4200).collect::<Vec<u32>>().chunks(16) {
+            let calls = chunk.iter().map(|i| {
+                let mut a = a.clone();
+                async move {
+                    a.mkdir(pb::MkdirRequest {
+                        path: format!("/x/{i}"),
+                        ..Default::default()
+                    })
+                    .await
+                }
+            });
+            for r in futures::future::join_all(calls).await {
+                r.unwrap();
+            }
+        }
+        // The reading watcher heard inode numbers of those changes.
+        let mut heard = 0;
+        while heard == 0 {
+            let c = tokio::time::timeout(Duration::from_secs(10), first.message())
+                .await
+                .expect("the watch went silent")
+                .unwrap()
+                .unwrap();
+            heard += c.inodes.len();
+        }
+        // The one that read nothing then hears every change, or is told to start over
+        // (`reset`) where the master did not keep them: never less than that.
+        let mut reset = false;
+        let mut inodes = std::collections::HashSet::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !reset && inodes.len() < 4200 && tokio::time::Instant::now() < deadline {
+            let c = tokio::time::timeout(Duration::from_secs(10), idle.message())
+                .await
+                .expect("the idle watch went silent")
+                .unwrap()
+                .unwrap();
+            reset |= c.reset;
+            inodes.extend(c.inodes);
+        }
+        assert!(
+            reset || inodes.len() >= 4200,
+            "the idle watcher heard of {} new inodes and no reset",
+            inodes.len()
+        );
+    });
+    assert!(granary_ok(&["fs", "ls", "/d", "--master", addr])
+        .unwrap()
+        .contains("a.bin"));
+}

@@ -179,8 +179,17 @@ impl StateMachine {
         });
     }
 
+    /// What `txn` changes, when anyone watches (nothing to gather otherwise).
+    fn watched(&self, txn: &Txn) -> Vec<u64> {
+        if self.changes.receiver_count() > 0 {
+            txn.changed_inodes()
+        } else {
+            Vec::new()
+        }
+    }
+
     fn announce(&self, index: u64, inodes: Vec<u64>) {
-        if !inodes.is_empty() && self.changes.receiver_count() > 0 {
+        if !inodes.is_empty() {
             let _ = self.changes.send(Changes {
                 index,
                 reset: false,
@@ -320,7 +329,7 @@ impl StateMachine {
             Ok(_) => txn,
             Err(_) => Txn::new(self), // discard partial changes
         };
-        let changed = txn.changed_inodes();
+        let changed = self.watched(&txn);
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()?;
         self.announce(index, changed);
@@ -347,7 +356,7 @@ impl StateMachine {
             Ok(_) => txn,
             Err(_) => Txn::new(self),
         };
-        let changed = txn.changed_inodes();
+        let changed = self.watched(&txn);
         let outcome = RequestOutcome {
             at_ms: p.at_ms,
             result: result.clone(),

@@ -247,34 +247,24 @@ fn namespace_mutations_outside_mounts() {
 fn watchers_hear_which_inodes_each_applied_entry_changed() {
     let (_d, sm) = open();
     let mut rx = sm.watch();
-    let mkdir = |path: &str| Command::Mkdir {
+    let mkdir = |path: &str, recursive: bool| Command::Mkdir {
         path: path.into(),
-        recursive: true,
+        recursive,
         mode: 0,
         now_ms: 1,
         owner: None,
     };
-    sm.apply(1, &mkdir("/a")).unwrap();
+    sm.apply(1, &mkdir("/a", true)).unwrap();
     let a = sm.resolve_loaded("/a").unwrap().unwrap().id;
     let c = rx.try_recv().unwrap();
     assert_eq!((c.index, c.reset), (1, false));
     // The new folder and the folder that got an entry.
     assert_eq!(&*c.inodes, &[ROOT_INODE, a]);
     // A failed command changes nothing and announces nothing.
-    sm.apply(
-        2,
-        &Command::Mkdir {
-            path: "/x/y".into(),
-            recursive: false,
-            mode: 0,
-            now_ms: 1,
-            owner: None,
-        },
-    )
-    .unwrap_err();
+    sm.apply(2, &mkdir("/x/y", false)).unwrap_err();
     assert!(rx.try_recv().is_err());
     // A rename: the entry, both folders.
-    sm.apply(3, &mkdir("/b")).unwrap();
+    sm.apply(3, &mkdir("/b", true)).unwrap();
     let b = sm.resolve_loaded("/b").unwrap().unwrap().id;
     rx.try_recv().unwrap();
     sm.apply(
