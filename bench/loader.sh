@@ -95,8 +95,9 @@ bindfs_pid=$(pgrep -n -f "bindfs -o multithreaded $work/ufs" || true)
 
 cpu_of() { [ -n "$1" ] && awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 ops() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_op_seconds_count/ { print $1, $2 }'; }
-# FUSE requests by kind, network waits by kind, kept-file reads (counters).
-counters() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_fuse_requests_total|^granary_client_op_seconds_count|^granary_client_kept_reads_total/ { print $1, $2 }'; }
+# FUSE requests by kind, network waits by kind, kept-file reads, opens from parked
+# passthrough backing files (counters).
+counters() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_fuse_requests_total|^granary_client_op_seconds_count|^granary_client_kept_reads_total|^granary_client_parked_opens_total/ { print $1, $2 }'; }
 epoch=0
 # pass TARGET_DIR CHECK PID -> "samples bytes seconds bad cpu_ticks"
 pass() {
@@ -166,8 +167,11 @@ def per_kind(prefix):
     return {k.split('op="')[1].split('"')[0]: (w1[k] - w0.get(k, 0)) / n for k in w1 if k.startswith(prefix) and 'op="' in k}
 fuse = per_kind("granary_client_fuse_requests_total")
 net = per_kind("granary_client_op_seconds_count")
-kept = (w1.get("granary_client_kept_reads_total", 0) - w0.get("granary_client_kept_reads_total", 0)) / n
+def delta(k):
+    return (w1.get(k, 0) - w0.get(k, 0)) / n
+kept = delta("granary_client_kept_reads_total")
+parked = delta("granary_client_parked_opens_total")
 print("  warm epochs, per sample: FUSE requests " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(fuse.items()) if v > 0.005)
       + "; waiting on the network " + (", ".join(f"{k} {v:.2f}" for k, v in sorted(net.items()) if v > 0.005) or "none")
-      + f"; reads from kept block files {kept:.2f}")
+      + f"; reads from kept block files {kept:.2f}; opens from parked backing files {parked:.2f}")
 PY

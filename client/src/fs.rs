@@ -58,7 +58,12 @@ const PASSTHROUGH_RENEW: Duration = Duration::from_secs(20);
 /// [`FileSystem::close_passthrough`] with `handle` when it is closed.
 pub struct PassthroughFile {
     pub file: std::fs::File,
+    /// 0 when no lease is held: a one-page file, whose block file is never punched out
+    /// under the kernel's reads (see `park`).
     pub handle: u64,
+    /// Set for a one-page file: the kernel may keep reading the block file after the file
+    /// is closed, until the next check is due (see [`crate::local::Parkable`]).
+    pub park: Option<crate::local::Parkable>,
 }
 
 /// The lease of a file open in passthrough mode.
@@ -719,6 +724,15 @@ impl FileSystem {
         }
         m.insert(file.parent, file.inode);
         true
+    }
+
+    /// A small file is being opened: is it the one after its folder's last read in name
+    /// order (see [`in_name_order`](Self::in_name_order))? It becomes the folder's last
+    /// read either way.
+    pub fn small_open_in_name_order(&self, file: &pb::FileStatus) -> bool {
+        let next = self.in_name_order(file.inode);
+        self.note_small_read(file);
+        next
     }
 
     /// Is `inode` read right after the file listed before it in its folder (a reader going
@@ -1537,6 +1551,20 @@ impl FileSystem {
         if checksums {
             self.short_circuit.note_verified(&id);
         }
+        if lease.one_page(len) {
+            // Only ever removed whole: no lease needs to be held while the kernel reads it.
+            self.short_circuit.queue_release(&lease);
+            let park = self
+                .short_circuit
+                .verified_at(&id)
+                .and_then(|at| crate::local::Parkable::new(&f, lease.path(), at));
+            self.metrics.passthrough_opens.inc();
+            return Some(PassthroughFile {
+                file: f,
+                handle: 0,
+                park,
+            });
+        }
         let handle = self
             .next_held
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1550,7 +1578,11 @@ impl FileSystem {
             },
         );
         self.metrics.passthrough_opens.inc();
-        Some(PassthroughFile { file: f, handle })
+        Some(PassthroughFile {
+            file: f,
+            handle,
+            park: None,
+        })
     }
 
     /// The file opened by [`open_passthrough`](Self::open_passthrough) was closed: its

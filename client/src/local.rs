@@ -349,7 +349,7 @@ impl LocalLease {
     /// A descriptor of its own for a kept file of one page that a read checked whole less
     /// than [`REVERIFY_AFTER`] ago, to hand the kernel for passthrough (see
     /// [`ShortCircuit::kept_for_passthrough`]).
-    fn passthrough_file(&self) -> Option<File> {
+    fn passthrough_file(&self) -> Option<(File, Parkable)> {
         let at = self.checked_whole_ms.load(Ordering::Relaxed);
         if at == 0
             || self
@@ -367,7 +367,19 @@ impl LocalLease {
         };
         // Reopened through /proc: the same file even if the worker removed it since (its
         // bytes are still this version's), without O_DIRECT and with read-ahead of its own.
-        File::open(format!("/proc/self/fd/{fd}")).ok()
+        let file = File::open(format!("/proc/self/fd/{fd}")).ok()?;
+        let park = Parkable::new(&file, &self.path, self.taken + Duration::from_millis(at))?;
+        Some((file, park))
+    }
+
+    /// Whether a `len`-byte block is one page of this lease's page size: its page is only
+    /// ever evicted by removing the whole file (never punched out under a reader).
+    pub fn one_page(&self, len: u64) -> bool {
+        len > 0 && len <= self.page_size
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
@@ -404,6 +416,48 @@ impl LocalLease {
         File::open(format!("/proc/self/fd/{fd}"))
             .or_else(|_| file.try_clone())
             .ok()
+    }
+}
+
+/// A one-page block file checked whole, opened for the kernel to read in passthrough: the
+/// kernel's reference to it may outlive the open that made it ("parked" by the mount), so
+/// the file's next opens need no lease and no read, until the next check is due or the
+/// worker removes the file. A removed file still reads as it was (the reference holds it;
+/// its bytes are this version's), but holds its disk space: [`removed`](Self::removed)
+/// finds those.
+#[derive(Clone, Debug)]
+pub struct Parkable {
+    /// The next check of the file's checksums is due then.
+    pub until: Instant,
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl Parkable {
+    /// `file`, opened from `path`, was checked whole at `checked`.
+    pub fn new(file: &File, path: &Path, checked: Instant) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata().ok()?;
+        Some(Self {
+            until: checked + REVERIFY_AFTER,
+            path: path.to_path_buf(),
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Not due for a new check yet.
+    pub fn usable(&self, now: Instant) -> bool {
+        now < self.until
+    }
+
+    /// Whether the worker removed the block file (or put another in its place) since
+    /// (blocking: one `stat`).
+    pub fn removed(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(&self.path)
+            .map_or(true, |m| m.dev() != self.dev || m.ino() != self.ino)
     }
 }
 
@@ -573,7 +627,7 @@ impl ShortCircuit {
     /// evicted by removing the file, which a descriptor still reads as it was — never
     /// punched out under the kernel's reads) and a read checked it whole within the last
     /// [`REVERIFY_AFTER`] (the rule for passthrough opens under leases too).
-    pub fn kept_for_passthrough(&self, id: &pb::BlockId) -> Option<File> {
+    pub fn kept_for_passthrough(&self, id: &pb::BlockId) -> Option<(File, Parkable)> {
         self.kept(id)?.passthrough_file()
     }
 
@@ -740,7 +794,9 @@ impl ShortCircuit {
         }
     }
 
-    fn queue_release(&self, l: &LocalLease) {
+    /// Queues `l`'s release on its worker (sent with the next lease request, or by the
+    /// periodic report).
+    pub fn queue_release(&self, l: &LocalLease) {
         let mut d = lock(&self.done);
         let ids = d.entry(l.worker_id).or_default();
         if ids.len() < MAX_DONE {
@@ -830,6 +886,15 @@ impl ShortCircuit {
         lock(&self.verified)
             .get(&(id.inode, id.version, id.index))
             .is_none_or(|t| t.elapsed() >= REVERIFY_AFTER)
+    }
+
+    /// When `id`'s block file was last checked whole for passthrough (within
+    /// [`REVERIFY_AFTER`]).
+    pub fn verified_at(&self, id: &pb::BlockId) -> Option<Instant> {
+        lock(&self.verified)
+            .get(&(id.inode, id.version, id.index))
+            .copied()
+            .filter(|t| t.elapsed() < REVERIFY_AFTER)
     }
 
     pub fn note_verified(&self, id: &pb::BlockId) {
@@ -964,8 +1029,16 @@ mod tests {
         sc.keep_open(&small, 3000);
         assert!(sc.kept_for_passthrough(&small).is_none(), "not checked yet");
         sc.kept(&small).unwrap().read_kept(0, 3000).unwrap();
-        let f = sc.kept_for_passthrough(&small).expect("checked whole");
+        let (f, park) = sc.kept_for_passthrough(&small).expect("checked whole");
+        assert!(park.usable(Instant::now()) && !park.removed());
+        assert!(
+            !park.usable(Instant::now() + REVERIFY_AFTER + Duration::from_secs(1)),
+            "due for a new check"
+        );
         std::fs::remove_file(&one).unwrap();
+        assert!(park.removed(), "the worker removed the block file");
+        std::fs::write(&one, &data[..3000]).unwrap();
+        assert!(park.removed(), "another file in its place");
         let mut got = Vec::new();
         std::io::Read::read_to_end(&mut &f, &mut got).unwrap();
         assert_eq!(

@@ -8,6 +8,7 @@ use granary_common::metrics::SharedRegistry;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 
 /// A plain counter (as kept by callers that count often).
@@ -63,6 +64,9 @@ pub struct ClientMetrics {
     pub kept_reads: Counter<u64, AtomicU64>,
     /// Requests the kernel sent the FUSE daemon, by operation (answered locally or not).
     pub fuse_requests: Family<Op, Counter>,
+    /// Passthrough backing files kept after their files' last close, and opens they served.
+    pub parked_backings: Gauge,
+    pub parked_opens: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -132,6 +136,16 @@ impl ClientMetrics {
                 "granary_client_fuse_requests",
                 "Requests the kernel sent this FUSE mount, by operation (lookup, getattr, open, read, release, ...), whether answered from the mount's caches or over the network",
                 self.fuse_requests.clone(),
+            );
+            r.register(
+                "granary_client_parked_backings",
+                "Passthrough backing files (checked one-page block files) the kernel keeps after their files' last close, so the next open needs no lease and no read",
+                self.parked_backings.clone(),
+            );
+            r.register(
+                "granary_client_parked_opens",
+                "Opens in passthrough mode answered from a parked backing file (no lease request, no read through the daemon)",
+                self.parked_opens.clone(),
             );
             r.register(
                 "granary_client_passthrough_opens",

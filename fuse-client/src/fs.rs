@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
     ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
     ReplyStatfs, ReplyWrite, Request, WriteFlags,
 };
@@ -67,53 +67,6 @@ impl Deadline {
                 )))
             }
         }
-    }
-}
-
-struct Backing {
-    version: u64,
-    id: Arc<BackingId>,
-    opens: usize,
-}
-
-/// The kernel's backing file for `version` of `inode`, shared by the open handles of the
-/// file as the kernel requires: the registered one, or a new one from `file()`. None when
-/// there can be none: the file is open in another version, `file()` has none, or the
-/// kernel refused (then passthrough is off from now on, `on`).
-fn shared_backing<F: std::os::fd::AsFd>(
-    backings: &Mutex<HashMap<u64, Backing>>,
-    on: &AtomicBool,
-    (inode, version): (u64, u64),
-    reply: &ReplyOpen,
-    file: impl FnOnce() -> Option<F>,
-) -> Option<Arc<BackingId>> {
-    let mut b = lock(backings);
-    match b.get_mut(&inode) {
-        Some(e) if e.version == version => {
-            e.opens += 1;
-            Some(e.id.clone())
-        }
-        // Still open in an older version: this handle reads through the daemon.
-        Some(_) => None,
-        None => match reply.open_backing(file()?) {
-            Ok(id) => {
-                let id = Arc::new(id);
-                b.insert(
-                    inode,
-                    Backing {
-                        version,
-                        id: id.clone(),
-                        opens: 1,
-                    },
-                );
-                Some(id)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reads go through the daemon from now on");
-                on.store(false, Ordering::Relaxed);
-                None
-            }
-        },
     }
 }
 
@@ -207,7 +160,7 @@ pub struct GranaryFs {
     passthrough_min: u64,
     /// The kernel's backing file of each inode open in passthrough mode (one per inode, as
     /// the kernel requires), its version and how many handles use it.
-    backings: Arc<Mutex<HashMap<u64, Backing>>>,
+    backings: Arc<Mutex<crate::backing::Backings>>,
     deadline: Deadline,
     /// The memory budget of reads in flight, in 4 KiB units (`--max-memory`).
     budget: Arc<tokio::sync::Semaphore>,
@@ -303,6 +256,14 @@ impl GranaryFs {
             prefetch_budget.clone(),
             Box::new(move |inode| written.size_of(inode).is_some()),
         );
+        let backings = Arc::new(Mutex::new(crate::backing::Backings::new(
+            client.metrics.clone(),
+        )));
+        crate::backing::spawn_sweeper(
+            &rt,
+            Arc::downgrade(&backings),
+            granary_client::local::KEPT_SWEEP_EVERY,
+        );
         Self {
             client: client.clone(),
             requests: Requests::new(&client.metrics),
@@ -319,7 +280,7 @@ impl GranaryFs {
             passthrough: Arc::new(AtomicBool::new(false)),
             passthrough_wanted: config.passthrough,
             passthrough_min: config.passthrough_min_size,
-            backings: Arc::new(Mutex::new(HashMap::new())),
+            backings,
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
             budget: budget.clone(),
             deadline: Deadline {
@@ -519,23 +480,30 @@ impl Filesystem for GranaryFs {
         // A file whose status is fresh and that will not be opened in passthrough: answer on
         // this thread (a hop to the runtime costs more than the rest of the open).
         let mut reply = reply;
+        let mut small_checked = None;
         if let Some(s) = self.client.cached_open_status(ino.0) {
             let pt = self.passthrough.load(Ordering::Relaxed);
             if s.kind == pb::FileKind::File as i32 && pt && s.length < pt_min {
-                // A small file read before, its block file kept open: the kernel reads it
-                // directly (no READ requests, no copy through the daemon).
+                // A small file read before: the kernel reads its block file directly (no
+                // READ requests, no copy through the daemon).
                 match self.open_kept_passthrough(&s, fh, reply) {
                     None => return,
                     Some(r) => reply = r,
                 }
             }
-            if s.kind == pb::FileKind::File as i32 && !(pt && s.length >= pt_min) {
-                return opened_file(&self.cache, &self.files, fh, s, reply);
+            if s.kind == pb::FileKind::File as i32 {
+                let via_lease =
+                    pt && (s.length >= pt_min || small_via_lease(&self.client, &self.writes, &s));
+                if !via_lease {
+                    return opened_file(&self.cache, &self.files, fh, s, reply);
+                }
+                small_checked = Some(s.inode);
             }
         }
         let client = self.client.clone();
         let files = self.files.clone();
         let cache = self.cache.clone();
+        let writes = self.writes.clone();
         let pt = Passthrough {
             on: self.passthrough.clone(),
             backings: self.backings.clone(),
@@ -546,7 +514,10 @@ impl Filesystem for GranaryFs {
             match dl.run("open", client.open_inode(ino.0)).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
-                    let reply = if pt.on.load(Ordering::Relaxed) && s.length >= pt_min {
+                    let via_lease = s.length >= pt_min
+                        || small_checked == Some(s.inode)
+                        || small_via_lease(&client, &writes, &s);
+                    let reply = if pt.on.load(Ordering::Relaxed) && via_lease {
                         match pt.try_open(&client, &s, fh, reply).await {
                             Some(r) => r,
                             None => {
@@ -669,13 +640,7 @@ impl Filesystem for GranaryFs {
                 let _rt = self.rt.enter(); // the lease release is sent from a task
                 self.client.close_passthrough(handle);
             }
-            let mut b = lock(&self.backings);
-            if let Some(e) = b.get_mut(&inode) {
-                e.opens -= 1;
-                if e.opens == 0 {
-                    b.remove(&inode); // closes the kernel's backing file
-                }
-            }
+            lock(&self.backings).close(inode);
         }
         reply.ok();
     }
@@ -1178,15 +1143,18 @@ impl GranaryFs {
             version: s.version,
             index: 0,
         };
-        let Some(backing) = shared_backing(
-            &self.backings,
-            &self.passthrough,
-            (s.inode, s.version),
-            &reply,
-            || self.client.short_circuit.kept_for_passthrough(&id),
-        ) else {
+        let backing =
+            lock(&self.backings).open(&self.passthrough, (s.inode, s.version), &reply, || {
+                self.client
+                    .short_circuit
+                    .kept_for_passthrough(&id)
+                    .map(|(f, park)| (f, Some(park)))
+            });
+        let Some(backing) = backing else {
             return Some(reply);
         };
+        // The kernel's reference holds the block file now: its descriptor is not needed.
+        self.client.short_circuit.drop_kept(&id);
         lock(&self.passthrough_fhs).insert(fh, (s.inode, 0));
         lock(&self.files).insert(fh, Arc::new(s.clone()));
         self.client.metrics.passthrough_opens.inc();
@@ -1325,10 +1293,22 @@ impl DirHandle {
     }
 }
 
+/// Whether an open of `s`, a file smaller than the passthrough minimum with no backing
+/// file parked or kept, takes a lease to open it in passthrough now (its block file is then
+/// parked for its next opens): a one-page file not being written here, opened out of name
+/// order. A reader going through a folder in name order is served by pushes into the page
+/// cache and leases taken ahead instead.
+fn small_via_lease(client: &FileSystem, writes: &crate::write::Writes, s: &pb::FileStatus) -> bool {
+    s.length > 0
+        && s.length <= client.short_circuit.page_size()
+        && writes.size_of(s.inode).is_none()
+        && !client.small_open_in_name_order(s)
+}
+
 /// What an open needs to try passthrough.
 struct Passthrough {
     on: Arc<AtomicBool>,
-    backings: Arc<Mutex<HashMap<u64, Backing>>>,
+    backings: Arc<Mutex<crate::backing::Backings>>,
     fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
 }
 
@@ -1342,16 +1322,26 @@ impl Passthrough {
         fh: u64,
         reply: ReplyOpen,
     ) -> Option<ReplyOpen> {
+        // A backing file parked since an earlier open.
+        let parked = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, || {
+            None::<(std::fs::File, Option<granary_client::local::Parkable>)>
+        });
+        if let Some(id) = parked {
+            lock(&self.fhs).insert(fh, (s.inode, 0));
+            client.metrics.passthrough_opens.inc();
+            reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
+            return None;
+        }
+        tracing::debug!(
+            inode = s.inode,
+            "no parked backing file: a lease for passthrough"
+        );
         let Some(pf) = client.open_passthrough(s).await else {
             return Some(reply);
         };
-        let id = shared_backing(
-            &self.backings,
-            &self.on,
-            (s.inode, s.version),
-            &reply,
-            || Some(&pf.file),
-        );
+        let id = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, || {
+            Some((&pf.file, pf.park.clone()))
+        });
         let Some(id) = id else {
             client.close_passthrough(pf.handle);
             return Some(reply);

@@ -6,6 +6,7 @@
 //! Writes are sequential (checkpoints, outputs) in the mount's write mode; `--read-only`
 //! answers every change with `EROFS`.
 
+mod backing;
 mod error;
 mod fs;
 mod pagecache;

@@ -257,12 +257,12 @@ impl Namespace {
         if dir.kind != Kind::Directory {
             return Ok(vec![dir]);
         }
-        // Listed (or re-listed) for the first page only: later pages continue that view.
-        let dir = if after.is_none() {
-            self.ensure_loaded(dir).await?
-        } else {
-            dir
-        };
+        // Every page loads a folder never listed (a client listing ahead of its lookups:
+        // one listing of the folder costs less than a probe per name) and re-lists one
+        // whose sync interval passed (the statuses a page returns are then good for a whole
+        // interval, see `FileStatus.cache_ms`). A re-listing between two pages is like any
+        // change made during a listing: later pages show it.
+        let dir = self.ensure_loaded(dir).await?;
         self.sm.children(dir.id, after, limit)
     }
 

@@ -159,10 +159,13 @@ fn cache_ms(core: &MasterCore, inode: &Inode, spec: Option<&granary_common::ufs:
     match spec.sync_policy() {
         SyncPolicy::Never => u64::MAX,
         SyncPolicy::Always => 0,
+        // The folder's last listing; for a file looked up by name in a folder never
+        // listed, its own last check (it is checked by itself when due).
         SyncPolicy::Every(d) => core
             .ns
             .sync_info(inode.parent)
             .and_then(|s| s.synced_at)
+            .or_else(|| core.ns.sync_info(inode.id).and_then(|s| s.synced_at))
             .map_or(0, |t| d.saturating_sub(t.elapsed()).as_millis() as u64),
     }
 }
