@@ -8,8 +8,9 @@
 #   bench/fio-read.sh [SIZE_MIB]     (default 1024; root, fio)
 #
 # Jobs (bench/fio/*.fio): seq-read (1 MiB sequential, one file of SIZE_MIB), rand-read
-# (4 KiB random, 4 readers, 10 s), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
-# one-block files). Per job one unmeasured round, then $ROUNDS (default 5) measured rounds in
+# (4 KiB random, 4 readers, 10 s), rand-100k (100 KB random, 16 readers, 10 s: record
+# formats read by a loader), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
+# one-block files; their files are made only when the job is run). Per job one unmeasured round, then $ROUNDS (default 5) measured rounds in
 # alternating order (raw first, then Granary first), medians. JOBS="files-read" runs only the
 # jobs named. Uses $GRANARY_BIN, else the debug binary scripts/test builds.
 set -euo pipefail
@@ -25,9 +26,13 @@ needs_root
 local_workdir fio
 mkdir -p "$work/ufs/blocks" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/ufs/seq.bin"
-for i in $(seq 1 $((size_mib / 64))); do
-  head -c $((64 * 1024 * 1024)) /dev/urandom > "$work/ufs/blocks/b$i.bin"
-done
+jobs="${JOBS:-seq-read rand-read rand-100k files-read}"
+case " $jobs " in
+  *" files-read "*)
+    for i in $(seq 1 $((size_mib / 64))); do
+      head -c $((64 * 1024 * 1024)) /dev/urandom > "$work/ufs/blocks/b$i.bin"
+    done;;
+esac
 # The files-read job holds all its files open at once, and a passthrough open leases its
 # whole file, while leases hold at most a quarter of the worker's cache: with a 3x cache,
 # 6 of the 16 files were refused passthrough and read through the daemon (partly over gRPC).
@@ -39,9 +44,10 @@ mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
 # Warm the cache: everything read once through the mount (and checked).
 cmp -s "$work/ufs/seq.bin" "$work/mnt/seq.bin" || { echo "bytes differ"; exit 1; }
 for f in "$work"/ufs/blocks/*.bin; do
+  [ -e "$f" ] || continue
   cmp -s "$f" "$work/mnt/blocks/$(basename "$f")" || { echo "bytes differ: $f"; exit 1; }
+  cat "$work/mnt/blocks/$(basename "$f")" > /dev/null # first passthrough opens check every CRC32C
 done
-cat "$work"/mnt/blocks/*.bin > /dev/null # first passthrough opens check every CRC32C
 
 # fio JOB DIR FILE -> "MB/s IOPS"
 run_fio() {
@@ -61,7 +67,7 @@ report() { # name unit raw... -- granary...
     "$name" "$r" "$col" "$g" "$col" "$(python3 -c "print($g / $r)")" "${raws[*]}" "${grs[*]}"
 }
 declare -A raw_bw gr_bw raw_iops gr_iops
-for job in ${JOBS:-seq-read rand-read files-read}; do
+for job in $jobs; do
   case $job in
     files-read) rdir="$work/ufs/blocks"; gdir="$work/mnt/blocks"; file="";;
     *) rdir="$work/ufs"; gdir="$work/mnt"; file="seq.bin";;
@@ -82,7 +88,7 @@ for job in ${JOBS:-seq-read rand-read files-read}; do
       fi
     done
   done
-  if [ "$job" = rand-read ]; then
+  if [ "$job" = rand-read ] || [ "$job" = rand-100k ]; then
     report "$job" IOPS "${ri[@]}" -- "${gi[@]}"
   else
     report "$job" MB/s "${rb[@]}" -- "${gb[@]}"

@@ -170,6 +170,18 @@ impl LocalLease {
         if let Some(b) = self.verified_bit(index) {
             self.verified.fetch_or(b, Ordering::Relaxed);
         }
+        if index == 0 && self.first == 0 && self.pages.len() == 1 {
+            // A lease of one page checked whole: kept at the file's close (one page is all
+            // of it then, see `ShortCircuit::keep_open`), it may be opened in passthrough.
+            self.note_checked_whole();
+        }
+    }
+
+    fn note_checked_whole(&self) {
+        self.checked_whole_ms.store(
+            (self.taken.elapsed().as_millis() as u64).max(1),
+            Ordering::Relaxed,
+        );
     }
 
     /// Too recent to ask again for pages it lacked.
@@ -337,10 +349,7 @@ impl LocalLease {
             }
         }
         if from == 0 && pages.len() == self.pages.len() {
-            self.checked_whole_ms.store(
-                (self.taken.elapsed().as_millis() as u64).max(1),
-                Ordering::Relaxed,
-            );
+            self.note_checked_whole();
         }
         let at = (offset - from) as usize;
         Ok(whole.slice(at..at + len as usize))
