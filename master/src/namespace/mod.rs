@@ -257,12 +257,23 @@ impl Namespace {
         if dir.kind != Kind::Directory {
             return Ok(vec![dir]);
         }
-        // Every page loads a folder never listed (a client listing ahead of its lookups:
-        // one listing of the folder costs less than a probe per name) and re-lists one
-        // whose sync interval passed (the statuses a page returns are then good for a whole
-        // interval, see `FileStatus.cache_ms`). A re-listing between two pages is like any
-        // change made during a listing: later pages show it.
-        let dir = self.ensure_loaded(dir).await?;
+        // A first page lists a folder never listed; every page re-lists a listed one whose
+        // sync interval passed (the statuses a page returns are then good for a whole
+        // interval, see `FileStatus.cache_ms`; a re-listing between two pages is like any
+        // change made during a listing: later pages show it). A later page of a folder
+        // never listed lists it once [`LIST_AFTER_LOOKUPS`] of its names were looked up one
+        // by one (a client listing ahead of a reader going through the folder: one listing
+        // costs less than the probes to come); a path walked to a known deep name lists
+        // nothing.
+        let load = after.is_none()
+            || dir.children_loaded
+            || (dir.mount_id.is_some()
+                && self.sm.children(dir.id, None, LIST_AFTER_LOOKUPS)?.len() >= LIST_AFTER_LOOKUPS);
+        let dir = if load {
+            self.ensure_loaded(dir).await?
+        } else {
+            dir
+        };
         self.sm.children(dir.id, after, limit)
     }
 
@@ -768,6 +779,9 @@ const SYNC_STATE_PRUNE_EVERY: Duration = Duration::from_secs(60);
 
 /// How long a lookup that found nothing is trusted (bounded by the mount's sync interval).
 pub const MISSING_TTL: Duration = Duration::from_secs(10);
+/// Names of a folder never listed looked up one by one after which a listing page (after a
+/// name) lists the folder whole.
+pub const LIST_AFTER_LOOKUPS: usize = 64;
 /// Remembered misses at most.
 const MISSING_CAP: usize = 100_000;
 
