@@ -8,7 +8,7 @@
 #   bench/fio-read.sh [SIZE_MIB]     (default 1024; root, fio)
 #
 # Jobs (bench/fio/*.fio): seq-read (1 MiB sequential, one file of SIZE_MIB), rand-read
-# (4 KiB random, 4 readers, 10 s), rand-100k (100 KB random, 16 readers, 10 s: record
+# (4 KiB random, 4 readers, 10 s), rand-100k (100 KB random, 16 readers, 1,000 reads each: record
 # formats read by a loader), files-read (1 MiB sequential over SIZE_MIB of 64 MiB
 # one-block files; their files are made only when the job is run). Per job one unmeasured round, then $ROUNDS (default 5) measured rounds in
 # alternating order (raw first, then Granary first), medians. JOBS="files-read" runs only the
