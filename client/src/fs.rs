@@ -165,6 +165,10 @@ pub struct FileSystem {
     leased_ends: Mutex<HashMap<u64, u64>>,
     /// The small file read last in each folder: parent → inode (name-order detection).
     last_read_in_dir: Mutex<HashMap<u64, u64>>,
+    /// Folders where a small file's lease at its open found it not cached, when: a cold
+    /// epoch, whose other opens there ask for no lease for a while (see
+    /// [`open_lease_paused`](Self::open_lease_paused)).
+    open_lease_misses: Mutex<HashMap<u64, Instant>>,
 }
 
 /// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
@@ -175,6 +179,10 @@ const MAX_GRANTS: usize = 100_000;
 /// A worker refused a fresh grant: it may not have the new leader's key yet (it gets it
 /// with its next heartbeat), so the read is tried once more after this pause.
 const GRANT_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// How long the opens of small files in a folder ask for no lease after one found its file
+/// not cached (see [`FileSystem::open_lease_paused`]).
+const OPEN_LEASE_PAUSE: Duration = Duration::from_secs(1);
 
 /// Files after the one being read whose block files are leased with it.
 const LEASE_AHEAD_FILES: usize = 32;
@@ -260,6 +268,7 @@ impl FileSystem {
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
             leased_ends: Mutex::new(HashMap::new()),
             last_read_in_dir: Mutex::new(HashMap::new()),
+            open_lease_misses: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -724,6 +733,30 @@ impl FileSystem {
         }
         m.insert(file.parent, file.inode);
         true
+    }
+
+    fn note_open_lease_miss(&self, file: &pb::FileStatus) {
+        if file.length > self.short_circuit_page_size() {
+            return;
+        }
+        let mut m = lock(&self.open_lease_misses);
+        if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
+            m.retain(|_, t| t.elapsed() < OPEN_LEASE_PAUSE);
+            if m.len() >= SEQUENTIAL_TRACKED {
+                m.clear();
+            }
+        }
+        m.insert(file.parent, Instant::now());
+    }
+
+    /// Whether small files opened in folder `parent` ask for no lease at their open for
+    /// now: one there found its file not cached within the last [`OPEN_LEASE_PAUSE`] (a
+    /// cold epoch reads each file through the daemon, which fetches and caches it; a lease
+    /// request per open would only hear "not cached" again).
+    pub fn open_lease_paused(&self, parent: u64) -> bool {
+        lock(&self.open_lease_misses)
+            .get(&parent)
+            .is_some_and(|t| t.elapsed() < OPEN_LEASE_PAUSE)
     }
 
     /// A small file is being opened: is it the one after its folder's last read in name
@@ -1479,6 +1512,7 @@ impl FileSystem {
         let path = std::path::Path::new(&r.path);
         let opened = if self.short_circuit.reachable(path) {
             LocalLease::open(w.worker_id, &r, sent)
+                .map(|l| l.checked_by(id, self.short_circuit.page_checks()))
         } else {
             Err(std::io::Error::from(std::io::ErrorKind::NotFound))
         };
@@ -1493,6 +1527,7 @@ impl FileSystem {
                         self.spawn_release(w.clone(), m.lease_id);
                         continue;
                     };
+                    let l = l.checked_by(&block, self.short_circuit.page_checks());
                     self.metrics.short_circuit_leases.inc();
                     self.short_circuit.keep(&block, Arc::new(l));
                 }
@@ -1529,9 +1564,13 @@ impl FileSystem {
             .into_iter()
             .find(|w| self.short_circuit.applies_to(w))?;
         self.grant_for(file, false).await.ok()?;
-        let lease = self
+        let Some(lease) = self
             .ask_lease(&w, &id, 0, None, PASSTHROUGH_HOLD.as_millis() as u64, true)
-            .await?;
+            .await
+        else {
+            self.note_open_lease_miss(file);
+            return None;
+        };
         let release = |l: &LocalLease| {
             self.spawn_release(w.clone(), l.id);
         };

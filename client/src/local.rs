@@ -90,6 +90,40 @@ pub struct LocalLease {
     /// When the worker may evict the pages again (at the earliest).
     until: Instant,
     taken: Instant,
+    /// The block, and the pages checked by any lease of this client (see [`PageChecks`]).
+    checks: Option<(BlockKey, Arc<PageChecks>)>,
+}
+
+/// Pages of block files read whole and checked, and when, by any lease of this client: a
+/// later lease's read of part of such a page within [`REVERIFY_AFTER`] reads just that
+/// part, as a read under the lease that checked it does (a random reader's 100 KB reads
+/// otherwise cost a 1 MiB read and checksum whenever its lease is new). The rule is the one
+/// passthrough opens follow for whole files: a page the worker evicted and fetched again
+/// holds the same bytes; what goes unseen for up to 10 minutes is rot on the worker's disk.
+#[derive(Default)]
+pub struct PageChecks(Mutex<HashMap<(BlockKey, u32), Instant>>);
+
+/// Pages remembered as checked (256 GiB of 1 MiB pages); the oldest checks are forgotten
+/// first when full.
+const MAX_PAGE_CHECKS: usize = 262_144;
+
+impl PageChecks {
+    fn checked(&self, block: BlockKey, page: u32) -> bool {
+        lock(&self.0)
+            .get(&(block, page))
+            .is_some_and(|t| t.elapsed() < REVERIFY_AFTER)
+    }
+
+    fn note(&self, block: BlockKey, page: u32) {
+        let mut m = lock(&self.0);
+        if m.len() >= MAX_PAGE_CHECKS && !m.contains_key(&(block, page)) {
+            m.retain(|_, t| t.elapsed() < REVERIFY_AFTER / 2);
+            if m.len() >= MAX_PAGE_CHECKS {
+                m.clear();
+            }
+        }
+        m.insert((block, page), Instant::now());
+    }
 }
 
 /// Why a leased read did not happen.
@@ -138,6 +172,7 @@ impl LocalLease {
             checked_whole_ms: AtomicU64::new(0),
             until: sent + Duration::from_millis(r.lease_ms),
             taken: sent,
+            checks: None,
         })
     }
 
@@ -160,15 +195,30 @@ impl LocalLease {
         (i < 64).then(|| 1u64 << i)
     }
 
-    /// Whether page `index` was read whole and checked under this lease.
+    /// Shares the pages this lease checks, and uses those checked before, with the other
+    /// leases of this client (see [`PageChecks`]).
+    pub fn checked_by(mut self, id: &pb::BlockId, checks: Arc<PageChecks>) -> Self {
+        self.checks = Some((block_key(id), checks));
+        self
+    }
+
+    /// Whether page `index` was read whole and checked under this lease (or under another
+    /// within [`REVERIFY_AFTER`], see [`PageChecks`]).
     fn is_verified(&self, index: u32) -> bool {
         self.verified_bit(index)
             .is_some_and(|b| self.verified.load(Ordering::Relaxed) & b != 0)
+            || self
+                .checks
+                .as_ref()
+                .is_some_and(|(block, c)| c.checked(*block, index))
     }
 
     fn mark_verified(&self, index: u32) {
         if let Some(b) = self.verified_bit(index) {
             self.verified.fetch_or(b, Ordering::Relaxed);
+        }
+        if let Some((block, c)) = &self.checks {
+            c.note(*block, index);
         }
         if index == 0 && self.first == 0 && self.pages.len() == 1 {
             // A lease of one page checked whole: kept at the file's close (one page is all
@@ -516,6 +566,8 @@ pub struct ShortCircuit {
     done: Mutex<HashMap<u64, Vec<u64>>>,
     /// Small files' block files kept open after their leases were given back.
     kept: Mutex<Kept>,
+    /// Pages checked by any lease (see [`PageChecks`]).
+    page_checks: Arc<PageChecks>,
 }
 
 /// Block files of small files read whole and closed, kept open (see
@@ -585,7 +637,13 @@ impl ShortCircuit {
                 max_files: kept_files_limit(),
                 ..Kept::default()
             }),
+            page_checks: Arc::default(),
         }
+    }
+
+    /// The pages checked by this client's leases, for a new lease to share.
+    pub fn page_checks(&self) -> Arc<PageChecks> {
+        self.page_checks.clone()
     }
 
     /// A small file (one block of `len` bytes) read and closed: its lease is given back as
@@ -990,6 +1048,44 @@ mod tests {
     }
 
     #[test]
+    fn a_page_checked_under_one_lease_is_read_in_part_under_the_next_without_its_whole() {
+        use std::os::unix::fs::FileExt;
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("block");
+        std::fs::write(&path, &data).unwrap();
+        let checks = Arc::new(PageChecks::default());
+        let id = pb::BlockId {
+            inode: 3,
+            version: 1,
+            index: 0,
+        };
+        let first = lease_on(&path, &data, 4096, 60_000).checked_by(&id, checks.clone());
+        assert_eq!(&first.read(0, 4096).unwrap()[..], &data[..4096]);
+        // The page's tail rots on the disk, outside the part read next.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&[0xff; 16], 4000).unwrap();
+        let next = lease_on(&path, &data, 4096, 60_000).checked_by(&id, checks.clone());
+        assert_eq!(
+            &next.read(100, 200).unwrap()[..],
+            &data[100..300],
+            "read alone: the first lease checked the page"
+        );
+        // Without the shared checks a part is read with its whole page, which fails.
+        let alone = lease_on(&path, &data, 4096, 60_000);
+        assert_eq!(alone.read(100, 200), Err(Miss::Bad));
+        let other = pb::BlockId { inode: 4, ..id };
+        let elsewhere = lease_on(&path, &data, 4096, 60_000).checked_by(&other, checks);
+        assert_eq!(
+            elsewhere.read(100, 200),
+            Err(Miss::Bad),
+            "another block's checks do not count"
+        );
+        // A page never checked is read whole and checked.
+        assert_eq!(&next.read(5000, 100).unwrap()[..], &data[5000..5100]);
+    }
+
+    #[test]
     fn a_small_file_kept_open_reads_right_after_its_lease_and_never_wrong() {
         let data: Vec<u8> = (0..6_000u32).map(|i| (i * 13 % 251) as u8).collect();
         let d = tempfile::tempdir().unwrap();
@@ -1140,6 +1236,7 @@ mod tests {
                 checked_whole_ms: AtomicU64::new(0),
                 until: l.until,
                 taken: l.taken + Duration::from_millis(i),
+                checks: None,
             };
             sc.keep(&id(i), Arc::new(lease));
         }
@@ -1204,6 +1301,7 @@ mod tests {
             checked_whole_ms: AtomicU64::new(0),
             until: l.until,
             taken: l.taken,
+            checks: None,
         };
         sc.set_page_size(4096);
         assert_eq!(sc.window_of(16 * 4096 - 1), 0);

@@ -1296,12 +1296,14 @@ impl DirHandle {
 /// Whether an open of `s`, a file smaller than the passthrough minimum with no backing
 /// file parked or kept, takes a lease to open it in passthrough now (its block file is then
 /// parked for its next opens): a one-page file not being written here, opened out of name
-/// order. A reader going through a folder in name order is served by pushes into the page
-/// cache and leases taken ahead instead.
+/// order, in a folder where such a lease did not just find its file uncached. A reader
+/// going through a folder in name order is served by pushes into the page cache and leases
+/// taken ahead instead.
 fn small_via_lease(client: &FileSystem, writes: &crate::write::Writes, s: &pb::FileStatus) -> bool {
     s.length > 0
         && s.length <= client.short_circuit.page_size()
         && writes.size_of(s.inode).is_none()
+        && !client.open_lease_paused(s.parent)
         && !client.small_open_in_name_order(s)
 }
 
