@@ -37,52 +37,7 @@ cleanup_all() {
 }
 trap cleanup_all EXIT
 mkdir -p "$work/ufs" "$work/mnt" "$work/bind"
-python3 - "$work/ufs/data" "$files" "$kib" "$work/manifest" <<'PY'
-import hashlib, os, random, sys
-root, n, kib, manifest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-rng = random.Random(7)
-blob = os.urandom(int(kib * 1024 * 1.2) + 65536)
-per = max(1, n // 20)
-with open(manifest, "w") as m:
-    for i in range(n):
-        d = os.path.join(root, f"d{i // per:03d}")
-        os.makedirs(d, exist_ok=True)
-        size = max(1, int(kib * 1024 * rng.uniform(0.85, 1.15)))
-        off = rng.randrange(0, 65536)
-        data = blob[off:off + size]
-        rel = f"d{i // per:03d}/s{i:06d}.bin"
-        with open(os.path.join(root, rel), "wb") as f:
-            f.write(data)
-        m.write(f"{rel} {hashlib.sha256(data).hexdigest()}\n")
-PY
-cat > "$work/loader.py" <<'PY'
-# loader.py ROOT MANIFEST LOADERS EPOCH_SEED CHECK -> samples bytes seconds bad
-import hashlib, multiprocessing as mp, os, random, sys, time
-root, manifest, n, seed, check = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-want = dict(l.split() for l in open(manifest))
-names = sorted(want)
-random.Random(seed).shuffle(names)
-def work(i, q):
-    total, bad, count = 0, 0, 0
-    mine = names[i::n]
-    for b in range(0, len(mine), 32):
-        for rel in mine[b:b + 32]:
-            with open(os.path.join(root, rel), "rb") as f:
-                data = f.read()
-            total += len(data)
-            count += 1
-            if check and hashlib.sha256(data).hexdigest() != want[rel]:
-                bad += 1
-    q.put((count, total, bad))
-q = mp.Queue()
-t = time.monotonic()
-ps = [mp.Process(target=work, args=(i, q)) for i in range(n)]
-for p in ps: p.start()
-res = [q.get() for _ in ps]
-for p in ps: p.join()
-took = time.monotonic() - t
-print(sum(r[0] for r in res), sum(r[1] for r in res), f"{took:.3f}", sum(r[2] for r in res))
-PY
+python3 "$here/make-samples.py" "$work/ufs/data" "$files" "$kib" "$work/manifest"
 mport=$(free_port)
 GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
   --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" --metrics-listen "127.0.0.1:$mport" \
@@ -104,7 +59,7 @@ pass() {
   epoch=$((epoch + 1))
   local c0 c1 out
   c0=$(cpu_of "$3")
-  out=$(python3 "$work/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2")
+  out=$(python3 "$here/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2")
   c1=$(cpu_of "$3")
   echo "$out $((c1 - c0))"
 }

@@ -750,9 +750,10 @@ impl FileSystem {
     }
 
     /// Whether small files opened in folder `parent` ask for no lease at their open for
-    /// now: one there found its file not cached within the last [`OPEN_LEASE_PAUSE`] (a
-    /// cold epoch reads each file through the daemon, which fetches and caches it; a lease
-    /// request per open would only hear "not cached" again).
+    /// now: one there found its file not cached within the last [`OPEN_LEASE_PAUSE`], and
+    /// no read there found one cached since (a cold epoch reads each file through the
+    /// daemon, which fetches and caches it; a lease request per open would only hear "not
+    /// cached" again).
     pub fn open_lease_paused(&self, parent: u64) -> bool {
         lock(&self.open_lease_misses)
             .get(&parent)
@@ -789,6 +790,9 @@ impl FileSystem {
         if !self.note_small_read(file) {
             return;
         }
+        // Its folder's files are cached now (the epoch after a cold one): opens there take
+        // their leases again.
+        lock(&self.open_lease_misses).remove(&file.parent);
         let id = pb::BlockId {
             inode: file.inode,
             version: file.version,

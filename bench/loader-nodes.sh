@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The loader pattern on several nodes at once (issue 27): one master, and per node a worker
+# and a FUSE mount sharing a node name (n1, n2, ... as in the cluster tests), all on this
+# machine. Each node runs N shuffled loader processes over the whole dataset (warm: every
+# block cached in the cluster, page cache dropped before every epoch), first alone, then
+# all nodes at once; the same for the raw folder (one copy per node). Reports each node's
+# samples/s at once ÷ alone, for Granary and for raw (on one machine the nodes share its
+# cores and disk: raw's ratio is what sharing alone costs).
+#
+#   bench/loader-nodes.sh [NODES] [FILES] [KIB] [LOADERS]   (default 3 4000 100 4; root)
+#
+# Every sample of the first epoch on every node is checked against its SHA-256. Uses
+# $GRANARY_BIN, else the debug binary scripts/test builds.
+set -euo pipefail
+nodes="${1:-3}"
+files="${2:-4000}"
+kib="${3:-100}"
+loaders="${4:-4}"
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/lib.sh"
+needs_root
+procs_workdir loader-nodes
+mounts=()
+cleanup_nodes() {
+  for m in "${mounts[@]}"; do mountpoint -q "$m" && umount -l "$m" || true; done
+  procs_cleanup
+}
+trap cleanup_nodes EXIT
+python3 "$here/make-samples.py" "$work/ufs/data" "$files" "$kib" "$work/manifest"
+for n in $(seq 1 "$nodes"); do cp -r "$work/ufs/data" "$work/raw$n"; done
+
+mport=$(free_port); maddr="127.0.0.1:$mport"
+GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "$maddr" --allow-local-root "$work/ufs" > "$work/master.log" 2>&1 &
+pids+=($!); wait_port "$mport"
+for n in $(seq 1 "$nodes"); do
+  GRANARY_LOG=warn "$bin" worker --master "$maddr" --listen 127.0.0.1:0 --node-name "n$n" \
+    --cache-dir "$work/w$n" --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" > "$work/w$n.log" 2>&1 &
+  pids+=($!)
+done
+wait_live "$maddr" "$nodes"
+"$bin" mount add /data "file://$work/ufs/data" --master "$maddr" > /dev/null
+for n in $(seq 1 "$nodes"); do
+  mkdir -p "$work/m$n"
+  GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" > "$work/m$n.log" 2>&1 &
+  pids+=($!); mounts+=("$work/m$n")
+  for _ in $(seq 1 100); do mountpoint -q "$work/m$n" && break; sleep 0.1; done
+  mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
+done
+
+epoch=0
+# pass DIR CHECK -> "samples bytes seconds bad"
+pass() { epoch=$((epoch + 1)); python3 "$here/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2"; }
+# at_once CHECK DIR... -> one "samples bytes seconds bad" line per DIR, all run together
+at_once() {
+  local check=$1 d i=0 ps=() p; shift
+  epoch=$((epoch + 1))
+  for d in "$@"; do
+    i=$((i + 1))
+    python3 "$here/loader.py" "$d" "$work/manifest" "$loaders" "$((epoch * 100 + i))" "$check" > "$work/once.$i" &
+    ps+=($!)
+  done
+  for p in "${ps[@]}"; do wait "$p"; done
+  for i in $(seq 1 "$#"); do cat "$work/once.$i"; done
+  rm -f "$work"/once.*
+}
+check_all() { # every line: all samples, none bad
+  while read -r n _ _ bad; do
+    [ "$n" = "$files" ] && [ "$bad" = 0 ] || { echo "samples missing or differing: $n read, $bad bad"; exit 1; }
+  done
+}
+gdirs=(); rdirs=()
+for n in $(seq 1 "$nodes"); do gdirs+=("$work/m$n/data"); rdirs+=("$work/raw$n"); done
+# Cold: node 1 loads the cluster (each block cached once, on its owner); then every node
+# reads everything once, checked.
+drop; pass "${gdirs[0]}" 1 | check_all
+drop; at_once 1 "${gdirs[@]}" | check_all
+rate() { awk '{ printf "%.0f\n", $1 / $3 }'; }
+declare -A alone_g alone_r
+for n in $(seq 1 "$nodes"); do
+  drop; alone_r[$n]=$(pass "${rdirs[$((n - 1))]}" 0 | rate)
+  drop; alone_g[$n]=$(pass "${gdirs[$((n - 1))]}" 0 | rate)
+done
+drop; mapfile -t once_r < <(at_once 0 "${rdirs[@]}" | rate)
+drop; mapfile -t once_g < <(at_once 0 "${gdirs[@]}" | rate)
+echo "$nodes nodes, $files files of ~$kib KiB, $loaders loaders per node (samples/s per node)"
+for n in $(seq 1 "$nodes"); do
+  g1=${alone_g[$n]}; gn=${once_g[$((n - 1))]}; r1=${alone_r[$n]}; rn=${once_r[$((n - 1))]}
+  printf '  node n%s: granary alone %6s, at once %6s (%.2fx)   raw alone %6s, at once %6s (%.2fx)\n' \
+    "$n" "$g1" "$gn" "$(python3 -c "print($gn / $g1)")" "$r1" "$rn" "$(python3 -c "print($rn / $r1)")"
+done
