@@ -37,7 +37,7 @@ esac
 # whole file, while leases hold at most a quarter of the worker's cache: with a 3x cache,
 # 6 of the 16 files were refused passthrough and read through the daemon (partly over gRPC).
 GRANARY_LOG=warn "$bin" local --ufs "$work/ufs" --mount "$work/mnt" --cache-dir "$work/cache" \
-  --cache-size "$((size_mib * 6))MiB" > "$work/local.log" 2>&1 &
+  --cache-size "$((size_mib * 6))MiB" ${GRANARY_FLAGS:-} > "$work/local.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 100); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }

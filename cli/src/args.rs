@@ -305,8 +305,10 @@ pub struct FuseOpts {
     /// the mount's sync_interval); files created through this mount show up at once.
     #[arg(long, env = "GRANARY_NEGATIVE_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub negative_timeout: Duration,
-    /// Kernel request threads.
-    #[arg(long, env = "GRANARY_FUSE_THREADS", default_value_t = 4)]
+    /// Kernel request threads: how many requests the mount works on at once (reads of
+    /// block files block one each; 16 random readers of a big file with 4 threads got
+    /// 0.5-0.7x of the disk, with 16 threads 1.0x).
+    #[arg(long, env = "GRANARY_FUSE_THREADS", default_value_t = 16)]
     pub fuse_threads: usize,
     /// Let users other than the mounting one access the mount.
     #[arg(long, env = "GRANARY_ALLOW_OTHER")]
