@@ -66,6 +66,7 @@ pass() {
 drop; rawcold=$(pass "$work/ufs/data" 0 "")
 ops0=$(ops)
 drop; cold=$(pass "$work/mnt/data" 1 "$pid")
+warmed=$(metric_at "$mport" granary_client_warm_files_total)
 drop; first=$(pass "$work/mnt/data" 1 "$pid")
 for r in "$cold" "$first"; do
   [ "$(echo "$r" | awk '{print $4}')" = 0 ] || { echo "samples differ from the source: $r"; exit 1; }
@@ -81,7 +82,7 @@ for _ in $(seq 1 "$rounds"); do
   triples="$triples$r|$b|$w;"
 done
 warm1=$(counters)
-python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" "$warm0" "$warm1" "$rounds" <<'PY'
+python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" "$warm0" "$warm1" "$rounds" "${warmed:-0}" <<'PY'
 import statistics, sys
 files, kib, loaders = sys.argv[1], sys.argv[2], sys.argv[3]
 tck = int(sys.argv[7])
@@ -106,7 +107,7 @@ for name, xs, ts in [("raw", raw, [t[0] for t in triples]), ("bindfs", bind, [t[
     print(f"  {name:13s} {statistics.median(xs):9.0f} samples/s {mbs:8.1f} MB/s{cpu_s}")
 print(f"  warm/bindfs   {statistics.median(w / b for w, b in zip(warm, bind)):.2f}x   warm/raw {statistics.median(w / r for w, r in zip(warm, raw)):.2f}x")
 rc, c = rate(sys.argv[4])[0], rate(sys.argv[5])[0]
-print(f"  cold (first epoch from the store) {c:.0f} samples/s, raw first read {rc:.0f}: {c / rc:.2f}x, {cpu_per_k(sys.argv[5]):.2f} CPU s / 1,000 samples")
+print(f"  cold (first epoch from the store) {c:.0f} samples/s, raw first read {rc:.0f}: {c / rc:.2f}x, {cpu_per_k(sys.argv[5]):.2f} CPU s / 1,000 samples, files warmed ahead of the loaders {float(sys.argv[13]):.0f}")
 def opmap(s):
     out = {}
     for line in s.splitlines():

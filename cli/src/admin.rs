@@ -933,7 +933,12 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
 /// `granary bench metadata`: creates/s and stats/s against a running cluster.
 pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Get { uri, options, json } => return bench_get(&uri, &options, json).await,
+        BenchCommand::Get {
+            uri,
+            options,
+            each,
+            json,
+        } => return bench_get(&uri, &options, each, json).await,
         BenchCommand::Tcp { size, json } => return bench_tcp(size, json),
         BenchCommand::Read {
             path,
@@ -1178,29 +1183,51 @@ async fn bench_read(
 }
 
 /// `granary bench get`: one single-stream GET of an object through object_store.
-async fn bench_get(uri: &str, options: &[String], json: bool) -> anyhow::Result<()> {
-    use futures::StreamExt;
+async fn bench_get(uri: &str, options: &[String], each: bool, json: bool) -> anyhow::Result<()> {
+    use futures::{StreamExt, TryStreamExt};
     use object_store::ObjectStoreExt;
     let opts = granary_common::ufs::parse_option_args(options)?;
     let spec = granary_common::ufs::UfsSpec::new(uri, opts)?;
     let ufs = spec.open()?;
+    let keys = if each {
+        let mut keys: Vec<object_store::path::Path> = ufs
+            .store
+            .list(Some(&ufs.prefix))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await
+            .with_context(|| format!("cannot list {uri}"))?;
+        keys.sort();
+        anyhow::ensure!(!keys.is_empty(), "no object below {uri}");
+        keys
+    } else {
+        vec![ufs.prefix.clone()]
+    };
     let start = std::time::Instant::now();
-    let mut stream = ufs
-        .store
-        .get(&ufs.prefix)
-        .await
-        .with_context(|| format!("cannot GET {uri}"))?
-        .into_stream();
     let mut bytes = 0u64;
-    while let Some(chunk) = stream.next().await {
-        bytes += chunk.with_context(|| format!("reading {uri}"))?.len() as u64;
+    for key in &keys {
+        let mut stream = ufs
+            .store
+            .get(key)
+            .await
+            .with_context(|| format!("cannot GET {key}"))?
+            .into_stream();
+        while let Some(chunk) = stream.next().await {
+            bytes += chunk.with_context(|| format!("reading {key}"))?.len() as u64;
+        }
     }
     let secs = start.elapsed().as_secs_f64();
     let mbps = bytes as f64 / secs / 1e6;
+    let per_s = keys.len() as f64 / secs;
     if json {
         println!(
             "{}",
-            json!({"bytes": bytes, "seconds": secs, "mb_per_s": mbps})
+            json!({"objects": keys.len(), "bytes": bytes, "seconds": secs, "mb_per_s": mbps, "objects_per_s": per_s})
+        );
+    } else if each {
+        println!(
+            "{} objects, {bytes} bytes in {secs:.2}s: {per_s:.0} objects/s, {mbps:.0} MB/s",
+            keys.len()
         );
     } else {
         println!("{bytes} bytes in {secs:.2}s: {mbps:.0} MB/s");

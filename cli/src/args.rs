@@ -337,6 +337,13 @@ pub struct FuseOpts {
     /// Largest file pushed ahead (see --push-ahead-files).
     #[arg(long, env = "GRANARY_PUSH_MAX_SIZE", value_parser = size, default_value = "1MiB")]
     pub push_max_size: u64,
+    /// Folder warming: once 8 files of a folder were read uncached, out of name order (a
+    /// training job's first epoch), the folder's other files of one block are fetched into
+    /// the cache ahead of the readers, 16 at a time, at most 100 files per uncached read
+    /// seen there and at most this many bytes per folder (and half the cluster's cache).
+    /// 0 turns it off.
+    #[arg(long, env = "GRANARY_WARM_FOLDER_BYTES", value_parser = size, default_value = "4GiB")]
+    pub warm_folder_bytes: u64,
     /// Deadline of every mount operation that waits on the network (a read, a lookup): on
     /// expiry it fails with EIO, is logged and counted, and the mount carries on.
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]
@@ -541,13 +548,19 @@ pub enum BenchCommand {
     /// path): the limit cold reads are compared with.
     ///
     /// Example: granary bench get s3://bucket/big.bin -o region=us-east-1 --json
+    ///          granary bench get s3://bucket/train/ --each -o region=us-east-1
     #[command(verbatim_doc_comment)]
     Get {
-        /// The object's URI.
+        /// The object's URI (with --each: a prefix).
         uri: String,
         /// key=value store option (repeatable), as for `mount add`.
         #[arg(long = "option", short = 'o')]
         options: Vec<String>,
+        /// List every object below the URI, then GET each whole, one after another, in
+        /// name order: the per-file GET loop of a program reading samples straight from the
+        /// store (the limit cold loader epochs are compared with). Reports objects/s too.
+        #[arg(long)]
+        each: bool,
         #[arg(long)]
         json: bool,
     },

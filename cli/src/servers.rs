@@ -44,6 +44,7 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.passthrough_min_size = o.passthrough_min_size;
     c.push_ahead = o.push_ahead_files;
     c.push_max_size = o.push_max_size;
+    c.warm_folder_bytes = o.warm_folder_bytes;
     c.op_timeout = o.op_timeout;
     c.max_memory = o.max_memory;
     c.read_only = o.read_only;

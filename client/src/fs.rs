@@ -169,6 +169,9 @@ pub struct FileSystem {
     /// epoch, whose other opens there ask for no lease for a while (see
     /// [`open_lease_paused`](Self::open_lease_paused)).
     open_lease_misses: Mutex<HashMap<u64, Instant>>,
+    /// Folders read at random while uncached, warmed ahead of their readers (see
+    /// [`crate::warm`]).
+    pub(crate) warmer: crate::warm::Warmer,
 }
 
 /// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
@@ -214,7 +217,7 @@ fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
 }
 
 /// A file's block size (0 in its status: the default).
-fn block_size(file: &pb::FileStatus) -> u64 {
+pub(crate) fn block_size(file: &pb::FileStatus) -> u64 {
     if file.block_size == 0 {
         granary_common::DEFAULT_BLOCK_SIZE
     } else {
@@ -269,6 +272,7 @@ impl FileSystem {
             leased_ends: Mutex::new(HashMap::new()),
             last_read_in_dir: Mutex::new(HashMap::new()),
             open_lease_misses: Mutex::new(HashMap::new()),
+            warmer: crate::warm::Warmer::new(crate::warm::DEFAULT_WARM_FOLDER_BYTES),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -289,6 +293,12 @@ impl FileSystem {
             });
         }
         fs
+    }
+
+    /// Bytes warmed ahead of random readers per folder at most (0: no folder warming; see
+    /// [`crate::warm`]).
+    pub fn set_warm_folder_bytes(&self, n: u64) {
+        self.warmer.set_max_bytes(n);
     }
 
     /// The deadline of one read from one worker or from the under-store (default 60 s).
@@ -1167,7 +1177,7 @@ impl FileSystem {
     /// for): a file persisted since its status was read has a fingerprint now, and workers
     /// serve a block only under a grant that binds the descriptor's terms. A write grant
     /// (from the file's creation) binds no length: the descriptor stays as it is.
-    fn with_grant_terms(desc: &mut pb::BlockDescriptor, grant: Option<&pb::ReadGrant>) {
+    pub(crate) fn with_grant_terms(desc: &mut pb::BlockDescriptor, grant: Option<&pb::ReadGrant>) {
         let Some(g) = grant else { return };
         let same = desc
             .id
@@ -1180,7 +1190,10 @@ impl FileSystem {
         }
     }
 
-    fn descriptor(file: &pb::FileStatus, index: u64) -> Result<pb::BlockDescriptor, ClientError> {
+    pub(crate) fn descriptor(
+        file: &pb::FileStatus,
+        index: u64,
+    ) -> Result<pb::BlockDescriptor, ClientError> {
         let ufs = file.ufs.clone().ok_or_else(|| {
             ClientError::FailedPrecondition(format!(
                 "{} has no under-store copy to read",
@@ -1201,7 +1214,7 @@ impl FileSystem {
     }
 
     async fn read_block_range(
-        &self,
+        self: &Arc<Self>,
         file: &pb::FileStatus,
         index: u64,
         block_start: u64,
@@ -1258,8 +1271,11 @@ impl FileSystem {
                         .await;
                 }
                 match res {
-                    Ok(data) => {
+                    Ok((data, hit)) => {
                         self.metrics.add_read("worker", data.len() as u64);
+                        if !hit && index == 0 && file.length <= block_size(file) {
+                            self.note_cold_read(file);
+                        }
                         return Ok(data);
                     }
                     Err(e) if e.is_retryable() => {
@@ -1357,7 +1373,7 @@ impl FileSystem {
     }
 
     /// The page size short-circuit leases are counted in (the workers' page size).
-    fn short_circuit_page_size(&self) -> u64 {
+    pub(crate) fn short_circuit_page_size(&self) -> u64 {
         self.short_circuit.page_size()
     }
 
@@ -1725,14 +1741,16 @@ impl FileSystem {
         }
     }
 
-    async fn read_from_worker(
+    /// Reads a range of a block from a worker over gRPC: the bytes, and whether the worker
+    /// had them all cached.
+    pub(crate) async fn read_from_worker(
         &self,
         address: &str,
         desc: &pb::BlockDescriptor,
         offset: u64,
         len: u64,
         grant: Option<pb::ReadGrant>,
-    ) -> Result<Bytes, ClientError> {
+    ) -> Result<(Bytes, bool), ClientError> {
         let mut client = self.worker_client(address)?;
         let slots = lock(&self.view)
             .slots
@@ -1758,7 +1776,9 @@ impl FileSystem {
             // Chunks are kept as they arrive and joined once (a one-chunk read is not copied).
             let mut chunks: Vec<Bytes> = Vec::new();
             let mut got = 0u64;
+            let mut hit = true;
             while let Some(chunk) = stream.message().await? {
+                hit &= chunk.hit;
                 if chunk.offset != offset + got {
                     return Err(ClientError::Internal(format!(
                         "worker {address} sent a chunk at {} where {} was expected",
@@ -1769,7 +1789,7 @@ impl FileSystem {
                 got += chunk.data.len() as u64;
                 chunks.push(chunk.data);
             }
-            Ok::<_, ClientError>(join(chunks, got))
+            Ok::<_, ClientError>((join(chunks, got), hit))
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,

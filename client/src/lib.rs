@@ -13,6 +13,7 @@ pub mod master;
 pub mod metrics;
 pub mod mounts;
 pub mod placement;
+pub mod warm;
 pub mod watch;
 pub mod write;
 

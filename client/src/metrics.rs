@@ -67,6 +67,10 @@ pub struct ClientMetrics {
     /// Passthrough backing files kept after their files' last close, and opens they served.
     pub parked_backings: Gauge,
     pub parked_opens: Counter<u64, AtomicU64>,
+    /// Folder warms started, and the files and bytes they had cached.
+    pub warm_folders: Counter<u64, AtomicU64>,
+    pub warm_files: Counter<u64, AtomicU64>,
+    pub warm_bytes: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -151,6 +155,21 @@ impl ClientMetrics {
                 "granary_client_passthrough_opens",
                 "Files opened in FUSE passthrough mode (the kernel reads a worker's block file; the daemon sees no reads)",
                 self.passthrough_opens.clone(),
+            );
+            r.register(
+                "granary_client_warm_folders",
+                "Folder warms started: a folder whose small files were read in a random order while uncached has its other files fetched into the cache ahead of its readers (--warm-folder-bytes)",
+                self.warm_folders.clone(),
+            );
+            r.register(
+                "granary_client_warm_files",
+                "Files folder warms had fetched into the cache",
+                self.warm_files.clone(),
+            );
+            r.register(
+                "granary_client_warm_bytes",
+                "Bytes of the files folder warms had fetched into the cache",
+                self.warm_bytes.clone(),
             );
         }
     }

@@ -83,6 +83,9 @@ pub struct FuseConfig {
     pub push_ahead: usize,
     /// Largest file pushed ahead (files opened in passthrough never are).
     pub push_max_size: u64,
+    /// Bytes warmed per folder ahead of readers going through it at random while it is
+    /// not cached (0: no folder warming; see `granary_client::warm`).
+    pub warm_folder_bytes: u64,
     /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
     pub op_timeout: Duration,
     /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
@@ -110,6 +113,7 @@ impl FuseConfig {
             passthrough_min_size: DEFAULT_PASSTHROUGH_MIN_SIZE,
             push_ahead: DEFAULT_PUSH_AHEAD,
             push_max_size: DEFAULT_PUSH_MAX_SIZE,
+            warm_folder_bytes: granary_client::warm::DEFAULT_WARM_FOLDER_BYTES,
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
             read_only: false,
@@ -143,6 +147,7 @@ pub fn mount(
     client.set_read_timeout(config.op_timeout);
     // An open may use the status a lookup or listing fetched within the attribute timeout.
     client.set_status_ttl(config.attr_timeout);
+    client.set_warm_folder_bytes(config.warm_folder_bytes);
     let fs = GranaryFs::new(client.clone(), config, runtime.clone());
     let page_cache = fs.page_cache();
     let mut c = Config::default();

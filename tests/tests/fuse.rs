@@ -314,6 +314,21 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
             Some("3000"),
             "epoch {epoch}: samples read: {out}"
         );
+        if epoch == 1 {
+            // The cold epoch: the samples are the whole of six folders of 500, read at
+            // random, so each folder was warmed ahead of the loaders once its misses earned
+            // it — and still every sample came from the store exactly once.
+            assert_eq!(m("granary_client_warm_folders_total"), 6.0, "folder warms");
+            assert!(
+                m("granary_client_warm_files_total") > 0.0,
+                "no file was warmed ahead of the loaders"
+            );
+            assert_eq!(
+                c.workers[0].metric("granary_worker_ufs_read_bytes_total"),
+                3000.0 * 128.0 * 1024.0,
+                "store bytes of the cold epoch (3,000 samples of 128 KiB, each once)"
+            );
+        }
         assert_eq!(
             it.next(),
             Some("3000"),
