@@ -344,6 +344,15 @@ pub struct FuseOpts {
     /// 0 turns it off.
     #[arg(long, env = "GRANARY_WARM_FOLDER_BYTES", value_parser = size, default_value = "4GiB")]
     pub warm_folder_bytes: u64,
+    /// Where warm blocks that another node's worker owns are read from: `cluster` reads
+    /// each from its owner (the cluster caches one copy; on N nodes about (N-1)/N of the
+    /// bytes cross the network every epoch); `node` reads them from the owner once, has
+    /// this node's worker copy them from it in the background (never from the under-store),
+    /// and reads them from this node's disk afterwards (short-circuit, passthrough) — more
+    /// cache per node, less network. Node copies only take room this node's worker does not
+    /// need for blocks it owns. Needs a worker with this node's name.
+    #[arg(long, env = "GRANARY_LOCALITY", value_enum, default_value_t = Locality::Cluster)]
+    pub locality: Locality,
     /// Deadline of every mount operation that waits on the network (a read, a lookup): on
     /// expiry it fails with EIO, is logged and counted, and the mount carries on.
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]
@@ -668,6 +677,22 @@ pub struct WorkerArgs {
     /// [default: the hostname]. On Kubernetes, set it from spec.nodeName.
     #[arg(long, env = "GRANARY_NODE_NAME")]
     pub node_name: Option<String>,
+    /// Node copies for mounts on this node that ask for them (their --locality node):
+    /// `node` keeps copies of blocks other workers own, filled from those workers only
+    /// (never the under-store), evicted before any page this worker owns and never
+    /// evicting one; `cluster` refuses them (mounts then read such blocks from their
+    /// owners).
+    #[arg(long, env = "GRANARY_WORKER_LOCALITY", value_enum, default_value_t = Locality::Node)]
+    pub locality: Locality,
+}
+
+/// Where a node reads the warm blocks other nodes' workers own (see `--locality`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Locality {
+    /// From their owner: the cluster caches one copy of each block.
+    Cluster,
+    /// From this node's worker, which copies them from their owners after a first read.
+    Node,
 }
 
 #[derive(Debug, Subcommand)]

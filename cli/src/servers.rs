@@ -45,6 +45,7 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c.push_ahead = o.push_ahead_files;
     c.push_max_size = o.push_max_size;
     c.warm_folder_bytes = o.warm_folder_bytes;
+    c.node_local = o.locality == crate::args::Locality::Node;
     c.op_timeout = o.op_timeout;
     c.max_memory = o.max_memory;
     c.read_only = o.read_only;
@@ -144,6 +145,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     config.metrics_listen = a.metrics_listen;
     config.heartbeat_interval = a.heartbeat_interval;
     config.eviction = a.eviction;
+    config.node_copies = a.locality == crate::args::Locality::Node;
     if let Some(n) = a.node_name {
         config.node_name = n;
     }

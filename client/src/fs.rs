@@ -172,6 +172,8 @@ pub struct FileSystem {
     /// Folders read at random while uncached, warmed ahead of their readers (see
     /// [`crate::warm`]).
     pub(crate) warmer: crate::warm::Warmer,
+    /// Node copies of blocks other nodes' workers own (see [`crate::nodecopy`]).
+    pub(crate) node_copier: crate::nodecopy::NodeCopier,
 }
 
 /// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
@@ -273,6 +275,7 @@ impl FileSystem {
             last_read_in_dir: Mutex::new(HashMap::new()),
             open_lease_misses: Mutex::new(HashMap::new()),
             warmer: crate::warm::Warmer::new(crate::warm::DEFAULT_WARM_FOLDER_BYTES),
+            node_copier: crate::nodecopy::NodeCopier::default(),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&fs);
@@ -1246,6 +1249,12 @@ impl FileSystem {
                         .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
                 });
             }
+            let owner = candidates.first().map_or(0, |w| w.worker_id);
+            let node_local = self.node_local() && file.persist_worker == 0;
+            if node_local {
+                // This node's worker first: it may hold a node copy (see crate::nodecopy).
+                candidates.sort_by_key(|w| !self.short_circuit.same_node(w));
+            }
             if file.persist_worker != 0 {
                 // A file not in the under-store (yet): the worker that wrote it has it.
                 candidates.sort_by_key(|w| w.worker_id != file.persist_worker);
@@ -1257,8 +1266,14 @@ impl FileSystem {
                         return Ok(data);
                     }
                 }
+                let same_node = self.short_circuit.same_node(&w);
+                let node_copy = node_local && same_node && w.worker_id != owner;
+                if node_copy && self.short_circuit.applies_to(&w) {
+                    // Not cached on this node: read from the owner, then copy it here.
+                    continue;
+                }
                 let mut res = self
-                    .read_from_worker(&w.address, &desc, offset, len, grant.clone())
+                    .read_from_worker_opts(&w.address, &desc, offset, len, grant.clone(), node_copy)
                     .await;
                 if matches!(&res, Err(ClientError::PermissionDenied(m)) if m.contains("grant")) {
                     // Expired on the way, or signed by a new leader whose key this worker
@@ -1267,17 +1282,32 @@ impl FileSystem {
                     grant = self.grant_for(file, true).await?;
                     Self::with_grant_terms(&mut desc, grant.as_ref());
                     res = self
-                        .read_from_worker(&w.address, &desc, offset, len, grant.clone())
+                        .read_from_worker_opts(
+                            &w.address,
+                            &desc,
+                            offset,
+                            len,
+                            grant.clone(),
+                            node_copy,
+                        )
                         .await;
                 }
                 match res {
                     Ok((data, hit)) => {
                         self.metrics.add_read("worker", data.len() as u64);
+                        if !same_node {
+                            self.metrics.peer_read_bytes.inc_by(data.len() as u64);
+                            if node_local {
+                                self.copy_to_node(file, index);
+                            }
+                        }
                         if !hit && index == 0 && file.length <= block_size(file) {
                             self.note_cold_read(file);
                         }
                         return Ok(data);
                     }
+                    // No peer has it yet: the owner reads it (from the store if need be).
+                    Err(ClientError::NotFound(_)) if node_copy => {}
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
                         self.metrics.worker_failures.inc();
@@ -1751,6 +1781,22 @@ impl FileSystem {
         len: u64,
         grant: Option<pb::ReadGrant>,
     ) -> Result<(Bytes, bool), ClientError> {
+        self.read_from_worker_opts(address, desc, offset, len, grant, false)
+            .await
+    }
+
+    /// [`read_from_worker`](Self::read_from_worker); `from_peers`: the worker is on this
+    /// node but does not own the block, and is asked for its node copy (filled from peers
+    /// only, never from the under-store; see `crate::nodecopy`).
+    pub(crate) async fn read_from_worker_opts(
+        &self,
+        address: &str,
+        desc: &pb::BlockDescriptor,
+        offset: u64,
+        len: u64,
+        grant: Option<pb::ReadGrant>,
+        from_peers: bool,
+    ) -> Result<(Bytes, bool), ClientError> {
         let mut client = self.worker_client(address)?;
         let slots = lock(&self.view)
             .slots
@@ -1764,6 +1810,7 @@ impl FileSystem {
             cache: true,
             cached_only: false,
             grant,
+            from_peers,
         });
         req.set_timeout(self.read_timeout());
         let fut = async move {

@@ -12,6 +12,7 @@ pub mod local;
 pub mod master;
 pub mod metrics;
 pub mod mounts;
+pub mod nodecopy;
 pub mod placement;
 pub mod warm;
 pub mod watch;

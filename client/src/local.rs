@@ -748,6 +748,11 @@ impl ShortCircuit {
         }
     }
 
+    /// Is `w` on this node (same node name)? Whether or not short-circuit reads are on.
+    pub fn same_node(&self, w: &pb::WorkerInfo) -> bool {
+        w.host == *lock(&self.node)
+    }
+
     /// Should reads of `w`'s blocks try its block files?
     pub fn applies_to(&self, w: &pb::WorkerInfo) -> bool {
         self.enabled.load(Ordering::Relaxed)

@@ -71,6 +71,13 @@ pub struct ClientMetrics {
     pub warm_folders: Counter<u64, AtomicU64>,
     pub warm_files: Counter<u64, AtomicU64>,
     pub warm_bytes: Counter<u64, AtomicU64>,
+    /// Bytes read over gRPC from workers on other nodes (part of source="worker").
+    pub peer_read_bytes: Counter<u64, AtomicU64>,
+    /// Blocks (and bytes) copied to this node's worker, copies that failed or were skipped.
+    pub node_copies: Counter<u64, AtomicU64>,
+    pub node_copy_bytes: Counter<u64, AtomicU64>,
+    pub node_copy_failures: Counter<u64, AtomicU64>,
+    pub node_copy_skipped: Counter<u64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -170,6 +177,31 @@ impl ClientMetrics {
                 "granary_client_warm_bytes",
                 "Bytes of the files folder warms had fetched into the cache",
                 self.warm_bytes.clone(),
+            );
+            r.register(
+                "granary_client_peer_read_bytes",
+                "Bytes read over gRPC from workers on other nodes (also in granary_client_read_bytes{source=\"worker\"})",
+                self.peer_read_bytes.clone(),
+            );
+            r.register(
+                "granary_client_node_copies",
+                "Blocks this node's worker copied from their owners for this mount (--locality node), so later reads are local",
+                self.node_copies.clone(),
+            );
+            r.register(
+                "granary_client_node_copy_bytes",
+                "Bytes of the blocks this node's worker copied for this mount (--locality node)",
+                self.node_copy_bytes.clone(),
+            );
+            r.register(
+                "granary_client_node_copy_failures",
+                "Node copies that failed (the block is read from its owner until a later read copies it)",
+                self.node_copy_failures.clone(),
+            );
+            r.register(
+                "granary_client_node_copy_skipped",
+                "Node copies not started because 1,024 were waiting already",
+                self.node_copy_skipped.clone(),
             );
         }
     }

@@ -86,6 +86,9 @@ pub struct FuseConfig {
     /// Bytes warmed per folder ahead of readers going through it at random while it is
     /// not cached (0: no folder warming; see `granary_client::warm`).
     pub warm_folder_bytes: u64,
+    /// Node locality: blocks other nodes' workers own are copied to this node's worker
+    /// after a first read (see `granary_client::nodecopy`).
+    pub node_local: bool,
     /// Deadline of every operation that waits on the network; on expiry it fails with EIO.
     pub op_timeout: Duration,
     /// Bytes that reads in flight may hold at once (their buffers); more reads wait.
@@ -114,6 +117,7 @@ impl FuseConfig {
             push_ahead: DEFAULT_PUSH_AHEAD,
             push_max_size: DEFAULT_PUSH_MAX_SIZE,
             warm_folder_bytes: granary_client::warm::DEFAULT_WARM_FOLDER_BYTES,
+            node_local: false,
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
             read_only: false,
@@ -148,6 +152,7 @@ pub fn mount(
     // An open may use the status a lookup or listing fetched within the attribute timeout.
     client.set_status_ttl(config.attr_timeout);
     client.set_warm_folder_bytes(config.warm_folder_bytes);
+    client.set_node_local(config.node_local);
     let fs = GranaryFs::new(client.clone(), config, runtime.clone());
     let page_cache = fs.page_cache();
     let mut c = Config::default();

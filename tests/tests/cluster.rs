@@ -254,3 +254,131 @@ fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() {
     );
     drop(fuse);
 }
+
+#[test]
+fn a_node_local_mount_copies_other_owners_blocks_to_its_worker_and_then_reads_locally() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-node-local-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let mut total = 0;
+    // Small samples (one page), medium files (several pages), one of three blocks.
+    for i in 0..120u64 {
+        let len = 20_000 + i * 3_001;
+        random_file(&src.join(format!("s/f{i:03}.bin")), len).unwrap();
+        total += len;
+    }
+    for i in 0..4u64 {
+        let len = 5 * MIB + i * 12_345;
+        random_file(&src.join(format!("m/m{i}.bin")), len).unwrap();
+        total += len;
+    }
+    random_file(&src.join("big.bin"), 130 * MIB).unwrap();
+    total += 130 * MIB;
+    let expected = tree_sums(&src).unwrap();
+
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    // Two nodes: worker and mount of node n1 read with --locality node; n2 has a worker
+    // that keeps no node copies (--locality cluster) and no mount.
+    let w1 = Worker::start_opts(
+        root,
+        "w1",
+        &addr,
+        "1GiB",
+        &root.join("w1-cache"),
+        &["--node-name", "n1"],
+    )
+    .unwrap();
+    let w2 = Worker::start_opts(
+        root,
+        "w2",
+        &addr,
+        "1GiB",
+        &root.join("w2-cache"),
+        &["--node-name", "n2", "--locality", "cluster"],
+    )
+    .unwrap();
+    wait_live_workers(&addr, 2).unwrap();
+    mount_local("/data", &src, &addr).unwrap();
+    let m1 = Fuse::start_opts(
+        root,
+        "n1",
+        &addr,
+        &["--node-name", "n1", "--locality", "node"],
+    )
+    .unwrap();
+    let dir = m1.mountpoint.join("data");
+    let from_store = || {
+        w1.metric("granary_worker_ufs_read_bytes_total")
+            + w2.metric("granary_worker_ufs_read_bytes_total")
+    };
+    let peer_bytes = || m1.metric("granary_client_peer_read_bytes_total");
+
+    // First pass: w2's blocks come over gRPC from w2 (which fetches them from the store),
+    // and w1 copies each of them from w2 in the background.
+    assert!(
+        tree_sums(&dir).unwrap() == expected,
+        "first pass: bytes differ"
+    );
+    let from_w2 = peer_bytes();
+    assert!(from_w2 > 0.0, "no block was owned by w2");
+    let copies = poll("node copies to settle", Duration::from_secs(60), || {
+        let c = m1.metric("granary_client_node_copies_total");
+        let failed = m1.metric("granary_client_node_copy_failures_total");
+        assert_eq!(
+            failed,
+            0.0,
+            "node copies failed; {}",
+            log_tail(&root.join("fuse-n1.log"), 20)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        (c > 0.0 && m1.metric("granary_client_node_copies_total") == c).then_some(c)
+    })
+    .unwrap();
+    // What w1 cached as node copies is exactly what the mount had it copy, all from w2.
+    let copied = m1.metric("granary_client_node_copy_bytes_total");
+    assert_eq!(w1.metric("granary_worker_node_copy_bytes_total"), copied);
+    assert_eq!(w1.metric("granary_worker_peer_fill_bytes_total"), copied);
+    assert!(
+        copied >= from_w2,
+        "{copies} copies, {copied} bytes, {from_w2} read from w2"
+    );
+    // Not one byte more from the store than the dataset: copies come from peers only.
+    assert_eq!(from_store(), total as f64, "a node copy read the store");
+
+    // Second pass: every byte from n1's own worker; nothing over the network, nothing
+    // from the store.
+    drop_page_cache(&dir).unwrap();
+    assert!(
+        tree_sums(&dir).unwrap() == expected,
+        "second pass: bytes differ"
+    );
+    assert_eq!(peer_bytes(), from_w2, "the second pass read from w2");
+    assert_eq!(from_store(), total as f64);
+
+    // w2 keeps no node copies: a mount of n2 asking for them reads correctly from the
+    // owners, and w2 caches nothing of w1's.
+    let m2 = Fuse::start_opts(
+        root,
+        "n2",
+        &addr,
+        &["--node-name", "n2", "--locality", "node"],
+    )
+    .unwrap();
+    assert!(
+        tree_sums(&m2.mountpoint.join("data")).unwrap() == expected,
+        "n2: bytes differ"
+    );
+    poll("n2's refused copy", Duration::from_secs(30), || {
+        (m2.metric("granary_client_node_copy_failures_total") >= 1.0).then_some(())
+    })
+    .unwrap();
+    assert_eq!(m2.metric("granary_client_node_copies_total"), 0.0);
+    assert_eq!(w2.metric("granary_worker_node_copy_bytes_total"), 0.0);
+    assert_eq!(from_store(), total as f64);
+    drop(m2);
+    drop(m1);
+}

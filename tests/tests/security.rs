@@ -519,6 +519,7 @@ async fn read_block0(
         cache: true,
         cached_only,
         grant,
+        from_peers: false,
     };
     let mut stream = wc.read_block(req).await?.into_inner();
     let mut out = Vec::new();
@@ -990,6 +991,7 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             cache: true,
             cached_only: false,
             grant: None,
+            from_peers: false,
         };
         let e = match wc.read_block(block(u64::MAX - 5, u64::MAX)).await {
             Err(e) => e,

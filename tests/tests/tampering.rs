@@ -44,6 +44,7 @@ async fn read(
         cache: true,
         cached_only: false,
         grant,
+        from_peers: false,
     };
     let mut stream = wc.read_block(req).await?.into_inner();
     let (mut out, mut hits) = (Vec::new(), true);

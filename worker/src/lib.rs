@@ -62,6 +62,9 @@ pub struct WorkerConfig {
     /// The node reported to the master (clients on the same node read block files
     /// directly).
     pub node_name: String,
+    /// Keep node copies of blocks other workers own for clients on this node that ask
+    /// (`--locality node`, the default; `cluster` refuses them).
+    pub node_copies: bool,
 }
 
 impl WorkerConfig {
@@ -78,6 +81,7 @@ impl WorkerConfig {
             heartbeat_interval: Duration::from_secs(1),
             eviction: evict::PolicyKind::default(),
             node_name: granary_common::node_name(),
+            node_copies: true,
         }
     }
 
@@ -224,6 +228,7 @@ pub async fn start(
         metrics,
         writes,
         grant_keys,
+        node_copies: config.node_copies,
     });
     let svc = granary_common::grpc::per_method_limits(|limit| {
         WorkerServiceServer::from_arc(rpc.clone())

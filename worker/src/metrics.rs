@@ -109,6 +109,7 @@ pub struct WorkerMetrics {
     pub singleflight_waits: Counter<u64, AtomicU64>,
     pub dropped_pages: Family<DropReason, Counter>,
     pub peer_fill_bytes: Counter<u64, AtomicU64>,
+    pub node_copy_bytes: Counter<u64, AtomicU64>,
     pub peer_served_bytes: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
     pub short_circuit_bytes: Counter<u64, AtomicU64>,
@@ -236,6 +237,11 @@ impl WorkerMetrics {
                 "granary_worker_peer_fill_bytes",
                 "Bytes this worker cached by copying them from another worker instead of the under-store",
                 m.peer_fill_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_node_copy_bytes",
+                "Bytes this worker cached as node copies: pages of blocks another worker owns, copied from peers for clients on this node (--locality node), evicted before any owned page",
+                m.node_copy_bytes.clone(),
             );
             r.register(
                 "granary_worker_peer_served_bytes",

@@ -83,6 +83,7 @@ async fn load_block(
         key: block_key(&desc.id.unwrap_or_default()),
         desc,
         holders,
+        peers_only: false,
     });
     let ps = fetcher.store.page_size;
     let pages = block.len.div_ceil(ps);
@@ -131,7 +132,12 @@ pub struct WorkerRpc {
     pub writes: Arc<crate::writes::Writes>,
     /// The leaders' grant keys (from registration and heartbeats).
     pub grant_keys: Arc<GrantKeys>,
+    /// Whether node copies are kept (`from_peers` reads; `--locality node`).
+    pub node_copies: bool,
 }
+
+/// How long a peer's cached-only read waits for a page this worker is fetching.
+const ARRIVING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Refuses a request of a non-node principal without a grant for `want` (nodes, and
 /// everyone on a plaintext cluster, need none): the grant must name the caller, the file,
@@ -248,7 +254,11 @@ impl WorkerRpc {
         let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
         tokio::spawn(async move {
             for page in pages {
-                let msg = match fetcher.cached_page(&block, page) {
+                let cached = match fetcher.cached_page(&block, page) {
+                    Some(data) => Some(data),
+                    None => fetcher.arriving_page(&block, page, ARRIVING_WAIT).await,
+                };
+                let msg = match cached {
                     Some(data) => piece(&data, page, ps, p).map(|(offset, slice)| {
                         metrics.peer_served_bytes.inc_by(slice.len() as u64);
                         pb::ReadBlockResponse {
@@ -318,6 +328,16 @@ impl WorkerService for WorkerRpc {
         let r = req.into_inner();
         let ps = self.fetcher.store.page_size;
         let (desc, p) = plan(&r)?;
+        if r.from_peers && (r.cached_only || !r.cache) {
+            return Err(Status::invalid_argument(
+                "a node copy (from_peers) caches what it reads: it needs `cache` and excludes `cached_only`",
+            ));
+        }
+        if r.from_peers && !self.node_copies {
+            return Err(Status::failed_precondition(
+                "this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner",
+            ));
+        }
         check_grant(
             &self.grant_keys,
             &who,
@@ -335,6 +355,7 @@ impl WorkerService for WorkerRpc {
             key,
             desc,
             holders: None,
+            peers_only: r.from_peers,
         });
         let first = p.offset / ps;
         let last = (p.end - 1) / ps;
@@ -572,6 +593,7 @@ mod tests {
             cache: true,
             cached_only: false,
             grant: None,
+            from_peers: false,
         }
     }
 

@@ -146,6 +146,7 @@ async fn rig_with(signed: bool) -> Rig {
             metrics,
             writes,
             grant_keys,
+            node_copies: true,
         },
         honest,
         grant,
@@ -223,6 +224,8 @@ struct Op {
     length: u64,
     cache: bool,
     cached_only: bool,
+    /// A node copy (filled from peers only).
+    from_peers: bool,
     /// A short-circuit lease of the block from this page instead of a read.
     lease: Option<(u32, bool)>,
 }
@@ -235,16 +238,18 @@ fn op() -> impl Strategy<Value = Op> {
         prop_oneof![1..2 * BS, Just(0u64), Just(u64::MAX), Just(MAX_READ_LENGTH)],
         any::<bool>(),
         prop::bool::weighted(0.2),
+        prop::bool::weighted(0.2),
         prop::option::weighted(0.15, (any::<u32>(), any::<bool>())),
     )
         .prop_map(
-            |(tampers, index, offset, length, cache, cached_only, lease)| Op {
+            |(tampers, index, offset, length, cache, cached_only, from_peers, lease)| Op {
                 tampers,
                 index,
                 offset,
                 length,
                 cache,
                 cached_only,
+                from_peers,
                 lease,
             },
         )
@@ -303,6 +308,7 @@ async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<
         cache: op.cache,
         cached_only: op.cached_only,
         grant,
+        from_peers: op.from_peers,
     };
     let mut stream = match r.rpc.read_block(as_who(req, node)).await {
         Ok(s) => s.into_inner(),
@@ -433,6 +439,7 @@ proptest! {
                             length,
                             cache: true,
                             cached_only,
+                            from_peers: false,
                             lease: None,
                         };
                         let _ = run(&r, &honest, true).await;
@@ -457,6 +464,7 @@ fn a_node_without_a_grant_fills_nothing_where_grants_are_signed() {
             length: PS,
             cache: true,
             cached_only: false,
+            from_peers: false,
             lease: None,
         };
         let (got, end) = run(&r, &fill, true).await;
@@ -493,6 +501,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
             length: PS - 100,
             cache: true,
             cached_only: false,
+            from_peers: false,
             lease: None,
         };
         let (got, end) = run(&r, &short, true).await;
@@ -518,6 +527,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
                 length: 1,
                 cache: true,
                 cached_only,
+                from_peers: false,
                 lease: None,
             };
             let (got, end) = run(&r, &honest, true).await;
@@ -536,4 +546,68 @@ fn a_page_cached_short_is_dropped_not_sliced() {
         before,
         "a worker thread panicked"
     );
+}
+
+/// A node copy is filled from other workers only: on a worker no peer can help (here: not
+/// registered), a user's `from_peers` read with an honest grant gets NOT_FOUND, and the
+/// store is never read nor anything cached. Contradictory flags are refused, and so is
+/// every node copy on a worker that keeps none.
+#[test]
+fn a_node_copy_never_reads_the_store() {
+    runtime().block_on(async {
+        let r = rig().await;
+        let copy = Op {
+            tampers: Vec::new(),
+            index: 0,
+            offset: 0,
+            length: BS,
+            cache: true,
+            cached_only: false,
+            from_peers: true,
+            lease: None,
+        };
+        let (got, end) = run(&r, &copy, false).await;
+        let e = end.expect_err("a node copy with no peer was served");
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        assert!(got.is_empty());
+        assert_eq!(
+            r.rpc.metrics.ufs_requests.get(),
+            0,
+            "a node copy read the store"
+        );
+        assert!(!r.rpc.fetcher.store.contains(&((INODE, VERSION, 0), 0)));
+        for bad in [
+            Op {
+                cached_only: true,
+                ..copy.clone()
+            },
+            Op {
+                cache: false,
+                ..copy.clone()
+            },
+        ] {
+            let (_, end) = run(&r, &bad, false).await;
+            let e = end.expect_err("contradictory flags were served");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        }
+        // The same read without `from_peers` fills from the store, as any read.
+        let (got, end) = run(
+            &r,
+            &Op {
+                from_peers: false,
+                ..copy.clone()
+            },
+            false,
+        )
+        .await;
+        end.expect("an honest read failed");
+        assert_eq!(got.iter().map(|(_, b)| b.len() as u64).sum::<u64>(), BS);
+        // A worker that keeps no node copies refuses them all.
+        let mut r = rig().await;
+        r.rpc.node_copies = false;
+        let (_, end) = run(&r, &copy, false).await;
+        let e = end.expect_err("a node copy was made on a --locality cluster worker");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert_eq!(r.rpc.metrics.ufs_requests.get(), 0);
+    });
 }

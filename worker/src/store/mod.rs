@@ -20,7 +20,7 @@
 //! empty and the client reads over gRPC). Stale-version and corrupt pages are dropped even
 //! when held.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
@@ -105,6 +105,11 @@ struct Inner {
     /// stay in the block file) until the tier below has them, so a page is never in
     /// neither tier.
     moving: HashMap<PageKey, PageMeta>,
+    /// Node copies: pages of blocks another worker owns, kept for clients on this node
+    /// (see [`PageStore::reserve_node_copy`]). Evicted first, oldest first (`node_order`
+    /// may name pages no longer node copies: skipped when popped).
+    node_copies: HashSet<PageKey>,
+    node_order: VecDeque<PageKey>,
 }
 
 impl Inner {
@@ -112,6 +117,21 @@ impl Inner {
         self.pinned.contains(&key.0 .0)
             || self.master_pinned.contains(&key.0 .0)
             || self.leased.contains_key(key)
+    }
+
+    /// Records page `key` as a node copy (or, `false`, as owned).
+    fn mark_node_copy(&mut self, key: PageKey, node_copy: bool) {
+        if !node_copy {
+            self.node_copies.remove(&key);
+            return;
+        }
+        if self.node_copies.insert(key) {
+            self.node_order.push_back(key);
+            if self.node_order.len() > 2 * self.node_copies.len() + 1024 {
+                let live = &self.node_copies;
+                self.node_order.retain(|k| live.contains(k));
+            }
+        }
     }
 
     /// The cached pages of one inode (every version and block).
@@ -323,6 +343,8 @@ impl PageStore {
                 next_gen: 1,
                 reported: (0, 0),
                 moving: HashMap::new(),
+                node_copies: HashSet::new(),
+                node_order: VecDeque::new(),
             }),
             metrics,
             tier: tier.to_string(),
@@ -383,10 +405,12 @@ impl PageStore {
             let mut inner = self.lock();
             for item in self.index.iterator(rocksdb::IteratorMode::Start) {
                 let (k, v) = item?;
-                let (Some(key), true) = (parse_index_key(&k), v.len() == 8) else {
+                // (len, crc) and, for a node copy, a ninth byte 1.
+                let (Some(key), true) = (parse_index_key(&k), v.len() == 8 || v.len() == 9) else {
                     stale.push(k.to_vec());
                     continue;
                 };
+                let node_copy = v.get(8) == Some(&1);
                 let len = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
                 let crc = u32::from_be_bytes([v[4], v[5], v[6], v[7]]);
                 if !self.block_path(&key.0).exists() {
@@ -397,6 +421,7 @@ impl PageStore {
                 inner.next_gen += 1;
                 inner.pages.insert(key, PageMeta { len, crc, gen });
                 inner.policy.insert(key);
+                inner.mark_node_copy(key, node_copy);
                 *inner.pages_per_block.entry(key.0).or_default() += 1;
                 inner.used += u64::from(len);
             }
@@ -804,6 +829,7 @@ impl PageStore {
     fn take_page(inner: &mut Inner, key: &PageKey) -> Option<(PageMeta, bool)> {
         let meta = inner.pages.remove(key)?;
         inner.policy.remove(key);
+        inner.node_copies.remove(key);
         inner.used -= u64::from(meta.len);
         if inner.leased.contains_key(key) {
             inner.leased_bytes -= u64::from(meta.len);
@@ -812,9 +838,43 @@ impl PageStore {
         Some((meta, gone))
     }
 
-    /// Pops one victim; returns (key, meta, whether its block became empty).
+    /// Pops one victim, node copies first; returns (key, meta, whether its block became
+    /// empty).
     fn evict_one(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
+        if let Some(v) = Self::evict_node_copy(inner) {
+            return Some(v);
+        }
         let key = inner.policy.pop_victim()?;
+        inner.node_copies.remove(&key);
+        let meta = inner.pages.remove(&key)?;
+        inner.used -= u64::from(meta.len);
+        let block_gone = Self::unref_block(inner, &key.0);
+        Some((key, meta, block_gone))
+    }
+
+    /// Pops the oldest node copy that nothing holds (leases, pins), if any.
+    fn evict_node_copy(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
+        let mut held = Vec::new();
+        let mut found = None;
+        while let Some(key) = inner.node_order.pop_front() {
+            if !inner.node_copies.contains(&key) || !inner.pages.contains_key(&key) {
+                inner.node_copies.remove(&key);
+                continue;
+            }
+            if inner.held(&key) {
+                held.push(key);
+                continue;
+            }
+            found = Some(key);
+            break;
+        }
+        // Held ones stay first in line for when they are let go.
+        for k in held.into_iter().rev() {
+            inner.node_order.push_front(k);
+        }
+        let key = found?;
+        inner.node_copies.remove(&key);
+        inner.policy.remove(&key);
         let meta = inner.pages.remove(&key)?;
         inner.used -= u64::from(meta.len);
         let block_gone = Self::unref_block(inner, &key.0);
@@ -827,6 +887,61 @@ impl PageStore {
     /// dropped; `None` when it cannot be freed (the rest is pinned, leased or in flight).
     pub fn reserve_room(self: &Arc<Self>, len: u64) -> Option<Reservation> {
         self.reserve_with(&((0, 0, 0), 0), len, false)
+    }
+
+    /// Reserves `len` bytes for page `key` as a node copy (a page of a block another
+    /// worker owns, kept for clients on this node): admitted as any page, but it makes
+    /// room only by evicting other node copies, never a page this worker owns. `None`:
+    /// not cached (the caller serves the page anyway).
+    pub fn reserve_node_copy(self: &Arc<Self>, key: &PageKey, len: u64) -> Option<Reservation> {
+        if len > self.capacity {
+            return None;
+        }
+        {
+            let mut inner = self.lock();
+            let full = inner.used + inner.reserved + len > self.capacity;
+            if !inner.policy.admit(key, full) {
+                drop(inner);
+                self.metrics.admission_rejected_pages.inc();
+                return None;
+            }
+        }
+        let (victims, fits) = {
+            let mut inner = self.lock();
+            let mut victims = Vec::new();
+            if inner.used + inner.reserved + len > self.capacity {
+                inner.expire_leases(Instant::now());
+            }
+            while inner.used + inner.reserved + len > self.capacity {
+                match Self::evict_node_copy(&mut inner) {
+                    Some(v) => victims.push(v),
+                    None => break,
+                }
+            }
+            let fits = inner.used + inner.reserved + len <= self.capacity;
+            if fits {
+                inner.reserved += len;
+            }
+            (victims, fits)
+        };
+        // Node copies are dropped, never moved to a tier below.
+        self.remove_pages(victims, "capacity");
+        fits.then(|| Reservation {
+            store: self.clone(),
+            len,
+            done: false,
+        })
+    }
+
+    /// Bytes of node copies held (see [`reserve_node_copy`](Self::reserve_node_copy)).
+    pub fn node_copy_bytes(&self) -> u64 {
+        let inner = self.lock();
+        inner
+            .node_copies
+            .iter()
+            .filter_map(|k| inner.pages.get(k))
+            .map(|m| u64::from(m.len))
+            .sum()
     }
 
     /// The tier's folder.
@@ -1056,9 +1171,21 @@ impl PageStore {
     /// Writes a filled page into its reservation and indexes it.
     pub fn commit(
         self: &Arc<Self>,
+        r: Reservation,
+        key: PageKey,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        self.commit_with(r, key, data, false)
+    }
+
+    /// [`commit`](Self::commit); `node_copy`: the page is a node copy (see
+    /// [`reserve_node_copy`](Self::reserve_node_copy)), recorded as such in the index.
+    pub fn commit_with(
+        self: &Arc<Self>,
         mut r: Reservation,
         key: PageKey,
         data: &[u8],
+        node_copy: bool,
     ) -> Result<(), StoreError> {
         debug_assert!(data.len() as u64 <= r.len);
         // Held until the page is indexed, so no removal deletes the file under it.
@@ -1090,9 +1217,17 @@ impl PageStore {
             crc: crc32c::crc32c(data),
             gen: 0,
         };
-        let mut v = Vec::with_capacity(8);
+        // A page this worker owns stays owned when a node copy of it lands too.
+        let node_copy = node_copy && {
+            let inner = self.lock();
+            !inner.pages.contains_key(&key) || inner.node_copies.contains(&key)
+        };
+        let mut v = Vec::with_capacity(9);
         v.extend_from_slice(&meta.len.to_be_bytes());
         v.extend_from_slice(&meta.crc.to_be_bytes());
+        if node_copy {
+            v.push(1);
+        }
         self.index.put(index_key(&key), v)?;
         let mut inner = self.lock();
         meta.gen = inner.next_gen;
@@ -1103,6 +1238,7 @@ impl PageStore {
         if leased {
             inner.leased_bytes += u64::from(meta.len);
         }
+        inner.mark_node_copy(key, node_copy);
         if let Some(old) = inner.pages.insert(key, meta) {
             // A concurrent fill of the same page won; keep one accounting entry.
             inner.used -= u64::from(old.len);

@@ -254,3 +254,70 @@ fn room_reserved_for_other_bytes_evicts_pages_and_is_held_until_dropped() {
     assert!(mine.absorb(other.reserve_room(4096).unwrap()).is_err());
     assert_eq!(mine.len(), 1);
 }
+
+fn fill_node_copy(s: &Arc<PageStore>, k: PageKey, byte: u8) -> bool {
+    match s.reserve_node_copy(&k, 4096) {
+        Some(r) => {
+            s.commit_with(r, k, &[byte; 4096], true).unwrap();
+            true
+        }
+        None => false,
+    }
+}
+
+#[test]
+fn node_copies_go_first_and_never_push_out_an_owned_page() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 4 * 4096);
+    assert!(fill(&s, key(0, 0), 0));
+    assert!(fill_node_copy(&s, key(1, 0), 1));
+    assert!(fill_node_copy(&s, key(1, 1), 2));
+    assert!(fill(&s, key(0, 1), 3));
+    assert_eq!(s.node_copy_bytes(), 2 * 4096);
+    // Full. An owned page evicts the oldest node copy, not the least recent owned page.
+    assert!(fill(&s, key(0, 2), 4));
+    assert!(
+        s.get(&key(1, 0)).is_none(),
+        "the oldest node copy goes first"
+    );
+    assert!(s.get(&key(0, 0)).is_some() && s.get(&key(1, 1)).is_some());
+    // A node copy may replace another node copy...
+    assert!(fill_node_copy(&s, key(2, 0), 5));
+    assert!(s.get(&key(1, 1)).is_none());
+    assert_eq!(s.node_copy_bytes(), 4096);
+    // ...but not an owned page: with only owned pages left to evict, it is not cached.
+    assert!(fill(&s, key(0, 3), 6)); // evicts the last node copy
+    assert_eq!(s.node_copy_bytes(), 0);
+    assert!(!fill_node_copy(&s, key(3, 0), 7));
+    for p in 0..4 {
+        assert!(s.get(&key(0, p)).is_some(), "owned page {p} was evicted");
+    }
+}
+
+#[test]
+fn node_copies_stay_node_copies_after_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let s = open(d.path(), 4 * 4096);
+        assert!(fill(&s, key(0, 0), 0));
+        assert!(fill_node_copy(&s, key(1, 0), 1));
+        // A node copy of a page owned already leaves it owned.
+        assert!(fill_node_copy(&s, key(0, 0), 0));
+        assert_eq!(s.node_copy_bytes(), 4096);
+    }
+    let s = open(d.path(), 4 * 4096);
+    assert_eq!(s.node_copy_bytes(), 4096);
+    assert!(fill(&s, key(0, 1), 2));
+    assert!(fill(&s, key(0, 2), 3));
+    assert!(fill(&s, key(0, 3), 4)); // full: the node copy goes, every owned page stays
+    assert!(s.get(&key(1, 0)).is_none());
+    for p in 0..4 {
+        assert!(s.get(&key(0, p)).is_some(), "owned page {p} was evicted");
+    }
+    // An owned fill of a node-copy page makes it owned.
+    let s2d = tempfile::tempdir().unwrap();
+    let s2 = open(s2d.path(), 4 * 4096);
+    assert!(fill_node_copy(&s2, key(5, 0), 1));
+    assert!(fill(&s2, key(5, 0), 1));
+    assert_eq!(s2.node_copy_bytes(), 0);
+}

@@ -177,6 +177,30 @@ impl TieredStore {
         store.commit(r, key, data)
     }
 
+    /// Reserves room for a node copy of a page (see [`PageStore::reserve_node_copy`]) in
+    /// the fastest tier that has it without evicting an owned page.
+    pub fn reserve_node_copy(&self, key: &PageKey, len: u64) -> Option<Reservation> {
+        self.tiers
+            .iter()
+            .find_map(|t| t.reserve_node_copy(key, len))
+    }
+
+    /// Commits a node copy into its reservation.
+    pub fn commit_node_copy(
+        &self,
+        r: Reservation,
+        key: PageKey,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        let store = r.store.clone();
+        store.commit_with(r, key, data, true)
+    }
+
+    /// Bytes of node copies held, all tiers together.
+    pub fn node_copy_bytes(&self) -> u64 {
+        self.tiers.iter().map(|t| t.node_copy_bytes()).sum()
+    }
+
     /// Reads a cached page from whichever tier holds it, moving it up to the top tier when
     /// that tier's policy admits it.
     pub fn get(&self, key: &PageKey) -> Option<Bytes> {

@@ -103,6 +103,9 @@ pub enum FetchError {
     PermissionDenied(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A node copy found no other worker holding a page (it never reads the store).
+    #[error("no other worker holds it: {0}")]
+    NoPeer(String),
 }
 
 impl From<FetchError> for tonic::Status {
@@ -112,6 +115,7 @@ impl From<FetchError> for tonic::Status {
             FetchError::NotFound(_) => tonic::Status::not_found(e.to_string()),
             FetchError::PermissionDenied(_) => tonic::Status::permission_denied(e.to_string()),
             FetchError::Unavailable(_) => tonic::Status::unavailable(e.to_string()),
+            FetchError::NoPeer(_) => tonic::Status::not_found(e.to_string()),
         }
     }
 }
@@ -128,6 +132,9 @@ pub struct BlockRef {
     /// The workers that held the block when its load task was made (peers to copy from);
     /// `None`: ask the master before filling from the under-store.
     pub holders: Option<Vec<pb::WorkerAddress>>,
+    /// A node copy: filled only from peers (the holders, then the placement owner), never
+    /// from the under-store, and cached as a node copy.
+    pub peers_only: bool,
 }
 
 type Outcome = Option<Result<Bytes, FetchError>>;
@@ -175,7 +182,13 @@ pub struct Fetcher {
     /// Whether the leader said at the last registration or heartbeat that it knows no
     /// other worker: then no peer can hold a block, and a fill does not ask who does.
     alone: AtomicBool,
+    /// The live workers as the master last listed them, and when (placement owners of
+    /// blocks this worker keeps node copies of).
+    live: tokio::sync::Mutex<Option<(Instant, Vec<pb::WorkerInfo>)>>,
 }
+
+/// How long the live worker list is used before it is asked for again.
+const LIVE_WORKERS_TTL: Duration = Duration::from_secs(5);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
@@ -219,6 +232,7 @@ impl Run {
                 id,
                 tx,
                 cache: self.cache,
+                node_copy: self.block.peers_only,
             },
         );
     }
@@ -241,14 +255,27 @@ struct Commit {
     id: u64,
     tx: watch::Sender<Outcome>,
     cache: bool,
+    node_copy: bool,
 }
 
 impl Commit {
     fn run(self, f: &Fetcher) {
         if self.cache {
-            match f.store.reserve(&self.key, self.data.len() as u64) {
+            let len = self.data.len() as u64;
+            let reserved = if self.node_copy {
+                f.store.reserve_node_copy(&self.key, len)
+            } else {
+                f.store.reserve(&self.key, len)
+            };
+            match reserved {
                 Some(r) => {
-                    if let Err(e) = f.store.commit(r, self.key, &self.data) {
+                    let done = if self.node_copy {
+                        f.metrics.node_copy_bytes.inc_by(len);
+                        f.store.commit_node_copy(r, self.key, &self.data)
+                    } else {
+                        f.store.commit(r, self.key, &self.data)
+                    };
+                    if let Err(e) = done {
                         tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
                     }
                 }
@@ -295,7 +322,42 @@ impl Fetcher {
             commits: Mutex::new(VecDeque::new()),
             committers: AtomicUsize::new(0),
             alone: AtomicBool::new(false),
+            live: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// The placement owner of block `id` among the live workers (the worker every client
+    /// reads it from first), unless it is this worker; `None` also when the master cannot
+    /// say.
+    async fn owner(&self, id: &pb::BlockId) -> Option<pb::WorkerAddress> {
+        let workers = {
+            let mut live = self.live.lock().await;
+            match &*live {
+                Some((at, w)) if at.elapsed() < LIVE_WORKERS_TTL => w.clone(),
+                _ => {
+                    let ask = self.master.cluster_info(false);
+                    let info = tokio::time::timeout(LOCATIONS_TIMEOUT, ask)
+                        .await
+                        .ok()?
+                        .ok()?;
+                    let w: Vec<pb::WorkerInfo> = info
+                        .workers
+                        .into_iter()
+                        .filter(|w| w.state == "live")
+                        .collect();
+                    *live = Some((Instant::now(), w.clone()));
+                    w
+                }
+            }
+        };
+        let owner = granary_client::placement::order_workers(id, &workers)
+            .into_iter()
+            .next()?;
+        (owner.worker_id != self.worker_id).then_some(pb::WorkerAddress {
+            worker_id: owner.worker_id,
+            address: owner.address,
+            host: owner.host,
+        })
     }
 
     /// Notes how many workers the leader knows, this one included (0: not said, or no
@@ -494,6 +556,32 @@ impl Fetcher {
         None
     }
 
+    /// Page `page` of `block` when it is not cached but on its way here (fetched by a
+    /// reader of this worker, or kept uncached briefly): its bytes once they arrive, within
+    /// `wait`. What a peer filling its own cache from this one may have, since waiting for
+    /// a fetch in flight costs no store read.
+    pub async fn arriving_page(
+        &self,
+        block: &BlockRef,
+        page: u64,
+        wait: Duration,
+    ) -> Option<Bytes> {
+        if let Some(b) = self.recent_uncached_page(block, page) {
+            return Some(b);
+        }
+        let key = (block.key, page as u32);
+        let mut rx = lock(&self.inflight).get(&key).map(|p| p.rx.clone())?;
+        let outcome = tokio::time::timeout(wait, rx.wait_for(Option::is_some))
+            .await
+            .ok()?
+            .ok()?
+            .clone();
+        match outcome {
+            Some(Ok(b)) if b.len() as u64 == self.page_len(block, page) => Some(b),
+            _ => None,
+        }
+    }
+
     /// A page fetched recently but not cached, when its length fits the block.
     fn recent_uncached_page(&self, block: &BlockRef, page: u64) -> Option<Bytes> {
         let key = (block.key, page as u32);
@@ -567,6 +655,9 @@ impl Fetcher {
                     self.metrics.miss_latency.record(started.elapsed());
                     Ok((b, Source::UnderStore))
                 }
+                // A node copy's fill had this page and found no peer with it: this reader
+                // may read the store, so it claims the page itself.
+                Some(Err(FetchError::NoPeer(_))) if !block.peers_only => continue,
                 Some(Err(e)) => Err(e),
                 None => Err(FetchError::Unavailable(
                     "the under-store fetch was abandoned".into(),
@@ -683,6 +774,13 @@ impl Run {
         if self.next >= self.slots.len() {
             return;
         }
+        if self.block.peers_only {
+            let page = self.first + self.next as u64;
+            return self.fail_rest(&FetchError::NoPeer(format!(
+                "page {page} of block {:?} (a node copy is filled from other workers only)",
+                self.block.key
+            )));
+        }
         // A version without a fingerprint is not in the under-store (yet): a file written
         // async-through or must-cache, whose store path may still hold the object it
         // replaces. Only cached copies serve it; bytes fetched from the store would be
@@ -781,16 +879,26 @@ impl Run {
         if self.block.holders.is_none() && f.alone.load(Ordering::Relaxed) {
             return; // the only worker: nobody to ask (one round trip less per cold read)
         }
-        let holders = match &self.block.holders {
+        let mut holders: Vec<pb::WorkerAddress> = match &self.block.holders {
             Some(known) => known.clone(),
             None => {
                 let ask = f.master.block_locations(vec![id]);
-                let Ok(Ok(locations)) = tokio::time::timeout(LOCATIONS_TIMEOUT, ask).await else {
-                    return; // the master is busy or away: the store serves this part
-                };
-                locations.into_iter().flat_map(|l| l.workers).collect()
+                match tokio::time::timeout(LOCATIONS_TIMEOUT, ask).await {
+                    Ok(Ok(locations)) => locations.into_iter().flat_map(|l| l.workers).collect(),
+                    // The master is busy or away: the store serves this part.
+                    _ if !self.block.peers_only => return,
+                    _ => Vec::new(),
+                }
             }
         };
+        if self.block.peers_only {
+            // The placement owner first: it has the canonical copy, and the master may not
+            // have heard of it yet (it was filled since the owner's last heartbeat).
+            if let Some(owner) = f.owner(&id).await {
+                holders.retain(|w| w.worker_id != owner.worker_id);
+                holders.insert(0, owner);
+            }
+        }
         let peers = holders.into_iter().filter(|w| w.worker_id != f.worker_id);
         let ps = f.store.page_size;
         let end = self
@@ -812,6 +920,7 @@ impl Run {
                 cache: false,
                 cached_only: true,
                 grant: None, // a node needs none
+                from_peers: false,
             });
             req.set_timeout(PEER_TIMEOUT);
             let copy = async {

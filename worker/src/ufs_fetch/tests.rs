@@ -114,6 +114,7 @@ fn block_of_f(
         start,
         len,
         holders: None,
+        peers_only: false,
     })
 }
 
@@ -450,6 +451,7 @@ async fn a_worker_told_it_is_alone_asks_no_one_for_peers() {
             start: 0,
             len: b.len,
             holders,
+            peers_only: false,
         })
     };
     r.fetcher.note_workers(1);
