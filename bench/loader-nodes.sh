@@ -9,6 +9,10 @@
 #
 #   bench/loader-nodes.sh [NODES] [FILES] [KIB] [LOADERS]   (default 3 4000 100 4; root)
 #
+# LOCALITY=node|cluster: the mounts' --locality (default cluster: each block read from its
+# owner; node: copied to each node's worker after the first epoch, waited for before the
+# measured epochs).
+#
 # Every sample of the first epoch on every node is checked against its SHA-256. Uses
 # $GRANARY_BIN, else the debug binary scripts/test builds.
 set -euo pipefail
@@ -16,6 +20,7 @@ nodes="${1:-3}"
 files="${2:-4000}"
 kib="${3:-100}"
 loaders="${4:-4}"
+locality="${LOCALITY:-cluster}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
 needs_root
@@ -39,9 +44,11 @@ for n in $(seq 1 "$nodes"); do
 done
 wait_live "$maddr" "$nodes"
 "$bin" mount add /data "file://$work/ufs/data" --master "$maddr" > /dev/null
+declare -A fport
 for n in $(seq 1 "$nodes"); do
-  mkdir -p "$work/m$n"
-  GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" > "$work/m$n.log" 2>&1 &
+  mkdir -p "$work/m$n"; fport[$n]=$(free_port)
+  GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" \
+    --locality "$locality" --metrics-listen "127.0.0.1:${fport[$n]}" > "$work/m$n.log" 2>&1 &
   pids+=($!); mounts+=("$work/m$n")
   for _ in $(seq 1 100); do mountpoint -q "$work/m$n" && break; sleep 0.1; done
   mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
@@ -74,6 +81,12 @@ for n in $(seq 1 "$nodes"); do gdirs+=("$work/m$n/data"); rdirs+=("$work/raw$n")
 # reads everything once, checked.
 drop; pass "${gdirs[0]}" 1 | check_all
 drop; at_once 1 "${gdirs[@]}" | check_all
+# Node copies made in the background (--locality node): wait until they stop.
+copies() { local n c=""; for n in $(seq 1 "$nodes"); do c="$c $(metric_at "${fport[$n]}" granary_client_node_copies_total)"; done; echo "$c"; }
+prev=""; for _ in $(seq 1 300); do cur=$(copies); [ "$cur" = "$prev" ] && break; prev=$cur; sleep 0.3; done
+# One unmeasured epoch per node (the first over local copies opens each file under a lease
+# and checks it before it is parked).
+for n in $(seq 1 "$nodes"); do drop; pass "${gdirs[$((n - 1))]}" 0 > /dev/null; done
 rate() { awk '{ printf "%.0f\n", $1 / $3 }'; }
 declare -A alone_g alone_r
 for n in $(seq 1 "$nodes"); do
@@ -82,7 +95,7 @@ for n in $(seq 1 "$nodes"); do
 done
 drop; mapfile -t once_r < <(at_once 0 "${rdirs[@]}" | rate)
 drop; mapfile -t once_g < <(at_once 0 "${gdirs[@]}" | rate)
-echo "$nodes nodes, $files files of ~$kib KiB, $loaders loaders per node (samples/s per node)"
+echo "$nodes nodes, $files files of ~$kib KiB, $loaders loaders per node, --locality $locality (samples/s per node; node copies:$(copies))"
 for n in $(seq 1 "$nodes"); do
   g1=${alone_g[$n]}; gn=${once_g[$((n - 1))]}; r1=${alone_r[$n]}; rn=${once_r[$((n - 1))]}
   printf '  node n%s: granary alone %6s, at once %6s (%.2fx)   raw alone %6s, at once %6s (%.2fx)\n' \
