@@ -42,14 +42,6 @@ mkdir -p "$work/src" "$work/mnt"
 head -c "$((size_mib * 1024 * 1024))" /dev/urandom > "$work/src/big.bin"
 bytes=$((size_mib * 1024 * 1024))
 sport=$(free_port); mport=$(free_port)
-# The address clients use: the server itself, or the shaper in front of it.
-shape() {
-  if [ -z "${SHAPE_MBIT:-}" ]; then cport=$sport; return; fi
-  "$shaper" 127.0.0.1:0 "127.0.0.1:$sport" "$SHAPE_MBIT" "${RTT_MS:-20}" > "$work/shaper.addr" &
-  pids+=($!)
-  for _ in $(seq 1 100); do [ -s "$work/shaper.addr" ] && break; sleep 0.1; done
-  cport=$(sed 's/.*://' "$work/shaper.addr")
-}
 case "$store" in
   azure)
     (cd "$work" && exec "$tools/node/node_modules/.bin/azurite-blob" --blobHost 127.0.0.1 \
@@ -57,7 +49,7 @@ case "$store" in
       > "$work/server.log" 2>&1) &
     pids+=($!); wait_port "$sport"
     "$tools/venv/bin/python" "$here/tests/fixtures/stores.py" azure "http://127.0.0.1:$sport" bench "$work/src"
-    shape
+    shape_port "$sport"
     export AZURITE_BLOB_STORAGE_URL="http://127.0.0.1:$cport"
     uri=az://bench; opts=(-o use_emulator=true) ;;
   s3)
@@ -66,7 +58,7 @@ case "$store" in
       "$work/s3" > "$work/server.log" 2>&1 &
     pids+=($!); wait_port "$sport"
     ln -s "$work/s3/bench/big.bin" "$work/src/big.bin"
-    shape
+    shape_port "$sport"
     uri=s3://bench; opts=(-o region=us-east-1 -o access_key_id=bench -o secret_access_key=bench-secret
       -o allow_http=true -o "endpoint=http://127.0.0.1:$cport") ;;
   *) echo "usage: $0 [azure|s3] [SIZE_MIB]" >&2; exit 2 ;;

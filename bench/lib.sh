@@ -59,3 +59,43 @@ wait_live() {
     sleep 0.1
   done
 }
+
+# shape_port SERVER_PORT: sets $cport to the port clients use: the server's, or with
+# SHAPE_MBIT set, a flow-shaper's in front of it (every connection paced to SHAPE_MBIT
+# Mbit/s, each request delayed by RTT_MS, default 20; see bench/cold-read.sh). Uses $shaper,
+# $work and $pids.
+shape_port() {
+  if [ -z "${SHAPE_MBIT:-}" ]; then cport=$1; return; fi
+  "$shaper" 127.0.0.1:0 "127.0.0.1:$1" "$SHAPE_MBIT" "${RTT_MS:-20}" > "$work/shaper.addr" &
+  pids+=($!)
+  for _ in $(seq 1 100); do [ -s "$work/shaper.addr" ] && break; sleep 0.1; done
+  cport=$(sed 's/.*://' "$work/shaper.addr")
+}
+
+# start_nodes NODES CACHE_MIB [FUSE_FLAG...]: one master (at $maddr) and, per node n, a
+# worker and a FUSE mount at $work/m$n sharing the node name n$n, over the folder
+# $work/ufs/data mounted at /data. Worker n serves metrics at 127.0.0.1:${wport[n]}, mount
+# n at 127.0.0.1:${fport[n]}. Appends to $pids and $mounts (unmount those at exit).
+declare -gA wport fport
+start_nodes() {
+  local nodes=$1 cache_mib=$2 n mport; shift 2
+  mport=$(free_port); maddr="127.0.0.1:$mport"
+  GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "$maddr" --allow-local-root "$work/ufs" > "$work/master.log" 2>&1 &
+  pids+=($!); wait_port "$mport"
+  for n in $(seq 1 "$nodes"); do
+    wport[$n]=$(free_port)
+    GRANARY_LOG=warn "$bin" worker --master "$maddr" --listen 127.0.0.1:0 --node-name "n$n" \
+      --metrics-listen "127.0.0.1:${wport[$n]}" --cache-dir "$work/w$n" --cache-size "${cache_mib}MiB" > "$work/w$n.log" 2>&1 &
+    pids+=($!)
+  done
+  wait_live "$maddr" "$nodes"
+  "$bin" mount add /data "file://$work/ufs/data" --master "$maddr" > /dev/null
+  for n in $(seq 1 "$nodes"); do
+    mkdir -p "$work/m$n"; fport[$n]=$(free_port)
+    GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" \
+      --metrics-listen "127.0.0.1:${fport[$n]}" "$@" > "$work/m$n.log" 2>&1 &
+    pids+=($!); mounts+=("$work/m$n")
+    for _ in $(seq 1 100); do mountpoint -q "$work/m$n" && break; sleep 0.1; done
+    mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
+  done
+}

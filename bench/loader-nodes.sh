@@ -34,25 +34,7 @@ trap cleanup_nodes EXIT
 python3 "$here/make-samples.py" "$work/ufs/data" "$files" "$kib" "$work/manifest"
 for n in $(seq 1 "$nodes"); do cp -r "$work/ufs/data" "$work/raw$n"; done
 
-mport=$(free_port); maddr="127.0.0.1:$mport"
-GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "$maddr" --allow-local-root "$work/ufs" > "$work/master.log" 2>&1 &
-pids+=($!); wait_port "$mport"
-for n in $(seq 1 "$nodes"); do
-  GRANARY_LOG=warn "$bin" worker --master "$maddr" --listen 127.0.0.1:0 --node-name "n$n" \
-    --cache-dir "$work/w$n" --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" > "$work/w$n.log" 2>&1 &
-  pids+=($!)
-done
-wait_live "$maddr" "$nodes"
-"$bin" mount add /data "file://$work/ufs/data" --master "$maddr" > /dev/null
-declare -A fport
-for n in $(seq 1 "$nodes"); do
-  mkdir -p "$work/m$n"; fport[$n]=$(free_port)
-  GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" \
-    --locality "$locality" --metrics-listen "127.0.0.1:${fport[$n]}" > "$work/m$n.log" 2>&1 &
-  pids+=($!); mounts+=("$work/m$n")
-  for _ in $(seq 1 100); do mountpoint -q "$work/m$n" && break; sleep 0.1; done
-  mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
-done
+start_nodes "$nodes" "$((files * kib * 2 / 1024 + 1024))" --locality "$locality"
 
 epoch=0
 # pass DIR CHECK -> "samples bytes seconds bad"

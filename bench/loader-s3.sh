@@ -39,13 +39,7 @@ sport=$(free_port); mport=$(free_port); fport=$(free_port)
 "$tools/bin/s3s-fs" --host 127.0.0.1 --port "$sport" --access-key bench --secret-key bench-secret \
   "$work/s3" > "$work/server.log" 2>&1 &
 pids+=($!); wait_port "$sport"
-cport=$sport
-if [ -n "${SHAPE_MBIT:-}" ]; then
-  "$shaper" 127.0.0.1:0 "127.0.0.1:$sport" "$SHAPE_MBIT" "${RTT_MS:-20}" > "$work/shaper.addr" &
-  pids+=($!)
-  for _ in $(seq 1 100); do [ -s "$work/shaper.addr" ] && break; sleep 0.1; done
-  cport=$(sed 's/.*://' "$work/shaper.addr")
-fi
+shape_port "$sport"
 opts=(-o region=us-east-1 -o access_key_id=bench -o secret_access_key=bench-secret
   -o allow_http=true -o "endpoint=http://127.0.0.1:$cport")
 

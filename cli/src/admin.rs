@@ -757,6 +757,8 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
                     "evicted_bytes": s.evicted_bytes,
                     "short_circuit_bytes": s.short_circuit_bytes,
                     "peer_served_bytes": s.peer_served_bytes,
+                    "node_copy_bytes": s.node_copy_bytes,
+                    "peer_fill_bytes": s.peer_fill_bytes,
                     "tiers": s.tiers.iter().map(|t| json!({
                         "tier": t.tier, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
                     })).collect::<Vec<_>>(),
@@ -814,6 +816,19 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
                 .collect();
             println!("  {:<20} tiers: {}", "", tiers.join(", "));
         }
+        // Where this node's bytes went: read from its disk by clients of its node, served
+        // over gRPC, copied from peers (node copies, hand-overs), fetched from stores.
+        println!(
+            "  {:<20} node {}: {} read locally, {} served over gRPC ({} to peers), {} copied from peers ({} node copies), {} from under-stores",
+            "",
+            if w.host.is_empty() { "?" } else { &w.host },
+            format_size(s.short_circuit_bytes),
+            format_size(s.cache_hit_bytes + s.cache_miss_bytes),
+            format_size(s.peer_served_bytes),
+            format_size(s.peer_fill_bytes),
+            format_size(s.node_copy_bytes),
+            format_size(s.ufs_read_bytes)
+        );
     }
     println!(
         "Capacity: {} used of {}",

@@ -1239,6 +1239,8 @@ impl FileSystem {
                 lock(&self.view).fetched = None;
             }
             let mut candidates = order_workers(&block_id, &self.live_workers().await);
+            // The placement owner (the worker a node copy is made from).
+            let owner = candidates.first().map_or(0, |w| w.worker_id);
             candidates.retain(|w| !tried.contains(&w.address));
             {
                 // Workers that failed recently go last.
@@ -1249,7 +1251,6 @@ impl FileSystem {
                         .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
                 });
             }
-            let owner = candidates.first().map_or(0, |w| w.worker_id);
             let node_local = self.node_local() && file.persist_worker == 0;
             if node_local {
                 // This node's worker first: it may hold a node copy (see crate::nodecopy).

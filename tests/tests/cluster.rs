@@ -348,6 +348,29 @@ fn a_node_local_mount_copies_other_owners_blocks_to_its_worker_and_then_reads_lo
     );
     // Not one byte more from the store than the dataset: copies come from peers only.
     assert_eq!(from_store(), total as f64, "a node copy read the store");
+    // `granary report` shows them per node (from the workers' heartbeats).
+    poll(
+        "the report to show n1's node copies",
+        Duration::from_secs(10),
+        || {
+            let out = granary_ok(&["report", "--json", "--master", &addr]).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+            let n1 = v["workers"]
+                .as_array()?
+                .iter()
+                .find(|w| w["host"] == "n1")?
+                .clone();
+            (n1["node_copy_bytes"].as_f64() == Some(copied)
+                && n1["peer_fill_bytes"].as_f64() == Some(copied))
+            .then_some(())
+        },
+    )
+    .unwrap();
+    let text = granary_ok(&["report", "--master", &addr]).unwrap();
+    assert!(
+        text.contains("node n1:") && text.contains("node n2:"),
+        "{text}"
+    );
 
     // Second pass: every byte from n1's own worker; nothing over the network, nothing
     // from the store.

@@ -52,6 +52,8 @@ impl Heartbeat {
             short_circuit_bytes: m.short_circuit_bytes.get(),
             peer_served_bytes: m.peer_served_bytes.get(),
             miss_latency_buckets: m.miss_latency.counts(),
+            node_copy_bytes: m.node_copy_bytes.get(),
+            peer_fill_bytes: m.peer_fill_bytes.get(),
         }
     }
 

@@ -841,9 +841,11 @@ impl PageStore {
     /// Pops one victim, node copies first; returns (key, meta, whether its block became
     /// empty).
     fn evict_one(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
-        if let Some(v) = Self::evict_node_copy(inner) {
-            return Some(v);
-        }
+        Self::evict_node_copy(inner).or_else(|| Self::evict_by_policy(inner))
+    }
+
+    /// Pops the policy's victim.
+    fn evict_by_policy(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
         let key = inner.policy.pop_victim()?;
         inner.node_copies.remove(&key);
         let meta = inner.pages.remove(&key)?;
@@ -894,43 +896,7 @@ impl PageStore {
     /// room only by evicting other node copies, never a page this worker owns. `None`:
     /// not cached (the caller serves the page anyway).
     pub fn reserve_node_copy(self: &Arc<Self>, key: &PageKey, len: u64) -> Option<Reservation> {
-        if len > self.capacity {
-            return None;
-        }
-        {
-            let mut inner = self.lock();
-            let full = inner.used + inner.reserved + len > self.capacity;
-            if !inner.policy.admit(key, full) {
-                drop(inner);
-                self.metrics.admission_rejected_pages.inc();
-                return None;
-            }
-        }
-        let (victims, fits) = {
-            let mut inner = self.lock();
-            let mut victims = Vec::new();
-            if inner.used + inner.reserved + len > self.capacity {
-                inner.expire_leases(Instant::now());
-            }
-            while inner.used + inner.reserved + len > self.capacity {
-                match Self::evict_node_copy(&mut inner) {
-                    Some(v) => victims.push(v),
-                    None => break,
-                }
-            }
-            let fits = inner.used + inner.reserved + len <= self.capacity;
-            if fits {
-                inner.reserved += len;
-            }
-            (victims, fits)
-        };
-        // Node copies are dropped, never moved to a tier below.
-        self.remove_pages(victims, "capacity");
-        fits.then(|| Reservation {
-            store: self.clone(),
-            len,
-            done: false,
-        })
+        self.reserve_as(key, len, true, true)
     }
 
     /// Bytes of node copies held (see [`reserve_node_copy`](Self::reserve_node_copy)).
@@ -965,6 +931,19 @@ impl PageStore {
         len: u64,
         admit: bool,
     ) -> Option<Reservation> {
+        self.reserve_as(key, len, admit, false)
+    }
+
+    /// The reservations above. Node copies are evicted first, and dropped rather than
+    /// moved to the tier below; `node_copy`: the page is one, and makes room only by
+    /// evicting other node copies.
+    fn reserve_as(
+        self: &Arc<Self>,
+        key: &PageKey,
+        len: u64,
+        admit: bool,
+        node_copy: bool,
+    ) -> Option<Reservation> {
         if len > self.capacity {
             return None;
         }
@@ -977,15 +956,22 @@ impl PageStore {
                 return None;
             }
         }
-        let victims = {
+        let (victims, node_copies, fits) = {
             let mut inner = self.lock();
-            let mut victims = Vec::new();
+            let (mut victims, mut node_copies) = (Vec::new(), Vec::new());
             if inner.used + inner.reserved + len > self.capacity {
                 inner.expire_leases(Instant::now());
             }
             let demote = self.lower.get().is_some();
             while inner.used + inner.reserved + len > self.capacity {
-                match Self::evict_one(&mut inner) {
+                if let Some(v) = Self::evict_node_copy(&mut inner) {
+                    node_copies.push(v);
+                    continue;
+                }
+                if node_copy {
+                    break;
+                }
+                match Self::evict_by_policy(&mut inner) {
                     Some(v) => {
                         if demote {
                             inner.moving.insert(v.0, v.1);
@@ -999,9 +985,9 @@ impl PageStore {
             if fits {
                 inner.reserved += len;
             }
-            (victims, fits)
+            (victims, node_copies, fits)
         };
-        let (victims, fits) = victims;
+        self.remove_pages(node_copies, "capacity");
         self.finish_evictions(victims);
         fits.then(|| Reservation {
             store: self.clone(),

@@ -270,8 +270,11 @@ impl Commit {
             match reserved {
                 Some(r) => {
                     let done = if self.node_copy {
-                        f.metrics.node_copy_bytes.inc_by(len);
-                        f.store.commit_node_copy(r, self.key, &self.data)
+                        let done = f.store.commit_node_copy(r, self.key, &self.data);
+                        if done.is_ok() {
+                            f.metrics.node_copy_bytes.inc_by(len);
+                        }
+                        done
                     } else {
                         f.store.commit(r, self.key, &self.data)
                     };
