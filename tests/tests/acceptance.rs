@@ -593,6 +593,7 @@ fn local_mode_serves_a_folder_and_unmounts_on_ctrl_c() {
     drop_page_cache(&mp).unwrap();
     assert_eq!(tree_sums(&mp).unwrap(), expected);
     let text = scrape(&metrics).unwrap();
+    metrics_are_documented(&text);
     // The second pass came from the cache: in passthrough for the two files of at least
     // 1 MiB (every file is one block; smaller ones are read through the daemon).
     assert_eq!(
@@ -1069,4 +1070,34 @@ fn a_wholly_cached_file_is_served_in_passthrough_mode() {
     assert_eq!(sha(&p), sha(&src.join("small.bin")));
     assert_eq!(opens(&plain), 0.0);
     assert_eq!(daemon_reads(&plain), (5 * MIB + 17) as f64);
+}
+
+/// Every metric `granary local` exports (master, worker and mount in one registry) is in
+/// docs/metrics.md, and every metric documented there is exported.
+fn metrics_are_documented(exported: &str) {
+    let base = |n: &str| n.trim_end_matches("_total").to_string();
+    let exported: std::collections::BTreeSet<String> = exported
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(base)
+        .collect();
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"),
+    )
+    .unwrap();
+    let mut documented = std::collections::BTreeSet::new();
+    for line in doc.lines().filter(|l| l.starts_with("| `granary_")) {
+        let first = line.split('|').nth(1).unwrap_or_default();
+        for name in first.split('`').skip(1).step_by(2) {
+            let name = name.split('{').next().unwrap_or_default();
+            documented.insert(base(name));
+        }
+    }
+    let undocumented: Vec<_> = exported.difference(&documented).collect();
+    let missing: Vec<_> = documented.difference(&exported).collect();
+    assert!(
+        undocumented.is_empty() && missing.is_empty(),
+        "exported but not in docs/metrics.md: {undocumented:?}; documented but not exported: {missing:?}"
+    );
 }

@@ -13,6 +13,10 @@ impl Drain for TracingDrain {
         match record.level() {
             Level::Critical | Level::Error => tracing::error!(target: "granary::raft", "{msg}"),
             Level::Warning => tracing::warn!(target: "granary::raft", "{msg}"),
+            // Every start's construction notes are of no use at INFO.
+            Level::Info if is_startup_chatter(&msg.to_string()) => {
+                tracing::debug!(target: "granary::raft", "{msg}")
+            }
             Level::Info => tracing::info!(target: "granary::raft", "{msg}"),
             Level::Debug | Level::Trace => tracing::debug!(target: "granary::raft", "{msg}"),
         }
@@ -20,6 +24,21 @@ impl Drain for TracingDrain {
     }
 }
 
+/// raft-rs's notes on building a node, logged at INFO on every start.
+fn is_startup_chatter(msg: &str) -> bool {
+    msg.starts_with("newRaft") || msg.starts_with("RawNode created")
+}
+
 pub fn logger() -> slog::Logger {
     slog::Logger::root(TracingDrain.fuse(), slog::o!())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn startup_notes_are_chatter_and_elections_are_not() {
+        assert!(super::is_startup_chatter("newRaft"));
+        assert!(super::is_startup_chatter("RawNode created with id 1."));
+        assert!(!super::is_startup_chatter("became leader at term 2"));
+    }
 }
