@@ -611,6 +611,17 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                     let error = match outcome {
                         Ok(fetched) => {
                             report.fetched_bytes += fetched;
+                            // The worker holds the block now: `fs stat` says so at once,
+                            // not from its next heartbeat on (which reports it too, or its
+                            // eviction).
+                            if let Some(f) = loading.get(&item.inode) {
+                                let block = pb::BlockId {
+                                    inode: item.inode,
+                                    version: f.inode.version,
+                                    index: item.index,
+                                };
+                                core.blocks.update(wid, &[block], &[]);
+                            }
                             None
                         }
                         Err(e) if item.attempt + 1 < ATTEMPTS => {

@@ -635,12 +635,11 @@ impl Worker {
         if !cache_size.is_empty() {
             args.extend(["--cache-size", cache_size]);
         }
-        args.extend([
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--heartbeat-interval",
-            "200ms",
-        ]);
+        args.extend(["--metrics-listen", "127.0.0.1:0"]);
+        // Heartbeats every 200 ms unless `extra` says otherwise.
+        if !extra.contains(&"--heartbeat-interval") {
+            args.extend(["--heartbeat-interval", "200ms"]);
+        }
         args.extend_from_slice(extra);
         let mut proc = Proc::spawn(name, root, &args)?;
         let line = proc.wait_for_line("listening on", Duration::from_secs(60))?;

@@ -116,6 +116,8 @@ fn check_report_schema(r: &serde_json::Value) {
             "evicted_bytes",
             "short_circuit_bytes",
             "peer_served_bytes",
+            "peer_fill_bytes",
+            "node_copy_bytes",
         ] {
             assert!(w[k].is_u64(), "{k}: {w}");
         }
@@ -738,4 +740,45 @@ fn ttls_free_or_delete_on_time_and_unset_ones_do_nothing() {
         sha(&s3.object_file("b/f01.bin").unwrap()),
         sha(&src.join("a/f03.bin"))
     );
+}
+
+#[test]
+fn a_finished_load_shows_its_blocks_cached_before_the_next_heartbeat() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-load-stat-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let files = dataset(&src, 20, 1);
+    let master = Master::start(root).unwrap();
+    let addr = master.addr.clone();
+    // Heartbeats far apart (the master declares a worker lost after 10 s): only the
+    // load's own answers can say where the blocks are.
+    let _w = Worker::start_opts(
+        root,
+        "w1",
+        &addr,
+        "1GiB",
+        &root.join("w1-cache"),
+        &["--heartbeat-interval", "8s"],
+    )
+    .unwrap();
+    wait_live_workers(&addr, 1).unwrap();
+    mount_local("/data", &src, &addr).unwrap();
+    granary_ok(&["load", "/data", "--master", &addr]).unwrap();
+    for (name, _) in &files {
+        let st = json(
+            &granary_ok(&[
+                "fs",
+                "stat",
+                &format!("/data/{name}"),
+                "--json",
+                "--master",
+                &addr,
+            ])
+            .unwrap(),
+        );
+        assert_eq!(st["cached_percent"].as_f64(), Some(100.0), "{name}: {st}");
+    }
 }
