@@ -41,6 +41,17 @@ const QUEUE_TARGET: usize = 4096;
 #[derive(Default)]
 pub struct JobRunner {
     running: Mutex<HashSet<u64>>,
+    /// Block loads tried again after a failure that may pass (an unreachable store or
+    /// worker, a full cache); a gone, changed or refused object is not tried again.
+    pub retries: prometheus_client::metrics::counter::Counter,
+}
+
+/// Whether a load that failed with `code` may succeed if tried again.
+fn worth_retrying(code: pb::LoadError) -> bool {
+    matches!(
+        code,
+        pb::LoadError::Unspecified | pb::LoadError::Unavailable
+    )
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -588,26 +599,28 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                 if let Some(n) = per_worker.get_mut(&wid) {
                     *n = n.saturating_sub(1);
                 }
-                let results: HashMap<(u64, u32), Result<u64, String>> = match res {
+                type Outcome = Result<u64, (pb::LoadError, String)>;
+                let results: HashMap<(u64, u32), Outcome> = match res {
                     Ok(r) => r
                         .results
                         .into_iter()
                         .filter_map(|r| {
                             let b = r.block?;
-                            let v = if r.error.is_empty() { Ok(r.fetched_bytes) } else { Err(r.error) };
+                            let code = pb::LoadError::try_from(r.code).unwrap_or_default();
+                            let v = if r.error.is_empty() { Ok(r.fetched_bytes) } else { Err((code, r.error)) };
                             Some(((b.inode, b.index), v))
                         })
                         .collect(),
                     Err(e) => items
                         .iter()
-                        .map(|i| ((i.inode, i.index), Err(e.clone())))
+                        .map(|i| ((i.inode, i.index), Err((pb::LoadError::Unavailable, e.clone()))))
                         .collect(),
                 };
                 for mut item in items {
                     let outcome = results
                         .get(&(item.inode, item.index))
                         .cloned()
-                        .unwrap_or_else(|| Err("the worker did not answer for this block".into()));
+                        .unwrap_or_else(|| Err((pb::LoadError::Unavailable, "the worker did not answer for this block".into())));
                     let error = match outcome {
                         Ok(fetched) => {
                             report.fetched_bytes += fetched;
@@ -624,14 +637,15 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                             }
                             None
                         }
-                        Err(e) if item.attempt + 1 < ATTEMPTS => {
+                        Err((code, e)) if worth_retrying(code) && item.attempt + 1 < ATTEMPTS => {
+                            core.jobs.retries.inc();
                             tracing::debug!(job = id, inode = item.inode, block = item.index, error = %e, "load of a block failed; retrying");
                             let backoff = Duration::from_secs(1 << item.attempt);
                             item.attempt += 1;
                             delayed.push((Instant::now() + backoff, item));
                             continue;
                         }
-                        Err(e) => Some(e),
+                        Err((_, e)) => Some(e),
                     };
                     let Some(f) = loading.get_mut(&item.inode) else {
                         continue;

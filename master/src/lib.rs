@@ -239,6 +239,13 @@ pub async fn start(
 
     let master_metrics = metrics::MasterMetrics::register(&registry);
     core.ns.metrics.register(&registry);
+    if let Ok(mut r) = registry.lock() {
+        r.register(
+            "granary_master_load_retries",
+            "Block loads of jobs tried again after a failure that may pass (store or worker unreachable, cache full); gone, changed or refused objects are not tried again",
+            core.jobs.retries.clone(),
+        );
+    }
     let metrics_addr = match config.metrics_listen {
         Some(a) => Some(
             granary_common::metrics::serve_with(a, registry.clone(), shutdown.clone(), {

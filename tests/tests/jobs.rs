@@ -229,6 +229,12 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
     for f in j["failed"].as_array().unwrap() {
         assert!(!f["reason"].as_str().unwrap().is_empty(), "{f}");
     }
+    // Gone from the store: reported at once, never tried again.
+    assert_eq!(
+        metric_at(&master.metrics, "granary_master_load_retries_total"),
+        0.0,
+        "objects gone from the store were loaded again"
+    );
     // Every readable byte came from the store exactly once, spread over the owners.
     let from_store = sum(&workers, "granary_worker_ufs_read_bytes_total");
     assert_eq!(from_store, (total - broken_bytes) as f64);

@@ -15,7 +15,7 @@ use granary_common::tls::{Principal, Role};
 
 use crate::metrics::WorkerMetrics;
 use crate::store::block_key;
-use crate::ufs_fetch::{BlockRef, Fetcher, Source};
+use crate::ufs_fetch::{BlockRef, FetchError, Fetcher, Source};
 
 /// Largest single read request (one block at the default block size).
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
@@ -75,8 +75,9 @@ async fn load_block(
     fetcher: &Arc<Fetcher>,
     desc: pb::BlockDescriptor,
     holders: Option<Vec<pb::WorkerAddress>>,
-) -> Result<u64, String> {
-    let (start, len) = block_extent(&desc).map_err(|s| s.message().to_string())?;
+) -> Result<u64, (pb::LoadError, String)> {
+    let (start, len) =
+        block_extent(&desc).map_err(|s| (pb::LoadError::Invalid, s.message().to_string()))?;
     let block = Arc::new(BlockRef {
         len,
         start,
@@ -106,12 +107,22 @@ async fn load_block(
                 // Not cached when the task looked: fetched by it (or by a reader meanwhile).
                 fetched += data.len() as u64;
                 if !fetcher.cached_after_fetch(&(block.key, p as u32)).await {
-                    return Err(format!(
+                    return Err((pb::LoadError::Unavailable, format!(
                         "page {p} was fetched but not cached (the cache is full of pinned or leased pages, or refused it)"
-                    ));
+                    )));
                 }
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => {
+                let code = match &e {
+                    FetchError::NotFound(_) => pb::LoadError::NotFound,
+                    FetchError::Changed(_) => pb::LoadError::Changed,
+                    FetchError::PermissionDenied(_) => pb::LoadError::Denied,
+                    FetchError::Unavailable(_) | FetchError::NoPeer(_) => {
+                        pb::LoadError::Unavailable
+                    }
+                };
+                return Err((code, e.to_string()));
+            }
         }
     }
     Ok(fetched)
@@ -436,14 +447,16 @@ impl WorkerService for WorkerRpc {
                 let fetcher = fetcher.clone();
                 async move {
                     let id = desc.id.unwrap_or_default();
-                    let (error, fetched_bytes) = match load_block(&fetcher, desc, holders).await {
-                        Ok(n) => (String::new(), n),
-                        Err(e) => (e, 0),
-                    };
+                    let (code, error, fetched_bytes) =
+                        match load_block(&fetcher, desc, holders).await {
+                            Ok(n) => (pb::LoadError::Unspecified, String::new(), n),
+                            Err((code, e)) => (code, e, 0),
+                        };
                     pb::LoadResult {
                         block: Some(id),
                         error,
                         fetched_bytes,
+                        code: code as i32,
                     }
                 }
             })
