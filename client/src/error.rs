@@ -18,6 +18,10 @@ pub enum ClientError {
     Timeout(String),
     #[error("{0}")]
     PermissionDenied(String),
+    /// A worker refused the request's read grant (missing, expired, signed by a leader it
+    /// does not know yet): a new grant may help.
+    #[error("{0}")]
+    GrantRefused(String),
     #[error("the file changed in the under-store while it was read: {0}")]
     Stale(String),
     #[error("{0}")]
@@ -38,6 +42,9 @@ impl ClientError {
             .and_then(|v| v.parse::<i32>().ok())
         {
             return Self::Posix(n, msg);
+        }
+        if granary_common::grant::is_grant_denial(&s) {
+            return Self::GrantRefused(msg);
         }
         match s.code() {
             Code::NotFound => Self::NotFound(msg),

@@ -1276,7 +1276,7 @@ impl FileSystem {
                 let mut res = self
                     .read_from_worker_opts(&w.address, &desc, offset, len, grant.clone(), node_copy)
                     .await;
-                if matches!(&res, Err(ClientError::PermissionDenied(m)) if m.contains("grant")) {
+                if matches!(&res, Err(ClientError::GrantRefused(_))) {
                     // Expired on the way, or signed by a new leader whose key this worker
                     // gets with its next heartbeat: once more with a new grant.
                     tokio::time::sleep(GRANT_RETRY_PAUSE).await;

@@ -35,7 +35,7 @@ impl MountStores {
         let access = master.mount_access(mount_id).await.map_err(|e| match e {
             // Under-store credentials go to node identities only: a user's client reads
             // through workers, and with none able to serve, the read is unavailable.
-            ClientError::PermissionDenied(m) => ClientError::Unavailable(format!(
+            ClientError::PermissionDenied(m) | ClientError::GrantRefused(m) => ClientError::Unavailable(format!(
                 "no worker can serve mount {mount_id} and this client may not read its under-store directly ({m})"
             )),
             e => e,

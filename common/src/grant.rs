@@ -317,14 +317,50 @@ pub fn fresh(grant: &pb::ReadGrant, now_ms: u64) -> bool {
     grant.expires_ms > now_ms + GRANT_REFRESH_MARGIN.as_millis() as u64
 }
 
-/// Is this status a denial of a grant (so a new grant may help)?
+/// A `PERMISSION_DENIED` refusing a request's read grant (missing, expired, for another
+/// caller, version or object), marked as such for the caller (see [`is_grant_denial`]).
+pub fn grant_denial(why: String) -> tonic::Status {
+    let mut s = tonic::Status::permission_denied(why);
+    s.metadata_mut().insert(
+        granary_proto::REFUSAL_KEY,
+        tonic::metadata::MetadataValue::from_static(granary_proto::GRANT_REFUSAL),
+    );
+    s
+}
+
+/// Is this status a refusal of the request's grant (so a new grant may help)? Told by its
+/// metadata, never by its text.
 pub fn is_grant_denial(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::PermissionDenied && status.message().contains("grant")
+    status.code() == tonic::Code::PermissionDenied
+        && status
+            .metadata()
+            .get(granary_proto::REFUSAL_KEY)
+            .is_some_and(|v| v == granary_proto::GRANT_REFUSAL)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grant_refusal_is_told_by_its_metadata_not_its_text() {
+        assert!(is_grant_denial(&grant_denial(
+            "the read grant expired".into()
+        )));
+        // Another refusal that mentions grants is not one.
+        assert!(!is_grant_denial(&tonic::Status::permission_denied(
+            "role user may not call this method (grants do not help)"
+        )));
+        let mut other = tonic::Status::unavailable("x");
+        other.metadata_mut().insert(
+            granary_proto::REFUSAL_KEY,
+            tonic::metadata::MetadataValue::from_static(granary_proto::GRANT_REFUSAL),
+        );
+        assert!(
+            !is_grant_denial(&other),
+            "only PERMISSION_DENIED refuses a grant"
+        );
+    }
 
     fn loc(path: &str) -> pb::UfsLocation {
         pb::UfsLocation {

@@ -14,7 +14,7 @@ pub fn errno(e: &ClientError) -> Errno {
         // did not.
         ClientError::Timeout(_) => Errno::EIO,
         ClientError::Stale(_) => Errno::ESTALE,
-        ClientError::PermissionDenied(_) => Errno::EACCES,
+        ClientError::PermissionDenied(_) | ClientError::GrantRefused(_) => Errno::EACCES,
         ClientError::Posix(n, _) => Errno::from_i32(*n),
     }
 }

@@ -172,7 +172,7 @@ fn check_grant(
         if !fills || !keys.any() {
             return Ok(());
         }
-        return Err(Status::permission_denied(format!(
+        return Err(granary_common::grant::grant_denial(format!(
             "no read grant for file {inode}: a node's request that may fill the cache or write needs one too (ask the master for the file's status first)"
         )));
     }
@@ -183,7 +183,7 @@ fn check_grant(
         terms,
     };
     keys.check(grant, &want, granary_common::now_ms().max(0) as u64)
-        .map_err(Status::permission_denied)
+        .map_err(granary_common::grant::grant_denial)
 }
 
 type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Status>> + Send>>;
