@@ -366,8 +366,9 @@ impl Driver {
             }
             self.retry_deferred_reads();
             if let Err(e) = self.on_ready() {
-                // Storage failed: stop serving rather than risk acknowledging lost writes.
-                tracing::error!(error = %e, "raft storage failure; the master stops applying");
+                // Storage failed, or a committed entry cannot be applied: stop serving
+                // rather than risk acknowledging lost writes or diverging from the others.
+                tracing::error!(error = %e, "the master stops applying the raft log");
                 eprintln!("raft: node {} stopped: {e}", self.config.id);
                 for (_, reply) in self.pending.drain() {
                     let _ = reply.send(Err(e.clone()));
@@ -748,6 +749,8 @@ impl Driver {
         }
     }
 
+    /// Applies committed entries in order. An entry this version cannot decode stops the
+    /// master (see [`undecodable`]): it is never skipped.
     fn apply(&mut self, entries: Vec<Entry>) -> Result<(), MasterError> {
         for entry in entries {
             let index = entry.index;
@@ -755,8 +758,7 @@ impl Driver {
                 EntryType::EntryConfChange => self.apply_conf_change(&entry)?,
                 EntryType::EntryConfChangeV2 => {
                     // Granary proposes only simple (v1) changes.
-                    tracing::error!(index, "unexpected joint configuration change skipped");
-                    self.sm.mark_applied(index)?;
+                    return Err(undecodable(index, "a joint configuration change"));
                 }
                 EntryType::EntryNormal if entry.data.is_empty() => self.sm.mark_applied(index)?,
                 EntryType::EntryNormal => {
@@ -772,13 +774,10 @@ impl Driver {
                             }
                             r
                         }
-                        Err(e) => {
-                            // A command this version cannot decode: record it applied (so
-                            // the log moves on) and surface the problem loudly.
-                            tracing::error!(index, error = %e, "undecodable raft command skipped");
-                            self.sm.mark_applied(index)?;
-                            Err(MasterError::corrupt(format!("undecodable command: {e}")))
-                        }
+                        // A command this version cannot decode: applying the rest without it
+                        // would make this replica's state differ from the others' for good.
+                        // Stop instead (nothing recorded applied; a restart meets it again).
+                        Err(e) => return Err(undecodable(index, &format!("a command ({e})"))),
                     };
                     // Published before the reply: whoever saw the acknowledgement sees an
                     // applied index that covers it.
@@ -794,14 +793,8 @@ impl Driver {
     fn apply_conf_change(&mut self, entry: &Entry) -> Result<(), MasterError> {
         use protobuf::Message as _;
         let index = entry.index;
-        let cc = match ConfChange::parse_from_bytes(&entry.data) {
-            Ok(cc) => cc,
-            Err(e) => {
-                tracing::error!(index, error = %e, "undecodable membership change skipped");
-                self.sm.mark_applied(index)?;
-                return Ok(());
-            }
-        };
+        let cc = ConfChange::parse_from_bytes(&entry.data)
+            .map_err(|e| undecodable(index, &format!("a membership change ({e})")))?;
         let cs = match self.node.apply_conf_change(&cc) {
             Ok(cs) => cs,
             Err(e) => {
@@ -998,5 +991,32 @@ impl Driver {
             "snapshot taken; log compacted"
         );
         Ok(())
+    }
+}
+
+/// The error that stops a master at a committed entry it cannot decode (written by a newer
+/// version, or damaged): the log position, and what to do.
+fn undecodable(index: u64, what: &str) -> MasterError {
+    let e = MasterError::corrupt(format!(
+        "raft entry {index} is {what} this version cannot apply; it stops here rather than skip it (its state would differ from the other masters' for good). Run the version of granary that wrote it (after a partial upgrade: upgrade this master too), or wipe this master's data directory and let it rejoin from the others (granary master add)"
+    ));
+    tracing::error!(index, error = %e, "undecodable raft entry; the master stops");
+    e
+}
+
+#[cfg(test)]
+mod undecodable_tests {
+    #[test]
+    fn an_undecodable_entry_stops_the_master_and_says_where_and_what_to_do() {
+        assert!(super::Proposal::decode(&[0xff, 0x00, 0x13]).is_err());
+        let e = super::undecodable(42, "a command (bad bytes)");
+        // A local failure: the raft loop stops (and the process exits) instead of
+        // recording the entry applied.
+        assert!(e.is_local_failure());
+        let m = e.to_string();
+        assert!(
+            m.contains("raft entry 42") && m.contains("wipe this master's data directory"),
+            "{m}"
+        );
     }
 }
