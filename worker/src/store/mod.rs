@@ -119,6 +119,15 @@ impl Inner {
             || self.leased.contains_key(key)
     }
 
+    /// Page `key` is no longer held (lease ended, unpinned): the policy may evict it again,
+    /// and a node copy goes back in the node copies' line.
+    fn make_evictable(&mut self, key: PageKey) {
+        self.policy.insert(key);
+        if self.node_copies.contains(&key) {
+            self.node_order.push_back(key);
+        }
+    }
+
     /// Records page `key` as a node copy (or, `false`, as owned).
     fn mark_node_copy(&mut self, key: PageKey, node_copy: bool) {
         if !node_copy {
@@ -175,7 +184,7 @@ impl Inner {
             if let Some(m) = self.pages.get(&k) {
                 self.leased_bytes -= u64::from(m.len);
                 if !self.held(&k) {
-                    self.policy.insert(k);
+                    self.make_evictable(k);
                 }
             }
         }
@@ -643,7 +652,7 @@ impl PageStore {
         }
         for k in inner.inode_pages(inode) {
             if !inner.held(&k) {
-                inner.policy.insert(k);
+                inner.make_evictable(k);
             }
         }
         true
@@ -665,7 +674,7 @@ impl PageStore {
         for inode in gone {
             for k in inner.inode_pages(inode) {
                 if !inner.held(&k) {
-                    inner.policy.insert(k);
+                    inner.make_evictable(k);
                 }
             }
         }
@@ -855,8 +864,10 @@ impl PageStore {
     }
 
     /// Pops the oldest node copy that nothing holds (leases, pins), if any.
+    /// A held one (leased, pinned) leaves the line and joins it again at the back when it
+    /// is let go ([`Inner::make_evictable`]), so each eviction costs O(1) however many are
+    /// held.
     fn evict_node_copy(inner: &mut Inner) -> Option<(PageKey, PageMeta, bool)> {
-        let mut held = Vec::new();
         let mut found = None;
         while let Some(key) = inner.node_order.pop_front() {
             if !inner.node_copies.contains(&key) || !inner.pages.contains_key(&key) {
@@ -864,15 +875,10 @@ impl PageStore {
                 continue;
             }
             if inner.held(&key) {
-                held.push(key);
                 continue;
             }
             found = Some(key);
             break;
-        }
-        // Held ones stay first in line for when they are let go.
-        for k in held.into_iter().rev() {
-            inner.node_order.push_front(k);
         }
         let key = found?;
         inner.node_copies.remove(&key);

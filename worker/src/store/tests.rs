@@ -321,3 +321,26 @@ fn node_copies_stay_node_copies_after_a_restart() {
     assert!(fill(&s2, key(5, 0), 1));
     assert_eq!(s2.node_copy_bytes(), 0);
 }
+
+#[test]
+fn a_leased_node_copy_is_passed_over_and_goes_first_again_once_let_go() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 4 * 4096);
+    let later = Instant::now() + std::time::Duration::from_secs(60);
+    assert!(fill_node_copy(&s, key(1, 0), 1));
+    assert!(fill_node_copy(&s, key(2, 0), 2));
+    assert!(fill(&s, key(0, 0), 0));
+    assert!(fill(&s, key(0, 1), 3));
+    let lease = s.lease(&key(1, 0).0, 0, later, None).unwrap();
+    // Full: the oldest node copy is leased, so the next one goes.
+    assert!(fill(&s, key(0, 2), 4));
+    assert!(s.contains(&key(1, 0)) && !s.contains(&key(2, 0)));
+    // Let go, it is first in line again, before any owned page.
+    s.release(lease.id);
+    assert!(fill(&s, key(0, 3), 5));
+    assert!(!s.contains(&key(1, 0)));
+    for p in 0..4 {
+        assert!(s.contains(&key(0, p)), "owned page {p} was evicted");
+    }
+    assert_eq!(s.node_copy_bytes(), 0);
+}
