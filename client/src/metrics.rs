@@ -78,6 +78,8 @@ pub struct ClientMetrics {
     pub node_copy_bytes: Counter<u64, AtomicU64>,
     pub node_copy_failures: Counter<u64, AtomicU64>,
     pub node_copy_skipped: Counter<u64, AtomicU64>,
+    /// Node copies asked for and not finished.
+    pub node_copies_pending: Gauge,
 }
 
 impl ClientMetrics {
@@ -197,6 +199,11 @@ impl ClientMetrics {
                 "granary_client_node_copy_failures",
                 "Node copies that failed (the block is read from its owner until a later read copies it)",
                 self.node_copy_failures.clone(),
+            );
+            r.register(
+                "granary_client_node_copies_pending",
+                "Node copies asked for and not finished yet (--locality node)",
+                self.node_copies_pending.clone(),
             );
             r.register(
                 "granary_client_node_copy_skipped",

@@ -67,23 +67,27 @@ impl NodeCopier {
     }
 }
 
-/// Takes a pending slot; `None` when too many copies wait already.
-struct Pending<'a>(&'a AtomicUsize);
+/// A node copy asked for and not finished (counted from the read that asks for it to the
+/// copy's end: `granary_client_node_copies_pending`).
+struct Pending(Arc<FileSystem>);
 
-impl<'a> Pending<'a> {
-    fn take(n: &'a AtomicUsize) -> Option<Self> {
-        let prev = n.fetch_add(1, Ordering::AcqRel);
+impl Pending {
+    /// `None` when too many copies wait already.
+    fn take(fs: &Arc<FileSystem>) -> Option<Self> {
+        let prev = fs.node_copier.pending.fetch_add(1, Ordering::AcqRel);
         if prev >= MAX_PENDING {
-            n.fetch_sub(1, Ordering::AcqRel);
+            fs.node_copier.pending.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        Some(Self(n))
+        fs.metrics.node_copies_pending.inc();
+        Some(Self(fs.clone()))
     }
 }
 
-impl Drop for Pending<'_> {
+impl Drop for Pending {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.node_copier.pending.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.node_copies_pending.dec();
     }
 }
 
@@ -112,14 +116,15 @@ impl FileSystem {
             self.node_copier.forget(&key);
             return;
         };
+        let Some(pending) = Pending::take(self) else {
+            self.node_copier.forget(&key);
+            self.metrics.node_copy_skipped.inc();
+            return;
+        };
         let me = self.clone();
         let file = file.clone();
         rt.spawn(async move {
-            let Some(_pending) = Pending::take(&me.node_copier.pending) else {
-                me.node_copier.forget(&key);
-                me.metrics.node_copy_skipped.inc();
-                return;
-            };
+            let _pending = pending;
             let Ok(_slot) = me.node_copier.slots.clone().acquire_owned().await else {
                 return;
             };
