@@ -99,3 +99,15 @@ start_nodes() {
     mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
   done
 }
+
+# mounts_workdir NAME: procs_workdir NAME, plus $mounts: every path in it is unmounted at
+# exit before the processes are stopped.
+mounts_workdir() {
+  procs_workdir "$1"
+  mounts=()
+  trap mounts_cleanup EXIT
+}
+mounts_cleanup() {
+  for m in "${mounts[@]}"; do mountpoint -q "$m" && umount -l "$m" || true; done
+  procs_cleanup
+}

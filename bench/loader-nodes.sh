@@ -24,13 +24,7 @@ locality="${LOCALITY:-cluster}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
 needs_root
-procs_workdir loader-nodes
-mounts=()
-cleanup_nodes() {
-  for m in "${mounts[@]}"; do mountpoint -q "$m" && umount -l "$m" || true; done
-  procs_cleanup
-}
-trap cleanup_nodes EXIT
+mounts_workdir loader-nodes
 python3 "$here/make-samples.py" "$work/ufs/data" "$files" "$kib" "$work/manifest"
 for n in $(seq 1 "$nodes"); do cp -r "$work/ufs/data" "$work/raw$n"; done
 

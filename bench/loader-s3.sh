@@ -24,15 +24,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 needs_root
 shaper="${SHAPER_BIN:-$(dirname "$bin")/flow-shaper}"
 tools="${GRANARY_TOOLS:-$HOME/.cache/granary/tools}"
-procs_workdir loader-s3
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  sleep 0.5
-  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+mounts_workdir loader-s3
+mounts+=("$work/mnt")
 mkdir -p "$work/s3/bench" "$work/mnt"
 python3 "$here/make-samples.py" "$work/s3/bench/data" "$files" "$kib" "$work/manifest"
 sport=$(free_port); mport=$(free_port); fport=$(free_port)

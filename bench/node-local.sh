@@ -24,13 +24,7 @@ epochs="${EPOCHS:-3}"
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/lib.sh"
 needs_root
-procs_workdir node-local
-mounts=()
-cleanup_nodes() {
-  for m in "${mounts[@]}"; do mountpoint -q "$m" && umount -l "$m" || true; done
-  procs_cleanup
-}
-trap cleanup_nodes EXIT
+mounts_workdir node-local
 python3 "$here/make-samples.py" "$work/ufs/data" "$files" "$kib" "$work/manifest"
 dataset=$(awk '{print $1}' "$work/manifest" | sed "s|^|$work/ufs/data/|" | xargs stat -c %s | awk '{s += $1} END {print s}')
 

@@ -709,24 +709,24 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         .filter(|w| w.state == "live")
         .map(|w| w.stats.clone().unwrap_or_default())
         .collect();
-    let cap: u64 = stats.iter().map(|s| s.capacity_bytes).sum();
-    let used: u64 = stats.iter().map(|s| s.used_bytes).sum();
+    // Workers report these counters: sums saturate, so no reported value can overflow them.
+    let total =
+        |f: fn(&pb::WorkerStats) -> u64| stats.iter().map(f).fold(0u64, |a, b| a.saturating_add(b));
+    let cap = total(|s| s.capacity_bytes);
+    let used = total(|s| s.used_bytes);
     // Short-circuit reads are cache hits that bypassed the workers' gRPC service.
-    let hit: u64 = stats
-        .iter()
-        .map(|s| s.cache_hit_bytes + s.short_circuit_bytes)
-        .sum();
-    let miss: u64 = stats.iter().map(|s| s.cache_miss_bytes).sum();
-    let ufs: u64 = stats.iter().map(|s| s.ufs_read_bytes).sum();
-    let ratio = if hit + miss > 0 {
-        hit as f64 / (hit + miss) as f64
+    let hit = total(|s| s.cache_hit_bytes.saturating_add(s.short_circuit_bytes));
+    let miss = total(|s| s.cache_miss_bytes);
+    let ufs = total(|s| s.ufs_read_bytes);
+    let ratio = if hit.saturating_add(miss) > 0 {
+        hit as f64 / (hit as f64 + miss as f64)
     } else {
         0.0
     };
     // Every byte served from a cache (to a client, or to a worker filling its cache) is a
     // byte the under-stores did not serve.
-    let peer: u64 = stats.iter().map(|s| s.peer_served_bytes).sum();
-    let saved = hit + peer;
+    let peer = total(|s| s.peer_served_bytes);
+    let saved = hit.saturating_add(peer);
     use granary_worker::metrics::{MissLatency, MISS_BUCKETS};
     let mut buckets = vec![0u64; MISS_BUCKETS];
     for s in &stats {
@@ -823,7 +823,7 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
             "",
             if w.host.is_empty() { "?" } else { &w.host },
             format_size(s.short_circuit_bytes),
-            format_size(s.cache_hit_bytes + s.cache_miss_bytes),
+            format_size(s.cache_hit_bytes.saturating_add(s.cache_miss_bytes)),
             format_size(s.peer_served_bytes),
             format_size(s.peer_fill_bytes),
             format_size(s.node_copy_bytes),

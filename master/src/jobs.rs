@@ -46,6 +46,12 @@ pub struct JobRunner {
     pub retries: prometheus_client::metrics::counter::Counter,
 }
 
+/// The kind of a worker's load failure; a value no version defines (a newer or hostile
+/// worker) counts as unspecified, i.e. worth another try (bounded by the attempts).
+fn load_error(code: i32) -> pb::LoadError {
+    pb::LoadError::try_from(code).unwrap_or_default()
+}
+
 /// Whether a load that failed with `code` may succeed if tried again.
 fn worth_retrying(code: pb::LoadError) -> bool {
     matches!(
@@ -606,7 +612,7 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
                         .into_iter()
                         .filter_map(|r| {
                             let b = r.block?;
-                            let code = pb::LoadError::try_from(r.code).unwrap_or_default();
+                            let code = load_error(r.code);
                             let v = if r.error.is_empty() { Ok(r.fetched_bytes) } else { Err((code, r.error)) };
                             Some(((b.inode, b.index), v))
                         })
@@ -755,6 +761,29 @@ async fn load_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_failures_that_may_pass_are_retried_and_unknown_codes_count_as_such() {
+        assert!(worth_retrying(load_error(
+            pb::LoadError::Unavailable as i32
+        )));
+        assert!(worth_retrying(load_error(0)));
+        for permanent in [
+            pb::LoadError::NotFound,
+            pb::LoadError::Changed,
+            pb::LoadError::Denied,
+            pb::LoadError::Invalid,
+        ] {
+            assert!(
+                !worth_retrying(load_error(permanent as i32)),
+                "{permanent:?}"
+            );
+        }
+        // A code no version defines (a newer or hostile worker): tried again, boundedly.
+        for hostile in [i32::MAX, i32::MIN, -1, 99] {
+            assert_eq!(load_error(hostile), pb::LoadError::Unspecified);
+        }
+    }
 
     fn file(length: u64, block_size: u64) -> Inode {
         let mut f = Inode::directory(9, 1, "f", 0o644, 0);

@@ -366,6 +366,46 @@ fn roles_decide_who_may_administer() {
         1,
         "a refused registration changed the workers"
     );
+
+    // A node reporting the largest counters there are (every byte count u64::MAX): the
+    // report still answers, text and JSON (its sums saturate, never overflow).
+    let node_creds = creds_in(&TestTls::get().identity("node"));
+    rt().block_on(async {
+        let mut m = MasterServiceClient::new(channel(addr, Some(&node_creds)));
+        let max = u64::MAX;
+        m.register_worker(pb::RegisterWorkerRequest {
+            worker_id: 77,
+            address: "127.0.0.1:1".into(),
+            host: "hostile".into(),
+            stats: Some(pb::WorkerStats {
+                capacity_bytes: max,
+                used_bytes: max,
+                cache_hit_bytes: max,
+                cache_miss_bytes: max,
+                ufs_read_bytes: max,
+                short_circuit_bytes: max,
+                peer_served_bytes: max,
+                peer_fill_bytes: max,
+                node_copy_bytes: max,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    for json in [false, true] {
+        let mut args = vec!["report", "--master", addr];
+        if json {
+            args.push("--json");
+        }
+        let out = granary(&args);
+        assert!(
+            out.status.success(),
+            "report with huge counters: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]
