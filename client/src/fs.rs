@@ -68,14 +68,19 @@ pub struct PassthroughFile {
     pub park: Option<crate::local::Parkable>,
 }
 
-/// The lease of a file open in passthrough mode.
+/// The leases of a file open in passthrough mode: one per block, all of one worker.
 #[derive(Clone)]
 struct Held {
     worker: pb::WorkerInfo,
-    block: pb::BlockId,
-    lease_id: u64,
+    leases: Vec<(pb::BlockId, u64)>,
     renewed: Instant,
 }
+
+/// Blocks a file opened in passthrough may have (256 GiB in 64 MiB blocks); a longer file
+/// is read through the daemon.
+const MAX_PASSTHROUGH_BLOCKS: u32 = 4096;
+/// Lease requests of one passthrough open (or renewal) in flight at once.
+const PASSTHROUGH_LEASES_IN_FLIGHT: usize = 16;
 
 /// A status seen lately: when it arrived and in which epoch of the namespace watch.
 pub(crate) struct Recent {

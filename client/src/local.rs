@@ -75,7 +75,10 @@ pub struct LocalLease {
     /// reads are not possible, else at the first read that needs it (a small file read
     /// whole never does, which saves an open per file).
     file: OnceLock<File>,
+    /// The cache file of the block's file version (its blocks at their file offsets).
     path: PathBuf,
+    /// Offset of the block's first byte in `path`.
+    base: u64,
     /// The same block file opened for direct reads (`None`: its file system refuses them).
     direct: Option<File>,
     page_size: u64,
@@ -161,6 +164,7 @@ impl LocalLease {
             window: r.window_pages.max(1),
             file,
             path,
+            base: r.block_offset,
             direct,
             page_size: r.page_size.max(1),
             pages: r
@@ -271,7 +275,9 @@ impl LocalLease {
         let whole_pages = pages.first().is_some_and(|p| p.0 == offset)
             && pages.last().is_some_and(|p| p.0 + p.1 == offset + len);
         let out = match (direct, whole_pages) {
-            (Some(direct), true) => crate::direct::read_at(direct, offset, len as usize),
+            (Some(direct), true) => {
+                crate::direct::read_at(direct, self.base + offset, len as usize)
+            }
             _ => None,
         };
         let out = match out {
@@ -306,6 +312,7 @@ impl LocalLease {
         pages: &[(u64, u64, u32)],
     ) -> Result<Bytes, Miss> {
         let file = self.file().map_err(|_| Miss::Bad)?;
+        let base = self.base;
         crate::direct::filled(len as usize, |out| {
             for &(page_start, plen, crc) in pages {
                 let from = offset.max(page_start);
@@ -314,16 +321,18 @@ impl LocalLease {
                 let index = (page_start / ps) as u32;
                 if from == page_start && to == page_start + plen {
                     // The whole page: read it in place.
-                    file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                    file.read_exact_at(dst, base + from)
+                        .map_err(|_| Miss::Bad)?;
                     if crc32c::crc32c(dst) != crc {
                         return Err(Miss::Bad);
                     }
                     self.mark_verified(index);
                 } else if self.is_verified(index) {
-                    file.read_exact_at(dst, from).map_err(|_| Miss::Bad)?;
+                    file.read_exact_at(dst, base + from)
+                        .map_err(|_| Miss::Bad)?;
                 } else {
                     let mut whole = vec![0u8; plen as usize];
-                    file.read_exact_at(&mut whole, page_start)
+                    file.read_exact_at(&mut whole, base + page_start)
                         .map_err(|_| Miss::Bad)?;
                     if crc32c::crc32c(&whole) != crc {
                         return Err(Miss::Bad);
@@ -379,7 +388,7 @@ impl LocalLease {
             pages.push((page * ps, u64::from(plen), crc));
         }
         let whole = match &self.direct {
-            Some(d) => crate::direct::read_at(d, from, want as usize),
+            Some(d) => crate::direct::read_at(d, self.base + from, want as usize),
             None => None,
         };
         let whole = match whole {
@@ -387,7 +396,8 @@ impl LocalLease {
             None => {
                 let file = self.file().map_err(|_| Miss::Bad)?;
                 crate::direct::filled(want as usize, |out| {
-                    file.read_exact_at(out, from).map_err(|_| Miss::Bad)
+                    file.read_exact_at(out, self.base + from)
+                        .map_err(|_| Miss::Bad)
                 })?
             }
         };
@@ -417,6 +427,7 @@ impl LocalLease {
                 .saturating_sub(Duration::from_millis(at))
                 >= REVERIFY_AFTER
             || self.pages.len() != 1
+            || self.base != 0
         {
             return None;
         }
@@ -431,19 +442,26 @@ impl LocalLease {
         Some((file, park))
     }
 
-    /// Whether a `len`-byte block is one page of this lease's page size: its page is only
-    /// ever evicted by removing the whole file (never punched out under a reader).
+    /// Whether a `len`-byte block is one page of this lease's page size and the first
+    /// block of its file (so all of it): its page is only ever evicted by removing the
+    /// whole file (never punched out under a reader).
     pub fn one_page(&self, len: u64) -> bool {
-        len > 0 && len <= self.page_size
+        len > 0 && len <= self.page_size && self.base == 0
+    }
+
+    /// Offset of the block's first byte in [`path`](Self::path).
+    pub fn base(&self) -> u64 {
+        self.base
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// For passthrough: checks that the lease holds the whole of a `len`-byte file from page
-    /// 0, that the block file is exactly that long, and every page's CRC32C (blocking I/O).
-    /// Returns a descriptor of the block file.
+    /// For passthrough: checks that the lease holds the whole of a `len`-byte block from
+    /// page 0, that the cache file reaches the block's end, and (`checksums`) every page's
+    /// CRC32C (blocking I/O). Returns a descriptor of the cache file: the caller checks that
+    /// it is exactly as long as the file.
     pub fn verify_whole(&self, len: u64, checksums: bool) -> Option<File> {
         let ps = self.page_size;
         let n = len.div_ceil(ps);
@@ -452,14 +470,14 @@ impl LocalLease {
             .map(|m| m.map_or(0, |(l, _)| u64::from(*l)))
             .sum();
         let file = self.file().ok()?;
-        if held != len || file.metadata().ok()?.len() != len {
+        if held != len || file.metadata().ok()?.len() < self.base + len {
             return None;
         }
         if checksums {
-            // The whole file is read now: let the kernel fetch it from the disk in parallel.
+            // The whole block is read now: let the kernel fetch it from the disk in parallel.
             let _ = nix::fcntl::posix_fadvise(
                 std::os::fd::AsRawFd::as_raw_fd(file),
-                0,
+                self.base as i64,
                 len as i64,
                 nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
             );
@@ -766,7 +784,7 @@ impl ShortCircuit {
         lock(&self.not_local).insert(worker_id, Instant::now());
     }
 
-    /// The tier folder a block file lies in (`<tier>/blocks/<xx>/<block>`).
+    /// The tier folder a cache file lies in (`<tier>/files/<xx>/<inode>-<version>`).
     fn tier_of(block_file: &std::path::Path) -> Option<&std::path::Path> {
         block_file.ancestors().nth(3)
     }
@@ -778,7 +796,7 @@ impl ShortCircuit {
         let Some(tier) = Self::tier_of(block_file) else {
             return false;
         };
-        if tier.join("blocks").is_dir() {
+        if tier.join("files").is_dir() {
             return false;
         }
         {
@@ -1200,12 +1218,12 @@ mod tests {
     #[test]
     fn an_unreachable_tier_leaves_the_other_tiers_of_the_worker_readable() {
         let sc = ShortCircuit::new("n".into());
-        let mem = std::path::Path::new("/cache/memory/blocks/ab/0001-0002-0");
-        let nvme = std::path::Path::new("/cache/nvme/blocks/ab/0003-0004-0");
+        let mem = std::path::Path::new("/cache/memory/files/ab/0001-0002");
+        let nvme = std::path::Path::new("/cache/nvme/files/ab/0003-0004");
         assert!(sc.reachable(mem) && sc.reachable(nvme));
         sc.mark_unreachable(mem);
         assert!(!sc.reachable(mem));
-        assert!(!sc.reachable(std::path::Path::new("/cache/memory/blocks/cd/0009-0002-1")));
+        assert!(!sc.reachable(std::path::Path::new("/cache/memory/files/cd/0009-0002")));
         assert!(sc.reachable(nvme));
     }
 
@@ -1234,6 +1252,7 @@ mod tests {
                 window: 16,
                 file: OnceLock::from(f),
                 path: l.path.clone(),
+                base: 0,
                 direct: None,
                 page_size: 4096,
                 pages: l.pages.clone(),
@@ -1299,6 +1318,7 @@ mod tests {
             window: LEASE_WINDOW_PAGES,
             file: OnceLock::from(l.file().unwrap().try_clone().unwrap()),
             path: l.path.clone(),
+            base: 0,
             direct: None,
             page_size: 4096,
             pages: l.pages.clone(),

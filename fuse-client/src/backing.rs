@@ -29,6 +29,10 @@ struct Backing {
     version: u64,
     id: Arc<BackingId>,
     opens: usize,
+    /// The client's lease handles (`PassthroughFile::handle`) holding the backing file's
+    /// pages for its open handles: released at its last close, not at the close of the
+    /// handle whose open took them (another may still read).
+    leases: Vec<u64>,
     /// Set for a one-page block file checked whole: kept after its last close.
     park: Option<Parkable>,
     /// Stamp of its latest parking (matches its entry in the parking order).
@@ -68,8 +72,27 @@ impl Backings {
     /// The kernel's backing file for `version` of `inode` for a new open handle: the one
     /// registered (open or parked), or a new one from `file()`. None when there can be
     /// none: the file is open in another version, `file()` has none, or the kernel refused
-    /// (then passthrough is off from now on, `on`).
+    /// (then passthrough is off from now on, `on`). `lease` (0: none): the client's lease
+    /// handle the open took for `file()`'s pages, kept with the backing when it is
+    /// returned (the caller releases it on `None`).
     pub fn open<F: std::os::fd::AsFd>(
+        &mut self,
+        on: &AtomicBool,
+        (inode, version): (u64, u64),
+        reply: &ReplyOpen,
+        lease: u64,
+        file: impl FnOnce() -> Option<(F, Option<Parkable>)>,
+    ) -> Option<Arc<BackingId>> {
+        let id = self.open_backing(on, (inode, version), reply, file)?;
+        if lease != 0 {
+            if let Some(e) = self.map.get_mut(&inode) {
+                e.leases.push(lease);
+            }
+        }
+        Some(id)
+    }
+
+    fn open_backing<F: std::os::fd::AsFd>(
         &mut self,
         on: &AtomicBool,
         (inode, version): (u64, u64),
@@ -109,6 +132,7 @@ impl Backings {
                         version,
                         id: id.clone(),
                         opens: 1,
+                        leases: Vec::new(),
                         park,
                         stamp: 0,
                     },
@@ -124,18 +148,21 @@ impl Backings {
     }
 
     /// A handle of `inode` open in passthrough was released: after its last one the backing
-    /// is parked when it may be (else closed).
-    pub fn close(&mut self, inode: u64) {
+    /// is parked when it may be (else closed). Returns the lease handles to release (those
+    /// of its opens, after its last close).
+    #[must_use]
+    pub fn close(&mut self, inode: u64) -> Vec<u64> {
         let Some(e) = self.map.get_mut(&inode) else {
-            return;
+            return Vec::new();
         };
         e.opens = e.opens.saturating_sub(1);
         if e.opens > 0 {
-            return;
+            return Vec::new();
         }
+        let leases = std::mem::take(&mut e.leases);
         if !e.park.as_ref().is_some_and(|p| p.usable(Instant::now())) {
             self.map.remove(&inode); // closes the kernel's backing file
-            return;
+            return leases;
         }
         self.stamp += 1;
         e.stamp = self.stamp;
@@ -152,6 +179,7 @@ impl Backings {
             self.order
                 .retain(|(i, s)| map.get(i).is_some_and(|e| e.opens == 0 && e.stamp == *s));
         }
+        leases
     }
 
     /// Lets go of `inode`'s backing if it is still the one parked at `stamp`.

@@ -164,8 +164,9 @@ pub struct GranaryFs {
     deadline: Deadline,
     /// The memory budget of reads in flight, in 4 KiB units (`--max-memory`).
     budget: Arc<tokio::sync::Semaphore>,
-    /// Open handles in passthrough mode: fh → (inode, client lease handle).
-    passthrough_fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
+    /// Open handles in passthrough mode: fh → inode (the leases go with the inode's
+    /// backing, see `backing::Backings`).
+    passthrough_fhs: Arc<Mutex<HashMap<u64, u64>>>,
     dirs: Dirs,
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
@@ -635,12 +636,14 @@ impl Filesystem for GranaryFs {
         }
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
-        if let Some((inode, handle)) = lock(&self.passthrough_fhs).remove(&fh.0) {
-            if handle != 0 {
-                let _rt = self.rt.enter(); // the lease release is sent from a task
-                self.client.close_passthrough(handle);
+        if let Some(inode) = lock(&self.passthrough_fhs).remove(&fh.0) {
+            let leases = lock(&self.backings).close(inode);
+            if !leases.is_empty() {
+                let _rt = self.rt.enter(); // the lease releases are sent from tasks
+                for handle in leases {
+                    self.client.close_passthrough(handle);
+                }
             }
-            lock(&self.backings).close(inode);
         }
         reply.ok();
     }
@@ -1144,7 +1147,7 @@ impl GranaryFs {
             index: 0,
         };
         let backing =
-            lock(&self.backings).open(&self.passthrough, (s.inode, s.version), &reply, || {
+            lock(&self.backings).open(&self.passthrough, (s.inode, s.version), &reply, 0, || {
                 self.client
                     .short_circuit
                     .kept_for_passthrough(&id)
@@ -1155,7 +1158,7 @@ impl GranaryFs {
         };
         // The kernel's reference holds the block file now: its descriptor is not needed.
         self.client.short_circuit.drop_kept(&id);
-        lock(&self.passthrough_fhs).insert(fh, (s.inode, 0));
+        lock(&self.passthrough_fhs).insert(fh, s.inode);
         lock(&self.files).insert(fh, Arc::new(s.clone()));
         self.client.metrics.passthrough_opens.inc();
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
@@ -1311,7 +1314,7 @@ fn small_via_lease(client: &FileSystem, writes: &crate::write::Writes, s: &pb::F
 struct Passthrough {
     on: Arc<AtomicBool>,
     backings: Arc<Mutex<crate::backing::Backings>>,
-    fhs: Arc<Mutex<HashMap<u64, (u64, u64)>>>,
+    fhs: Arc<Mutex<HashMap<u64, u64>>>,
 }
 
 impl Passthrough {
@@ -1325,11 +1328,11 @@ impl Passthrough {
         reply: ReplyOpen,
     ) -> Option<ReplyOpen> {
         // A backing file parked since an earlier open.
-        let parked = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, || {
+        let parked = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, 0, || {
             None::<(std::fs::File, Option<granary_client::local::Parkable>)>
         });
         if let Some(id) = parked {
-            lock(&self.fhs).insert(fh, (s.inode, 0));
+            lock(&self.fhs).insert(fh, s.inode);
             client.metrics.passthrough_opens.inc();
             reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
             return None;
@@ -1341,14 +1344,15 @@ impl Passthrough {
         let Some(pf) = client.open_passthrough(s).await else {
             return Some(reply);
         };
-        let id = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, || {
-            Some((&pf.file, pf.park.clone()))
-        });
+        let id =
+            lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, pf.handle, || {
+                Some((&pf.file, pf.park.clone()))
+            });
         let Some(id) = id else {
             client.close_passthrough(pf.handle);
             return Some(reply);
         };
-        lock(&self.fhs).insert(fh, (s.inode, pf.handle));
+        lock(&self.fhs).insert(fh, s.inode);
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
         None
     }

@@ -205,10 +205,7 @@ fn cache_quota_is_never_exceeded_and_reads_stay_correct() {
                     }
                 }
                 // Allocated bytes of the block files (sparse files count what they hold).
-                if let Ok(out) = sh(&format!(
-                    "du -s --block-size=1 '{}/blocks'",
-                    cache.display()
-                )) {
+                if let Ok(out) = sh(&format!("du -s --block-size=1 '{}/files'", cache.display())) {
                     if let Some(v) = out.split_whitespace().next().and_then(|v| v.parse().ok()) {
                         max_disk = max_disk.max(v);
                     }
@@ -424,7 +421,7 @@ fn a_corrupted_cached_page_is_never_served() {
 
     // b.bin is the only 1 MiB file (one block of one page): flip a byte of its block file.
     let blocks = sh(&format!(
-        "find '{}/blocks' -type f -size 1048576c",
+        "find '{}/files' -type f -size 1048576c",
         w.cache_dir.display()
     ))
     .unwrap();
@@ -879,7 +876,7 @@ fn tiers_keep_every_page_within_their_quotas_and_move_pages_between_them() {
     }
     let _mem_cleanup = RemoveDir(mem_dir.clone());
     assert!(
-        mem_dir.join("blocks").is_dir(),
+        mem_dir.join("files").is_dir(),
         "no memory tier in {mem_dir:?}"
     );
     wait_live_workers(&master.addr, 1).unwrap();
@@ -1015,11 +1012,12 @@ fn a_wholly_cached_file_is_served_in_passthrough_mode() {
     let before = daemon_reads(&c.fuse);
     assert!(before > 0.0);
 
-    // Cached now: the one-block file opens in passthrough and the daemon sees no read of it;
-    // the two-block file is read through the daemon as before.
-    drop_page_cache(&c.data()).unwrap(); // opens every file (small.bin in passthrough)
+    // Cached now: both files open in passthrough — the two-block one too, from its
+    // version's cache file that holds both blocks at their offsets — and the daemon sees no
+    // read of them.
+    drop_page_cache(&c.data()).unwrap(); // opens every file (in passthrough)
     let opened = opens(&c.fuse);
-    assert_eq!(opened, 1.0);
+    assert_eq!(opened, 2.0);
     let small = c.data().join("small.bin");
     assert_eq!(sha(&small), sha(&src.join("small.bin")));
     assert_eq!(opens(&c.fuse), opened + 1.0);
@@ -1030,16 +1028,17 @@ fn a_wholly_cached_file_is_served_in_passthrough_mode() {
     );
     assert!(c.fuse.proc.log_text().contains("FUSE passthrough on"));
     let big = c.data().join("two-blocks.bin");
+    drop_page_cache(&src).unwrap();
     assert_eq!(sha(&big), sha(&src.join("two-blocks.bin")));
-    assert_eq!(opens(&c.fuse), opened + 1.0);
-    assert!(daemon_reads(&c.fuse) > before);
+    assert_eq!(opens(&c.fuse), opened + 2.0);
+    assert_eq!(
+        daemon_reads(&c.fuse),
+        before,
+        "the daemon served a passthrough read"
+    );
 
-    // While a passthrough file is open its pages are leased; closing it ends the lease.
-    let reader = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!("exec 3< '{}'; exec sleep 30", small.display()))
-        .spawn()
-        .unwrap();
+    // While a passthrough file is open its pages are leased (the two-block file: a lease
+    // per block); they are held until its last handle closes, not its first.
     struct Kill(std::process::Child);
     impl Drop for Kill {
         fn drop(&mut self) {
@@ -1047,19 +1046,49 @@ fn a_wholly_cached_file_is_served_in_passthrough_mode() {
             let _ = self.0.wait();
         }
     }
-    let mut reader = Kill(reader);
-    poll("the open file's lease", Duration::from_secs(10), || {
-        (opens(&c.fuse) == opened + 2.0
-            && w.metric("granary_worker_short_circuit_active_leases") >= 1.0)
-            .then_some(())
+    let hold_open = |p: &Path| {
+        Kill(
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("exec 3< '{}'; exec sleep 30", p.display()))
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let leases = || w.metric("granary_worker_short_circuit_active_leases");
+    let mut first = hold_open(&big);
+    poll("the open file's leases", Duration::from_secs(10), || {
+        (opens(&c.fuse) == opened + 3.0 && leases() == 2.0).then_some(())
     })
     .unwrap();
-    let _ = reader.0.kill();
-    let _ = reader.0.wait();
+    let second = hold_open(&big);
+    poll("the second handle", Duration::from_secs(10), || {
+        (opens(&c.fuse) == opened + 4.0).then_some(())
+    })
+    .unwrap();
+    let releases = || {
+        c.fuse
+            .metric("granary_client_fuse_requests_total{op=\"release\"}")
+    };
+    let released = releases();
+    let _ = first.0.kill();
+    let _ = first.0.wait();
     poll(
-        "the lease to end with the file",
+        "the first handle's release",
         Duration::from_secs(10),
-        || (w.metric("granary_worker_short_circuit_active_leases") == 0.0).then_some(()),
+        || (releases() > released).then_some(()),
+    )
+    .unwrap();
+    assert_eq!(leases(), 2.0, "the leases went with the first handle");
+    // Read by the kernel from the cache file while the second handle is open: whole.
+    drop_page_cache(&src).unwrap();
+    assert_eq!(sha(&big), sha(&src.join("two-blocks.bin")));
+    assert_eq!(daemon_reads(&c.fuse), before);
+    drop(second);
+    poll(
+        "the leases to end with the file",
+        Duration::from_secs(10),
+        || (leases() == 0.0).then_some(()),
     )
     .unwrap();
 

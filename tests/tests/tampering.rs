@@ -277,7 +277,7 @@ fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
             assert_eq!(Sha256::digest(&got), block_sum(2));
         });
     // Block files and their folders: the worker's user only.
-    let bad = open_modes(&w.cache_dir.join("blocks"));
+    let bad = open_modes(&w.cache_dir.join("files"));
     assert!(bad.is_empty(), "readable by others: {bad:?}");
     // The source was never written.
     assert_eq!(std::fs::read(src.join("a.bin")).unwrap(), bytes);

@@ -2,6 +2,8 @@
 //! [`crate::local`]): taking, renewing and releasing leases, reading under them, and
 //! reporting the bytes read that way.
 
+use futures::StreamExt;
+
 use super::*;
 
 impl FileSystem {
@@ -218,6 +220,7 @@ impl FileSystem {
             whole_block,
             more,
             release_leases: self.short_circuit.take_done(w.worker_id),
+            reads_block_offset: true,
         });
         req.set_timeout(LEASE_TIMEOUT);
         let sent = Instant::now();
@@ -278,59 +281,100 @@ impl FileSystem {
         }
     }
 
-    /// A file to open in FUSE passthrough mode: when it is one block, wholly cached in one
-    /// tier of a worker on this node, leases that block file for as long as the file stays
+    /// A file to open in FUSE passthrough mode: when every block of it is cached in one
+    /// tier of a worker on this node, leases those blocks for as long as the file stays
     /// open (renewed in the background until [`close_passthrough`](Self::close_passthrough))
-    /// after checking every page's CRC32C. The kernel then reads the block file itself: no
-    /// daemon, no checksums on the way (see docs/semantics.md).
+    /// after checking every page's CRC32C (at most once per [`crate::local::REVERIFY_AFTER`]
+    /// for each block). The kernel then reads the file version's cache file itself — the
+    /// file's bytes at the file's offsets, whatever its length: no daemon, no checksums on
+    /// the way (see docs/semantics.md).
     pub async fn open_passthrough(&self, file: &pb::FileStatus) -> Option<PassthroughFile> {
         let bs = block_size(file);
-        if file.length == 0 || file.length > bs || file.kind != pb::FileKind::File as i32 {
+        if file.length == 0 || file.kind != pb::FileKind::File as i32 {
             return None;
         }
-        let id = pb::BlockId {
-            inode: file.inode,
-            version: file.version,
-            index: 0,
-        };
+        let blocks = u32::try_from(file.length.div_ceil(bs))
+            .ok()
+            .filter(|&n| n <= MAX_PASSTHROUGH_BLOCKS)?;
+        let ids: Vec<pb::BlockId> = (0..blocks)
+            .map(|index| pb::BlockId {
+                inode: file.inode,
+                version: file.version,
+                index,
+            })
+            .collect();
         let workers = self.live_workers().await;
-        let w = order_workers(&id, &workers)
+        let w = order_workers(&ids[0], &workers)
             .into_iter()
             .find(|w| self.short_circuit.applies_to(w))?;
         self.grant_for(file, false).await.ok()?;
-        let Some(lease) = self
-            .ask_lease(&w, &id, 0, None, PASSTHROUGH_HOLD.as_millis() as u64, true)
-            .await
-        else {
-            self.note_open_lease_miss(file);
+        let hold = PASSTHROUGH_HOLD.as_millis() as u64;
+        let leases: Vec<Option<Arc<LocalLease>>> = futures::stream::iter(ids.clone())
+            .map(|id| {
+                let w = &w;
+                async move { self.ask_lease(w, &id, 0, None, hold, true).await }
+            })
+            .buffered(PASSTHROUGH_LEASES_IN_FLIGHT)
+            .collect()
+            .await;
+        let release = |leases: &[Option<Arc<LocalLease>>]| {
+            for l in leases.iter().flatten() {
+                self.spawn_release(w.clone(), l.id);
+            }
+        };
+        // Every block in one cache file (one tier), each at its offset in the file.
+        let first_path = leases[0].as_ref().map(|l| l.path().to_path_buf());
+        let one_file = leases.iter().zip(&ids).all(|(l, id)| {
+            l.as_ref().is_some_and(|l| {
+                Some(l.path()) == first_path.as_deref() && l.base() == u64::from(id.index) * bs
+            })
+        });
+        if !one_file {
+            if leases[0].is_none() {
+                self.note_open_lease_miss(file);
+            }
+            release(&leases);
             return None;
-        };
-        let release = |l: &LocalLease| {
-            self.spawn_release(w.clone(), l.id);
-        };
-        let len = file.length;
-        let checksums = self.short_circuit.needs_verify(&id);
+        }
+        let checks: Vec<bool> = ids
+            .iter()
+            .map(|id| self.short_circuit.needs_verify(id))
+            .collect();
         let checked = {
-            let l = lease.clone();
-            tokio::task::spawn_blocking(move || l.verify_whole(len, checksums))
-                .await
-                .ok()
-                .flatten()
+            let (leases, checks, len) = (leases.clone(), checks.clone(), file.length);
+            tokio::task::spawn_blocking(move || {
+                let mut first = None;
+                for (i, (l, check)) in leases.iter().zip(checks).enumerate() {
+                    let l = l.as_ref()?;
+                    let start = i as u64 * bs;
+                    let f = l.verify_whole(bs.min(len - start), check)?;
+                    first.get_or_insert(f);
+                }
+                // The cache file holds nothing past the file's end: the kernel reads it up
+                // to its own length.
+                first.filter(|f| f.metadata().is_ok_and(|m| m.len() == len))
+            })
+            .await
+            .ok()
+            .flatten()
         };
         let Some(f) = checked else {
-            release(&lease);
+            release(&leases);
             return None;
         };
-        if checksums {
-            self.short_circuit.note_verified(&id);
+        for (id, check) in ids.iter().zip(checks) {
+            if check {
+                self.short_circuit.note_verified(id);
+            }
         }
-        if lease.one_page(len) {
+        let leases: Vec<Arc<LocalLease>> = leases.into_iter().flatten().collect();
+        if blocks == 1 && leases[0].one_page(file.length) {
             // Only ever removed whole: no lease needs to be held while the kernel reads it.
-            self.short_circuit.queue_release(&lease);
+            self.short_circuit.queue_release(&leases[0]);
             let park = self
                 .short_circuit
-                .verified_at(&id)
-                .and_then(|at| crate::local::Parkable::new(&f, lease.path(), at));
+                .verified_at(&ids[0])
+                .and_then(|at| crate::local::Parkable::new(&f, leases[0].path(), at));
             self.metrics.passthrough_opens.inc();
             return Some(PassthroughFile {
                 file: f,
@@ -345,8 +389,7 @@ impl FileSystem {
             handle,
             Held {
                 worker: w,
-                block: id,
-                lease_id: lease.id,
+                leases: ids.into_iter().zip(leases.iter().map(|l| l.id)).collect(),
                 renewed: Instant::now(),
             },
         );
@@ -362,7 +405,9 @@ impl FileSystem {
     /// lease ends.
     pub fn close_passthrough(&self, handle: u64) {
         if let Some(h) = lock(&self.held).remove(&handle) {
-            self.spawn_release(h.worker, h.lease_id);
+            for (_, lease_id) in h.leases {
+                self.spawn_release(h.worker.clone(), lease_id);
+            }
         }
     }
 
@@ -389,32 +434,45 @@ impl FileSystem {
             .collect();
         for (handle, h) in due {
             let hold = PASSTHROUGH_HOLD.as_millis() as u64;
+            let Some(&(block, _)) = h.leases.first() else {
+                continue;
+            };
             // The file may stay open longer than its grant: a new one when due.
             let file = pb::FileStatus {
-                inode: h.block.inode,
-                version: h.block.version,
+                inode: block.inode,
+                version: block.version,
                 ..Default::default()
             };
             if let Err(e) = self.grant_for(&file, false).await {
-                tracing::warn!(inode = h.block.inode, error = %e, "cannot renew the read grant of a file open in passthrough mode");
+                tracing::warn!(inode = block.inode, error = %e, "cannot renew the read grant of a file open in passthrough mode");
             }
-            match self
-                .ask_lease(&h.worker, &h.block, 0, Some(h.lease_id), hold, true)
-                .await
-            {
-                Some(l) => {
-                    if let Some(e) = lock(&self.held).get_mut(&handle) {
-                        e.lease_id = l.id;
-                        e.renewed = Instant::now();
-                    } else {
-                        self.spawn_release(h.worker.clone(), l.id); // closed meanwhile
-                    }
+            let renewed: Vec<Option<Arc<LocalLease>>> = futures::stream::iter(h.leases.clone())
+                .map(|(b, id)| {
+                    let w = &h.worker;
+                    async move { self.ask_lease(w, &b, 0, Some(id), hold, true).await }
+                })
+                .buffered(PASSTHROUGH_LEASES_IN_FLIGHT)
+                .collect()
+                .await;
+            let mut held = lock(&self.held);
+            let Some(e) = held.get_mut(&handle) else {
+                drop(held);
+                for l in renewed.iter().flatten() {
+                    self.spawn_release(h.worker.clone(), l.id); // closed meanwhile
                 }
-                None => tracing::warn!(
-                    worker = h.worker.worker_id,
-                    inode = h.block.inode,
-                    "cannot renew the lease of a file open in passthrough mode"
-                ),
+                continue;
+            };
+            e.renewed = Instant::now();
+            for ((b, lease_id), l) in e.leases.iter_mut().zip(renewed) {
+                match l {
+                    Some(l) => *lease_id = l.id,
+                    None => tracing::warn!(
+                        worker = h.worker.worker_id,
+                        inode = b.inode,
+                        block = b.index,
+                        "cannot renew the lease of a file open in passthrough mode"
+                    ),
+                }
             }
         }
     }

@@ -521,7 +521,16 @@ impl WorkerService for WorkerRpc {
         );
         let (leases, _) = store.lease_stats();
         self.metrics.active_leases.set(leases as i64);
-        let lease = lease.ok_or_else(|| {
+        // An older client reads pages from the start of `path`: only a file's first block
+        // lies there.
+        let readable = |l: &crate::store::Lease| {
+            if r.reads_block_offset || l.offset == 0 {
+                return true;
+            }
+            store.release(l.id);
+            false
+        };
+        let lease = lease.filter(readable).ok_or_else(|| {
             Status::not_found("the page is not cached here (or leases hold their share)")
         })?;
         self.metrics.short_circuit_leases.inc();
@@ -545,6 +554,7 @@ impl WorkerService for WorkerRpc {
                 window_pages: window,
                 more: Vec::new(),
                 block: Some(block),
+                block_offset: lease.offset,
             })
         };
         let mut out = answer(lease, id, max_pages)?;
@@ -556,7 +566,8 @@ impl WorkerService for WorkerRpc {
             }
             let until = std::time::Instant::now() + hold;
             let window = crate::store::LEASE_WINDOW_PAGES;
-            if let Some(l) = store.lease_pages(&block_key(more), 0, window, until, None) {
+            let l = store.lease_pages(&block_key(more), 0, window, until, None);
+            if let Some(l) = l.filter(readable) {
                 self.metrics.short_circuit_leases.inc();
                 out.more.push(answer(l, *more, window)?);
             }

@@ -1,10 +1,16 @@
 //! The page store: cached pages of blocks on local disk.
 //!
 //! Layout under `--cache-dir`:
-//! - `blocks/<xx>/<inode>-<version>-<index>`: one sparse file per cached block; page `p`
-//!   lives at offset `p * page_size`. A block whose pages are all cached is one plain local
-//!   file (what short-circuit reads and FUSE passthrough will serve directly).
-//! - `index/`: a RocksDB with one record per cached page (length + CRC32C), reloaded at start.
+//! - `files/<xx>/<inode>-<version>`: one sparse file per cached file version, its blocks at
+//!   their offsets in the file: page `p` of block `i` lives at `i * block_size +
+//!   p * page_size`. A file whose pages are all cached is one plain local file with the
+//!   file's bytes at the file's offsets — what short-circuit reads and FUSE passthrough
+//!   serve directly, whatever the file's length.
+//! - `index/`: a RocksDB with one record per cached page (length, CRC32C, whether it is a
+//!   node copy, and its file's block size), reloaded at start.
+//!
+//! Caches of the layout before (`blocks/`, a file per block; records without a block size)
+//! are dropped at start with a log line: nothing says where their blocks would lie.
 //!
 //! Invariants: the bytes accounted as used (committed pages + reservations of in-flight
 //! fills) never exceed the capacity — space is reserved, evicting first, before a page is
@@ -47,6 +53,12 @@ pub enum StoreError {
     },
     #[error("cache index: {0}")]
     Index(#[from] rocksdb::Error),
+    #[error("page {page} of block {index} does not fit blocks of {block_size} bytes, or the file's cached pages have another block size")]
+    Layout {
+        index: u32,
+        page: u32,
+        block_size: u64,
+    },
 }
 
 /// (inode, version, block index)
@@ -73,6 +85,17 @@ struct PageMeta {
     /// Which caching of the page this is (a store-wide counter, not persisted): a read
     /// that failed drops the page only if it was not removed and cached again meanwhile.
     gen: u64,
+    /// The block size of the page's file (where its block lies in the file).
+    stride: u64,
+}
+
+/// Offset of page `key` in its file's cache file, for blocks of `stride` bytes of
+/// `page_size` pages (`None`: past what a file offset can be).
+fn page_offset(key: &PageKey, stride: u64, page_size: u64) -> Option<u64> {
+    let off = stride
+        .checked_mul(u64::from(key.0 .2))?
+        .checked_add(u64::from(key.1).checked_mul(page_size)?)?;
+    (off <= i64::MAX as u64).then_some(off)
 }
 
 struct Inner {
@@ -143,6 +166,23 @@ impl Inner {
         }
     }
 
+    /// The block size of the pages of `inode`'s version `version` held here (cached or
+    /// being moved out), if any is.
+    fn version_stride(&self, inode: u64, version: u64) -> Option<u64> {
+        let of_it = |k: &PageKey| k.0 .0 == inode && k.0 .1 == version;
+        self.pages
+            .range(((inode, version, 0), 0)..)
+            .next()
+            .filter(|(k, _)| of_it(k))
+            .map(|(_, m)| m.stride)
+            .or_else(|| {
+                self.moving
+                    .iter()
+                    .find(|(k, _)| of_it(k))
+                    .map(|(_, m)| m.stride)
+            })
+    }
+
     /// The cached pages of one inode (every version and block).
     fn inode_pages(&self, inode: u64) -> Vec<PageKey> {
         self.pages
@@ -201,7 +241,10 @@ pub const LEASED_SHARE: f64 = 0.25;
 #[derive(Debug, Clone)]
 pub struct Lease {
     pub id: u64,
+    /// The cache file of the block's file version.
     pub path: PathBuf,
+    /// Offset of the block's first byte in `path`.
+    pub offset: u64,
     /// (page index, length, CRC32C) of the leased pages, in order.
     pub pages: Vec<(u32, u32, u32)>,
     pub until: Instant,
@@ -256,9 +299,9 @@ pub struct PageStore {
     pub tier: String,
     /// The tier below: evicted pages move there instead of leaving the cache.
     lower: OnceLock<Arc<PageStore>>,
-    /// Block files by [`file_lock`](Self::file_lock) stripe: a commit holds its block's
+    /// Cache files by [`file_lock`](Self::file_lock) stripe: a commit holds its file's
     /// stripe shared while it writes and indexes a page; removing pages holds it exclusive
-    /// while it re-checks and deletes or punches, so a page committed into a block file
+    /// while it re-checks and deletes or punches, so a page committed into a cache file
     /// that another thread found empty is never deleted with it.
     files: Box<[RwLock<()>]>,
 }
@@ -325,8 +368,8 @@ impl PageStore {
     ) -> Result<Arc<Self>, StoreError> {
         // Cached bytes are the data of every principal: readable by the worker's user only
         // (folders 0700, block files 0600; a folder made by an older version is closed too).
-        let blocks = dir.join("blocks");
-        private_dir(&blocks).map_err(|e| io_err(&blocks, e))?;
+        let files = dir.join("files");
+        private_dir(&files).map_err(|e| io_err(&files, e))?;
         let mut opts = rocksdb::Options::default();
         opts.create_if_missing(true);
         let index = DB::open(&opts, dir.join("index"))?;
@@ -394,41 +437,100 @@ impl PageStore {
         }
     }
 
-    /// The stripe of [`files`](Self::files) that guards block `b`'s file.
+    /// The stripe of [`files`](Self::files) that guards the cache file of block `b`'s
+    /// file version.
     fn file_lock(&self, b: &BlockKey) -> &RwLock<()> {
         let h =
             b.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .wrapping_add(b.1.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
-                .wrapping_add(u64::from(b.2));
+                .wrapping_add(b.1.wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
         &self.files[(h % FILE_LOCKS as u64) as usize]
     }
 
+    /// The cache file of block `b`'s file version (every cached block of that version
+    /// lies in it at its offset).
     pub fn block_path(&self, b: &BlockKey) -> PathBuf {
-        let name = block_name(&block_id(b));
-        self.dir.join("blocks").join(&name[14..16]).join(name)
+        let name = format!("{:016x}-{:016x}", b.0, b.1);
+        self.dir.join("files").join(&name[14..16]).join(name)
+    }
+
+    /// The block size of the file version whose page `key` is cached here.
+    pub fn stride_of(&self, key: &PageKey) -> Option<u64> {
+        let inner = self.lock();
+        inner
+            .pages
+            .get(key)
+            .or(inner.moving.get(key))
+            .map(|m| m.stride)
+    }
+
+    /// Drops a cache of the layout before this one (a file per block under `blocks/`):
+    /// its records name no block size, so nothing says where their pages would lie in a
+    /// file's cache file.
+    fn drop_old_layout(&self, records: usize) {
+        let old = self.dir.join("blocks");
+        if !old.exists() && records == 0 {
+            return;
+        }
+        tracing::warn!(
+            tier = %self.tier,
+            pages = records,
+            dir = %old.display(),
+            "dropping a cache of an older layout (a file per block): its files are cached again on their next read"
+        );
+        if let Err(e) = std::fs::remove_dir_all(&old) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %old.display(), error = %e, "cannot remove the older cache layout");
+            }
+        }
     }
 
     fn reload(self: &Arc<Self>) -> Result<(), StoreError> {
-        let mut stale = Vec::new();
+        let (mut stale, mut old_layout) = (Vec::new(), 0);
         {
             let mut inner = self.lock();
+            let mut exists = HashMap::new();
             for item in self.index.iterator(rocksdb::IteratorMode::Start) {
                 let (k, v) = item?;
-                // (len, crc) and, for a node copy, a ninth byte 1.
-                let (Some(key), true) = (parse_index_key(&k), v.len() == 8 || v.len() == 9) else {
+                // (len, crc, 1 for a node copy else 0, block size). Records of 8 or 9 bytes
+                // are of the layout before (a file per block).
+                if v.len() == 8 || v.len() == 9 {
+                    old_layout += 1;
+                    stale.push(k.to_vec());
+                    continue;
+                }
+                let (Some(key), true) = (parse_index_key(&k), v.len() == 17) else {
                     stale.push(k.to_vec());
                     continue;
                 };
-                let node_copy = v.get(8) == Some(&1);
+                let node_copy = v[8] == 1;
                 let len = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
                 let crc = u32::from_be_bytes([v[4], v[5], v[6], v[7]]);
-                if !self.block_path(&key.0).exists() {
+                let stride = u64::from_be_bytes(v[9..17].try_into().unwrap_or_default());
+                let fits = page_offset(&key, stride, self.page_size).is_some()
+                    && u64::from(key.1) * self.page_size + u64::from(len) <= stride;
+                let file_there = *exists
+                    .entry((key.0 .0, key.0 .1))
+                    .or_insert_with(|| self.block_path(&key.0).exists());
+                if !fits
+                    || !file_there
+                    || inner
+                        .version_stride(key.0 .0, key.0 .1)
+                        .is_some_and(|s| s != stride)
+                {
                     stale.push(k.to_vec());
                     continue;
                 }
                 let gen = inner.next_gen;
                 inner.next_gen += 1;
-                inner.pages.insert(key, PageMeta { len, crc, gen });
+                inner.pages.insert(
+                    key,
+                    PageMeta {
+                        len,
+                        crc,
+                        gen,
+                        stride,
+                    },
+                );
                 inner.policy.insert(key);
                 inner.mark_node_copy(key, node_copy);
                 *inner.pages_per_block.entry(key.0).or_default() += 1;
@@ -438,6 +540,7 @@ impl PageStore {
         for k in stale {
             self.index.delete(k)?;
         }
+        self.drop_old_layout(old_layout);
         // A smaller capacity than last time: evict down to it.
         let victims = {
             let mut inner = self.lock();
@@ -573,10 +676,11 @@ impl PageStore {
     /// The bytes of a cached page (blocking I/O); an error says why they are unusable.
     fn read_cached(&self, key: &PageKey, meta: &PageMeta) -> Result<Bytes, String> {
         let path = self.block_path(&key.0);
+        let at = page_offset(key, meta.stride, self.page_size).ok_or("past any file offset")?;
         // read_to_end fills spare capacity without zeroing it first.
         let mut buf = Vec::with_capacity(meta.len as usize);
         let read = File::open(&path).and_then(|mut f| {
-            f.seek(SeekFrom::Start(u64::from(key.1) * self.page_size))?;
+            f.seek(SeekFrom::Start(at))?;
             f.take(u64::from(meta.len)).read_to_end(&mut buf)?;
             if buf.len() == meta.len as usize {
                 Ok(())
@@ -717,6 +821,7 @@ impl PageStore {
         let cap = (self.capacity as f64 * LEASED_SHARE) as u64;
         let mut keys = Vec::new();
         let mut pages = Vec::new();
+        let mut offset = 0;
         for page in first..first.saturating_add(max_pages) {
             let k = (*b, page);
             let Some(m) = inner.pages.get(&k).copied() else {
@@ -733,6 +838,7 @@ impl PageStore {
             *inner.leased.entry(k).or_default() += 1;
             keys.push(k);
             pages.push((page, m.len, m.crc));
+            offset = m.stride * u64::from(b.2);
         }
         if keys.is_empty() {
             return None;
@@ -752,6 +858,7 @@ impl PageStore {
         Some(Lease {
             id,
             path: self.block_path(b),
+            offset,
             pages,
             until,
         })
@@ -1014,7 +1121,7 @@ impl PageStore {
                 .read_page(&v.0, &v.1)
                 .and_then(|data| {
                     let r = lower.reserve_with(&v.0, data.len() as u64, false)?;
-                    lower.commit(r, v.0, &data).ok()
+                    lower.commit(r, v.0, v.1.stride, &data).ok()
                 })
                 .is_some();
             if ok {
@@ -1038,7 +1145,7 @@ impl PageStore {
     fn read_page(&self, key: &PageKey, meta: &PageMeta) -> Option<Vec<u8>> {
         let f = File::open(self.block_path(&key.0)).ok()?;
         let mut buf = vec![0u8; meta.len as usize];
-        f.read_exact_at(&mut buf, u64::from(key.1) * self.page_size)
+        f.read_exact_at(&mut buf, page_offset(key, meta.stride, self.page_size)?)
             .ok()?;
         (crc32c::crc32c(&buf) == meta.crc).then_some(buf)
     }
@@ -1084,17 +1191,11 @@ impl PageStore {
             reason: reason.to_string(),
         };
         let tier = crate::metrics::Tier::new(&self.tier);
-        // Blocks this batch empties are deleted whole, never punched page by page first (a
-        // reader holding the file open, e.g. in FUSE passthrough, keeps intact bytes). A page
-        // of the block cached again since it emptied keeps the file.
-        let deleting: HashSet<BlockKey> = {
-            let inner = self.lock();
-            victims
-                .iter()
-                .filter(|v| v.2 && !inner.pages_per_block.contains_key(&v.0 .0))
-                .map(|v| v.0 .0)
-                .collect()
-        };
+        // A file version this batch empties has its cache file deleted whole, never punched
+        // page by page first (a reader holding the file open, e.g. in FUSE passthrough,
+        // keeps intact bytes): its pages were all taken out of the index before, so the
+        // first of its victims finds it empty. A page of it cached again since keeps the
+        // file; the victims are then punched out like any other.
         for (key, meta, _) in victims {
             match reason {
                 "demoted" => {
@@ -1116,13 +1217,12 @@ impl PageStore {
                 .file_lock(&key.0)
                 .write()
                 .unwrap_or_else(|p| p.into_inner());
-            let (recommitted, block_live) = {
+            let (recommitted, live_stride) = {
                 let inner = self.lock();
                 (
                     inner.pages.contains_key(&key) || inner.moving.contains_key(&key),
                     // Pages being moved out are still read from the file.
-                    inner.pages_per_block.contains_key(&key.0)
-                        || inner.moving.keys().any(|k| k.0 == key.0),
+                    inner.version_stride(key.0 .0, key.0 .1),
                 )
             };
             if recommitted {
@@ -1133,16 +1233,20 @@ impl PageStore {
                 tracing::error!(error = %e, "cannot delete a page from the cache index");
             }
             let path = self.block_path(&key.0);
-            // A page of the block cached here since it emptied keeps the file; this page is
-            // then punched out like any other.
-            if deleting.contains(&key.0) && !block_live {
+            let Some(stride) = live_stride else {
                 if let Err(e) = std::fs::remove_file(&path) {
                     if e.kind() != std::io::ErrorKind::NotFound {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot remove block file");
+                        tracing::warn!(path = %path.display(), error = %e, "cannot remove a cache file");
                     }
                 }
-            } else if let Ok(f) = OpenOptions::new().write(true).open(&path) {
-                let off = (u64::from(key.1) * self.page_size) as i64;
+                continue;
+            };
+            // The file was emptied and cached again with another block size: its bytes at
+            // this page's old place are no one's (and not this page's to punch).
+            let at =
+                page_offset(&key, meta.stride, self.page_size).filter(|_| stride == meta.stride);
+            if let (Some(at), Ok(f)) = (at, OpenOptions::new().write(true).open(&path)) {
+                let off = at as i64;
                 use std::os::fd::AsRawFd;
                 let res = nix::fcntl::fallocate(
                     f.as_raw_fd(),
@@ -1161,13 +1265,16 @@ impl PageStore {
     }
 
     /// Writes a filled page into its reservation and indexes it.
+    /// `block_size`: the block size of the page's file (where its block lies in the
+    /// file's cache file; every cached page of one file version has the same).
     pub fn commit(
         self: &Arc<Self>,
         r: Reservation,
         key: PageKey,
+        block_size: u64,
         data: &[u8],
     ) -> Result<(), StoreError> {
-        self.commit_with(r, key, data, false)
+        self.commit_with(r, key, block_size, data, false)
     }
 
     /// [`commit`](Self::commit); `node_copy`: the page is a node copy (see
@@ -1176,15 +1283,33 @@ impl PageStore {
         self: &Arc<Self>,
         mut r: Reservation,
         key: PageKey,
+        block_size: u64,
         data: &[u8],
         node_copy: bool,
     ) -> Result<(), StoreError> {
         debug_assert!(data.len() as u64 <= r.len);
+        let layout = || StoreError::Layout {
+            index: key.0 .2,
+            page: key.1,
+            block_size,
+        };
+        // The page lies inside its block, the block inside what a file offset can be.
+        let at = page_offset(&key, block_size, self.page_size)
+            .filter(|_| u64::from(key.1) * self.page_size + data.len() as u64 <= block_size)
+            .ok_or_else(layout)?;
         // Held until the page is indexed, so no removal deletes the file under it.
         let _file = self
             .file_lock(&key.0)
             .read()
             .unwrap_or_else(|p| p.into_inner());
+        // Pages of one file version share its cache file: all at one block size.
+        if self
+            .lock()
+            .version_stride(key.0 .0, key.0 .1)
+            .is_some_and(|s| s != block_size)
+        {
+            return Err(layout());
+        }
         let path = self.block_path(&key.0);
         if let Some(parent) = path.parent() {
             if !parent.is_dir() {
@@ -1202,24 +1327,23 @@ impl PageStore {
             .mode(0o600)
             .open(&path)
             .map_err(|e| io_err(&path, e))?;
-        f.write_all_at(data, u64::from(key.1) * self.page_size)
-            .map_err(|e| io_err(&path, e))?;
+        f.write_all_at(data, at).map_err(|e| io_err(&path, e))?;
         let mut meta = PageMeta {
             len: data.len() as u32,
             crc: crc32c::crc32c(data),
             gen: 0,
+            stride: block_size,
         };
         // A page this worker owns stays owned when a node copy of it lands too.
         let node_copy = node_copy && {
             let inner = self.lock();
             !inner.pages.contains_key(&key) || inner.node_copies.contains(&key)
         };
-        let mut v = Vec::with_capacity(9);
+        let mut v = Vec::with_capacity(17);
         v.extend_from_slice(&meta.len.to_be_bytes());
         v.extend_from_slice(&meta.crc.to_be_bytes());
-        if node_copy {
-            v.push(1);
-        }
+        v.push(u8::from(node_copy));
+        v.extend_from_slice(&block_size.to_be_bytes());
         self.index.put(index_key(&key), v)?;
         let mut inner = self.lock();
         meta.gen = inner.next_gen;

@@ -99,7 +99,7 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 if let Some(r) = s.reserve(&k, len) {
                     let data = vec![byte; len as usize];
-                    s.commit(r, k, &data).unwrap();
+                    s.commit(r, k, 1 << 20, &data).unwrap();
                     model.insert(k, data);
                 }
             }

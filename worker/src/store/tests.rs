@@ -4,6 +4,9 @@ fn open(dir: &Path, cap: u64) -> Arc<PageStore> {
     PageStore::open(dir, cap, 4096, PolicyKind::Lru, WorkerMetrics::default()).unwrap()
 }
 
+/// The block size of the test file (pages of 4 KiB: room for 256 per block).
+const STRIDE: u64 = 1 << 20;
+
 fn key(block: u32, page: u32) -> PageKey {
     ((7, 9, block), page)
 }
@@ -11,7 +14,7 @@ fn key(block: u32, page: u32) -> PageKey {
 fn fill(s: &Arc<PageStore>, k: PageKey, byte: u8) -> bool {
     match s.reserve(&k, 4096) {
         Some(r) => {
-            s.commit(r, k, &[byte; 4096]).unwrap();
+            s.commit(r, k, STRIDE, &[byte; 4096]).unwrap();
             true
         }
         None => false,
@@ -45,7 +48,7 @@ fn reservations_count_against_capacity() {
     );
     assert_eq!(s.used_and_reserved(), 2 * 4096);
     drop(r1);
-    s.commit(r2, key(1, 0), &[1; 4096]).unwrap();
+    s.commit(r2, key(1, 0), STRIDE, &[1; 4096]).unwrap();
     assert_eq!(s.used_and_reserved(), 4096);
 }
 
@@ -56,7 +59,7 @@ fn corrupt_page_is_dropped() {
     assert!(fill(&s, key(2, 1), 0xaa));
     let path = s.block_path(&key(2, 1).0);
     let f = OpenOptions::new().write(true).open(&path).unwrap();
-    f.write_all_at(&[0x55], 4096 + 17).unwrap();
+    f.write_all_at(&[0x55], 2 * STRIDE + 4096 + 17).unwrap();
     assert!(s.get(&key(2, 1)).is_none());
     assert_eq!(s.used(), 0);
 }
@@ -213,10 +216,10 @@ fn mode_of(p: &Path) -> u32 {
 fn block_files_and_their_folders_are_the_workers_alone() {
     use std::os::unix::fs::PermissionsExt;
     let d = tempfile::tempdir().unwrap();
-    // A cache folder left by an older version, open to everyone.
-    std::fs::create_dir_all(d.path().join("blocks")).unwrap();
+    // A cache folder made by hand (or an older version), open to everyone.
+    std::fs::create_dir_all(d.path().join("files")).unwrap();
     std::fs::set_permissions(
-        d.path().join("blocks"),
+        d.path().join("files"),
         std::fs::Permissions::from_mode(0o755),
     )
     .unwrap();
@@ -225,7 +228,7 @@ fn block_files_and_their_folders_are_the_workers_alone() {
     let file = s.block_path(&key(3, 0).0);
     assert_eq!(mode_of(&file), 0o600, "block file {}", file.display());
     assert_eq!(mode_of(file.parent().unwrap()), 0o700);
-    assert_eq!(mode_of(&d.path().join("blocks")), 0o700);
+    assert_eq!(mode_of(&d.path().join("files")), 0o700);
     // What the worker wrote reads back (the worker's own user still can).
     assert_eq!(s.get(&key(3, 0)).unwrap()[..], [1; 4096]);
 }
@@ -258,7 +261,7 @@ fn room_reserved_for_other_bytes_evicts_pages_and_is_held_until_dropped() {
 fn fill_node_copy(s: &Arc<PageStore>, k: PageKey, byte: u8) -> bool {
     match s.reserve_node_copy(&k, 4096) {
         Some(r) => {
-            s.commit_with(r, k, &[byte; 4096], true).unwrap();
+            s.commit_with(r, k, STRIDE, &[byte; 4096], true).unwrap();
             true
         }
         None => false,
@@ -343,4 +346,136 @@ fn a_leased_node_copy_is_passed_over_and_goes_first_again_once_let_go() {
         assert!(s.contains(&key(0, p)), "owned page {p} was evicted");
     }
     assert_eq!(s.node_copy_bytes(), 0);
+}
+
+/// Reads `len` bytes at `at` of a cache file.
+fn bytes_at(path: &Path, at: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, at)
+        .unwrap();
+    buf
+}
+
+#[test]
+fn a_files_blocks_lie_at_their_offsets_in_one_cache_file_that_goes_with_its_last_page() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 64 * 4096);
+    // Blocks of 2.5 pages: 10,240 bytes, the last page of each 2,048 bytes.
+    const BS: u64 = 10_240;
+    let commit = |k: PageKey, len: usize, byte: u8| {
+        let r = s.reserve(&k, len as u64).unwrap();
+        s.commit(r, k, BS, &vec![byte; len]).unwrap();
+    };
+    for b in 0..3u32 {
+        commit(key(b, 0), 4096, 10 * b as u8);
+        commit(key(b, 1), 4096, 10 * b as u8 + 1);
+        commit(key(b, 2), 2048, 10 * b as u8 + 2);
+    }
+    let path = s.block_path(&key(0, 0).0);
+    assert_eq!(path, s.block_path(&key(2, 1).0), "one file per version");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * BS);
+    for b in 0..3u64 {
+        let base = b * BS;
+        assert_eq!(bytes_at(&path, base, 4096), vec![10 * b as u8; 4096]);
+        assert_eq!(
+            bytes_at(&path, base + 4096, 4096),
+            vec![10 * b as u8 + 1; 4096]
+        );
+        assert_eq!(
+            bytes_at(&path, base + 8192, 2048),
+            vec![10 * b as u8 + 2; 2048]
+        );
+    }
+    // A lease says where its block starts.
+    let l = s.lease(
+        &key(1, 0).0,
+        0,
+        Instant::now() + std::time::Duration::from_secs(5),
+        None,
+    );
+    let l = l.unwrap();
+    assert_eq!(
+        (l.path.clone(), l.offset, l.pages.len()),
+        (path.clone(), BS, 3)
+    );
+    s.release(l.id);
+    // A corrupt page of block 1 goes alone: the blocks around it stay readable.
+    OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all_at(&[0xff], BS + 4096 + 5)
+        .unwrap();
+    assert!(s.get(&key(1, 1)).is_none());
+    assert_eq!(s.get(&key(0, 2)).unwrap()[..], [2; 2048]);
+    assert_eq!(s.get(&key(2, 0)).unwrap()[..], [20; 4096]);
+    assert_eq!(
+        bytes_at(&path, BS + 4096, 4096),
+        vec![0; 4096],
+        "punched out"
+    );
+    // After a restart the pages are found where they were.
+    drop(s);
+    let s = open(d.path(), 64 * 4096);
+    assert_eq!(s.get(&key(2, 2)).unwrap()[..], [22; 2048]);
+    assert_eq!(s.get(&key(1, 0)).unwrap()[..], [10; 4096]);
+    // The version's last page takes its file with it.
+    assert_eq!(s.drop_stale(7, 0), 3 * BS - 4096);
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_page_that_does_not_fit_its_block_or_the_files_block_size_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 16 * 4096);
+    let try_commit = |k: PageKey, bs: u64, len: usize| {
+        let r = s.reserve(&k, len as u64).unwrap();
+        s.commit(r, k, bs, &vec![1; len])
+    };
+    try_commit(key(1, 0), 8192, 4096).unwrap();
+    // Another block size for the same file version: refused, nothing written.
+    let e = try_commit(key(2, 0), 16_384, 4096).unwrap_err();
+    assert!(matches!(e, StoreError::Layout { .. }), "{e}");
+    assert!(!s.contains(&key(2, 0)));
+    // A page past its block's end, or a block past any file offset.
+    assert!(try_commit(key(1, 2), 8192, 4096).is_err());
+    assert!(try_commit(((8, 1, u32::MAX), 0), 1 << 40, 4096).is_err());
+    assert_eq!(s.used(), 4096);
+    assert_eq!(
+        s.used_and_reserved(),
+        4096,
+        "refused pages give their room back"
+    );
+}
+
+#[test]
+fn a_cache_of_the_older_layout_is_dropped_never_misread() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        // The layout before: a file per block, records of (length, CRC32C[, node copy]).
+        let old = d.path().join("blocks").join("07");
+        std::fs::create_dir_all(&old).unwrap();
+        std::fs::write(
+            old.join("0000000000000007-0000000000000009-00000001"),
+            [5; 4096],
+        )
+        .unwrap();
+        let db = DB::open_default(d.path().join("index")).unwrap();
+        let mut v = 4096u32.to_be_bytes().to_vec();
+        v.extend_from_slice(&crc32c::crc32c(&[5; 4096]).to_be_bytes());
+        db.put(index_key(&key(1, 0)), &v).unwrap();
+        v.push(1);
+        db.put(index_key(&key(1, 1)), &v).unwrap();
+    }
+    let s = open(d.path(), 8 * 4096);
+    assert_eq!((s.used(), s.page_count()), (0, 0));
+    assert!(s.get(&key(1, 0)).is_none());
+    assert!(!d.path().join("blocks").exists());
+    // Cached again in the new layout, it reads back (and the old records are gone).
+    assert!(fill(&s, key(1, 0), 6));
+    drop(s);
+    let s = open(d.path(), 8 * 4096);
+    assert_eq!((s.used(), s.get(&key(1, 0)).unwrap()[0]), (4096, 6));
 }

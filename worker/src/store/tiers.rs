@@ -172,9 +172,17 @@ impl TieredStore {
         self.tiers.iter().find_map(|t| t.reserve(key, len))
     }
 
-    pub fn commit(&self, r: Reservation, key: PageKey, data: &[u8]) -> Result<(), StoreError> {
+    /// Commits a page into its reservation (`block_size`: its file's, see
+    /// [`PageStore::commit`]).
+    pub fn commit(
+        &self,
+        r: Reservation,
+        key: PageKey,
+        block_size: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
         let store = r.store.clone();
-        store.commit(r, key, data)
+        store.commit(r, key, block_size, data)
     }
 
     /// Reserves room for a node copy of a page (see [`PageStore::reserve_node_copy`]) in
@@ -190,10 +198,11 @@ impl TieredStore {
         &self,
         r: Reservation,
         key: PageKey,
+        block_size: u64,
         data: &[u8],
     ) -> Result<(), StoreError> {
         let store = r.store.clone();
-        store.commit_with(r, key, data, true)
+        store.commit_with(r, key, block_size, data, true)
     }
 
     /// Bytes of node copies held, all tiers together.
@@ -221,6 +230,9 @@ impl TieredStore {
             top.record_access(key); // so a page read often enough gets in later
             return;
         }
+        let Some(stride) = lower.stride_of(key) else {
+            return; // gone meanwhile
+        };
         // Out of the lower tier's accounting first, so the evictions the move causes find
         // its room there; readable below until it is in the top tier. Held pages stay.
         if !lower.begin_move(key) {
@@ -228,7 +240,7 @@ impl TieredStore {
         }
         let placed = top
             .reserve(key, data.len() as u64)
-            .map(|r| top.commit(r, *key, data));
+            .map(|r| top.commit(r, *key, stride, data));
         match placed {
             Some(Ok(())) => lower.finish_move(key, Some("promoted")),
             other => {
@@ -238,7 +250,7 @@ impl TieredStore {
                 // Back where it was (the bytes never left the block file).
                 let back = lower
                     .reserve_with(key, data.len() as u64, false)
-                    .map(|r| lower.commit(r, *key, data).is_ok())
+                    .map(|r| lower.commit(r, *key, stride, data).is_ok())
                     .unwrap_or(false);
                 lower.finish_move(key, if back { None } else { Some("capacity") });
             }

@@ -228,6 +228,7 @@ impl Run {
             &self.fetcher,
             Commit {
                 key,
+                block_size: self.block.desc.block_size,
                 data,
                 id,
                 tx,
@@ -251,6 +252,8 @@ impl Run {
 /// A fetched page on its way into the cache; its slot stays in flight until then.
 struct Commit {
     key: PageKey,
+    /// The block size of the page's file (where the page lies in its cache file).
+    block_size: u64,
     data: Bytes,
     id: u64,
     tx: watch::Sender<Outcome>,
@@ -270,13 +273,15 @@ impl Commit {
             match reserved {
                 Some(r) => {
                     let done = if self.node_copy {
-                        let done = f.store.commit_node_copy(r, self.key, &self.data);
+                        let done =
+                            f.store
+                                .commit_node_copy(r, self.key, self.block_size, &self.data);
                         if done.is_ok() {
                             f.metrics.node_copy_bytes.inc_by(len);
                         }
                         done
                     } else {
-                        f.store.commit(r, self.key, &self.data)
+                        f.store.commit(r, self.key, self.block_size, &self.data)
                     };
                     if let Err(e) = done {
                         tracing::warn!(error = %e, "cannot cache a page; serving it uncached");

@@ -818,7 +818,10 @@ impl Sink {
 
     fn cache(&mut self, key: crate::store::PageKey, page: &[u8]) -> bool {
         let ok = match self.store.reserve(&key, page.len() as u64) {
-            Some(r) => self.store.commit(r, key, page).is_ok(),
+            Some(r) => self
+                .store
+                .commit(r, key, self.pages.block_size, page)
+                .is_ok(),
             None => false,
         };
         self.cache_full = !ok;

@@ -36,7 +36,7 @@ fn open(root: &Path, pages: [u64; 3], policy: PolicyKind) -> Arc<TieredStore> {
 fn fill(s: &TieredStore, k: PageKey, data: &[u8]) -> bool {
     match s.reserve(&k, data.len() as u64) {
         Some(r) => {
-            s.commit(r, k, data).unwrap();
+            s.commit(r, k, 1 << 20, data).unwrap();
             true
         }
         None => false,
