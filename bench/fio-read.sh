@@ -2,8 +2,9 @@
 # fio through the FUSE mount of `granary local`, warm (every byte cached on the worker),
 # against the same fio job on the local disk in the same run. The page cache is dropped
 # before every job (root), so both sides read from the disk: the raw job the source files,
-# Granary the worker's block files (short-circuit through the daemon, or FUSE passthrough
-# for files of one block).
+# Granary the worker's cache files (FUSE passthrough once a file is wholly cached on the
+# node's worker, whatever its length; short-circuit through the daemon with
+# GRANARY_FLAGS=--no-passthrough).
 #
 #   bench/fio-read.sh [SIZE_MIB]     (default 1024; root, fio)
 #

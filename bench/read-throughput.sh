@@ -4,8 +4,8 @@
 #
 #   bench/read-throughput.sh [SIZE_MIB]        (default 1024; needs root for FUSE)
 #
-# Two data sets of SIZE_MIB each: one file (many blocks: short-circuit reads through the
-# daemon) and files of one 64 MiB block each (opened in FUSE passthrough once cached).
+# Two data sets of SIZE_MIB each: one file of many blocks and files of one 64 MiB block
+# each (both opened in FUSE passthrough once wholly cached on the worker).
 #
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints MB/s and ratios.
 set -euo pipefail
@@ -43,7 +43,7 @@ warm=$(timed_read "$work/mnt/data.bin")
 cmp -s "$work/ufs/data.bin" "$work/mnt/data.bin" || { echo "bytes differ!"; exit 1; }
 
 # From the disk: drop the page cache and read the same bytes again — raw from the source
-# file, Granary from the worker's block files (short-circuit through FUSE). Three
+# file, Granary from the worker's cache file (FUSE passthrough). Three
 # alternating rounds, medians (this VM's disk is noisy). Needs root.
 median() { python3 -c "import sys,statistics; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
 disk_raw=() disk_granary=()
@@ -83,7 +83,7 @@ echo "granary warm:      $(mbps $bytes $warm) MB/s  ($(python3 -c "print(f'{$raw
 if [ ${#disk_raw[@]} -gt 0 ]; then
   dr=$(median "${disk_raw[@]}"); dg=$(median "${disk_granary[@]}")
   echo "raw disk read:     $(mbps $bytes $dr) MB/s   (page cache dropped; median of 3)"
-  echo "granary from disk: $(mbps $bytes $dg) MB/s  ($(python3 -c "print(f'{$dr / $dg:.2f}')")x of raw disk; worker block files via short-circuit)"
+  echo "granary from disk: $(mbps $bytes $dg) MB/s  ($(python3 -c "print(f'{$dr / $dg:.2f}')")x of raw disk; passthrough once wholly cached)"
 fi
 echo "one-block files:   $((size_mib / 64)) x 64 MiB"
 echo "  raw read (limit):  $(mbps $bytes $raw_pt) MB/s   (page cache)"

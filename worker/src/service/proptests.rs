@@ -611,3 +611,67 @@ fn a_node_copy_never_reads_the_store() {
         assert_eq!(r.rpc.metrics.ufs_requests.get(), 0);
     });
 }
+
+/// A lease names where its block lies in the file version's cache file; a client that
+/// does not say it reads there (an older one, reading pages from the file's start) is
+/// leased nothing but first blocks, and the lease it was refused holds no page.
+#[test]
+fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
+    use std::os::unix::fs::FileExt;
+    let src = source();
+    runtime().block_on(async {
+        let r = rig().await;
+        for index in [0, 1] {
+            let fill = Op {
+                tampers: Vec::new(),
+                index,
+                offset: 0,
+                length: BS,
+                cache: true,
+                cached_only: false,
+                from_peers: false,
+                lease: None,
+            };
+            let (_, end) = run(&r, &fill, false).await;
+            assert!(end.is_ok(), "{end:?}");
+        }
+        let store = &r.rpc.fetcher.store;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !(0..4).all(|p| store.contains(&((INODE, VERSION, 1), p))) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "block 1 was never cached"
+            );
+            tokio::task::yield_now().await;
+        }
+        let lease = |index: u32, reads_block_offset: bool| {
+            let req = pb::LeaseLocalBlockRequest {
+                block: Some(pb::BlockId {
+                    inode: INODE,
+                    version: VERSION,
+                    index,
+                }),
+                whole_block: true,
+                grants: vec![r.grant.clone()],
+                reads_block_offset,
+                ..Default::default()
+            };
+            r.rpc.lease_local_block(as_who(req, false))
+        };
+        let old = lease(1, false).await.unwrap_err();
+        assert_eq!(old.code(), tonic::Code::NotFound, "{old:?}");
+        assert_eq!(store.lease_stats(), (0, 0), "a refused lease holds pages");
+        let first = lease(0, false).await.unwrap().into_inner();
+        assert_eq!((first.block_offset, first.pages.len()), (0, 4));
+        let second = lease(1, true).await.unwrap().into_inner();
+        assert_eq!((second.block_offset, second.pages.len()), (BS, 4));
+        assert_eq!(second.path, first.path, "one cache file per file version");
+        // The cache file holds block 1 where the file does.
+        let mut got = vec![0u8; BS as usize];
+        std::fs::File::open(&second.path)
+            .unwrap()
+            .read_exact_at(&mut got, second.block_offset)
+            .unwrap();
+        assert_eq!(got, src[BS as usize..2 * BS as usize]);
+    });
+}
