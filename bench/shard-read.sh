@@ -3,19 +3,19 @@
 # blocks) from the disk, against the raw disk read of the same files in the same run.
 #
 #   bench/shard-read.sh [SHARD_MIB] [SHARDS] [EACH_MIB] [ROUNDS]
-#                        (defaults 2048 8 1024 3; needs root for FUSE and to drop caches)
+#                        (defaults 2048 8 1024 4; needs root for FUSE and to drop caches)
 #
 # Through `granary local` over a folder. Once a file's every block is cached on the node's
 # worker it opens in FUSE passthrough: the kernel reads the file version's cache file
-# (blocks at their offsets) with no daemon in the way. Two cases, each as alternating
-# pairs (page cache dropped before every read), medians:
+# (blocks at their offsets) with no daemon in the way. Two cases, each as pairs in
+# alternating order (page cache dropped before every read), medians:
 #   one reader of one SHARD_MIB file; SHARDS readers at once, each of its own EACH_MIB file.
 # Every file is compared with its source once (cmp) before the timed rounds; the first
 # passthrough open of each file checks every page's CRC32C, as documented.
 #
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints MB/s and ratios.
 set -euo pipefail
-shard_mib="${1:-2048}" shards="${2:-8}" each_mib="${3:-1024}" rounds="${4:-3}"
+shard_mib="${1:-2048}" shards="${2:-8}" each_mib="${3:-1024}" rounds="${4:-4}"
 . "$(dirname "$0")/lib.sh"
 needs_root
 local_workdir shard
@@ -42,7 +42,7 @@ for f in "$work"/ufs/one/* "$work"/ufs/many/*; do
   cmp -s "$f" "$work/mnt/$rel" || { echo "bytes differ: $rel"; exit 1; }
 done
 opens0=$(metric_at "$mport" granary_client_passthrough_opens_total)
-daemon0=$(curl -s "127.0.0.1:$mport/metrics" | awk '$1 ~ /^granary_client_read_bytes_total/ { s += $2 } END { print s + 0 }')
+daemon0=$(curl -s "127.0.0.1:$mport/metrics" | awk '$1 ~ /^granary_client_read_bytes_total/ { s += $2 } END { printf "%d\n", s }')
 
 seconds() { # command... -> seconds it took
   local t0 t1
@@ -56,14 +56,22 @@ read_each() { # dir: one reader per file, at once
   for f in "${p[@]}"; do wait "$f"; done
 }
 raw1=() g1=() rawn=() gn=()
-for _ in $(seq 1 "$rounds"); do
-  drop; raw1+=("$(seconds read_all "$work/ufs")")
-  drop; g1+=("$(seconds read_all "$work/mnt")")
-  drop; rawn+=("$(seconds read_each "$work/ufs")")
-  drop; gn+=("$(seconds read_each "$work/mnt")")
+for round in $(seq 1 "$rounds"); do
+  # Alternating order: neither side always reads right after the other.
+  if [ $((round % 2)) = 1 ]; then
+    drop; raw1+=("$(seconds read_all "$work/ufs")")
+    drop; g1+=("$(seconds read_all "$work/mnt")")
+    drop; rawn+=("$(seconds read_each "$work/ufs")")
+    drop; gn+=("$(seconds read_each "$work/mnt")")
+  else
+    drop; g1+=("$(seconds read_all "$work/mnt")")
+    drop; raw1+=("$(seconds read_all "$work/ufs")")
+    drop; gn+=("$(seconds read_each "$work/mnt")")
+    drop; rawn+=("$(seconds read_each "$work/ufs")")
+  fi
 done
 opens=$(metric_at "$mport" granary_client_passthrough_opens_total)
-daemon=$(curl -s "127.0.0.1:$mport/metrics" | awk '$1 ~ /^granary_client_read_bytes_total/ { s += $2 } END { print s + 0 }')
+daemon=$(curl -s "127.0.0.1:$mport/metrics" | awk '$1 ~ /^granary_client_read_bytes_total/ { s += $2 } END { printf "%d\n", s }')
 
 python3 - "$shard_mib" "$shards" "$each_mib" "${raw1[*]}" "${g1[*]}" "${rawn[*]}" "${gn[*]}" <<'EOF'
 import statistics, sys
@@ -72,9 +80,13 @@ raw1, g1, rawn, gn = ([float(x) for x in a.split()] for a in sys.argv[4:8])
 def line(name, mib, raw, g):
     mb = lambda s: (mib << 20) / s / 1e6
     r, m = statistics.median(raw), statistics.median(g)
-    ratios = " ".join(f"{a / b:.2f}" for a, b in zip(raw, g))
-    print(f"{name}: raw disk {mb(r):.0f} MB/s, granary {mb(m):.0f} MB/s = {r / m:.2f}x "
-          f"(rounds: {ratios}; medians of {len(raw)} alternating pairs, page cache dropped)")
+    ratios = [a / b for a, b in zip(raw, g)]
+    # This VM reads whatever goes second in a pair faster; over rounds in alternating order
+    # the geometric mean of the pairs' ratios cancels that.
+    geo = statistics.geometric_mean(ratios)
+    print(f"{name}: raw disk {mb(r):.0f} MB/s, granary {mb(m):.0f} MB/s = {r / m:.2f}x; "
+          f"pairs' geometric mean {geo:.2f}x (rounds: {' '.join(f'{x:.2f}' for x in ratios)}; "
+          f"medians of {len(raw)} pairs in alternating order, page cache dropped)")
 line(f"1 reader of a {shard} MiB shard", shard, raw1, g1)
 line(f"{n} readers of {n} x {each} MiB shards", n * each, rawn, gn)
 EOF

@@ -362,6 +362,18 @@ impl FileSystem {
             release(&leases);
             return None;
         };
+        if file.length > self.short_circuit.page_size() {
+            // The kernel reads the backing file with this descriptor's read-ahead, not the
+            // reader's: a reader's own SEQUENTIAL hint (`cat`, fio) is not passed on, and
+            // a shard read front to back got half the raw disk's read-ahead. Random reads
+            // of a part of a file read only what they ask for either way.
+            let _ = nix::fcntl::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&f),
+                0,
+                0,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
+            );
+        }
         for (id, check) in ids.iter().zip(checks) {
             if check {
                 self.short_circuit.note_verified(id);
