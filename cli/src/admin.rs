@@ -960,9 +960,16 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             passes,
             concurrency,
             short_circuit,
+            no_data_plane,
             json,
             master: addr,
-        } => return bench_read(&path, passes, concurrency, short_circuit, json, &addr).await,
+        } => {
+            let how = ReadPath {
+                short_circuit,
+                data_plane: !no_data_plane,
+            };
+            return bench_read(&path, passes, concurrency, how, json, &addr).await;
+        }
         BenchCommand::Metadata { .. } => {}
     }
     let BenchCommand::Metadata {
@@ -1142,18 +1149,25 @@ fn bench_tcp(size: u64, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How `granary bench read` reaches the bytes.
+struct ReadPath {
+    short_circuit: bool,
+    data_plane: bool,
+}
+
 /// `granary bench read`: a file read through the client library, several passes.
 async fn bench_read(
     path: &str,
     passes: u32,
     concurrency: usize,
-    short_circuit: bool,
+    how: ReadPath,
     json: bool,
     addr: &MasterAddr,
 ) -> anyhow::Result<()> {
     use futures::StreamExt;
     let fs = granary_client::FileSystem::new(master(addr)?);
-    fs.set_short_circuit(short_circuit);
+    fs.set_short_circuit(how.short_circuit);
+    fs.set_data_plane(how.data_plane);
     let st = fs
         .stat(path)
         .await

@@ -318,6 +318,11 @@ pub struct FuseOpts {
     /// the same path and the same node name (GRANARY_NODE_NAME, else the hostname).
     #[arg(long, env = "GRANARY_NO_SHORT_CIRCUIT")]
     pub no_short_circuit: bool,
+    /// Never read over workers' block data planes (`granary worker --data-listen`, plain
+    /// TCP; clusters without TLS): read over gRPC instead. By default a worker's data
+    /// plane is used when it offers one.
+    #[arg(long, env = "GRANARY_NO_DATA_PLANE")]
+    pub no_data_plane: bool,
     /// Never open files in FUSE passthrough mode. By default a file that is one block,
     /// wholly cached on this node's worker, is opened in passthrough (Linux 6.9+, root): the
     /// kernel reads the worker's block file directly and the daemon sees no reads.
@@ -590,6 +595,9 @@ pub enum BenchCommand {
         /// Read same-node workers' block files directly (off: measure gRPC peer reads).
         #[arg(long)]
         short_circuit: bool,
+        /// Read over gRPC even from workers that offer a block data plane.
+        #[arg(long)]
+        no_data_plane: bool,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -684,6 +692,13 @@ pub struct WorkerArgs {
     /// owners).
     #[arg(long, env = "GRANARY_WORKER_LOCALITY", value_enum, default_value_t = Locality::Node)]
     pub locality: Locality,
+    /// Serve the block data plane on this address: reads of cached pages as framed plain
+    /// TCP, whole pages sent from the cache file by sendfile (0.2x of raw TCP over gRPC,
+    /// see docs/benchmarks.md). Clusters without TLS only: unauthenticated and in clear,
+    /// so for trusted networks (a worker with TLS refuses to start with it). Advertised to
+    /// clients with the listen address's port on --advertise's host. [default: off]
+    #[arg(long, env = "GRANARY_DATA_LISTEN")]
+    pub data_listen: Option<SocketAddr>,
 }
 
 /// Where a node reads the warm blocks other nodes' workers own (see `--locality`).

@@ -146,6 +146,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     config.heartbeat_interval = a.heartbeat_interval;
     config.eviction = a.eviction;
     config.node_copies = a.locality == crate::args::Locality::Node;
+    config.data_listen = a.data_listen;
     if let Some(n) = a.node_name {
         config.node_name = n;
     }
@@ -180,6 +181,7 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     granary_fuse::check_mountpoint(&config.mountpoint)?;
     let client = FileSystem::connect(&a.master.master)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
+    client.set_data_plane(!a.fuse.no_data_plane);
     if let Some(n) = &a.fuse.node_name {
         client.short_circuit.set_node(n);
     }
@@ -246,6 +248,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
     let client = FileSystem::connect(&master_addr)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
+    client.set_data_plane(!a.fuse.no_data_plane);
     if let Some(n) = &a.fuse.node_name {
         client.short_circuit.set_node(n);
     }

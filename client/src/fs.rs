@@ -33,7 +33,6 @@ struct WorkerView {
     fetched: Option<Instant>,
     workers: Vec<pb::WorkerInfo>,
     suspects: HashMap<u64, Instant>,
-    clients: HashMap<String, WorkerServiceClient<Channel>>,
     /// Reads in flight per worker (a bounded pool: more reads wait for a slot).
     slots: HashMap<String, Arc<tokio::sync::Semaphore>>,
 }
@@ -135,6 +134,11 @@ impl Names {
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
+    /// Block reads over gRPC (every worker), and over the block data plane of workers
+    /// that offer one (clusters without TLS only: `None` with TLS).
+    grpc: crate::transport::GrpcTransport,
+    data_plane: Option<crate::transport::DataPlane>,
+    data_plane_on: AtomicBool,
     ufs: MountStores,
     pub metrics: ClientMetrics,
     pub short_circuit: ShortCircuit,
@@ -260,6 +264,11 @@ impl FileSystem {
         let fs = Arc::new(Self {
             master,
             view: Mutex::new(WorkerView::default()),
+            grpc: Default::default(),
+            data_plane: granary_common::tls::material()
+                .is_none()
+                .then(crate::transport::DataPlane::default),
+            data_plane_on: AtomicBool::new(true),
             ufs: MountStores::default(),
             metrics: ClientMetrics::default(),
             short_circuit: ShortCircuit::new(granary_common::node_name()),
@@ -324,6 +333,12 @@ impl FileSystem {
             self.read_timeout_ms
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
+    }
+
+    /// Turns reads over workers' block data planes on or off (default on: used where a
+    /// worker offers one and the cluster has no TLS).
+    pub fn set_data_plane(&self, enabled: bool) {
+        self.data_plane_on.store(enabled, Ordering::Relaxed);
     }
 
     /// Turns short-circuit reads of same-host workers' block files on or off (default on).
@@ -1169,18 +1184,19 @@ impl FileSystem {
         &self,
         address: &str,
     ) -> Result<WorkerServiceClient<Channel>, ClientError> {
-        let mut v = lock(&self.view);
-        if let Some(c) = v.clients.get(address) {
-            return Ok(c.clone());
+        self.grpc.client(address)
+    }
+
+    /// The block data plane of the worker at `address`, when it offers one and this
+    /// client may use it (no TLS) and it has not failed lately.
+    fn data_address_of(&self, address: &str) -> Option<String> {
+        let dp = self.data_plane.as_ref()?;
+        if !self.data_plane_on.load(Ordering::Relaxed) {
+            return None;
         }
-        let ch = granary_common::grpc::channel(address).map_err(|e| {
-            ClientError::InvalidArgument(format!("bad worker address {address}: {e}"))
-        })?;
-        let c = WorkerServiceClient::new(ch)
-            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
-        v.clients.insert(address.to_string(), c.clone());
-        Ok(c)
+        let v = lock(&self.view);
+        let w = v.workers.iter().find(|w| w.address == address)?;
+        (!w.data_address.is_empty() && !dp.is_down(&w.data_address)).then(|| w.data_address.clone())
     }
 
     /// `desc` as `grant` describes its file (the master's word on the version the grant is
@@ -1359,13 +1375,12 @@ impl FileSystem {
         grant: Option<pb::ReadGrant>,
         from_peers: bool,
     ) -> Result<(Bytes, bool), ClientError> {
-        let mut client = self.worker_client(address)?;
         let slots = lock(&self.view)
             .slots
             .entry(address.to_string())
             .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_READS_PER_WORKER)))
             .clone();
-        let mut req = tonic::Request::new(pb::ReadBlockRequest {
+        let req = pb::ReadBlockRequest {
             block: Some(desc.clone()),
             offset,
             length: len,
@@ -1373,32 +1388,27 @@ impl FileSystem {
             cached_only: false,
             grant,
             from_peers,
-        });
-        req.set_timeout(self.read_timeout());
+        };
+        let deadline = self.read_timeout();
+        let data = self.data_address_of(address);
         let fut = async move {
+            use crate::transport::{BlockTransport, DataPlaneError};
             // Waiting for a slot counts against the read's deadline.
             let _slot = slots
                 .acquire_owned()
                 .await
                 .map_err(|e| ClientError::Internal(e.to_string()))?;
-            let mut stream = client.read_block(req).await?.into_inner();
-            // Chunks are kept as they arrive and joined once (a one-chunk read is not copied).
-            let mut chunks: Vec<Bytes> = Vec::new();
-            let mut got = 0u64;
-            let mut hit = true;
-            while let Some(chunk) = stream.message().await? {
-                hit &= chunk.hit;
-                if chunk.offset != offset + got {
-                    return Err(ClientError::Internal(format!(
-                        "worker {address} sent a chunk at {} where {} was expected",
-                        chunk.offset,
-                        offset + got
-                    )));
+            if let (Some(dp), Some(data)) = (&self.data_plane, data) {
+                match dp.read_from(&data, &req, deadline).await {
+                    Ok(r) => return Ok(r),
+                    Err(DataPlaneError::Refused(e)) => return Err(e),
+                    Err(DataPlaneError::Stream(why)) => {
+                        self.metrics.data_plane_failures.inc();
+                        tracing::warn!(worker = %address, data_plane = %data, error = %why, "the block data plane failed; reading over gRPC (and leaving it alone for 30 s)");
+                    }
                 }
-                got += chunk.data.len() as u64;
-                chunks.push(chunk.data);
             }
-            Ok::<_, ClientError>((join(chunks, got), hit))
+            self.grpc.read(address, req, deadline).await
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,

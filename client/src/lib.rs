@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod mounts;
 pub mod nodecopy;
 pub mod placement;
+pub mod transport;
 pub mod warm;
 pub mod watch;
 pub mod write;

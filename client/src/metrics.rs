@@ -77,6 +77,7 @@ pub struct ClientMetrics {
     pub node_copies: Counter<u64, AtomicU64>,
     pub node_copy_bytes: Counter<u64, AtomicU64>,
     pub node_copy_failures: Counter<u64, AtomicU64>,
+    pub data_plane_failures: Counter<u64, AtomicU64>,
     pub node_copy_skipped: Counter<u64, AtomicU64>,
     /// Node copies asked for and not finished.
     pub node_copies_pending: Gauge,
@@ -194,6 +195,11 @@ impl ClientMetrics {
                 "granary_client_node_copy_bytes",
                 "Bytes of the blocks this node's worker copied for this mount (--locality node)",
                 self.node_copy_bytes.clone(),
+            );
+            r.register(
+                "granary_client_data_plane_failures",
+                "Reads whose worker's block data plane failed (connection, torn stream, bad checksum): read again over gRPC, and that data plane left alone for 30 s",
+                self.data_plane_failures.clone(),
             );
             r.register(
                 "granary_client_node_copy_failures",

@@ -180,6 +180,7 @@ impl MasterCore {
                 address: w.address,
                 host: w.host,
                 stats: Some(w.stats),
+                data_address: w.data_address,
             })
             .collect();
         Ok(pb::GetClusterInfoResponse {

@@ -330,6 +330,7 @@ fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
             host: w.host,
             state: "live".into(),
             stats: Some(w.stats),
+            data_address: w.data_address,
             ..Default::default()
         })
         .collect()

@@ -10,6 +10,10 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// The message encoding, for the framed streams that carry these messages outside gRPC
+/// (the block data plane).
+pub use prost;
+
 /// Largest gRPC message Granary sends or accepts (block reads stream 1 MiB chunks).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 

@@ -6,6 +6,7 @@
 //! admitted; a full cache serves without caching); a page failing its CRC32C is never served;
 //! the cache survives a restart (the index is reloaded at start).
 
+pub mod dataplane;
 pub mod evict;
 pub mod heartbeat;
 pub mod metrics;
@@ -65,6 +66,8 @@ pub struct WorkerConfig {
     /// Keep node copies of blocks other workers own for clients on this node that ask
     /// (`--locality node`, the default; `cluster` refuses them).
     pub node_copies: bool,
+    /// Serve the block data plane here (`--data-listen`; plaintext clusters only).
+    pub data_listen: Option<SocketAddr>,
 }
 
 impl WorkerConfig {
@@ -82,6 +85,7 @@ impl WorkerConfig {
             eviction: evict::PolicyKind::default(),
             node_name: granary_common::node_name(),
             node_copies: true,
+            data_listen: None,
         }
     }
 
@@ -95,6 +99,11 @@ impl WorkerConfig {
         if !self.tiers.is_empty() {
             return store::tiers::validate_tiers(&self.tiers, self.page_size)
                 .map_err(WorkerError::Config);
+        }
+        if self.data_listen.is_some() && granary_common::tls::material().is_some() {
+            return Err(WorkerError::Config(
+                "--data-listen serves reads unauthenticated and in clear: it is for clusters without TLS (a TLS worker serves reads over gRPC only)".into(),
+            ));
         }
         if self.cache_size < self.page_size {
             return Err(WorkerError::Config(format!(
@@ -207,6 +216,26 @@ pub async fn start(
             "resuming uploads of files written async-through"
         );
     }
+    let data_listener = match config.data_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(|source| WorkerError::Listen { addr: a, source })?,
+        ),
+        None => None,
+    };
+    // Advertised on the host clients reach the worker at, with the data port.
+    let data_address = match &data_listener {
+        Some(l) => {
+            let port = l
+                .local_addr()
+                .map_err(|source| WorkerError::Listen { addr, source })?
+                .port();
+            let host = advertise.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+            format!("{host}:{port}")
+        }
+        None => String::new(),
+    };
     let grant_keys = Arc::new(granary_common::grant::GrantKeys::default());
     let hb = heartbeat::Heartbeat {
         master,
@@ -214,6 +243,7 @@ pub async fn start(
         metrics: metrics.clone(),
         worker_id,
         address: advertise.clone(),
+        data_address: data_address.clone(),
         host: config.node_name.clone(),
         interval: config.heartbeat_interval,
         grant_keys: grant_keys.clone(),
@@ -230,6 +260,10 @@ pub async fn start(
         grant_keys,
         node_copies: config.node_copies,
     });
+    if let Some(l) = data_listener {
+        tracing::info!(address = %data_address, "block data plane serving (plaintext)");
+        tokio::spawn(dataplane::serve(l, rpc.clone(), shutdown.clone()));
+    }
     let svc = granary_common::grpc::per_method_limits(|limit| {
         WorkerServiceServer::from_arc(rpc.clone())
             .max_decoding_message_size(limit)

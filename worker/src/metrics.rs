@@ -111,6 +111,7 @@ pub struct WorkerMetrics {
     pub peer_fill_bytes: Counter<u64, AtomicU64>,
     pub node_copy_bytes: Counter<u64, AtomicU64>,
     pub peer_served_bytes: Counter<u64, AtomicU64>,
+    pub data_plane_bytes: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
     pub short_circuit_bytes: Counter<u64, AtomicU64>,
     pub active_leases: Gauge<i64, AtomicI64>,
@@ -247,6 +248,11 @@ impl WorkerMetrics {
                 "granary_worker_peer_served_bytes",
                 "Cached bytes this worker served to other workers filling their caches",
                 m.peer_served_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_data_plane_bytes",
+                "Bytes this worker sent over its block data plane (--data-listen), whole cached pages by sendfile",
+                m.data_plane_bytes.clone(),
             );
             r.register(
                 "granary_worker_short_circuit_leases",

@@ -12,6 +12,8 @@ pub struct WorkerEntry {
     pub address: String,
     pub host: String,
     pub stats: pb::WorkerStats,
+    /// The worker's block data plane, if it serves one (see `pb::WorkerInfo`).
+    pub data_address: String,
     pub last_heartbeat: Instant,
     /// Marked lost by the expiry sweep; its block locations were dropped.
     pub lost: bool,
@@ -80,10 +82,18 @@ impl WorkerRegistry {
                 address,
                 host,
                 stats,
+                data_address: String::new(),
                 last_heartbeat: Instant::now(),
                 lost: false,
             },
         );
+    }
+
+    /// Records where worker `id` serves its block data plane (empty: nowhere).
+    pub fn set_data_address(&self, id: u64, data_address: String) {
+        if let Some(w) = self.lock().get_mut(&id) {
+            w.data_address = data_address;
+        }
     }
 
     /// The state clients see: `live`, `draining` (decommissioned, per the replicated

@@ -19,6 +19,8 @@ pub struct Heartbeat {
     pub metrics: WorkerMetrics,
     pub worker_id: u64,
     pub address: String,
+    /// Where the block data plane serves (empty: it does not).
+    pub data_address: String,
     pub host: String,
     pub interval: Duration,
     /// Where the leaders' grant-signing keys go.
@@ -65,6 +67,7 @@ impl Heartbeat {
             .register_worker(pb::RegisterWorkerRequest {
                 worker_id: self.worker_id,
                 address: self.address.clone(),
+                data_address: self.data_address.clone(),
                 host: self.host.clone(),
                 stats: Some(self.stats()),
                 blocks: self.store.blocks(),

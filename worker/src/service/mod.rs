@@ -190,11 +190,11 @@ type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Statu
 
 /// Byte geometry of one read request, validated.
 #[derive(Clone, Copy)]
-struct Plan {
-    block_start: u64,
-    block_len: u64,
-    offset: u64,
-    end: u64,
+pub(crate) struct Plan {
+    pub(crate) block_start: u64,
+    pub(crate) block_len: u64,
+    pub(crate) offset: u64,
+    pub(crate) end: u64,
 }
 
 fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status> {
@@ -251,6 +251,36 @@ fn piece(data: &bytes::Bytes, page: u64, ps: u64, p: Plan) -> Result<(u64, bytes
 }
 
 impl WorkerRpc {
+    /// Checks a read request (its geometry, its flags, the caller's grant) as every path
+    /// that serves one does; the descriptor and the byte range it covers.
+    pub(crate) fn admit_read(
+        &self,
+        who: &Principal,
+        r: &pb::ReadBlockRequest,
+    ) -> Result<(pb::BlockDescriptor, Plan), Status> {
+        let (desc, p) = plan(r)?;
+        if r.from_peers && (r.cached_only || !r.cache) {
+            return Err(Status::invalid_argument(
+                "a node copy (from_peers) caches what it reads: it needs `cache` and excludes `cached_only`",
+            ));
+        }
+        if r.from_peers && !self.node_copies {
+            return Err(Status::failed_precondition(
+                "this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner",
+            ));
+        }
+        check_grant(
+            &self.grant_keys,
+            who,
+            r.grant.as_ref(),
+            desc.id.as_ref().map_or(0, |id| id.inode),
+            desc.ufs.as_ref(),
+            Terms::Read(&desc),
+            !r.cached_only,
+        )?;
+        Ok((desc, p))
+    }
+
     /// A `cached_only` read (another worker filling its cache): the cached pages of the
     /// range in order, ending with NOT_FOUND at the first page that is not cached.
     fn cached_pages(
@@ -338,26 +368,7 @@ impl WorkerService for WorkerRpc {
         let who = principal(&req)?;
         let r = req.into_inner();
         let ps = self.fetcher.store.page_size;
-        let (desc, p) = plan(&r)?;
-        if r.from_peers && (r.cached_only || !r.cache) {
-            return Err(Status::invalid_argument(
-                "a node copy (from_peers) caches what it reads: it needs `cache` and excludes `cached_only`",
-            ));
-        }
-        if r.from_peers && !self.node_copies {
-            return Err(Status::failed_precondition(
-                "this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner",
-            ));
-        }
-        check_grant(
-            &self.grant_keys,
-            &who,
-            r.grant.as_ref(),
-            desc.id.as_ref().map_or(0, |id| id.inode),
-            desc.ufs.as_ref(),
-            Terms::Read(&desc),
-            !r.cached_only,
-        )?;
+        let (desc, p) = self.admit_read(&who, &r)?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
         let block = Arc::new(BlockRef {

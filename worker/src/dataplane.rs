@@ -1,0 +1,267 @@
+//! The block data plane (`--data-listen`): reads of blocks as framed plain TCP, for
+//! clusters without TLS (see `pb::DataFrame` for the wire format).
+//!
+//! A request is checked exactly as a gRPC `ReadBlock` is ([`WorkerRpc::admit_read`]).
+//! Whole cached pages are then sent from the cache file by `sendfile` under a short lease
+//! (the page is neither evicted nor punched out while it is sent), with the CRC32C the
+//! store recorded for it — the client checks it, so a torn stream or a page that rotted on
+//! this disk is never delivered as good. Parts of pages are read, checked and sent with
+//! the CRC32C of the part; pages not cached (and node copies) go through the `ReadBlock`
+//! path, which fetches them. Requests on one connection are answered in order.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, BytesMut};
+use futures::StreamExt;
+use granary_proto as pb;
+use granary_proto::prost::Message;
+use granary_proto::worker_service_server::WorkerService;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use granary_common::tls::Principal;
+
+use crate::service::{Plan, WorkerRpc};
+use crate::store::block_key;
+
+/// Largest request frame (a `ReadBlockRequest` with its descriptor and grant).
+pub const MAX_REQUEST_BYTES: usize = 64 << 10;
+/// How long the pages of one request stay leased while they are sent.
+const SEND_LEASE: Duration = Duration::from_secs(30);
+
+/// Accepts data plane connections until `shutdown`.
+pub async fn serve(listener: TcpListener, rpc: Arc<WorkerRpc>, shutdown: CancellationToken) {
+    loop {
+        let sock = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "data plane: cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = sock.set_nodelay(true);
+        let (rpc, sd) = (rpc.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = sd.cancelled() => {}
+                r = connection(sock, &rpc) => if let Err(e) = r {
+                    tracing::debug!(error = %e, "data plane connection ended");
+                },
+            }
+        });
+    }
+}
+
+async fn connection(mut sock: TcpStream, rpc: &WorkerRpc) -> std::io::Result<()> {
+    // Plaintext only (the worker refuses --data-listen with TLS): the caller is the
+    // unauthenticated one, as on the plaintext gRPC server.
+    let who = Principal::unauthenticated();
+    loop {
+        let n = match sock.read_u32().await {
+            Ok(n) => n as usize,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if n > MAX_REQUEST_BYTES {
+            let s = Status::invalid_argument(format!(
+                "a data plane request of {n} bytes (at most {MAX_REQUEST_BYTES})"
+            ));
+            return end(&mut sock, Some(&s)).await; // the stream is out of step: close it
+        }
+        let mut buf = vec![0u8; n];
+        sock.read_exact(&mut buf).await?;
+        match pb::ReadBlockRequest::decode(&buf[..]) {
+            Ok(r) => serve_one(&mut sock, rpc, &who, r).await?,
+            Err(e) => {
+                let s = Status::invalid_argument(format!("undecodable read request: {e}"));
+                end(&mut sock, Some(&s)).await?;
+            }
+        }
+    }
+}
+
+async fn frame(sock: &mut TcpStream, f: &pb::DataFrame) -> std::io::Result<()> {
+    let mut out = BytesMut::with_capacity(4 + f.encoded_len());
+    out.put_u32(f.encoded_len() as u32);
+    f.encode(&mut out).map_err(std::io::Error::other)?;
+    sock.write_all(&out).await
+}
+
+/// The last frame of an answer: success, or the status it failed with.
+async fn end(sock: &mut TcpStream, err: Option<&Status>) -> std::io::Result<()> {
+    frame(
+        sock,
+        &pb::DataFrame {
+            end: true,
+            code: err.map_or(0, |s| s.code() as u32),
+            message: err.map(|s| s.message().to_string()).unwrap_or_default(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Sends `len` bytes of `file` from `offset` (the socket is non-blocking: waits for room).
+async fn send_file(
+    sock: &TcpStream,
+    file: &std::fs::File,
+    mut offset: u64,
+    mut len: usize,
+) -> std::io::Result<()> {
+    while len > 0 {
+        sock.writable().await?;
+        let sent = sock.try_io(Interest::WRITABLE, || {
+            let mut off = offset as i64;
+            nix::sys::sendfile::sendfile(sock.as_fd(), file.as_fd(), Some(&mut off), len)
+                .map_err(std::io::Error::from)
+        });
+        match sent {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                offset += n as u64;
+                len -= n;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+async fn serve_one(
+    sock: &mut TcpStream,
+    rpc: &WorkerRpc,
+    who: &Principal,
+    r: pb::ReadBlockRequest,
+) -> std::io::Result<()> {
+    let (desc, p) = match rpc.admit_read(who, &r) {
+        Ok(x) => x,
+        Err(s) => return end(sock, Some(&s)).await,
+    };
+    rpc.metrics.read_requests.inc();
+    let mut at = p.offset;
+    if !r.from_peers && !r.cached_only {
+        let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
+        at = send_cached(sock, rpc, key, p).await?;
+    }
+    if at < p.end {
+        // The rest (not cached, or a node copy): the ReadBlock path fetches it.
+        let mut rest = r.clone();
+        rest.offset = at;
+        rest.length = p.end - at;
+        let mut req = tonic::Request::new(rest);
+        req.extensions_mut().insert(Arc::new(who.clone()));
+        let mut stream = match rpc.read_block(req).await {
+            Ok(s) => s.into_inner(),
+            Err(s) => return end(sock, Some(&s)).await,
+        };
+        while let Some(m) = stream.next().await {
+            let m = match m {
+                Ok(m) => m,
+                Err(s) => return end(sock, Some(&s)).await,
+            };
+            let f = pb::DataFrame {
+                offset: m.offset,
+                length: m.data.len() as u32,
+                crc32c: crc32c::crc32c(&m.data),
+                hit: m.hit,
+                ..Default::default()
+            };
+            frame(sock, &f).await?;
+            sock.write_all(&m.data).await?;
+            rpc.metrics.data_plane_bytes.inc_by(m.data.len() as u64);
+        }
+    }
+    end(sock, None).await
+}
+
+/// Sends the cached pages of `p` from its start while they are cached; returns the block
+/// offset up to which it sent.
+async fn send_cached(
+    sock: &mut TcpStream,
+    rpc: &WorkerRpc,
+    key: crate::store::BlockKey,
+    p: Plan,
+) -> std::io::Result<u64> {
+    let store = &rpc.fetcher.store;
+    let ps = store.page_size;
+    let (first, last) = (p.offset / ps, (p.end - 1) / ps);
+    let (Ok(first), Ok(n)) = (u32::try_from(first), u32::try_from(last - first + 1)) else {
+        return Ok(p.offset);
+    };
+    let Some(lease) = store.lease_pages(&key, first, n, Instant::now() + SEND_LEASE, None) else {
+        return Ok(p.offset);
+    };
+    let sent = send_leased(sock, rpc, &lease, p).await;
+    store.release(lease.id);
+    sent
+}
+
+async fn send_leased(
+    sock: &mut TcpStream,
+    rpc: &WorkerRpc,
+    lease: &crate::store::Lease,
+    p: Plan,
+) -> std::io::Result<u64> {
+    let ps = rpc.fetcher.store.page_size;
+    let mut at = p.offset;
+    let Ok(file) = std::fs::File::open(&lease.path) else {
+        return Ok(at);
+    };
+    for &(index, plen, crc) in &lease.pages {
+        let page_start = u64::from(index) * ps;
+        let want = ps.min(p.block_len - page_start);
+        if u64::from(plen) != want || page_start > at {
+            break; // not this block's geometry (the ReadBlock path sorts it out)
+        }
+        let to = p.end.min(page_start + want);
+        let whole = at == page_start && to == page_start + want;
+        let n = (to - at) as usize;
+        if whole {
+            let f = pb::DataFrame {
+                offset: at,
+                length: plen,
+                crc32c: crc,
+                hit: true,
+                ..Default::default()
+            };
+            frame(sock, &f).await?;
+            send_file(sock, &file, lease.offset + page_start, n).await?;
+        } else {
+            // Part of a page: check the whole page, send the part with its own CRC32C.
+            let mut page = vec![0u8; plen as usize];
+            let read = {
+                use std::os::unix::fs::FileExt;
+                file.read_exact_at(&mut page, lease.offset + page_start)
+            };
+            if read.is_err() || crc32c::crc32c(&page) != crc {
+                break; // the ReadBlock path drops the page and fetches it again
+            }
+            let part = &page[(at - page_start) as usize..(to - page_start) as usize];
+            let f = pb::DataFrame {
+                offset: at,
+                length: part.len() as u32,
+                crc32c: crc32c::crc32c(part),
+                hit: true,
+                ..Default::default()
+            };
+            frame(sock, &f).await?;
+            sock.write_all(part).await?;
+        }
+        rpc.metrics.cache_hit_bytes.inc_by(n as u64);
+        rpc.metrics.data_plane_bytes.inc_by(n as u64);
+        at = to;
+        if at >= p.end {
+            break;
+        }
+    }
+    Ok(at)
+}
