@@ -401,3 +401,113 @@ fn a_node_local_mount_copies_other_owners_blocks_to_its_worker_and_then_reads_lo
     drop(m2);
     drop(m1);
 }
+
+/// Peer reads over the workers' block data planes (`--data-listen`, a plaintext cluster):
+/// every byte exact (each frame's CRC32C checked by the mount), the warm pass carried by
+/// the data planes (sendfile) with no failure, and a worker killed in the middle of reads
+/// costs no failed read: the mount moves to the next worker, which fetches from the store.
+/// A worker with TLS refuses to start with a data plane.
+#[test]
+fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-data-plane-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    let mut total = 0;
+    for i in 0..24u64 {
+        let len = 300_000 + i * 77_777;
+        random_file(&src.join(format!("f{i:02}.bin")), len).unwrap();
+        total += len;
+    }
+    random_file(&src.join("big.bin"), 150 * MIB + 3).unwrap();
+    total += 150 * MIB + 3;
+    let expected = tree_sums(&src).unwrap();
+
+    // With TLS (the suite's default): refused at start, with the reason.
+    let tls = TestTls::get();
+    let out = granary(&[
+        "worker",
+        "--master",
+        "127.0.0.1:1",
+        "--cache-dir",
+        &root.join("refused").to_string_lossy(),
+        "--cache-size",
+        "1GiB",
+        "--data-listen",
+        "127.0.0.1:0",
+        "--tls-dir",
+        &tls.identity("node").to_string_lossy(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("for clusters without TLS"), "{err}");
+
+    let root_s = root.to_string_lossy().to_string();
+    let master = Master::start_with(root, &["--insecure", "--allow-local-root", &root_s]).unwrap();
+    let addr = master.addr.clone();
+    let mut workers: Vec<Worker> = (1..=2)
+        .map(|i| {
+            let name = format!("w{i}");
+            let node = format!("node{i}");
+            let extra = [
+                "--insecure",
+                "--node-name",
+                node.as_str(),
+                "--data-listen",
+                "127.0.0.1:0",
+            ];
+            Worker::start_opts(root, &name, &addr, "1GiB", &root.join(&name), &extra).unwrap()
+        })
+        .collect();
+    poll("2 live workers", Duration::from_secs(30), || {
+        let out = granary(&["report", "--json", "--master", &addr, "--insecure"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        let w = v["workers"].as_array()?;
+        (w.iter().filter(|w| w["state"] == "live").count() == 2).then_some(())
+    })
+    .unwrap();
+    let src_s = src.to_string_lossy();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &src_s,
+        "--master",
+        &addr,
+        "--insecure",
+    ])
+    .unwrap();
+    // A node of its own: every read goes to a worker (no short-circuit).
+    let m = Fuse::start_opts(root, "m", &addr, &["--insecure", "--node-name", "reader"]).unwrap();
+    let dir = m.mountpoint.join("data");
+    assert_eq!(tree_sums(&dir).unwrap(), expected, "cold pass");
+    let sent = |ws: &[Worker]| sum(ws, "granary_worker_data_plane_bytes_total");
+    let before = sent(&workers);
+    drop_page_cache(&dir).unwrap();
+    assert_eq!(tree_sums(&dir).unwrap(), expected, "warm pass");
+    assert!(
+        sent(&workers) - before >= total as f64,
+        "the warm pass sent {} bytes over the data planes of {total}",
+        sent(&workers) - before
+    );
+    assert_eq!(m.metric("granary_client_data_plane_failures_total"), 0.0);
+
+    // A worker killed while big.bin is being read: the read still ends with the right bytes.
+    drop_page_cache(&dir).unwrap();
+    let big = dir.join("big.bin");
+    let reader = std::thread::spawn(move || sh(&format!("sha256sum < '{}'", big.display())));
+    let read = || m.metric("granary_client_read_bytes_total{source=\"worker\"}");
+    let start = read();
+    poll(
+        "the reader to be under way",
+        Duration::from_secs(60),
+        || (read() - start > 20.0 * MIB as f64).then_some(()),
+    )
+    .unwrap();
+    workers[1].proc.kill9().unwrap();
+    let got = reader.join().unwrap().unwrap();
+    let want = sh(&format!("sha256sum < '{}'", src.join("big.bin").display())).unwrap();
+    assert_eq!(got, want, "big.bin read across the worker's death");
+}
