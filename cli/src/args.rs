@@ -614,6 +614,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Raw mutual-TLS throughput on loopback (one rustls stream with the provider and
+    /// settings Granary uses, throwaway certificates, 1 MiB writes): the limit peer reads
+    /// with TLS on are compared with.
+    ///
+    /// Example: granary bench tls --size 2GiB --json
+    #[command(verbatim_doc_comment)]
+    Tls {
+        #[arg(long, value_parser = size, default_value = "2GiB")]
+        size: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Metadata throughput: mkdir under DIR as fast as possible, then stat what was made.
     ///
     /// Example: granary bench metadata --dir /bench --duration 10s --concurrency 8 --json

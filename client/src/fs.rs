@@ -135,7 +135,7 @@ pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
     /// Block reads over gRPC (every worker), and over the block data plane of workers
-    /// that offer one (clusters without TLS only: `None` with TLS).
+    /// that offer one (with this process's TLS identity where it has one).
     grpc: crate::transport::GrpcTransport,
     data_plane: Option<crate::transport::DataPlane>,
     data_plane_on: AtomicBool,
@@ -265,9 +265,16 @@ impl FileSystem {
             master,
             view: Mutex::new(WorkerView::default()),
             grpc: Default::default(),
-            data_plane: granary_common::tls::material()
-                .is_none()
-                .then(crate::transport::DataPlane::default),
+            data_plane: match granary_common::tls::material() {
+                None => Some(crate::transport::DataPlane::new(None)),
+                Some(m) => match m.stream_connector() {
+                    Ok(c) => Some(crate::transport::DataPlane::new(Some(c))),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no TLS for block data planes; reading over gRPC");
+                        None
+                    }
+                },
+            },
             data_plane_on: AtomicBool::new(true),
             ufs: MountStores::default(),
             metrics: ClientMetrics::default(),
@@ -1187,8 +1194,8 @@ impl FileSystem {
         self.grpc.client(address)
     }
 
-    /// The block data plane of the worker at `address`, when it offers one and this
-    /// client may use it (no TLS) and it has not failed lately.
+    /// The block data plane of the worker at `address`, when it offers one and it has not
+    /// failed lately (and data planes are not turned off).
     fn data_address_of(&self, address: &str) -> Option<String> {
         let dp = self.data_plane.as_ref()?;
         if !self.data_plane_on.load(Ordering::Relaxed) {

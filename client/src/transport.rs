@@ -1,8 +1,9 @@
 //! How a client reads a range of a block from a worker: [`BlockTransport`], with the gRPC
 //! implementation every worker serves ([`GrpcTransport`], `ReadBlock`) and the block data
-//! plane of workers started with `--data-listen` ([`DataPlane`]: framed plain TCP, whole
-//! cached pages sent by `sendfile`, see `pb::DataFrame`), which clusters without TLS use
-//! when a worker offers it. Both carry the same request (descriptor, grant, range, flags)
+//! plane of workers started with `--data-listen` ([`DataPlane`]: framed streams, see
+//! `pb::DataFrame` — mutual TLS with the cluster's identities where it has TLS, plain TCP
+//! with whole cached pages sent by `sendfile` where it has not), used when a worker offers
+//! it. Both carry the same request (descriptor, grant, range, flags)
 //! and answer the same thing: the bytes, and whether every one came from the cache. An
 //! RDMA transport would be a third implementation (docs/architecture.md).
 
@@ -15,8 +16,9 @@ use futures::future::BoxFuture;
 use granary_proto as pb;
 use granary_proto::prost::Message;
 use granary_proto::worker_service_client::WorkerServiceClient;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
 use tonic::transport::Channel;
 
 use crate::error::ClientError;
@@ -115,13 +117,18 @@ const DOWN_FOR: Duration = Duration::from_secs(30);
 /// Time to connect to a data plane.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The block data plane of workers started with `--data-listen` (clusters without TLS).
-/// Every frame's data is checked against its CRC32C before it is used: a torn or altered
-/// stream fails the read (the caller reads over gRPC or from the next worker), it never
-/// delivers wrong bytes.
+/// A data plane connection, plain or TLS.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+/// The block data plane of workers started with `--data-listen`. Every frame's data is
+/// checked against its CRC32C before it is used: a torn or altered stream fails the read
+/// (the caller reads over gRPC or from the next worker), it never delivers wrong bytes.
 #[derive(Default)]
 pub struct DataPlane {
-    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    /// The cluster's mutual TLS (None: plain TCP, a cluster without TLS).
+    tls: Option<TlsConnector>,
+    idle: Mutex<HashMap<String, Vec<Box<dyn Stream>>>>,
     down: Mutex<HashMap<String, Instant>>,
     buffers: Arc<BufferPool>,
 }
@@ -185,6 +192,14 @@ pub enum DataPlaneError {
 }
 
 impl DataPlane {
+    /// Data plane streams with `tls` (the process's identity), or plain TCP.
+    pub fn new(tls: Option<TlsConnector>) -> Self {
+        Self {
+            tls,
+            ..Default::default()
+        }
+    }
+
     /// Whether the data plane at `address` failed lately (read over gRPC meanwhile).
     pub fn is_down(&self, address: &str) -> bool {
         lock(&self.down)
@@ -201,16 +216,28 @@ impl DataPlane {
         lock(&self.idle).remove(address);
     }
 
-    async fn connection(&self, address: &str) -> Result<TcpStream, String> {
+    async fn connection(&self, address: &str) -> Result<Box<dyn Stream>, String> {
         if let Some(s) = lock(&self.idle).get_mut(address).and_then(|v| v.pop()) {
             return Ok(s);
         }
-        let s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+        let connect = async {
+            let s = TcpStream::connect(address)
+                .await
+                .map_err(|e| format!("cannot connect to {address}: {e}"))?;
+            let _ = s.set_nodelay(true);
+            let Some(tls) = &self.tls else {
+                return Ok(Box::new(s) as Box<dyn Stream>);
+            };
+            let name = granary_common::tls::node_server_name().map_err(|e| e.to_string())?;
+            let s = tls
+                .connect(name, s)
+                .await
+                .map_err(|e| format!("TLS with {address}: {e}"))?;
+            Ok(Box::new(s) as Box<dyn Stream>)
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, connect)
             .await
             .map_err(|_| format!("no connection to {address} within {CONNECT_TIMEOUT:?}"))?
-            .map_err(|e| format!("cannot connect to {address}: {e}"))?;
-        let _ = s.set_nodelay(true);
-        Ok(s)
     }
 
     /// Reads `req`'s range from the data plane at `address`.
@@ -223,7 +250,7 @@ impl DataPlane {
         let run = async {
             let mut sock = self.connection(address).await?;
             let buf = self.buffers.take(req.length as usize);
-            let out = exchange(&mut sock, req, buf).await?.map(|(buf, hit)| {
+            let out = exchange(&mut *sock, req, buf).await?.map(|(buf, hit)| {
                 let pool = self.buffers.clone();
                 (Bytes::from_owner(Pooled { buf, pool }), hit)
             });
@@ -272,8 +299,8 @@ impl BlockTransport for DataPlane {
 
 /// One request and its answer on `sock`: the bytes, or the worker's refusal; `Err`: the
 /// stream failed (the connection is not reusable).
-async fn exchange(
-    sock: &mut TcpStream,
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
+    sock: &mut S,
     req: &pb::ReadBlockRequest,
     mut out: Vec<u8>,
 ) -> Result<Result<(Vec<u8>, bool), tonic::Status>, String> {

@@ -538,6 +538,75 @@ impl TlsMaterial {
             .client_ca_root(Certificate::from_pem(&self.ca))
             .timeout(HANDSHAKE_TIMEOUT)
     }
+
+    /// The pieces of a rustls configuration: the provider gRPC uses (aws-lc-rs), the
+    /// cluster CA as the only root, this identity's chain and key.
+    fn rustls_parts(&self) -> Result<RustlsParts, TlsError> {
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, e: &dyn fmt::Display| TlsError::Invalid(format!("{what}: {e}"));
+        let provider = Arc::new(tokio_rustls::rustls::crypto::aws_lc_rs::default_provider());
+        let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(self.ca.as_bytes()) {
+            let c = c.map_err(|e| bad("the CA certificate", &e))?;
+            roots.add(c).map_err(|e| bad("the CA certificate", &e))?;
+        }
+        let chain = CertificateDer::pem_slice_iter(self.own.cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad("the certificate", &e))?;
+        let key = PrivateKeyDer::from_pem_slice(self.own.key.as_bytes())
+            .map_err(|e| bad("the private key", &e))?;
+        Ok((provider, Arc::new(roots), chain, key))
+    }
+
+    /// The server side of a TLS stream outside gRPC (the block data plane): the same
+    /// identity, and client certificates of the cluster CA required, as gRPC servers.
+    pub fn stream_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        use tokio_rustls::rustls;
+        let (provider, roots, chain, key) = self.rustls_parts()?;
+        let bad = |e: &dyn fmt::Display| TlsError::Invalid(format!("TLS server: {e}"));
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
+                .build()
+                .map_err(|e| bad(&e))?;
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(&e))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .map_err(|e| bad(&e))?;
+        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    }
+
+    /// The client side of a TLS stream to a worker outside gRPC, verifying it by
+    /// [`NODE_SERVER_NAME`] as gRPC clients do, presenting this identity.
+    pub fn stream_connector(&self) -> Result<tokio_rustls::TlsConnector, TlsError> {
+        use tokio_rustls::rustls;
+        let (provider, roots, chain, key) = self.rustls_parts()?;
+        let bad = |e: &dyn fmt::Display| TlsError::Invalid(format!("TLS client: {e}"));
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(&e))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| bad(&e))?;
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    }
+}
+
+/// See [`TlsMaterial::rustls_parts`].
+type RustlsParts = (
+    Arc<tokio_rustls::rustls::crypto::CryptoProvider>,
+    Arc<tokio_rustls::rustls::RootCertStore>,
+    Vec<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+    tokio_rustls::rustls::pki_types::PrivateKeyDer<'static>,
+);
+
+/// The name a worker's certificate is verified by, for TLS streams outside gRPC.
+pub fn node_server_name() -> Result<tokio_rustls::rustls::pki_types::ServerName<'static>, TlsError>
+{
+    tokio_rustls::rustls::pki_types::ServerName::try_from(NODE_SERVER_NAME)
+        .map_err(|e| TlsError::Invalid(format!("{NODE_SERVER_NAME}: {e}")))
 }
 
 /// How this process talks to the others.

@@ -402,11 +402,61 @@ fn a_node_local_mount_copies_other_owners_blocks_to_its_worker_and_then_reads_lo
     drop(m1);
 }
 
-/// Peer reads over the workers' block data planes (`--data-listen`, a plaintext cluster):
-/// every byte exact (each frame's CRC32C checked by the mount), the warm pass carried by
-/// the data planes (sendfile) with no failure, and a worker killed in the middle of reads
-/// costs no failed read: the mount moves to the next worker, which fetches from the store.
-/// A worker with TLS refuses to start with a data plane.
+/// A master, `n` workers serving block data planes (`--data-listen`) and a mount on a
+/// node of its own (every read goes to a worker), over `src`; `plain`: the cluster runs
+/// without TLS, else with the suite's security.
+fn data_plane_cluster(
+    root: &Path,
+    src: &Path,
+    n: usize,
+    plain: bool,
+) -> (Master, Vec<Worker>, Fuse) {
+    let allowed = src.parent().unwrap_or(src).to_string_lossy().to_string();
+    let insecure: &[&str] = if plain { &["--insecure"] } else { &[] };
+    let master = if plain {
+        Master::start_with(root, &["--insecure", "--allow-local-root", &allowed]).unwrap()
+    } else {
+        Master::start(root).unwrap()
+    };
+    let addr = master.addr.clone();
+    let workers: Vec<Worker> = (1..=n)
+        .map(|i| {
+            let name = format!("w{i}");
+            let node = format!("node{i}");
+            let mut extra = vec!["--node-name", node.as_str(), "--data-listen", "127.0.0.1:0"];
+            extra.extend_from_slice(insecure);
+            Worker::start_opts(root, &name, &addr, "1GiB", &root.join(&name), &extra).unwrap()
+        })
+        .collect();
+    poll(
+        &format!("{n} live workers"),
+        Duration::from_secs(30),
+        || {
+            let mut args = vec!["report", "--json", "--master", &addr];
+            args.extend_from_slice(insecure);
+            let v: serde_json::Value = serde_json::from_slice(&granary(&args).stdout).ok()?;
+            let w = v["workers"].as_array()?;
+            (w.iter().filter(|w| w["state"] == "live").count() == n).then_some(())
+        },
+    )
+    .unwrap();
+    let src_s = src.to_string_lossy();
+    let mut args = vec!["mount", "add", "/data", &src_s, "--master", &addr];
+    args.extend_from_slice(insecure);
+    granary_ok(&args).unwrap();
+    let mut extra = vec!["--node-name", "reader"];
+    extra.extend_from_slice(insecure);
+    let m = Fuse::start_opts(root, "m", &addr, &extra).unwrap();
+    (master, workers, m)
+}
+
+/// Peer reads over the workers' block data planes (`--data-listen`), with the suite's
+/// security (mutual TLS unless GRANARY_TEST_INSECURE=1): every byte exact (each frame's
+/// CRC32C checked by the mount), the warm pass carried by the data planes with no
+/// failure, a worker killed in the middle of reads costs no failed read (the mount moves to
+/// the next worker, which fetches from the store), and a caller without a certificate of
+/// the cluster gets nothing from a TLS data plane. Then the same warm pass on a cluster
+/// without TLS, where whole pages go by `sendfile`.
 #[test]
 fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read() {
     let tmp = tempfile::Builder::new()
@@ -424,66 +474,11 @@ fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read
     random_file(&src.join("big.bin"), 150 * MIB + 3).unwrap();
     total += 150 * MIB + 3;
     let expected = tree_sums(&src).unwrap();
+    let sent = |ws: &[Worker]| sum(ws, "granary_worker_data_plane_bytes_total");
 
-    // With TLS (the suite's default): refused at start, with the reason.
-    let tls = TestTls::get();
-    let out = granary(&[
-        "worker",
-        "--master",
-        "127.0.0.1:1",
-        "--cache-dir",
-        &root.join("refused").to_string_lossy(),
-        "--cache-size",
-        "1GiB",
-        "--data-listen",
-        "127.0.0.1:0",
-        "--tls-dir",
-        &tls.identity("node").to_string_lossy(),
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("for clusters without TLS"), "{err}");
-
-    let root_s = root.to_string_lossy().to_string();
-    let master = Master::start_with(root, &["--insecure", "--allow-local-root", &root_s]).unwrap();
-    let addr = master.addr.clone();
-    let mut workers: Vec<Worker> = (1..=2)
-        .map(|i| {
-            let name = format!("w{i}");
-            let node = format!("node{i}");
-            let extra = [
-                "--insecure",
-                "--node-name",
-                node.as_str(),
-                "--data-listen",
-                "127.0.0.1:0",
-            ];
-            Worker::start_opts(root, &name, &addr, "1GiB", &root.join(&name), &extra).unwrap()
-        })
-        .collect();
-    poll("2 live workers", Duration::from_secs(30), || {
-        let out = granary(&["report", "--json", "--master", &addr, "--insecure"]);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        let w = v["workers"].as_array()?;
-        (w.iter().filter(|w| w["state"] == "live").count() == 2).then_some(())
-    })
-    .unwrap();
-    let src_s = src.to_string_lossy();
-    granary_ok(&[
-        "mount",
-        "add",
-        "/data",
-        &src_s,
-        "--master",
-        &addr,
-        "--insecure",
-    ])
-    .unwrap();
-    // A node of its own: every read goes to a worker (no short-circuit).
-    let m = Fuse::start_opts(root, "m", &addr, &["--insecure", "--node-name", "reader"]).unwrap();
+    let (master, mut workers, m) = data_plane_cluster(&root.join("tls"), &src, 2, false);
     let dir = m.mountpoint.join("data");
     assert_eq!(tree_sums(&dir).unwrap(), expected, "cold pass");
-    let sent = |ws: &[Worker]| sum(ws, "granary_worker_data_plane_bytes_total");
     let before = sent(&workers);
     drop_page_cache(&dir).unwrap();
     assert_eq!(tree_sums(&dir).unwrap(), expected, "warm pass");
@@ -493,6 +488,28 @@ fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read
         sent(&workers) - before
     );
     assert_eq!(m.metric("granary_client_data_plane_failures_total"), 0.0);
+
+    if !insecure_suite() {
+        // Plain TCP, no certificate, to a TLS data plane: no handshake, no bytes.
+        let out = granary(&["report", "--json", "--master", &master.addr]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let data = v["workers"][0]["data_address"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&data).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let req = [0u8, 0, 0, 2, 0x08, 0x01];
+        let _ = s.write_all(&req);
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        // At most a TLS alert record (type 21), never a frame.
+        assert!(
+            got.is_empty() || (got[0] == 0x15 && got.len() < 64),
+            "a caller without a certificate got an answer: {got:?}"
+        );
+    }
 
     // A worker killed while big.bin is being read: the read still ends with the right bytes.
     drop_page_cache(&dir).unwrap();
@@ -510,4 +527,15 @@ fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read
     let got = reader.join().unwrap().unwrap();
     let want = sh(&format!("sha256sum < '{}'", src.join("big.bin").display())).unwrap();
     assert_eq!(got, want, "big.bin read across the worker's death");
+    drop((m, workers, master));
+
+    // Without TLS: whole cached pages by sendfile.
+    let (_master, workers, m) = data_plane_cluster(&root.join("plain"), &src, 1, true);
+    let dir = m.mountpoint.join("data");
+    assert_eq!(tree_sums(&dir).unwrap(), expected, "cold pass, plain");
+    let before = sent(&workers);
+    drop_page_cache(&dir).unwrap();
+    assert_eq!(tree_sums(&dir).unwrap(), expected, "warm pass, plain");
+    assert!(sent(&workers) - before >= total as f64);
+    assert_eq!(m.metric("granary_client_data_plane_failures_total"), 0.0);
 }

@@ -1,14 +1,19 @@
-//! The block data plane (`--data-listen`): reads of blocks as framed plain TCP, for
-//! clusters without TLS (see `pb::DataFrame` for the wire format).
+//! The block data plane (`--data-listen`): reads of blocks as framed streams (see
+//! `pb::DataFrame` for the wire format) — plain TCP on clusters without TLS, mutual TLS
+//! with the cluster's identities (as gRPC) on clusters with it.
 //!
-//! A request is checked exactly as a gRPC `ReadBlock` is ([`WorkerRpc::admit_read`]).
-//! Whole cached pages are then sent from the cache file by `sendfile` under a short lease
-//! (the page is neither evicted nor punched out while it is sent), with the CRC32C the
-//! store recorded for it — the client checks it, so a torn stream or a page that rotted on
-//! this disk is never delivered as good. Parts of pages are read, checked and sent with
-//! the CRC32C of the part; pages not cached (and node copies) go through the `ReadBlock`
-//! path, which fetches them. Requests on one connection are answered in order.
+//! A caller is who its client certificate says (the unauthenticated caller on plain TCP)
+//! and may read only if its roles may call `ReadBlock`; a request is checked exactly as a
+//! gRPC `ReadBlock` is ([`WorkerRpc::admit_read`]: geometry, flags, the caller's grant).
+//! Whole cached pages are then sent from the cache file under a short lease (the page is
+//! neither evicted nor punched out while it is sent) — by `sendfile` on plain TCP, read
+//! and encrypted on TLS — with the CRC32C the store recorded for it: the client checks it,
+//! so a torn stream or a page that rotted on this disk is never delivered as good. Parts
+//! of pages are read, checked and sent with the CRC32C of the part; pages not cached (and
+//! node copies) go through the `ReadBlock` path, which fetches them. Requests on one
+//! connection are answered in order.
 
+use std::future::Future;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,8 +23,9 @@ use futures::StreamExt;
 use granary_proto as pb;
 use granary_proto::prost::Message;
 use granary_proto::worker_service_server::WorkerService;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -32,9 +38,62 @@ use crate::store::block_key;
 pub const MAX_REQUEST_BYTES: usize = 64 << 10;
 /// How long the pages of one request stay leased while they are sent.
 const SEND_LEASE: Duration = Duration::from_secs(30);
+/// Time a client has to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The method whose roles may use the data plane.
+const READ_METHOD: &str = "/granary.v1.WorkerService/ReadBlock";
 
-/// Accepts data plane connections until `shutdown`.
-pub async fn serve(listener: TcpListener, rpc: Arc<WorkerRpc>, shutdown: CancellationToken) {
+/// A data plane connection: how a cached page's bytes get onto it.
+trait Wire: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Sends `len` bytes of `file` from `offset`.
+    fn send_file(
+        &mut self,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+    ) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+impl Wire for TcpStream {
+    async fn send_file(
+        &mut self,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<()> {
+        send_file(self, file, offset, len).await
+    }
+}
+
+impl Wire for tokio_rustls::server::TlsStream<TcpStream> {
+    /// Read (off the async threads) and written through the TLS stream: no `sendfile`
+    /// into a stream the process encrypts.
+    async fn send_file(
+        &mut self,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<()> {
+        let file = file.try_clone()?;
+        let buf = tokio::task::spawn_blocking(move || {
+            use std::os::unix::fs::FileExt;
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, offset).map(|_| buf)
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        self.write_all(&buf).await
+    }
+}
+
+/// Accepts data plane connections until `shutdown`: mutual TLS with `tls`, else plain TCP
+/// (a cluster without TLS).
+pub async fn serve(
+    listener: TcpListener,
+    rpc: Arc<WorkerRpc>,
+    tls: Option<TlsAcceptor>,
+    shutdown: CancellationToken,
+) {
     loop {
         let sock = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -48,11 +107,31 @@ pub async fn serve(listener: TcpListener, rpc: Arc<WorkerRpc>, shutdown: Cancell
             },
         };
         let _ = sock.set_nodelay(true);
-        let (rpc, sd) = (rpc.clone(), shutdown.clone());
+        let (rpc, sd, tls) = (rpc.clone(), shutdown.clone(), tls.clone());
         tokio::spawn(async move {
+            let served = async {
+                match tls {
+                    None => connection(sock, &rpc, Principal::unauthenticated()).await,
+                    Some(tls) => {
+                        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(sock))
+                            .await
+                            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+                        let who = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(|c| c.first())
+                            .map(|c| Principal::from_certificate(c.as_ref()));
+                        match who {
+                            Some(Ok(who)) => connection(stream, &rpc, who).await,
+                            _ => Err(std::io::Error::other("no usable client certificate")),
+                        }
+                    }
+                }
+            };
             tokio::select! {
                 _ = sd.cancelled() => {}
-                r = connection(sock, &rpc) => if let Err(e) = r {
+                r = served => if let Err(e) = r {
                     tracing::debug!(error = %e, "data plane connection ended");
                 },
             }
@@ -60,10 +139,11 @@ pub async fn serve(listener: TcpListener, rpc: Arc<WorkerRpc>, shutdown: Cancell
     }
 }
 
-async fn connection(mut sock: TcpStream, rpc: &WorkerRpc) -> std::io::Result<()> {
-    // Plaintext only (the worker refuses --data-listen with TLS): the caller is the
-    // unauthenticated one, as on the plaintext gRPC server.
-    let who = Principal::unauthenticated();
+async fn connection<S: Wire>(mut sock: S, rpc: &WorkerRpc, who: Principal) -> std::io::Result<()> {
+    if let Err(s) = granary_common::authz::authorize_method(READ_METHOD, &who) {
+        tracing::warn!(caller = %who, "data plane connection refused: {}", s.message());
+        return end(&mut sock, Some(&s)).await;
+    }
     loop {
         let n = match sock.read_u32().await {
             Ok(n) => n as usize,
@@ -88,7 +168,7 @@ async fn connection(mut sock: TcpStream, rpc: &WorkerRpc) -> std::io::Result<()>
     }
 }
 
-async fn frame(sock: &mut TcpStream, f: &pb::DataFrame) -> std::io::Result<()> {
+async fn frame<S: Wire>(sock: &mut S, f: &pb::DataFrame) -> std::io::Result<()> {
     let mut out = BytesMut::with_capacity(4 + f.encoded_len());
     out.put_u32(f.encoded_len() as u32);
     f.encode(&mut out).map_err(std::io::Error::other)?;
@@ -96,7 +176,7 @@ async fn frame(sock: &mut TcpStream, f: &pb::DataFrame) -> std::io::Result<()> {
 }
 
 /// The last frame of an answer: success, or the status it failed with.
-async fn end(sock: &mut TcpStream, err: Option<&Status>) -> std::io::Result<()> {
+async fn end<S: Wire>(sock: &mut S, err: Option<&Status>) -> std::io::Result<()> {
     frame(
         sock,
         &pb::DataFrame {
@@ -136,8 +216,8 @@ async fn send_file(
     Ok(())
 }
 
-async fn serve_one(
-    sock: &mut TcpStream,
+async fn serve_one<S: Wire>(
+    sock: &mut S,
     rpc: &WorkerRpc,
     who: &Principal,
     r: pb::ReadBlockRequest,
@@ -185,8 +265,8 @@ async fn serve_one(
 
 /// Sends the cached pages of `p` from its start while they are cached; returns the block
 /// offset up to which it sent.
-async fn send_cached(
-    sock: &mut TcpStream,
+async fn send_cached<S: Wire>(
+    sock: &mut S,
     rpc: &WorkerRpc,
     key: crate::store::BlockKey,
     p: Plan,
@@ -205,8 +285,8 @@ async fn send_cached(
     sent
 }
 
-async fn send_leased(
-    sock: &mut TcpStream,
+async fn send_leased<S: Wire>(
+    sock: &mut S,
     rpc: &WorkerRpc,
     lease: &crate::store::Lease,
     p: Plan,
@@ -234,7 +314,7 @@ async fn send_leased(
                 ..Default::default()
             };
             frame(sock, &f).await?;
-            send_file(sock, &file, lease.offset + page_start, n).await?;
+            sock.send_file(&file, lease.offset + page_start, n).await?;
         } else {
             // Part of a page: check the whole page, send the part with its own CRC32C.
             let mut page = vec![0u8; plen as usize];

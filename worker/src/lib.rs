@@ -66,7 +66,8 @@ pub struct WorkerConfig {
     /// Keep node copies of blocks other workers own for clients on this node that ask
     /// (`--locality node`, the default; `cluster` refuses them).
     pub node_copies: bool,
-    /// Serve the block data plane here (`--data-listen`; plaintext clusters only).
+    /// Serve the block data plane here (`--data-listen`; mutual TLS where the worker has
+    /// TLS, plain TCP where it has not).
     pub data_listen: Option<SocketAddr>,
 }
 
@@ -99,11 +100,6 @@ impl WorkerConfig {
         if !self.tiers.is_empty() {
             return store::tiers::validate_tiers(&self.tiers, self.page_size)
                 .map_err(WorkerError::Config);
-        }
-        if self.data_listen.is_some() && granary_common::tls::material().is_some() {
-            return Err(WorkerError::Config(
-                "--data-listen serves reads unauthenticated and in clear: it is for clusters without TLS (a TLS worker serves reads over gRPC only)".into(),
-            ));
         }
         if self.cache_size < self.page_size {
             return Err(WorkerError::Config(format!(
@@ -261,8 +257,19 @@ pub async fn start(
         node_copies: config.node_copies,
     });
     if let Some(l) = data_listener {
-        tracing::info!(address = %data_address, "block data plane serving (plaintext)");
-        tokio::spawn(dataplane::serve(l, rpc.clone(), shutdown.clone()));
+        let tls = match granary_common::tls::material() {
+            Some(m) => Some(m.stream_acceptor().map_err(|e| {
+                WorkerError::Config(format!("TLS setup of the block data plane: {e}"))
+            })?),
+            None => None,
+        };
+        let how = if tls.is_some() {
+            "mutual TLS"
+        } else {
+            "plain TCP"
+        };
+        tracing::info!(address = %data_address, "block data plane serving ({how})");
+        tokio::spawn(dataplane::serve(l, rpc.clone(), tls, shutdown.clone()));
     }
     let svc = granary_common::grpc::per_method_limits(|limit| {
         WorkerServiceServer::from_arc(rpc.clone())

@@ -872,13 +872,9 @@ impl MasterService for MasterRpc {
         self.core
             .workers
             .register(r.worker_id, r.address, r.host, r.stats.unwrap_or_default());
-        // Plaintext: a TLS cluster's clients never use it (they would send grants in clear
-        // and trust unauthenticated bytes), so it is not handed out there.
-        if self.core.grants.is_none() {
-            self.core
-                .workers
-                .set_data_address(r.worker_id, r.data_address);
-        }
+        self.core
+            .workers
+            .set_data_address(r.worker_id, r.data_address);
         self.core.blocks.replace_worker(r.worker_id, &r.blocks);
         Ok(Response::new(pb::RegisterWorkerResponse {
             heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
