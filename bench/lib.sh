@@ -36,7 +36,7 @@ local_workdir() {
 local_cleanup() {
   [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
   mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
-  rm -rf "$work"
+  [ -n "${KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"
 }
 
 # procs_workdir NAME: sets $work to a fresh folder under /tmp and $pids to an empty list;
@@ -49,7 +49,7 @@ procs_workdir() {
 procs_cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$work"
+  [ -n "${KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"
 }
 
 # wait_live MASTER N: waits (up to 10 s) until the master reports N live workers.

@@ -309,6 +309,8 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
     head.put_u32(req.encoded_len() as u32);
     req.encode(&mut head).map_err(|e| e.to_string())?;
     sock.write_all(&head).await.map_err(io)?;
+    // A TLS stream holds what the socket did not take until flushed.
+    sock.flush().await.map_err(io)?;
     let mut hit = true;
     let mut header = Vec::new();
     loop {

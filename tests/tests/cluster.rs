@@ -488,6 +488,25 @@ fn peer_reads_over_the_data_plane_are_exact_and_survive_a_worker_killed_mid_read
         sent(&workers) - before
     );
     assert_eq!(m.metric("granary_client_data_plane_failures_total"), 0.0);
+    // Whole 64 MiB blocks per request through the client library (answers of many
+    // frames), all over the data planes and well within a read's deadline.
+    let before = sent(&workers);
+    let t = std::time::Instant::now();
+    granary_ok(&[
+        "bench",
+        "read",
+        "/data/big.bin",
+        "--passes",
+        "1",
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    assert!(
+        sent(&workers) - before >= (150 * MIB) as f64,
+        "a block read went elsewhere than the data planes"
+    );
+    assert!(t.elapsed() < Duration::from_secs(50), "{:?}", t.elapsed());
 
     if !insecure_suite() {
         // Plain TCP, no certificate, to a TLS data plane: no handshake, no bytes.

@@ -44,7 +44,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_METHOD: &str = "/granary.v1.WorkerService/ReadBlock";
 
 /// A data plane connection: how a cached page's bytes get onto it.
-trait Wire: AsyncRead + AsyncWrite + Unpin + Send {
+pub(crate) trait Wire: AsyncRead + AsyncWrite + Unpin + Send {
     /// Sends `len` bytes of `file` from `offset`.
     fn send_file(
         &mut self,
@@ -139,7 +139,11 @@ pub async fn serve(
     }
 }
 
-async fn connection<S: Wire>(mut sock: S, rpc: &WorkerRpc, who: Principal) -> std::io::Result<()> {
+pub(crate) async fn connection<S: Wire>(
+    mut sock: S,
+    rpc: &WorkerRpc,
+    who: Principal,
+) -> std::io::Result<()> {
     if let Err(s) = granary_common::authz::authorize_method(READ_METHOD, &who) {
         tracing::warn!(caller = %who, "data plane connection refused: {}", s.message());
         return end(&mut sock, Some(&s)).await;
@@ -175,7 +179,9 @@ async fn frame<S: Wire>(sock: &mut S, f: &pb::DataFrame) -> std::io::Result<()> 
     sock.write_all(&out).await
 }
 
-/// The last frame of an answer: success, or the status it failed with.
+/// The last frame of an answer: success, or the status it failed with. Flushed: a TLS
+/// stream keeps what the socket did not take yet until then (the caller would wait for
+/// the end of an answer sitting in the worker's buffer).
 async fn end<S: Wire>(sock: &mut S, err: Option<&Status>) -> std::io::Result<()> {
     frame(
         sock,
@@ -186,7 +192,8 @@ async fn end<S: Wire>(sock: &mut S, err: Option<&Status>) -> std::io::Result<()>
             ..Default::default()
         },
     )
-    .await
+    .await?;
+    sock.flush().await
 }
 
 /// Sends `len` bytes of `file` from `offset` (the socket is non-blocking: waits for room).

@@ -675,3 +675,117 @@ fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
         assert_eq!(got, src[BS as usize..2 * BS as usize]);
     });
 }
+
+/// A stream that, like TLS, keeps what is written until it is flushed: what the peer can
+/// read is `shown`.
+struct HeldUntilFlush {
+    input: std::io::Cursor<Vec<u8>>,
+    pending: Vec<u8>,
+    shown: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl tokio::io::AsyncRead for HeldUntilFlush {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.input).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for HeldUntilFlush {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.pending.extend_from_slice(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let held = std::mem::take(&mut self.pending);
+        self.shown.lock().unwrap().extend_from_slice(&held);
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.poll_flush(cx)
+    }
+}
+
+impl crate::dataplane::Wire for HeldUntilFlush {
+    async fn send_file(
+        &mut self,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, offset)?;
+        self.pending.extend_from_slice(&buf);
+        Ok(())
+    }
+}
+
+/// Every data plane answer reaches the caller whole, also over a stream that holds what it
+/// is given until flushed (TLS): a TLS worker once kept an answer's end in its buffer and
+/// the reader waited out its deadline. Two requests, one uncached and one cached: both
+/// answers, exact and ended, are visible when the worker waits for the next request.
+#[test]
+fn data_plane_answers_are_flushed_to_their_end() {
+    use granary_proto::prost::Message;
+    let src = source();
+    runtime().block_on(async {
+        let r = rig().await;
+        let req = pb::ReadBlockRequest {
+            block: Some(r.honest.clone()),
+            offset: 0,
+            length: BS,
+            cache: true,
+            grant: Some(r.grant.clone()),
+            ..Default::default()
+        };
+        let mut input = Vec::new();
+        for _ in 0..2 {
+            input.extend_from_slice(&(req.encoded_len() as u32).to_be_bytes());
+            req.encode(&mut input).unwrap();
+        }
+        let shown = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stream = HeldUntilFlush {
+            input: std::io::Cursor::new(input),
+            pending: Vec::new(),
+            shown: shown.clone(),
+        };
+        let who = Principal::new("alice", &[Role::User], None);
+        crate::dataplane::connection(stream, &r.rpc, who)
+            .await
+            .unwrap();
+        let shown = shown.lock().unwrap().clone();
+        let mut at = &shown[..];
+        for answer in 0..2 {
+            let mut got = Vec::new();
+            loop {
+                assert!(at.len() >= 4, "answer {answer} was not flushed to its end");
+                let n = u32::from_be_bytes(at[..4].try_into().unwrap()) as usize;
+                let f = pb::DataFrame::decode(&at[4..4 + n]).unwrap();
+                at = &at[4 + n..];
+                if f.end {
+                    assert_eq!(f.code, 0, "{}", f.message);
+                    break;
+                }
+                let data = &at[..f.length as usize];
+                assert_eq!(crc32c::crc32c(data), f.crc32c);
+                got.extend_from_slice(data);
+                at = &at[f.length as usize..];
+            }
+            assert_eq!(got, src[..BS as usize], "answer {answer}");
+        }
+    });
+}
