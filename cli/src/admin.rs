@@ -1153,6 +1153,12 @@ async fn bench_tls(size: u64, json: bool) -> anyhow::Result<()> {
     }
     let secs = start.elapsed().as_secs_f64();
     sender.await??;
+    print_throughput(got, secs, json, " (mutual TLS)");
+    Ok(())
+}
+
+/// Prints what a `granary bench tcp|tls` run moved, as JSON or a line.
+fn print_throughput(got: u64, secs: f64, json: bool, what: &str) {
     let mbps = got as f64 / secs / 1e6;
     if json {
         println!(
@@ -1160,9 +1166,8 @@ async fn bench_tls(size: u64, json: bool) -> anyhow::Result<()> {
             json!({"bytes": got, "seconds": secs, "mb_per_s": mbps})
         );
     } else {
-        println!("{got} bytes in {secs:.2}s: {mbps:.0} MB/s (mutual TLS)");
+        println!("{got} bytes in {secs:.2}s: {mbps:.0} MB/s{what}");
     }
-    Ok(())
 }
 
 /// `granary bench tcp`: bytes through one loopback TCP connection, 1 MiB writes and reads.
@@ -1197,15 +1202,7 @@ fn bench_tcp(size: u64, json: bool) -> anyhow::Result<()> {
     sender
         .join()
         .map_err(|_| anyhow::anyhow!("the sending thread panicked"))??;
-    let mbps = got as f64 / secs / 1e6;
-    if json {
-        println!(
-            "{}",
-            json!({"bytes": got, "seconds": secs, "mb_per_s": mbps})
-        );
-    } else {
-        println!("{got} bytes in {secs:.2}s: {mbps:.0} MB/s");
-    }
+    print_throughput(got, secs, json, "");
     Ok(())
 }
 

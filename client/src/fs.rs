@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use granary_proto as pb;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use tonic::transport::Channel;
@@ -216,18 +216,6 @@ const RECENT_STATUSES: usize = 100_000;
 
 /// Files whose read position is remembered for sequential detection.
 const SEQUENTIAL_TRACKED: usize = 4096;
-
-/// `parts` as one buffer of `len` bytes, copied only when there is more than one.
-fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
-    if parts.len() == 1 {
-        return parts.pop().unwrap_or_default();
-    }
-    let mut out = BytesMut::with_capacity(len as usize);
-    for p in parts {
-        out.extend_from_slice(&p);
-    }
-    out.freeze()
-}
 
 /// A file's block size (0 in its status: the default).
 pub(crate) fn block_size(file: &pb::FileStatus) -> u64 {
@@ -759,7 +747,7 @@ impl FileSystem {
             }
             parts.push(data);
         }
-        Ok(join(parts, end - offset))
+        Ok(crate::transport::join(parts, end - offset))
     }
 
     /// Remembers `file` as its folder's last read when it is a small file (one block, one
@@ -934,7 +922,7 @@ impl FileSystem {
             self.short_circuit.count_read(worker, n);
             self.metrics.add_read("short_circuit", n);
         }
-        Some(join(parts, end - offset))
+        Some(crate::transport::join(parts, end - offset))
     }
 
     /// Reads a whole file of one block only from a worker on this node (short-circuit),

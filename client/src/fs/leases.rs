@@ -27,7 +27,7 @@ impl FileSystem {
             parts.push(self.read_local_window(w, id, pos, n).await?);
             pos += n;
         }
-        Some(join(parts, len))
+        Some(crate::transport::join(parts, len))
     }
 
     /// [`read_local`](Self::read_local) of a range inside one lease window.
