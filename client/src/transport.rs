@@ -216,9 +216,16 @@ impl DataPlane {
         lock(&self.idle).remove(address);
     }
 
-    async fn connection(&self, address: &str) -> Result<Box<dyn Stream>, String> {
-        if let Some(s) = lock(&self.idle).get_mut(address).and_then(|v| v.pop()) {
-            return Ok(s);
+    /// A connection to `address`: an idle one (`true`) unless `fresh`, else a new one.
+    async fn connection(
+        &self,
+        address: &str,
+        fresh: bool,
+    ) -> Result<(Box<dyn Stream>, bool), String> {
+        if !fresh {
+            if let Some(s) = lock(&self.idle).get_mut(address).and_then(|v| v.pop()) {
+                return Ok((s, true));
+            }
         }
         let connect = async {
             let s = TcpStream::connect(address)
@@ -233,11 +240,12 @@ impl DataPlane {
                 .connect(name, s)
                 .await
                 .map_err(|e| format!("TLS with {address}: {e}"))?;
-            Ok(Box::new(s) as Box<dyn Stream>)
+            Ok::<_, String>(Box::new(s) as Box<dyn Stream>)
         };
-        tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        let s = tokio::time::timeout(CONNECT_TIMEOUT, connect)
             .await
-            .map_err(|_| format!("no connection to {address} within {CONNECT_TIMEOUT:?}"))?
+            .map_err(|_| format!("no connection to {address} within {CONNECT_TIMEOUT:?}"))??;
+        Ok((s, false))
     }
 
     /// Reads `req`'s range from the data plane at `address`.
@@ -248,20 +256,33 @@ impl DataPlane {
         deadline: Duration,
     ) -> Result<(Bytes, bool), DataPlaneError> {
         let run = async {
-            let mut sock = self.connection(address).await?;
-            let buf = self.buffers.take(req.length as usize);
-            let out = exchange(&mut *sock, req, buf).await?.map(|(buf, hit)| {
-                let pool = self.buffers.clone();
-                (Bytes::from_owner(Pooled { buf, pool }), hit)
-            });
-            if out.is_ok() {
-                let mut idle = lock(&self.idle);
-                let v = idle.entry(address.to_string()).or_default();
-                if v.len() < IDLE_PER_WORKER {
-                    v.push(sock); // in step: the answer was read to its end
+            let mut fresh = false;
+            loop {
+                let (mut sock, reused) = self.connection(address, fresh).await?;
+                let buf = self.buffers.take(req.length as usize);
+                let out = match exchange(&mut *sock, req, buf).await {
+                    Ok(out) => out,
+                    // An idle connection the worker closed meanwhile (idle for 5 minutes, or
+                    // the worker restarted): once more on a new one.
+                    Err(_) if reused => {
+                        fresh = true;
+                        continue;
+                    }
+                    Err(why) => return Err(why),
+                };
+                let out = out.map(|(buf, hit)| {
+                    let pool = self.buffers.clone();
+                    (Bytes::from_owner(Pooled { buf, pool }), hit)
+                });
+                if out.is_ok() {
+                    let mut idle = lock(&self.idle);
+                    let v = idle.entry(address.to_string()).or_default();
+                    if v.len() < IDLE_PER_WORKER {
+                        v.push(sock); // in step: the answer was read to its end
+                    }
                 }
+                return Ok::<_, String>(out);
             }
-            Ok::<_, String>(out)
         };
         match tokio::time::timeout(deadline, run).await {
             Ok(Ok(Ok(r))) => Ok(r),
@@ -463,6 +484,37 @@ mod tests {
                 "a failed data plane is left alone a while"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_worker_closed_is_replaced_not_failed() {
+        let a = vec![3u8; 2048];
+        let frames = || vec![data(10, &a, crc32c::crc32c(&a)), end(0, "")];
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (f1, f2) = (frames(), frames());
+        tokio::spawn(async move {
+            // Each connection answers one request, then the worker closes it.
+            for frames in [f1, f2] {
+                let (mut s, _) = l.accept().await.unwrap();
+                let n = s.read_u32().await.unwrap();
+                let mut buf = vec![0u8; n as usize];
+                s.read_exact(&mut buf).await.unwrap();
+                for (f, data) in frames {
+                    let mut out = BytesMut::new();
+                    out.put_u32(f.encoded_len() as u32);
+                    f.encode(&mut out).unwrap();
+                    out.extend_from_slice(&data);
+                    s.write_all(&out).await.unwrap();
+                }
+            }
+        });
+        let dp = DataPlane::default();
+        for _ in 0..2 {
+            let (got, _) = dp.read_from(&addr, &req(2048), T).await.unwrap();
+            assert_eq!(got[..], a[..]);
+        }
+        assert!(!dp.is_down(&addr));
     }
 
     #[tokio::test]

@@ -40,6 +40,8 @@ pub const MAX_REQUEST_BYTES: usize = 64 << 10;
 const SEND_LEASE: Duration = Duration::from_secs(30);
 /// Time a client has to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection with no request for this long is closed (clients open a new one).
+const IDLE_CLOSE: Duration = Duration::from_secs(300);
 /// The method whose roles may use the data plane.
 const READ_METHOD: &str = "/granary.v1.WorkerService/ReadBlock";
 
@@ -149,10 +151,11 @@ pub(crate) async fn connection<S: Wire>(
         return end(&mut sock, Some(&s)).await;
     }
     loop {
-        let n = match sock.read_u32().await {
-            Ok(n) => n as usize,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+        let n = match tokio::time::timeout(IDLE_CLOSE, sock.read_u32()).await {
+            Err(_) => return Ok(()), // idle
+            Ok(Ok(n)) => n as usize,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e),
         };
         if n > MAX_REQUEST_BYTES {
             let s = Status::invalid_argument(format!(
