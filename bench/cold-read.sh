@@ -15,7 +15,9 @@
 # share on this machine. (`cargo build --release --bin flow-shaper` builds it beside a release
 # granary; SHAPER_BIN overrides.)
 #
-# SHOW_METRICS=1 prints the worker's under-store counters after the cold read;
+# WORKER_FLAGS adds flags to the worker (e.g. "--data-listen 127.0.0.1:0": the mount then
+# reads from it over its block data plane). SHOW_METRICS=1 prints the worker's under-store
+# counters after the cold read;
 # PERF_WORKER=FILE records the worker with `perf record -g` during it.
 #
 # azure: Azurite, in memory. s3: s3s-fs (its ranged GETs slow down with object size, so
@@ -71,7 +73,7 @@ GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mp
 pids+=($!); wait_port "$mport"
 wmport=$(free_port)
 GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 --metrics-listen "127.0.0.1:$wmport" \
-  --cache-dir "$work/cache" --cache-size "$((size_mib * 2))MiB" > "$work/worker.log" 2>&1 &
+  --cache-dir "$work/cache" --cache-size "$((size_mib * 2))MiB" ${WORKER_FLAGS:-} > "$work/worker.log" 2>&1 &
 pids+=($!)
 "$bin" mount add /store "$uri" --master "127.0.0.1:$mport" "${opts[@]}" -o sync_interval=never > /dev/null
 GRANARY_LOG=warn "$bin" fuse --master "127.0.0.1:$mport" --mount "$work/mnt" > "$work/fuse.log" 2>&1 &
