@@ -390,20 +390,25 @@ mod tests {
         let addr = l.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            let n = s.read_u32().await.unwrap();
-            let mut buf = vec![0u8; n as usize];
-            s.read_exact(&mut buf).await.unwrap();
-            for (f, data) in frames {
-                let mut out = BytesMut::new();
-                out.put_u32(f.encoded_len() as u32);
-                f.encode(&mut out).unwrap();
-                out.extend_from_slice(&data);
-                if s.write_all(&out).await.is_err() {
-                    return;
-                }
-            }
+            answer(&mut s, frames).await;
         });
         addr
+    }
+
+    /// Reads one request from `s` and writes `frames` (header, data) as given.
+    async fn answer(s: &mut TcpStream, frames: Vec<(pb::DataFrame, Vec<u8>)>) {
+        let n = s.read_u32().await.unwrap();
+        let mut buf = vec![0u8; n as usize];
+        s.read_exact(&mut buf).await.unwrap();
+        for (f, data) in frames {
+            let mut out = BytesMut::new();
+            out.put_u32(f.encoded_len() as u32);
+            f.encode(&mut out).unwrap();
+            out.extend_from_slice(&data);
+            if s.write_all(&out).await.is_err() {
+                return;
+            }
+        }
     }
 
     fn data(offset: u64, bytes: &[u8], crc: u32) -> (pb::DataFrame, Vec<u8>) {
@@ -497,16 +502,7 @@ mod tests {
             // Each connection answers one request, then the worker closes it.
             for frames in [f1, f2] {
                 let (mut s, _) = l.accept().await.unwrap();
-                let n = s.read_u32().await.unwrap();
-                let mut buf = vec![0u8; n as usize];
-                s.read_exact(&mut buf).await.unwrap();
-                for (f, data) in frames {
-                    let mut out = BytesMut::new();
-                    out.put_u32(f.encoded_len() as u32);
-                    f.encode(&mut out).unwrap();
-                    out.extend_from_slice(&data);
-                    s.write_all(&out).await.unwrap();
-                }
+                answer(&mut s, frames).await;
             }
         });
         let dp = DataPlane::default();
