@@ -66,8 +66,12 @@ case "$store" in
   *) echo "usage: $0 [azure|s3] [SIZE_MIB]" >&2; exit 2 ;;
 esac
 
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+server_pid=${pids[0]}
+t_direct=$(ticks "$server_pid")
 direct_json=$("$bin" bench get "$uri/big.bin" "${opts[@]}" --json)
 direct=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['seconds'])" "$direct_json")
+t_direct=$(( $(ticks "$server_pid") - t_direct ))
 
 GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" > "$work/master.log" 2>&1 &
 pids+=($!); wait_port "$mport"
@@ -86,7 +90,17 @@ if [ -n "${PERF_WORKER:-}" ]; then
   perf record -g -o "$PERF_WORKER" -p "$(pgrep -f "worker --master 127.0.0.1:$mport")" 2>/dev/null &
   perf_pid=$!; sleep 0.5
 fi
+worker_pid=$(pgrep -f "worker --master 127.0.0.1:$mport" | head -1)
+fuse_pid=$(pgrep -f "fuse --master 127.0.0.1:$mport" | head -1)
+t_srv=$(ticks "$server_pid"); t_wrk=$(ticks "$worker_pid"); t_fuse=$(ticks "$fuse_pid")
 cold=$(timed_cat "$work/mnt/store/big.bin")
+hz=$(getconf CLK_TCK)
+cpu_line=$(python3 -c "
+import sys
+hz, gb = float(sys.argv[1]), $bytes / 1e9
+d = [(int(b) - int(a)) / hz / gb for a, b in zip(sys.argv[2::2], sys.argv[3::2])]
+print(f'server {d[0]:.2f}, worker {d[1]:.2f}, FUSE daemon {d[2]:.2f}')
+" "$hz" "$t_srv" "$(ticks "$server_pid")" "$t_wrk" "$(ticks "$worker_pid")" "$t_fuse" "$(ticks "$fuse_pid")")
 if [ -n "${PERF_WORKER:-}" ]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 if [ -n "${SHOW_METRICS:-}" ]; then curl -s "127.0.0.1:$wmport/metrics" | grep -E "^granary_worker_(ufs|cache|prefetch|uncached|read)" | grep -v bucket; fi
 warm=$(timed_cat "$work/mnt/store/big.bin")
@@ -99,3 +113,4 @@ echo "object:                      ${size_mib} MiB on $store ($net)"
 echo "direct single-stream GET:    $(mbps "$direct") MB/s (limit)"
 echo "granary cold (FUSE, cat):    $(mbps "$cold") MB/s  ($(python3 -c "print(f'{$direct / $cold:.2f}')")x of the direct GET)"
 echo "granary warm (FUSE, cat):    $(mbps "$warm") MB/s"
+echo "cold CPU s per GB:           $cpu_line (server during the direct GET: $(python3 -c "print(f'{$t_direct / $(getconf CLK_TCK) / ($bytes / 1e9):.2f}')"))"
