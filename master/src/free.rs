@@ -40,8 +40,8 @@ impl MasterCore {
         let mut files = HashSet::new();
         let mut unpersisted: Vec<String> = Vec::new();
         let mut unpersisted_count = 0u64;
-        let mut stack = vec![(root, path.clone())];
-        while let Some((node, p)) = stack.pop() {
+        for entry in self.ns.sm.walk(root, path.clone()) {
+            let (node, p) = entry?;
             if pinned.contains(&node.id) {
                 return Err(MasterError::precondition(format!(
                     "{p} (below {path}) is pinned: unpin it first (granary unpin)"
@@ -51,24 +51,10 @@ impl MasterCore {
                 if node.persist != Persist::Persisted {
                     unpersisted_count += 1;
                     if unpersisted.len() < EXAMPLES {
-                        unpersisted.push(p.clone());
+                        unpersisted.push(p);
                     }
                 }
                 files.insert(node.id);
-                continue;
-            }
-            let mut after: Option<String> = None;
-            loop {
-                let page = self.ns.sm.children(node.id, after.as_deref(), 1000)?;
-                let full = page.len() == 1000;
-                after = page.last().map(|c| c.name.clone());
-                for c in page {
-                    let cp = granary_common::paths::join(&p, &c.name);
-                    stack.push((c, cp));
-                }
-                if !full {
-                    break;
-                }
             }
         }
         if unpersisted_count > 0 && !force {

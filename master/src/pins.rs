@@ -107,24 +107,13 @@ impl MasterCore {
     fn pinned_files(&self) -> Result<HashSet<u64>, MasterError> {
         let mut out = HashSet::new();
         for (inode, _) in self.ns.sm.pins()? {
-            let mut stack = vec![inode];
-            while let Some(id) = stack.pop() {
-                let Some(node) = self.ns.sm.inode(id)? else {
-                    continue;
-                };
+            let Some(node) = self.ns.sm.inode(inode)? else {
+                continue;
+            };
+            for entry in self.ns.sm.walk(node, String::new()) {
+                let (node, _) = entry?;
                 if node.kind != Kind::Directory {
-                    out.insert(id);
-                    continue;
-                }
-                let mut after: Option<String> = None;
-                loop {
-                    let page = self.ns.sm.children(id, after.as_deref(), 1000)?;
-                    let full = page.len() == 1000;
-                    after = page.last().map(|c| c.name.clone());
-                    stack.extend(page.into_iter().map(|c| c.id));
-                    if !full {
-                        break;
-                    }
+                    out.insert(node.id);
                 }
             }
         }

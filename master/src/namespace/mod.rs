@@ -331,16 +331,11 @@ impl Namespace {
                 }
             }
             if recursive {
-                let mut after: Option<String> = None;
-                loop {
-                    let page = self.sm.children(dir.id, after.as_deref(), 1000)?;
-                    let Some(last) = page.last() else { break };
-                    after = Some(last.name.clone());
-                    for c in page {
-                        // Unloaded directories stay lazy; mount points below start a mount.
-                        if c.kind == Kind::Directory && (c.children_loaded || c.is_mount_point) {
-                            queue.push_back(c);
-                        }
+                for c in self.sm.children_of(dir.id) {
+                    let c = c?;
+                    // Unloaded directories stay lazy; mount points below start a mount.
+                    if c.kind == Kind::Directory && (c.children_loaded || c.is_mount_point) {
+                        queue.push_back(c);
                     }
                 }
             }

@@ -9,6 +9,7 @@ pub mod pins;
 pub mod records;
 mod sync;
 pub mod ttl;
+pub mod walk;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,0 +1,485 @@
+//! Runs jobs on the leader. A load job enumerates the files below its path, hands their
+//! blocks to the workers that own them (the same placement clients use, so a later read
+//! finds each block where it looks first) in batched tasks — many small files per task, a
+//! task per block for big files — a few tasks in flight per worker, retries failed blocks
+//! with backoff (placing them again: a worker that died meanwhile is replaced) and records
+//! its progress through Raft every half second. What is recorded is what the next leader
+//! resumes from (see [`crate::state::jobs`]).
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use granary_proto as pb;
+use granary_proto::worker_service_client::WorkerServiceClient;
+
+use crate::core::MasterCore;
+use crate::error::MasterError;
+use crate::state::jobs::{FailedFile, Job, JobState};
+use crate::state::{ApplyOutput, Command, Inode, Kind};
+
+mod planner;
+#[cfg(test)]
+mod proptests;
+
+use planner::{Limits, Planner};
+
+/// Deadline of one task.
+const TASK_TIMEOUT: Duration = Duration::from_secs(600);
+/// How often progress is recorded (and cancellation noticed).
+const REPORT_EVERY: Duration = Duration::from_millis(500);
+/// Entries listed per directory page while enumerating.
+const LIST_PAGE: usize = 1000;
+
+/// Jobs this master is running (leader only).
+#[derive(Default)]
+pub struct JobRunner {
+    running: Mutex<HashSet<u64>>,
+    /// Block loads tried again after a failure that may pass (an unreachable store or
+    /// worker, a full cache); a gone, changed or refused object is not tried again.
+    pub retries: prometheus_client::metrics::counter::Counter,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl MasterCore {
+    /// Starts a job (replicated), run by the leader from the next tick on.
+    pub async fn start_job(
+        self: &Arc<Self>,
+        kind: &str,
+        path: &str,
+        replicas: u32,
+        request_id: u64,
+    ) -> Result<Job, MasterError> {
+        if kind != "load" {
+            return Err(MasterError::invalid(format!(
+                "unknown job kind {kind:?} (known: load)"
+            )));
+        }
+        if !(1..=8).contains(&replicas) {
+            return Err(MasterError::invalid(format!(
+                "replicas must be 1 to 8, not {replicas}"
+            )));
+        }
+        self.ensure_leader()?;
+        let path = granary_common::paths::normalize(path)?;
+        // Refuse a path that does not exist now, rather than a job that fails at once.
+        self.ns.resolve(&path).await?;
+        let cmd = Command::CreateJob {
+            kind: kind.to_string(),
+            path,
+            replicas,
+            now_ms: granary_common::now_ms(),
+        };
+        let job = match self.propose_request(cmd, request_id).await? {
+            ApplyOutput::Job(j) => j,
+            _ => return Err(MasterError::corrupt("unexpected result of CreateJob")),
+        };
+        tracing::info!(id = job.id, path = %job.path, replicas, "load job started");
+        self.run_jobs();
+        Ok(job)
+    }
+
+    /// Cancels a job that has not finished (a finished one is returned as it is).
+    pub async fn cancel_job(&self, id: u64) -> Result<Job, MasterError> {
+        self.ensure_leader()?;
+        self.read_barrier().await?;
+        if self.ns.sm.job(id)?.is_none() {
+            return Err(MasterError::NoSuchJob { id });
+        }
+        let cmd = Command::FinishJob {
+            id,
+            state: JobState::Cancelled,
+            error: String::new(),
+            now_ms: granary_common::now_ms(),
+        };
+        match self.propose(cmd).await? {
+            ApplyOutput::Job(j) => Ok(j),
+            _ => Err(MasterError::corrupt("unexpected result of FinishJob")),
+        }
+    }
+
+    /// A job as the CLI shows it, with up to `max_failed` failed files.
+    pub fn job_info(&self, id: u64, max_failed: usize) -> Result<pb::JobInfo, MasterError> {
+        let job = self.ns.sm.job(id)?.ok_or(MasterError::NoSuchJob { id })?;
+        let failed = self.ns.sm.job_failed(id, max_failed)?;
+        Ok(to_info(&job, failed))
+    }
+
+    /// Every kept job (no failed lists).
+    pub fn job_list(&self) -> Result<Vec<pb::JobInfo>, MasterError> {
+        Ok(self
+            .ns
+            .sm
+            .jobs()?
+            .iter()
+            .map(|j| to_info(j, Vec::new()))
+            .collect())
+    }
+
+    /// Starts a runner for every unfinished job that has none (leader only; called every
+    /// tick, so a new leader picks up the jobs of the last one).
+    pub fn run_jobs(self: &Arc<Self>) {
+        if !self.raft.status.is_leader() {
+            return;
+        }
+        let Ok(jobs) = self.ns.sm.jobs() else {
+            return;
+        };
+        for job in jobs.into_iter().filter(|j| !j.state.finished()) {
+            if !lock(&self.jobs.running).insert(job.id) {
+                continue;
+            }
+            let core = self.clone();
+            tokio::spawn(async move {
+                let id = job.id;
+                if let Err(e) = run(&core, job).await {
+                    tracing::warn!(job = id, error = %e, "job runner stopped; resumed on a later tick");
+                    // Not leader, shutting down, or a failure worth another try later.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                lock(&core.jobs.running).remove(&id);
+            });
+        }
+    }
+}
+
+fn to_info(job: &Job, failed: Vec<FailedFile>) -> pb::JobInfo {
+    pb::JobInfo {
+        id: job.id,
+        kind: job.kind.clone(),
+        path: job.path.clone(),
+        replicas: job.replicas,
+        state: job.state.as_str().to_string(),
+        created_ms: job.created_ms.max(0) as u64,
+        finished_ms: job.finished_ms.max(0) as u64,
+        total_files: job.total_files,
+        total_bytes: job.total_bytes,
+        done_files: job.done_files,
+        done_bytes: job.done_bytes,
+        failed_files: job.failed_files,
+        failed: failed
+            .into_iter()
+            .map(|f| pb::FailedFile {
+                path: f.path,
+                reason: f.reason,
+            })
+            .collect(),
+        fetched_bytes: job.fetched_bytes,
+        error: job.error.clone(),
+    }
+}
+
+async fn propose_job(core: &MasterCore, cmd: Command) -> Result<Job, MasterError> {
+    match core.propose(cmd).await? {
+        ApplyOutput::Job(j) => Ok(j),
+        _ => Err(MasterError::corrupt("unexpected result of a job command")),
+    }
+}
+
+/// Every file at or below `root`, with its path (directories listed from the under-store
+/// where they were not yet).
+async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)>, MasterError> {
+    let root_path = core.ns.sm.path_of(&root)?;
+    if root.kind != Kind::Directory {
+        return Ok(vec![(root, root_path)]);
+    }
+    let mut files = Vec::new();
+    let mut dirs = VecDeque::from([(root, root_path)]);
+    while let Some((dir, path)) = dirs.pop_front() {
+        let mut after: Option<String> = None;
+        loop {
+            let page = core
+                .ns
+                .list(dir.clone(), after.as_deref(), LIST_PAGE)
+                .await?;
+            let full = page.len() == LIST_PAGE;
+            after = page.last().map(|i| i.name.clone());
+            for child in page {
+                let p = granary_common::paths::join(&path, &child.name);
+                match child.kind {
+                    Kind::Directory => dirs.push_back((child, p)),
+                    _ => files.push((child, p)),
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The live workers, as clients see them (same order and weights).
+fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
+    let decommissioned = core.ns.sm.decommissioned().unwrap_or_default();
+    core.workers
+        .all()
+        .into_iter()
+        .filter(|w| core.workers.state_of(w, decommissioned.contains(&w.id)) == "live")
+        .map(|w| pb::WorkerInfo {
+            worker_id: w.id,
+            address: w.address,
+            host: w.host,
+            state: "live".into(),
+            stats: Some(w.stats),
+            data_address: w.data_address,
+            ..Default::default()
+        })
+        .collect()
+}
+
+async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
+    let Some((job, planner)) = plan(core, job).await? else {
+        return Ok(());
+    };
+    let Some(job) = drive(core, job, planner).await? else {
+        return Ok(()); // cancelled
+    };
+    let state = if job.failed_files == 0 {
+        JobState::Succeeded
+    } else {
+        JobState::Failed
+    };
+    let cmd = Command::FinishJob {
+        id: job.id,
+        state,
+        error: String::new(),
+        now_ms: granary_common::now_ms(),
+    };
+    let job = propose_job(core, cmd).await?;
+    tracing::info!(
+        job = job.id,
+        state = job.state.as_str(),
+        files = job.done_files,
+        failed = job.failed_files,
+        fetched_bytes = job.fetched_bytes,
+        "load job finished"
+    );
+    Ok(())
+}
+
+/// Enumerates the job's files and records how many there are; None when the job failed
+/// at once (its path is gone).
+async fn plan(core: &Arc<MasterCore>, job: Job) -> Result<Option<(Job, Planner)>, MasterError> {
+    let id = job.id;
+    core.ensure_leader()?;
+    core.read_barrier().await?;
+    // A job resumed by a new leader: that leader knows no workers until they re-register,
+    // and placing blocks on the few known so far would cache them away from their owners
+    // (and fetch them again, as the last leader's tasks may already have).
+    if job.state != JobState::Planning {
+        while core.workers.term_age() < core.heartbeat_interval * 3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let root = match core.ns.resolve(&job.path).await {
+        Ok(r) => r,
+        Err(e @ MasterError::NotFound { .. }) => {
+            let cmd = Command::FinishJob {
+                id,
+                state: JobState::Failed,
+                error: e.to_string(),
+                now_ms: granary_common::now_ms(),
+            };
+            propose_job(core, cmd).await?;
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    let files = enumerate(core, root).await?;
+    let total_bytes = files
+        .iter()
+        .fold(0u64, |sum, (f, _)| sum.saturating_add(f.length));
+    let job = if job.state == JobState::Planning
+        || job.total_files != files.len() as u64
+        || job.total_bytes != total_bytes
+    {
+        let cmd = Command::JobPlanned {
+            id,
+            total_files: files.len() as u64,
+            total_bytes,
+        };
+        propose_job(core, cmd).await?
+    } else {
+        job
+    };
+    tracing::info!(
+        job = id,
+        files = files.len(),
+        bytes = total_bytes,
+        "load job planned"
+    );
+    let mut skip = core.ns.sm.job_done(id)?;
+    skip.extend(
+        core.ns
+            .sm
+            .job_failed(id, usize::MAX)?
+            .into_iter()
+            .map(|f| f.inode),
+    );
+    let planner = Planner::new(
+        files,
+        &skip,
+        job.replicas,
+        granary_common::DEFAULT_BLOCK_SIZE,
+        Limits::DEFAULT,
+    );
+    Ok(Some((job, planner)))
+}
+
+/// Carries out the planner's decisions until every file is settled, recording progress
+/// as it goes; the job as recorded at the end, None when it was cancelled meanwhile.
+async fn drive(
+    core: &Arc<MasterCore>,
+    mut job: Job,
+    mut planner: Planner,
+) -> Result<Option<Job>, MasterError> {
+    let id = job.id;
+    let mut in_flight = FuturesUnordered::new();
+    let mut last_report = Instant::now();
+    let mut workers_at: Option<Instant> = None;
+    loop {
+        if workers_at.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
+            planner.set_workers(live_workers(core));
+            workers_at = Some(Instant::now());
+        }
+        for task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
+            let address = task.worker.address;
+            in_flight.push(async move { (task.id, load_on(&address, task.request).await) });
+        }
+        if planner.settled() {
+            break;
+        }
+        tokio::select! {
+            Some((task, res)) = in_flight.next(), if !in_flight.is_empty() => {
+                let wid = planner.worker_of(task);
+                let answered = planner.answer(task, res, Instant::now());
+                core.jobs.retries.inc_by(answered.retries);
+                // The worker holds the blocks now: `fs stat` says so at once, not from its
+                // next heartbeat on (which reports them too, or their eviction).
+                if let Some(wid) = wid.filter(|_| !answered.loaded.is_empty()) {
+                    core.blocks.update(wid, &answered.loaded, &[]);
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        if last_report.elapsed() >= REPORT_EVERY || planner.unreported() >= 4096 {
+            job = flush(core, &mut planner, id).await?.unwrap_or(job);
+            last_report = Instant::now();
+            if job.state.finished() {
+                tracing::info!(job = id, state = job.state.as_str(), "job stopped");
+                return Ok(None);
+            }
+            if !core.raft.status.is_leader() {
+                return Err(core.raft.not_leader());
+            }
+        }
+    }
+    job = flush(core, &mut planner, id).await?.unwrap_or(job);
+    Ok((!job.state.finished()).then_some(job))
+}
+
+/// Records the planner's progress, if there is any; returns the job as it now stands
+/// (from the local state when nothing was recorded: a cancellation is seen either way).
+async fn flush(
+    core: &MasterCore,
+    planner: &mut Planner,
+    id: u64,
+) -> Result<Option<Job>, MasterError> {
+    let report = planner.take_report();
+    if report.is_empty() {
+        return core.ns.sm.job(id);
+    }
+    let cmd = Command::JobProgress {
+        id,
+        done: report.done,
+        failed: report.failed,
+        fetched_bytes: report.fetched_bytes,
+    };
+    propose_job(core, cmd).await.map(Some)
+}
+
+/// Sends one task to a worker.
+async fn load_on(
+    address: &str,
+    task: pb::LoadBlocksRequest,
+) -> Result<pb::LoadBlocksResponse, String> {
+    let ch = granary_common::grpc::channel(address)
+        .map_err(|e| format!("bad worker address {address}: {e}"))?;
+    let mut client = WorkerServiceClient::new(ch)
+        .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+    let mut req = tonic::Request::new(task);
+    req.set_timeout(TASK_TIMEOUT);
+    match tokio::time::timeout(TASK_TIMEOUT, client.load_blocks(req)).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(format!("worker {address}: {}", s.message())),
+        Err(_) => Err(format!("worker {address} did not finish the task in time")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::planner::{load_error, plan_blocks, worth_retrying};
+    use super::*;
+
+    #[test]
+    fn only_failures_that_may_pass_are_retried_and_unknown_codes_count_as_such() {
+        assert!(worth_retrying(load_error(
+            pb::LoadError::Unavailable as i32
+        )));
+        assert!(worth_retrying(load_error(0)));
+        for permanent in [
+            pb::LoadError::NotFound,
+            pb::LoadError::Changed,
+            pb::LoadError::Denied,
+            pb::LoadError::Invalid,
+        ] {
+            assert!(
+                !worth_retrying(load_error(permanent as i32)),
+                "{permanent:?}"
+            );
+        }
+        // A code no version defines (a newer or hostile worker): tried again, boundedly.
+        for hostile in [i32::MAX, i32::MIN, -1, 99] {
+            assert_eq!(load_error(hostile), pb::LoadError::Unspecified);
+        }
+    }
+
+    fn file(length: u64, block_size: u64) -> Inode {
+        let mut f = Inode::directory(9, 1, "f", 0o644, 0);
+        f.kind = Kind::File;
+        f.length = length;
+        f.block_size = block_size;
+        f
+    }
+
+    #[test]
+    fn a_load_plans_real_files_and_refuses_impossible_lengths() {
+        assert_eq!(plan_blocks(&file(0, 0), 64 << 20), Ok((64 << 20, 0)));
+        assert_eq!(plan_blocks(&file(1, 0), 64 << 20), Ok((64 << 20, 1)));
+        assert_eq!(
+            plan_blocks(&file((64 << 20) + 1, 64 << 20), 1),
+            Ok((64 << 20, 2))
+        );
+        // The largest file a load takes: 64 TiB in 1 MiB blocks, 2^26 blocks.
+        assert_eq!(
+            plan_blocks(&file(granary_common::MAX_FILE_LENGTH, 1 << 20), 1),
+            Ok((1 << 20, 1 << 26))
+        );
+        // A file claiming 2^58 bytes (its block count would wrap a u32 to 0 at 64 MiB).
+        let err = plan_blocks(&file(1 << 58, 64 << 20), 1).unwrap_err();
+        assert!(err.contains("288230376151711744 bytes"), "{err}");
+        // A block size of 1 byte would plan more blocks than an index can name.
+        let err = plan_blocks(&file(1 << 40, 1), 1).unwrap_err();
+        assert!(err.contains("more blocks"), "{err}");
+        assert!(plan_blocks(&file(10, 0), 0).is_err());
+    }
+}

@@ -1,0 +1,171 @@
+//! Walks of the namespace as the state machine holds it (what was listed; nothing is
+//! listed from an under-store here), a page of names at a time so that a walk holds at
+//! most a page per level in memory whatever the folders' sizes. Pins, `free` and the
+//! recursive re-listing of `granary fs sync` walk with these.
+
+use super::{Inode, Kind, StateMachine};
+use crate::error::MasterError;
+
+/// Names read from the state per page.
+pub const PAGE: usize = 1000;
+
+/// The children of one directory in name order.
+pub struct Children<'a> {
+    sm: &'a StateMachine,
+    dir: u64,
+    after: Option<String>,
+    page: std::vec::IntoIter<Inode>,
+    done: bool,
+}
+
+impl Iterator for Children<'_> {
+    type Item = Result<Inode, MasterError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(child) = self.page.next() {
+                return Some(Ok(child));
+            }
+            if self.done {
+                return None;
+            }
+            match self.sm.children(self.dir, self.after.as_deref(), PAGE) {
+                Ok(page) => {
+                    self.done = page.len() < PAGE;
+                    self.after = page.last().map(|c| c.name.clone());
+                    self.page = page.into_iter();
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+        }
+    }
+}
+
+/// Every node at or below a root, the root first, then depth first in name order, each
+/// with its path. After an error the walk ends.
+pub struct Walk<'a> {
+    sm: &'a StateMachine,
+    root: Option<(Inode, String)>,
+    /// The folders being walked, innermost last, each with its path.
+    open: Vec<(Children<'a>, String)>,
+}
+
+impl Walk<'_> {
+    fn enter(&mut self, node: &Inode, path: &str) {
+        if node.kind == Kind::Directory {
+            self.open
+                .push((self.sm.children_of(node.id), path.to_string()));
+        }
+    }
+}
+
+impl Iterator for Walk<'_> {
+    type Item = Result<(Inode, String), MasterError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some((root, path)) = self.root.take() {
+            self.enter(&root, &path);
+            return Some(Ok((root, path)));
+        }
+        loop {
+            let (children, parent) = self.open.last_mut()?;
+            match children.next() {
+                None => {
+                    self.open.pop();
+                }
+                Some(Err(e)) => {
+                    self.open.clear();
+                    return Some(Err(e));
+                }
+                Some(Ok(child)) => {
+                    let path = granary_common::paths::join(parent, &child.name);
+                    self.enter(&child, &path);
+                    return Some(Ok((child, path)));
+                }
+            }
+        }
+    }
+}
+
+impl StateMachine {
+    /// The children of `dir`, read a page at a time.
+    pub fn children_of(&self, dir: u64) -> Children<'_> {
+        Children {
+            sm: self,
+            dir,
+            after: None,
+            page: Vec::new().into_iter(),
+            done: false,
+        }
+    }
+
+    /// Every node at or below `root` (whose path is `path`).
+    pub fn walk(&self, root: Inode, path: String) -> Walk<'_> {
+        Walk {
+            sm: self,
+            root: Some((root, path)),
+            open: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{ApplyOutput, Command, ROOT_INODE};
+    use super::*;
+
+    #[test]
+    fn a_walk_visits_every_node_once_root_first_in_name_order_across_pages() {
+        let (_d, sm) = super::super::tests::open();
+        let mut index = 0;
+        let mut apply = |cmd: Command| {
+            index += 1;
+            sm.apply(index, &cmd).unwrap()
+        };
+        apply(Command::Mkdir {
+            path: "/t/b/deep".into(),
+            recursive: true,
+            mode: 0,
+            now_ms: 1,
+            owner: None,
+        });
+        apply(Command::Mkdir {
+            path: "/t/a".into(),
+            recursive: false,
+            mode: 0,
+            now_ms: 1,
+            owner: None,
+        });
+        // More names than a page in one folder, and a file below the nested one.
+        let many = PAGE * 2 + 7;
+        let mut files: Vec<String> = (0..many).map(|i| format!("/t/a/f{i:05}")).collect();
+        files.push("/t/b/deep/z".into());
+        for path in &files {
+            let out = apply(Command::CreateFile {
+                path: path.clone(),
+                mode: 0,
+                block_size: 0,
+                now_ms: 1,
+                overwrite: false,
+                owner: None,
+                creator: None,
+            });
+            assert!(matches!(out, ApplyOutput::Inode(_)));
+        }
+        let root = sm.resolve_loaded("/t").unwrap().unwrap();
+        let seen: Vec<String> = sm.walk(root, "/t".into()).map(|e| e.unwrap().1).collect();
+        let mut expected = vec!["/t".to_string(), "/t/a".into()];
+        expected.extend(files[..many].iter().cloned());
+        expected.extend(["/t/b".into(), "/t/b/deep".into(), "/t/b/deep/z".into()]);
+        assert_eq!(seen, expected);
+        assert_eq!(sm.children_of(ROOT_INODE).count(), 1);
+        let a = sm.resolve_loaded("/t/a").unwrap().unwrap();
+        assert_eq!(sm.children_of(a.id).count(), many);
+        // A file is a walk of itself.
+        let f = sm.resolve_loaded("/t/b/deep/z").unwrap().unwrap();
+        assert_eq!(sm.walk(f, "/z".into()).count(), 1);
+    }
+}
