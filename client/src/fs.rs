@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use granary_common::net::GrpcChannel as Channel;
 use granary_proto as pb;
 use granary_proto::worker_service_client::WorkerServiceClient;
-use tonic::transport::Channel;
 
 use crate::error::ClientError;
 use crate::local::{LocalLease, Miss, ShortCircuit, LEASE_TIMEOUT};
@@ -249,11 +249,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl FileSystem {
     pub fn new(master: MasterClient) -> Arc<Self> {
+        let net = master.net().clone();
         let fs = Arc::new(Self {
             master,
             view: Mutex::new(WorkerView::default()),
-            grpc: Default::default(),
-            data_plane: match granary_common::tls::material() {
+            grpc: crate::transport::GrpcTransport::new(net.clone()),
+            data_plane: match net.tls() {
                 None => Some(crate::transport::DataPlane::new(None)),
                 Some(m) => match m.stream_connector() {
                     Ok(c) => Some(crate::transport::DataPlane::new(Some(c))),
@@ -446,7 +447,7 @@ impl FileSystem {
         file: &pb::FileStatus,
         renew: bool,
     ) -> Result<Option<pb::ReadGrant>, ClientError> {
-        if granary_common::tls::material().is_none() {
+        if self.master.net().tls().is_none() {
             return Ok(None);
         }
         self.note_grant(file);

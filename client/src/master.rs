@@ -6,10 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use granary_common::grpc;
+use granary_common::net::{GrpcChannel as Channel, Net, ServerKind, Tcp};
 use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
-use tonic::transport::Channel;
 
 use crate::error::ClientError;
 
@@ -37,10 +36,10 @@ pub async fn as_caller<F: std::future::Future>(uid: u32, gid: u32, fut: F) -> F:
     CALLER.scope((uid, gid), fut).await
 }
 
-fn endpoint(address: &str) -> Result<Endpoint, ClientError> {
-    let channel = grpc::master_channel(address).map_err(|e| {
-        ClientError::InvalidArgument(format!("invalid master address {address:?}: {e}"))
-    })?;
+fn endpoint(net: &Net, address: &str) -> Result<Endpoint, ClientError> {
+    let channel = net
+        .channel(address, ServerKind::Master)
+        .map_err(ClientError::InvalidArgument)?;
     Ok(Endpoint {
         address: address.to_string(),
         client: MasterServiceClient::new(channel)
@@ -57,11 +56,19 @@ pub struct MasterClient {
     pub address: String,
     pub rpc_timeout: Duration,
     pub retry_window: Duration,
+    /// How the masters (and, for the client library, the workers) are reached.
+    net: Net,
 }
 
 impl MasterClient {
-    /// `addresses`: one `host:port`, or several separated by commas.
+    /// `addresses`: one `host:port`, or several separated by commas; reached over TCP with
+    /// this process's transport security.
     pub fn new(addresses: &str) -> Result<Self, ClientError> {
+        Self::with_net(Tcp::process(), addresses)
+    }
+
+    /// As [`MasterClient::new`], over `net` (another identity, or faults injected).
+    pub fn with_net(net: Net, addresses: &str) -> Result<Self, ClientError> {
         let list: Vec<&str> = addresses
             .split(',')
             .map(str::trim)
@@ -74,7 +81,7 @@ impl MasterClient {
         }
         let endpoints = list
             .iter()
-            .map(|a| endpoint(a))
+            .map(|a| endpoint(&net, a))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             endpoints: Arc::new(RwLock::new(endpoints)),
@@ -82,7 +89,13 @@ impl MasterClient {
             address: list.join(","),
             rpc_timeout: ATTEMPT_TIMEOUT,
             retry_window: DEFAULT_RETRY_WINDOW,
+            net,
         })
+    }
+
+    /// The network this client reaches the cluster over.
+    pub fn net(&self) -> &Net {
+        &self.net
     }
 
     /// Sets how long calls retry while no leader answers (0 = one attempt).
@@ -114,7 +127,7 @@ impl MasterClient {
         };
         let i = match eps.iter().position(|e| e.address == address) {
             Some(i) => i,
-            None => match endpoint(address) {
+            None => match endpoint(&self.net, address) {
                 Ok(e) => {
                     eps.push(e);
                     eps.len() - 1

@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
+use granary_common::net::{GrpcChannel as Channel, Net, ServerKind};
 use granary_proto as pb;
 use granary_proto::prost::Message;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
-use tonic::transport::Channel;
 
 use crate::error::ClientError;
 
@@ -52,21 +52,29 @@ pub(crate) fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
 }
 
 /// `ReadBlock` over gRPC (TLS where the cluster has it), one cached channel per worker.
-#[derive(Default)]
 pub struct GrpcTransport {
+    net: Net,
     clients: Mutex<HashMap<String, WorkerServiceClient<Channel>>>,
 }
 
 impl GrpcTransport {
+    pub fn new(net: Net) -> Self {
+        Self {
+            net,
+            clients: Mutex::default(),
+        }
+    }
+
     /// The gRPC client of the worker at `address`.
     pub fn client(&self, address: &str) -> Result<WorkerServiceClient<Channel>, ClientError> {
         let mut m = lock(&self.clients);
         if let Some(c) = m.get(address) {
             return Ok(c.clone());
         }
-        let ch = granary_common::grpc::channel(address).map_err(|e| {
-            ClientError::InvalidArgument(format!("bad worker address {address}: {e}"))
-        })?;
+        let ch = self
+            .net
+            .channel(address, ServerKind::Node)
+            .map_err(|e| ClientError::InvalidArgument(format!("bad worker address: {e}")))?;
         let c = WorkerServiceClient::new(ch)
             .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);

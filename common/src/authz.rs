@@ -241,6 +241,19 @@ impl Principals {
 #[derive(Clone, Default)]
 pub struct AuthLayer {
     principals: Arc<Principals>,
+    /// The server has no TLS: callers are unauthenticated principals (`--insecure`).
+    plaintext: bool,
+}
+
+impl AuthLayer {
+    /// For a server with TLS (`plaintext` false: a caller without a certificate is
+    /// refused) or without.
+    pub fn new(plaintext: bool) -> AuthLayer {
+        AuthLayer {
+            principals: Arc::default(),
+            plaintext,
+        }
+    }
 }
 
 impl<S> tower::Layer<S> for AuthLayer {
@@ -250,6 +263,7 @@ impl<S> tower::Layer<S> for AuthLayer {
         Auth {
             inner,
             principals: self.principals.clone(),
+            plaintext: self.plaintext,
         }
     }
 }
@@ -258,6 +272,7 @@ impl<S> tower::Layer<S> for AuthLayer {
 pub struct Auth<S> {
     inner: S,
     principals: Arc<Principals>,
+    plaintext: bool,
 }
 
 impl<S> Auth<S> {
@@ -273,7 +288,7 @@ impl<S> Auth<S> {
                     .of(leaf.as_ref())
                     .map_err(tonic::Status::unauthenticated)?
             }
-            None if crate::tls::material().is_none() => Arc::new(Principal::unauthenticated()),
+            None if self.plaintext => Arc::new(Principal::unauthenticated()),
             None => {
                 return Err(tonic::Status::unauthenticated(
                     "a client certificate of the cluster CA is required",

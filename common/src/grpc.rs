@@ -13,6 +13,8 @@ use tonic::transport::{Channel, Endpoint};
 use tower::layer::util::{Identity, Stack};
 
 use crate::authz::AuthLayer;
+use crate::net::ServerKind;
+use crate::tls::TlsMaterial;
 
 /// Time allowed to establish a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -28,13 +30,18 @@ pub const MAX_FRAME: u32 = 1024 * 1024;
 /// Normalises `host:port` or a full URI into an endpoint URI: `https://` when this process
 /// uses TLS ([`crate::tls::install`]), else `http://`.
 pub fn endpoint_uri(addr: &str) -> String {
+    endpoint_uri_for(addr, crate::tls::material().is_some())
+}
+
+fn endpoint_uri_for(addr: &str, tls: bool) -> String {
     let host_port = addr
         .strip_prefix("http://")
         .or_else(|| addr.strip_prefix("https://"))
         .unwrap_or(addr);
-    match crate::tls::material() {
-        Some(_) => format!("https://{host_port}"),
-        None => format!("http://{host_port}"),
+    if tls {
+        format!("https://{host_port}")
+    } else {
+        format!("http://{host_port}")
     }
 }
 
@@ -42,22 +49,32 @@ pub fn endpoint_uri(addr: &str) -> String {
 /// (mutual TLS when this process has TLS material; the server must hold a node or master
 /// certificate of the cluster CA).
 pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    build_channel(addr, false)
+    channel_with(addr, ServerKind::Node, crate::tls::material().map(|m| &**m))
 }
 
 /// A lazily connecting channel to the master at `addr`: as [`channel`], but the server
 /// must hold a master certificate (a worker's cannot pose as a master).
 pub fn master_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    build_channel(addr, true)
+    channel_with(
+        addr,
+        ServerKind::Master,
+        crate::tls::material().map(|m| &**m),
+    )
 }
 
-fn build_channel(addr: &str, master: bool) -> Result<Channel, tonic::transport::Error> {
-    let mut endpoint = Endpoint::from_shared(endpoint_uri(addr))?;
-    if let Some(m) = crate::tls::material() {
-        endpoint = endpoint.tls_config(if master {
-            m.master_client_config()
-        } else {
-            m.client_config()
+/// A lazily connecting channel to `addr` with Granary's transport settings: mutual TLS
+/// with `tls` (the server must hold a certificate of the cluster CA for `server`), or
+/// plaintext without.
+pub fn channel_with(
+    addr: &str,
+    server: ServerKind,
+    tls: Option<&TlsMaterial>,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut endpoint = Endpoint::from_shared(endpoint_uri_for(addr, tls.is_some()))?;
+    if let Some(m) = tls {
+        endpoint = endpoint.tls_config(match server {
+            ServerKind::Master => m.master_client_config(),
+            ServerKind::Node => m.client_config(),
         })?;
     }
     Ok(endpoint
@@ -81,17 +98,24 @@ pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
 /// A client past it waits for a stream to end; it does not fail.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
+/// A server with this process's transport security ([`crate::tls::install`]).
 pub fn server() -> Result<Server, tonic::transport::Error> {
+    server_with(crate::tls::material().map(|m| &**m))
+}
+
+/// A server with mutual TLS as `tls` (a client certificate of its CA required), or
+/// plaintext without.
+pub fn server_with(tls: Option<&TlsMaterial>) -> Result<Server, tonic::transport::Error> {
     let mut builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
-    if let Some(m) = crate::tls::material() {
+    if let Some(m) = tls {
         builder = builder.tls_config(m.server_config())?;
     }
-    Ok(builder.layer(AuthLayer::default()))
+    Ok(builder.layer(AuthLayer::new(tls.is_none())))
 }
 
 /// Accepted connections of a bound listener, with Nagle off (a server given its own

@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod ids;
 pub mod logging;
 pub mod metrics;
+pub mod net;
 pub mod paths;
 pub mod size;
 pub mod tls;

@@ -24,6 +24,8 @@ pub struct MasterCore {
     pub ttl: crate::ttl::TtlRunner,
     /// Signs read grants (TLS clusters only: without principals there is no one to grant).
     pub grants: Option<granary_common::grant::GrantKey>,
+    /// How this master reaches workers and the other masters.
+    pub net: granary_common::net::Net,
 }
 
 impl MasterCore {
@@ -74,6 +76,21 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<ApplyOutput, MasterError> {
         self.raft.propose_request(&cmd, request_id).await
+    }
+
+    /// The first outcome of a request applied before, after everything committed is
+    /// applied here. A client that lost an answer retries with the same request id, and
+    /// the retry's checks (an entry that now exists, a store object already removed) must
+    /// not turn what was done into an error: mutations ask this when their checks fail.
+    pub async fn replayed(
+        &self,
+        request_id: u64,
+    ) -> Result<Option<Result<ApplyOutput, MasterError>>, MasterError> {
+        if request_id == 0 {
+            return Ok(None);
+        }
+        self.read_barrier().await?;
+        self.ns.sm.request_outcome(request_id)
     }
 
     pub async fn propose(&self, cmd: Command) -> Result<ApplyOutput, MasterError> {
@@ -185,7 +202,7 @@ impl MasterCore {
             .collect();
         Ok(pb::GetClusterInfoResponse {
             workers,
-            masters: crate::raft::service::group_status(&self.raft, &self.address).await,
+            masters: crate::raft::service::group_status(&self.raft, &self.address, &self.net).await,
             leader_id: s.leader_id.load(Relaxed),
             inode_count: self.ns.sm.inode_count()?,
             mount_count: self.ns.sm.mounts()?.len() as u64,

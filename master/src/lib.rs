@@ -69,6 +69,8 @@ pub struct MasterConfig {
     /// Folders `file://` mounts may use and addresses store options may name
     /// (`--allow-local-root`, `--allow-endpoint`).
     pub mount_policy: mounts::MountPolicy,
+    /// How this master reaches workers and the other masters (and with which identity).
+    pub net: granary_common::net::Net,
 }
 
 impl MasterConfig {
@@ -87,6 +89,7 @@ impl MasterConfig {
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
             secrets: None,
             mount_policy: mounts::MountPolicy::default(),
+            net: granary_common::net::Tcp::process(),
         }
     }
 }
@@ -192,6 +195,7 @@ pub async fn start(
         peers.clone(),
         raft::node::feedback_fn(&chan.0),
         snapshots.clone(),
+        config.net.clone(),
     );
     let (raft_handle, raft_join) = raft::node::start(
         raft::node::NodeConfig {
@@ -228,7 +232,8 @@ pub async fn start(
         jobs: jobs::JobRunner::default(),
         pins: pins::PinSet::default(),
         ttl: ttl::TtlRunner::default(),
-        grants: match granary_common::tls::material() {
+        net: config.net.clone(),
+        grants: match config.net.tls() {
             Some(_) => Some(
                 granary_common::grant::GrantKey::random()
                     .map_err(|message| MasterError::Unavailable { message })?,
@@ -305,9 +310,12 @@ pub async fn start(
             .max_decoding_message_size(limit)
             .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     });
-    let mut server = granary_common::grpc::server().map_err(|e| MasterError::Unavailable {
-        message: format!("TLS setup of the master server: {e}"),
-    })?;
+    let mut server =
+        granary_common::grpc::server_with(config.net.tls().map(|m| &**m)).map_err(|e| {
+            MasterError::Unavailable {
+                message: format!("TLS setup of the master server: {e}"),
+            }
+        })?;
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {

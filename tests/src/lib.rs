@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 pub mod grpc;
+pub mod inproc;
 pub mod stores;
 
 pub use grpc::*;

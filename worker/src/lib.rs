@@ -69,6 +69,8 @@ pub struct WorkerConfig {
     /// Serve the block data plane here (`--data-listen`; mutual TLS where the worker has
     /// TLS, plain TCP where it has not).
     pub data_listen: Option<SocketAddr>,
+    /// How the worker reaches the masters and its peers, and the identity it serves with.
+    pub net: granary_common::net::Net,
 }
 
 impl WorkerConfig {
@@ -87,6 +89,7 @@ impl WorkerConfig {
             node_name: granary_common::node_name(),
             node_copies: true,
             data_listen: None,
+            net: granary_common::net::Tcp::process(),
         }
     }
 
@@ -153,8 +156,8 @@ pub async fn start(
     .map_err(|e| WorkerError::Config(format!("opening the cache panicked: {e}")))??;
     metrics.cache_capacity_bytes.set(store.capacity as i64);
 
-    let master =
-        MasterClient::new(&config.master).map_err(|e| WorkerError::Config(e.to_string()))?;
+    let master = MasterClient::with_net(config.net.clone(), &config.master)
+        .map_err(|e| WorkerError::Config(e.to_string()))?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| WorkerError::Listen {
@@ -257,7 +260,7 @@ pub async fn start(
         node_copies: config.node_copies,
     });
     if let Some(l) = data_listener {
-        let tls = match granary_common::tls::material() {
+        let tls = match config.net.tls() {
             Some(m) => Some(m.stream_acceptor().map_err(|e| {
                 WorkerError::Config(format!("TLS setup of the block data plane: {e}"))
             })?),
@@ -276,7 +279,7 @@ pub async fn start(
             .max_decoding_message_size(limit)
             .max_encoding_message_size(granary_proto::MAX_MESSAGE_BYTES)
     });
-    let mut server = granary_common::grpc::server()
+    let mut server = granary_common::grpc::server_with(config.net.tls().map(|m| &**m))
         .map_err(|e| WorkerError::Serve(format!("TLS setup of the worker server: {e}")))?;
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();

@@ -352,7 +352,8 @@ async fn drive(
         }
         for task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
             let address = task.worker.address;
-            in_flight.push(async move { (task.id, load_on(&address, task.request).await) });
+            let net = core.net.clone();
+            in_flight.push(async move { (task.id, load_on(&net, &address, task.request).await) });
         }
         if planner.settled() {
             break;
@@ -408,10 +409,12 @@ async fn flush(
 
 /// Sends one task to a worker.
 async fn load_on(
+    net: &granary_common::net::Net,
     address: &str,
     task: pb::LoadBlocksRequest,
 ) -> Result<pb::LoadBlocksResponse, String> {
-    let ch = granary_common::grpc::channel(address)
+    let ch = net
+        .channel(address, granary_common::net::ServerKind::Node)
         .map_err(|e| format!("bad worker address {address}: {e}"))?;
     let mut client = WorkerServiceClient::new(ch)
         .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)

@@ -156,7 +156,11 @@ impl RaftService for RaftRpc {
 }
 
 /// Asks every member for its own status (unreachable ones are reported as such).
-pub async fn group_status(raft: &RaftHandle, self_address: &str) -> Vec<pb::MasterInfo> {
+pub async fn group_status(
+    raft: &RaftHandle,
+    self_address: &str,
+    net: &granary_common::net::Net,
+) -> Vec<pb::MasterInfo> {
     let voters = raft.status.voters();
     let mut out = Vec::with_capacity(voters.len());
     let mut asks = Vec::new();
@@ -166,9 +170,12 @@ pub async fn group_status(raft: &RaftHandle, self_address: &str) -> Vec<pb::Mast
             continue;
         }
         let addr = super::transport::peer_address(&raft.peers, id).unwrap_or_default();
+        let net = net.clone();
         asks.push(async move {
             let info = async {
-                let ch = granary_common::grpc::master_channel(&addr).ok()?;
+                let ch = net
+                    .channel(&addr, granary_common::net::ServerKind::Master)
+                    .ok()?;
                 let mut c = granary_proto::raft_service_client::RaftServiceClient::new(ch);
                 let mut req = Request::new(pb::MemberStatusRequest {});
                 req.set_timeout(std::time::Duration::from_millis(800));

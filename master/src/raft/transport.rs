@@ -10,11 +10,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use granary_common::net::GrpcChannel as Channel;
 use granary_proto as pb;
 use granary_proto::raft_service_client::RaftServiceClient;
 use protobuf::Message as _;
 use raft::eraftpb::{Message, MessageType};
-use tonic::transport::Channel;
 
 use super::snapshot::SnapshotDir;
 
@@ -56,6 +56,7 @@ pub struct GrpcTransport {
     queues: HashMap<u64, tokio::sync::mpsc::Sender<Message>>,
     feedback: FeedbackFn,
     snapshots: SnapshotDir,
+    net: granary_common::net::Net,
 }
 
 impl GrpcTransport {
@@ -65,8 +66,10 @@ impl GrpcTransport {
         peers: Peers,
         feedback: FeedbackFn,
         snapshots: SnapshotDir,
+        net: granary_common::net::Net,
     ) -> Self {
         Self {
+            net,
             self_id,
             rt,
             peers,
@@ -81,7 +84,10 @@ impl GrpcTransport {
             let addr = peer_address(&self.peers, to)?;
             // Channels need the runtime's reactor; this runs on the Raft thread.
             let _rt = self.rt.enter();
-            let client = match granary_common::grpc::master_channel(&addr) {
+            let client = match self
+                .net
+                .channel(&addr, granary_common::net::ServerKind::Master)
+            {
                 Ok(ch) => RaftServiceClient::new(ch)
                     .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),

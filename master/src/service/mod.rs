@@ -264,6 +264,15 @@ fn one(
 }
 
 impl MasterRpc {
+    /// A mutation whose checks failed with `err`: when the same request was applied
+    /// before (its answer was lost and the client retries), its first outcome; else `err`.
+    async fn replayed_or(&self, request_id: u64, err: Status) -> Result<ApplyOutput, Status> {
+        match self.core.replayed(request_id).await {
+            Ok(Some(first)) => Ok(first?),
+            Ok(None) | Err(_) => Err(err),
+        }
+    }
+
     /// Checks a mount's caller may change the folder that holds `path` (write and search
     /// permission, as for creating, removing or renaming an entry in it).
     async fn may_change_parent(&self, caller: Option<Caller>, path: &str) -> Result<(), Status> {
@@ -559,8 +568,16 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
-        self.may_change_parent(caller, &r.path).await?;
-        self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
+        let id = scoped(&who, r.request_id);
+        let checked = async {
+            self.may_change_parent(caller, &r.path).await?;
+            self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
+            Ok(())
+        };
+        if let Err(e) = checked.await {
+            let out = self.replayed_or(id, e).await?;
+            return one(&self.core, &who, out);
+        }
         let out = self
             .core
             .propose_request(
@@ -571,7 +588,7 @@ impl MasterService for MasterRpc {
                     now_ms: granary_common::now_ms(),
                     owner: caller.map(Caller::owner),
                 },
-                scoped(&who, r.request_id),
+                id,
             )
             .await?;
         one(&self.core, &who, out)
@@ -587,23 +604,34 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.path)?;
         check_block_size(r.block_size)?;
         self.core.ensure_leader()?;
-        self.may_change_parent(caller, &r.path).await?;
-        let replaces = self.core.ns.prepare_create(&r.path, r.overwrite).await?;
-        let out = self
-            .core
-            .propose_request(
-                Command::CreateFile {
-                    path: r.path,
-                    mode: r.mode,
-                    block_size: r.block_size,
-                    now_ms: granary_common::now_ms(),
-                    overwrite: r.overwrite,
-                    owner: caller.map(Caller::owner),
-                    creator: Some(who.name.clone()),
-                },
-                scoped(&who, r.request_id),
-            )
-            .await?;
+        let id = scoped(&who, r.request_id);
+        let checked = async {
+            self.may_change_parent(caller, &r.path).await?;
+            Ok(self.core.ns.prepare_create(&r.path, r.overwrite).await?)
+        };
+        let (replaces, out) = match checked.await {
+            Ok(replaces) => (replaces, None),
+            Err(e) => (false, Some(self.replayed_or(id, e).await?)),
+        };
+        let out = match out {
+            Some(out) => out,
+            None => {
+                self.core
+                    .propose_request(
+                        Command::CreateFile {
+                            path: r.path,
+                            mode: r.mode,
+                            block_size: r.block_size,
+                            now_ms: granary_common::now_ms(),
+                            overwrite: r.overwrite,
+                            owner: caller.map(Caller::owner),
+                            creator: Some(who.name.clone()),
+                        },
+                        id,
+                    )
+                    .await?
+            }
+        };
         match &out {
             // A replaced file's old pages are of no use any more. A new file has none: noting
             // every create would fill the table each heartbeat goes through (5 minutes of a
@@ -705,10 +733,15 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
-        self.may_change_parent(caller, &r.path).await?;
-        self.core
-            .delete_path(&r.path, r.recursive, scoped(&who, r.request_id))
-            .await?;
+        let id = scoped(&who, r.request_id);
+        let deleted = async {
+            self.may_change_parent(caller, &r.path).await?;
+            self.core.delete_path(&r.path, r.recursive, id).await?;
+            Ok(())
+        };
+        if let Err(e) = deleted.await {
+            self.replayed_or(id, e).await?;
+        }
         Ok(Response::new(pb::DeleteResponse {}))
     }
 
@@ -722,9 +755,17 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.src)?;
         access::full_raw(&who, &r.dst)?;
         self.core.ensure_leader()?;
-        self.may_change_parent(caller, &r.src).await?;
-        self.may_change_parent(caller, &r.dst).await?;
-        self.core.ns.rename_in_store(&r.src, &r.dst).await?;
+        let id = scoped(&who, r.request_id);
+        let checked = async {
+            self.may_change_parent(caller, &r.src).await?;
+            self.may_change_parent(caller, &r.dst).await?;
+            self.core.ns.rename_in_store(&r.src, &r.dst).await?;
+            Ok(())
+        };
+        if let Err(e) = checked.await {
+            let out = self.replayed_or(id, e).await?;
+            return one(&self.core, &who, out);
+        }
         let out = self
             .core
             .propose_request(
@@ -733,7 +774,7 @@ impl MasterService for MasterRpc {
                     dst: r.dst,
                     now_ms: granary_common::now_ms(),
                 },
-                scoped(&who, r.request_id),
+                id,
             )
             .await?;
         one(&self.core, &who, out)
@@ -1061,7 +1102,12 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         self.core.add_master(r.id, &r.address).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
-            masters: crate::raft::service::group_status(&self.core.raft, &self.core.address).await,
+            masters: crate::raft::service::group_status(
+                &self.core.raft,
+                &self.core.address,
+                &self.core.net,
+            )
+            .await,
         }))
     }
 
@@ -1072,7 +1118,12 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         self.core.remove_master(r.id).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
-            masters: crate::raft::service::group_status(&self.core.raft, &self.core.address).await,
+            masters: crate::raft::service::group_status(
+                &self.core.raft,
+                &self.core.address,
+                &self.core.net,
+            )
+            .await,
         }))
     }
 }

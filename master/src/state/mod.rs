@@ -338,6 +338,21 @@ impl StateMachine {
         result
     }
 
+    /// The first outcome of request `request_id`, if it was applied (and not forgotten
+    /// yet: outcomes are kept for the retention).
+    pub fn request_outcome(
+        &self,
+        request_id: u64,
+    ) -> Result<Option<Result<ApplyOutput, MasterError>>, MasterError> {
+        if request_id == 0 {
+            return Ok(None);
+        }
+        match self.get(&request_key(request_id))? {
+            Some(v) => Ok(Some(from_json::<RequestOutcome>(&v)?.result)),
+            None => Ok(None),
+        }
+    }
+
     /// Applies a proposal: a request id seen before returns its first outcome and changes
     /// nothing, so a client retrying after a leader change never applies twice.
     pub fn apply_request(&self, index: u64, p: &Proposal) -> Result<ApplyOutput, MasterError> {

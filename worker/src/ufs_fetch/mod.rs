@@ -15,11 +15,11 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use granary_client::mounts::MountStores;
 use granary_client::MasterClient;
+use granary_common::net::GrpcChannel as Channel;
 use granary_common::ufs::Ufs;
 use granary_proto as pb;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use tonic::transport::Channel;
 
 use crate::metrics::{UfsMetrics, WorkerMetrics};
 use crate::store::{BlockKey, PageKey, TieredStore};
@@ -384,7 +384,11 @@ impl Fetcher {
         if let Some(c) = m.get(address) {
             return Some(c.clone());
         }
-        let ch = granary_common::grpc::channel(address).ok()?;
+        let ch = self
+            .master
+            .net()
+            .channel(address, granary_common::net::ServerKind::Node)
+            .ok()?;
         let c = WorkerServiceClient::new(ch)
             .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);

@@ -1,0 +1,176 @@
+//! The in-process tier (`granary_tests::inproc`): masters, workers and the client library
+//! in this process, with faults placed on exact calls. Each test runs in seconds; what
+//! needs real processes (FUSE, kill -9, TLS between processes, emulators) is elsewhere.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use granary_common::net::{Fault, Rule};
+use granary_proto as pb;
+use granary_tests::inproc::{eventually, Cluster, Node, Shape};
+
+fn names(list: &[pb::FileStatus]) -> Vec<String> {
+    let mut v: Vec<String> = list.iter().map(|s| s.name.clone()).collect();
+    v.sort();
+    v
+}
+
+fn root() -> pb::path_or_id::Target {
+    pb::path_or_id::Target::Path("/".into())
+}
+
+/// A mutation whose answer is lost after the leader applied it is retried under the
+/// same request id and applies once; with the leader stopped, the client finds the new
+/// one, and the stopped master catches up when it comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutations_apply_once_when_answers_are_lost_and_survive_a_leader_stop() -> Result<()> {
+    let mut c = Cluster::start(Shape {
+        masters: 3,
+        workers: 0,
+        ..Shape::default()
+    })
+    .await?;
+    let fs = c.client()?;
+    let lose = c
+        .faults(Node::Client)
+        .add(Rule::new(Fault::Lose).method("Mkdir").times(3));
+    for i in 0..5 {
+        fs.master.mkdir(&format!("/d{i}"), false, 0o755).await?;
+    }
+    assert_eq!(
+        c.faults(Node::Client).fired(lose),
+        3,
+        "the answers were not lost"
+    );
+    assert_eq!(
+        names(&fs.list(root()).await?),
+        ["d0", "d1", "d2", "d3", "d4"]
+    );
+    // The same for the other namespace mutations: each answer lost once.
+    let client = c.faults(Node::Client);
+    let lost: Vec<_> = ["CreateFile", "Rename", "Delete"]
+        .iter()
+        .map(|m| client.add(Rule::new(Fault::Lose).method(m).times(1)))
+        .collect();
+    fs.master.create_file("/d0/f", 0o644, false).await?;
+    fs.master.rename("/d0/f", "/d1/g").await?;
+    fs.master.delete("/d2", false).await?;
+    assert!(lost.iter().all(|r| client.fired(*r) == 1));
+    assert_eq!(names(&fs.list(root()).await?), ["d0", "d1", "d3", "d4"]);
+    let d1 = pb::path_or_id::Target::Path("/d1".into());
+    assert_eq!(names(&fs.list(d1).await?), ["g"]);
+    fs.master.mkdir("/d2", false, 0o755).await?;
+
+    let old = c.leader().await?;
+    c.stop_master(old).await?;
+    fs.master.mkdir("/after", false, 0o755).await?;
+    let new = c.leader().await?;
+    assert_ne!(new, old);
+    assert_eq!(names(&fs.list(root()).await?).len(), 6);
+
+    // The old leader rejoins and catches up: its own applied state lists all six.
+    c.start_master(old).await?;
+    let rejoined = c.master(old).expect("started").core.clone();
+    eventually(
+        "the old leader to catch up",
+        Duration::from_secs(20),
+        || {
+            let core = rejoined.clone();
+            async move {
+                let list = core.ns.sm.children(1, None, 100).ok()?;
+                (list.len() == 6).then_some(())
+            }
+        },
+    )
+    .await?;
+    c.stop().await
+}
+
+/// A worker cut off from the master (its heartbeats dropped, load tasks to it refused)
+/// is declared lost, and a load job places its blocks on the workers left instead of
+/// failing files: every file ends cached, the job succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_finishes_on_the_workers_left_when_one_is_cut_off() -> Result<()> {
+    let c = Cluster::start(Shape {
+        masters: 1,
+        workers: 3,
+        worker_timeout: Duration::from_secs(1),
+        ..Shape::default()
+    })
+    .await?;
+    for i in 0..24 {
+        std::fs::write(c.store.join(format!("f{i:02}")), vec![i as u8; 100_000])?;
+    }
+    c.mount_store().await?;
+    let cut = c.worker(1).expect("started").addr.to_string();
+    let silent = c
+        .faults(Node::Worker(1))
+        .add(Rule::new(Fault::Drop).method("WorkerHeartbeat"));
+    let refused = c.faults(Node::Master(0)).add(
+        Rule::new(Fault::Error(tonic::Code::Unavailable))
+            .method("LoadBlocks")
+            .target(&cut),
+    );
+    let fs = c.client()?;
+    let job = fs.master.start_job("load", "/data", 1).await?;
+    let master = fs.master.clone();
+    let done = eventually("the load to finish", Duration::from_secs(60), || {
+        let master = master.clone();
+        async move {
+            let j = master.get_job(job.id, 10).await.ok()?;
+            matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled").then_some(j)
+        }
+    })
+    .await?;
+    assert_eq!(
+        (done.state.as_str(), done.done_files, done.failed_files),
+        ("succeeded", 24, 0),
+        "{done:?}"
+    );
+    assert!(c.faults(Node::Worker(1)).fired(silent) > 0);
+    // Whether a task reached the cut-off worker before it was declared lost depends on
+    // timing; what counts is that none of its refusals failed a file.
+    let _ = c.faults(Node::Master(0)).fired(refused);
+    // Every byte is cached on the two workers left.
+    let cached: u64 = [0, 2]
+        .iter()
+        .map(|&i| c.worker(i).expect("started").store.used())
+        .sum();
+    assert!(cached >= 24 * 100_000, "{cached} bytes cached");
+    c.stop().await
+}
+
+/// A TTL set through one leader is acted on by the next: the leader that recorded it is
+/// stopped at once, and the file still goes (from the store too) when it is due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_is_acted_on_by_the_next_leader() -> Result<()> {
+    let mut c = Cluster::start(Shape {
+        masters: 3,
+        workers: 1,
+        ..Shape::default()
+    })
+    .await?;
+    std::fs::write(c.store.join("old.bin"), b"expires")?;
+    std::fs::write(c.store.join("kept.bin"), b"stays")?;
+    c.mount_store().await?;
+    let fs = c.client()?;
+    fs.stat("/data/old.bin").await?;
+    fs.master.set_ttl("/data/old.bin", 1_500, "delete").await?;
+    let old = c.leader().await?;
+    c.stop_master(old).await?;
+    let gone = c.store.join("old.bin");
+    eventually("the TTL's delete", Duration::from_secs(30), || {
+        let gone = gone.clone();
+        async move { (!gone.exists()).then_some(()) }
+    })
+    .await?;
+    assert_ne!(c.leader().await?, old);
+    let err = fs
+        .master
+        .get_status(pb::path_or_id::Target::Path("/data/old.bin".into()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no such file"), "{err}");
+    assert!(c.store.join("kept.bin").exists());
+    c.stop().await
+}
