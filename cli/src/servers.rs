@@ -72,6 +72,7 @@ pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
     config.mount_policy = granary_master::mounts::MountPolicy {
         local_roots: a.allow_local_roots,
         endpoints: a.allow_endpoints,
+        wrap: None,
     };
     if let Some(r) = config
         .mount_policy

@@ -12,8 +12,29 @@ use object_store::ObjectStore;
 use thiserror::Error;
 use url::Url;
 
+pub mod faults;
 mod local;
 pub use local::{ConfinedLocal, Symlinks};
+
+/// A function from a store to the store used in its place.
+pub type WrapFn = dyn Fn(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore> + Send + Sync;
+
+/// What the stores of mounts are opened through (tests put faults in front of them).
+#[derive(Clone)]
+pub struct StoreWrap(pub Arc<WrapFn>);
+
+impl std::fmt::Debug for StoreWrap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreWrap")
+    }
+}
+
+impl StoreWrap {
+    /// Every store opened through it has `faults` in front.
+    pub fn faults(faults: Arc<faults::StoreFaults>) -> StoreWrap {
+        StoreWrap(Arc::new(move |store| faults.wrap(store)))
+    }
+}
 
 /// Option keys that Granary interprets itself (not passed to `object_store`). None of them
 /// is a secret.

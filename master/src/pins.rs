@@ -152,7 +152,15 @@ impl MasterCore {
             return Ok(None);
         }
         tracing::info!(path = %path, replicas, "pinned");
-        let job = self.start_job("load", &path, replicas, 0).await?;
+        // The load is a request of its own, derived from the pin's: a client retrying a
+        // pin whose answer was lost gets the same job, not a second one.
+        let load_request = match request_id {
+            0 => 0,
+            id => (id ^ 0x7069_6e2d_6c6f_6164).rotate_left(17).max(1),
+        };
+        let job = self
+            .start_job("load", &path, replicas, load_request)
+            .await?;
         Ok(Some(job))
     }
 

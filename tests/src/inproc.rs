@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use granary_client::{FileSystem, MasterClient};
 use granary_common::net::{Faults, Tcp};
+use granary_common::ufs::faults::StoreFaults;
+use granary_common::ufs::StoreWrap;
 use granary_master::{MasterConfig, RunningMaster};
 use granary_worker::{RunningWorker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
@@ -85,6 +87,8 @@ pub struct Cluster {
     /// `/data` by [`Cluster::mount_store`]), `m<id>/`, `w<i>/`.
     pub dir: tempfile::TempDir,
     pub store: PathBuf,
+    /// Faults of the under-store as the masters see it (listings, reads, writes).
+    pub store_faults: Arc<StoreFaults>,
     masters: Vec<MasterSlot>,
     workers: Vec<WorkerSlot>,
     client_faults: Faults,
@@ -127,6 +131,7 @@ impl Cluster {
         for id in 1..=shape.masters as u64 {
             peers.insert(id, free_addr()?);
         }
+        let store_faults = Arc::new(StoreFaults::default());
         let mut masters = Vec::new();
         for (&id, addr) in &peers {
             let f = faults(id);
@@ -138,6 +143,7 @@ impl Cluster {
             config.heartbeat_interval = shape.heartbeat;
             config.worker_timeout = shape.worker_timeout;
             config.mount_policy.local_roots = vec![store.clone()];
+            config.mount_policy.wrap = Some(StoreWrap::faults(store_faults.clone()));
             config.net = f.net();
             masters.push(MasterSlot {
                 id,
@@ -158,6 +164,7 @@ impl Cluster {
             shape,
             dir,
             store,
+            store_faults,
             masters,
         };
         for i in 0..cluster.masters.len() {

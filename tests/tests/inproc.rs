@@ -143,7 +143,7 @@ async fn a_load_finishes_on_the_workers_left_when_one_is_cut_off() -> Result<()>
 /// A TTL set through one leader is acted on by the next: the leader that recorded it is
 /// stopped at once, and the file still goes (from the store too) when it is due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ttl_is_acted_on_by_the_next_leader() -> Result<()> {
+async fn a_ttl_is_acted_on_by_the_next_leader_and_a_retried_pin_loads_once() -> Result<()> {
     let mut c = Cluster::start(Shape {
         masters: 3,
         workers: 1,
@@ -172,5 +172,53 @@ async fn a_ttl_is_acted_on_by_the_next_leader() -> Result<()> {
         .unwrap_err();
     assert!(err.to_string().contains("no such file"), "{err}");
     assert!(c.store.join("kept.bin").exists());
+
+    // A pin whose answer is lost, retried: one pin, one load job.
+    let lose = c
+        .faults(Node::Client)
+        .add(Rule::new(Fault::Lose).method("SetPin").times(1));
+    let job = fs.master.set_pin("/data/kept.bin", 1).await?;
+    assert_eq!(c.faults(Node::Client).fired(lose), 1);
+    let jobs = fs.master.list_jobs().await?;
+    let loads: Vec<u64> = jobs
+        .iter()
+        .filter(|j| j.path == "/data/kept.bin")
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(loads, [job.id], "{jobs:?}");
+    c.stop().await
+}
+
+/// A re-listing that fails — at once, or part of the way through a listing — leaves what
+/// was known of the folder intact and served; the next one that succeeds applies the
+/// store's changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_store_leaves_the_known_listing_intact_until_a_sync_succeeds() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape::default()).await?;
+    for name in ["a", "b", "c"] {
+        std::fs::write(c.store.join(name), name)?;
+    }
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let data = || pb::path_or_id::Target::Path("/data".into());
+    assert_eq!(names(&fs.list(data()).await?), ["a", "b", "c"]);
+    std::fs::remove_file(c.store.join("b"))?;
+    std::fs::write(c.store.join("d"), "d")?;
+
+    for fault in [StoreFault::Unavailable, StoreFault::FailAfter(1)] {
+        let rule = c
+            .store_faults
+            .add(StoreRule::new(StoreOp::List, fault.clone()));
+        let synced = fs.master.sync_metadata("/data", false).await?;
+        assert_eq!(synced.failures.len(), 1, "{fault:?}: {synced:?}");
+        assert!(synced.failures[0].contains("injected"), "{synced:?}");
+        assert!(c.store_faults.fired(rule) > 0);
+        assert_eq!(names(&fs.list(data()).await?), ["a", "b", "c"], "{fault:?}");
+        c.store_faults.remove(rule);
+    }
+    let synced = fs.master.sync_metadata("/data", false).await?;
+    assert!(synced.failures.is_empty(), "{synced:?}");
+    assert_eq!(names(&fs.list(data()).await?), ["a", "c", "d"]);
     c.stop().await
 }

@@ -22,6 +22,8 @@ pub struct MountPolicy {
     /// `proxy_url`, …; Azure's emulator) must be one of these `HOST` (any port) or
     /// `HOST:PORT` entries.
     pub endpoints: Vec<String>,
+    /// What every store a mount opens goes through (tests: faults); None in production.
+    pub wrap: Option<granary_common::ufs::StoreWrap>,
 }
 
 /// Option keys (without their `aws_`/`google_`/`azure_storage_`/`azure_` prefix) whose
@@ -282,7 +284,10 @@ impl UfsCache {
             }
         }
         let spec = self.open_spec(mount)?;
-        let ufs = spec.open()?;
+        let mut ufs = spec.open()?;
+        if let Some(wrap) = &self.policy.wrap {
+            ufs.store = (wrap.0)(ufs.store);
+        }
         map.insert(
             mount.id,
             (mount.spec.uri.clone(), ufs.clone(), spec.clone()),
@@ -407,6 +412,7 @@ mod tests {
         let p = MountPolicy {
             local_roots: vec![allowed.clone()],
             endpoints: vec![],
+            ..MountPolicy::default()
         };
         p.check_local(&allowed).unwrap();
         p.check_local(&allowed.join("data")).unwrap();
@@ -422,6 +428,7 @@ mod tests {
         let relative = MountPolicy {
             local_roots: vec![PathBuf::new(), PathBuf::from("tmp")],
             endpoints: vec![],
+            ..MountPolicy::default()
         };
         assert!(relative.check_local(&allowed.join("data")).is_err());
         let e = p.check_local(&allowed.join("nope")).unwrap_err();
@@ -469,6 +476,7 @@ mod tests {
         let p = MountPolicy {
             local_roots: vec![tmp.clone()],
             endpoints: vec!["allowed.example".into()],
+            ..MountPolicy::default()
         };
         let token = tmp.join("token").display().to_string();
         p.check(&spec("s3://b", &[("aws_web_identity_token_file", &token)]))
@@ -503,6 +511,7 @@ mod tests {
         let p = MountPolicy {
             local_roots: vec![],
             endpoints: vec!["s3.internal:9000".into(), "storage.example".into()],
+            ..MountPolicy::default()
         };
         p.check_endpoints(&spec("s3://b", &[("endpoint", "http://s3.internal:9000")]))
             .unwrap();
