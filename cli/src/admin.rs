@@ -701,12 +701,12 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         .list_jobs()
         .await?
         .into_iter()
-        .filter(|j| j.state == "running" || j.state == "planning")
+        .filter(|j| !j.job_state().finished())
         .collect();
     let stats: Vec<pb::WorkerStats> = info
         .workers
         .iter()
-        .filter(|w| w.state == "live")
+        .filter(|w| w.is_live())
         .map(|w| w.stats.clone().unwrap_or_default())
         .collect();
     // Workers report these counters: sums saturate, so no reported value can overflow them.

@@ -20,7 +20,7 @@ fn master(addr: &MasterAddr) -> anyhow::Result<MasterClient> {
 }
 
 fn finished(j: &pb::JobInfo) -> bool {
-    !matches!(j.state.as_str(), "planning" | "running")
+    j.job_state().finished()
 }
 
 fn percent(done: u64, total: u64) -> f64 {
@@ -55,7 +55,7 @@ pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
 
 fn print_job(j: &pb::JobInfo) {
     println!("job {}  {}  {}  {}", j.id, j.kind, j.path, j.state);
-    if j.state == "planning" {
+    if j.job_state() == pb::JobState::Planning {
         println!("listing the files to load…");
     } else {
         println!(
@@ -96,9 +96,9 @@ fn print_job(j: &pb::JobInfo) {
 
 /// The outcome of a followed job as the exit status: ok only when it succeeded.
 fn outcome(j: &pb::JobInfo) -> anyhow::Result<()> {
-    match j.state.as_str() {
-        "succeeded" => Ok(()),
-        "cancelled" => anyhow::bail!("job {} was cancelled", j.id),
+    match j.job_state() {
+        pb::JobState::Succeeded => Ok(()),
+        pb::JobState::Cancelled => anyhow::bail!("job {} was cancelled", j.id),
         _ if !j.error.is_empty() => anyhow::bail!("job {} failed: {}", j.id, j.error),
         _ => anyhow::bail!(
             "job {} finished with {} files not cached (granary job status {} lists them)",
@@ -174,7 +174,7 @@ async fn follow(m: &MasterClient, id: u64, json: bool) -> anyhow::Result<pb::Job
 
 pub async fn load(a: LoadArgs) -> anyhow::Result<()> {
     let m = master(&a.master)?;
-    let j = m.start_job("load", &a.path, a.replicas).await?;
+    let j = m.start_job(pb::JobKind::Load, &a.path, a.replicas).await?;
     started(&m, a, j).await
 }
 
@@ -231,20 +231,23 @@ pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
                 anyhow::bail!("a TTL must be longer than 0s (granary ttl unset removes one)");
             }
             let action = match action {
-                TtlActionArg::Free => "free",
-                TtlActionArg::Delete => "delete",
+                TtlActionArg::Free => pb::TtlAction::Free,
+                TtlActionArg::Delete => pb::TtlAction::Delete,
             };
             let due = master(&addr)?
                 .set_ttl(&path, ttl.as_millis().max(1) as u64, action)
                 .await?;
             println!(
-                "{path}: {action} in {} (at {} ms since the epoch)",
+                "{path}: {} in {} (at {} ms since the epoch)",
+                action.text(),
                 humantime::format_duration(ttl),
                 due
             );
         }
         TtlCommand::Unset { path, master: addr } => {
-            master(&addr)?.set_ttl(&path, 0, "free").await?;
+            master(&addr)?
+                .set_ttl(&path, 0, pb::TtlAction::Free)
+                .await?;
             println!("{path}: no TTL");
         }
     }

@@ -1159,11 +1159,8 @@ impl FileSystem {
         }
         match self.master.cluster_info(false).await {
             Ok(info) => {
-                let live: Vec<pb::WorkerInfo> = info
-                    .workers
-                    .into_iter()
-                    .filter(|w| w.state == "live")
-                    .collect();
+                let live: Vec<pb::WorkerInfo> =
+                    info.workers.into_iter().filter(|w| w.is_live()).collect();
                 let mut v = lock(&self.view);
                 v.workers = live.clone();
                 v.fetched = Some(Instant::now());

@@ -570,14 +570,16 @@ impl MasterClient {
     /// changes, so it starts once.
     pub async fn start_job(
         &self,
-        kind: &str,
+        kind: pb::JobKind,
         path: &str,
         replicas: u32,
     ) -> Result<pb::JobInfo, ClientError> {
         let request_id = Self::request_id();
         self.call(|mut c| {
             let req = self.request(pb::StartJobRequest {
-                kind: kind.to_string(),
+                // The text too: an older master reads only that.
+                kind: kind.text().to_string(),
+                kind_code: kind as i32,
                 path: path.to_string(),
                 replicas,
                 request_id,
@@ -604,13 +606,19 @@ impl MasterClient {
 
     /// Sets the TTL of `path` (`ttl_ms` 0: removes it); returns when it is due (ms since
     /// the Unix epoch, 0 when removed).
-    pub async fn set_ttl(&self, path: &str, ttl_ms: u64, action: &str) -> Result<u64, ClientError> {
+    pub async fn set_ttl(
+        &self,
+        path: &str,
+        ttl_ms: u64,
+        action: pb::TtlAction,
+    ) -> Result<u64, ClientError> {
         let request_id = Self::request_id();
         self.call(|mut c| {
             let req = self.request(pb::SetTtlRequest {
                 path: path.to_string(),
                 ttl_ms,
-                action: action.to_string(),
+                action: action.text().to_string(),
+                action_code: action as i32,
                 request_id,
             });
             async move { c.set_ttl(req).await }

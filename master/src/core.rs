@@ -186,12 +186,14 @@ impl MasterCore {
         let decommissioned = self.ns.sm.decommissioned()?;
         let workers = known
             .into_iter()
-            .map(|w| pb::WorkerInfo {
+            .map(|w| {
+                let state = self.workers.state_of(&w, decommissioned.contains(&w.id));
+                (w, state)
+            })
+            .map(|(w, state)| pb::WorkerInfo {
                 worker_id: w.id,
-                state: self
-                    .workers
-                    .state_of(&w, decommissioned.contains(&w.id))
-                    .to_string(),
+                state: state.text().to_string(),
+                state_code: state as i32,
                 last_heartbeat_ms_ago: w.last_heartbeat.elapsed().as_millis() as u64,
                 block_count: self.blocks.block_count(w.id),
                 address: w.address,

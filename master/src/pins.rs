@@ -159,7 +159,7 @@ impl MasterCore {
             id => (id ^ 0x7069_6e2d_6c6f_6164).rotate_left(17).max(1),
         };
         let job = self
-            .start_job("load", &path, replicas, load_request)
+            .start_job(granary_proto::JobKind::Load, &path, replicas, load_request)
             .await?;
         Ok(Some(job))
     }
@@ -185,7 +185,10 @@ impl MasterCore {
                 if running {
                     continue;
                 }
-                match core.start_job("load", &path, pin.replicas, 0).await {
+                match core
+                    .start_job(granary_proto::JobKind::Load, &path, pin.replicas, 0)
+                    .await
+                {
                     Ok(j) => {
                         tracing::info!(path = %path, job = j.id, replicas = pin.replicas, "re-replicating a pin after a worker loss")
                     }

@@ -34,16 +34,14 @@ impl MasterCore {
         &self,
         path: &str,
         ttl_ms: u64,
-        action: &str,
+        action: granary_proto::TtlAction,
         request_id: u64,
     ) -> Result<(Inode, Option<Ttl>), MasterError> {
         let action = match action {
-            "free" | "" => TtlAction::Free,
-            "delete" => TtlAction::Delete,
-            other => {
-                return Err(MasterError::invalid(format!(
-                    "unknown TTL action {other:?} (free or delete)"
-                )))
+            granary_proto::TtlAction::Free => TtlAction::Free,
+            granary_proto::TtlAction::Delete => TtlAction::Delete,
+            granary_proto::TtlAction::Unspecified => {
+                return Err(MasterError::invalid("no TTL action given (free or delete)"))
             }
         };
         self.ensure_leader()?;

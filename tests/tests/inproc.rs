@@ -112,21 +112,22 @@ async fn a_load_finishes_on_the_workers_left_when_one_is_cut_off() -> Result<()>
             .target(&cut),
     );
     let fs = c.client()?;
-    let job = fs.master.start_job("load", "/data", 1).await?;
+    let job = fs.master.start_job(pb::JobKind::Load, "/data", 1).await?;
     let master = fs.master.clone();
     let done = eventually("the load to finish", Duration::from_secs(60), || {
         let master = master.clone();
         async move {
             let j = master.get_job(job.id, 10).await.ok()?;
-            matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled").then_some(j)
+            j.job_state().finished().then_some(j)
         }
     })
     .await?;
     assert_eq!(
-        (done.state.as_str(), done.done_files, done.failed_files),
-        ("succeeded", 24, 0),
+        (done.job_state(), done.done_files, done.failed_files),
+        (pb::JobState::Succeeded, 24, 0),
         "{done:?}"
     );
+    assert_eq!(done.state, "succeeded");
     assert!(c.faults(Node::Worker(1)).fired(silent) > 0);
     // Whether a task reached the cut-off worker before it was declared lost depends on
     // timing; what counts is that none of its refusals failed a file.
@@ -155,7 +156,9 @@ async fn a_ttl_is_acted_on_by_the_next_leader_and_a_retried_pin_loads_once() -> 
     c.mount_store().await?;
     let fs = c.client()?;
     fs.stat("/data/old.bin").await?;
-    fs.master.set_ttl("/data/old.bin", 1_500, "delete").await?;
+    fs.master
+        .set_ttl("/data/old.bin", 1_500, pb::TtlAction::Delete)
+        .await?;
     let old = c.leader().await?;
     c.stop_master(old).await?;
     let gone = c.store.join("old.bin");

@@ -52,15 +52,15 @@ impl MasterCore {
     /// Starts a job (replicated), run by the leader from the next tick on.
     pub async fn start_job(
         self: &Arc<Self>,
-        kind: &str,
+        kind: pb::JobKind,
         path: &str,
         replicas: u32,
         request_id: u64,
     ) -> Result<Job, MasterError> {
-        if kind != "load" {
-            return Err(MasterError::invalid(format!(
-                "unknown job kind {kind:?} (known: load)"
-            )));
+        if kind != pb::JobKind::Load {
+            return Err(MasterError::invalid(
+                "unknown job kind (known: load)".to_string(),
+            ));
         }
         if !(1..=8).contains(&replicas) {
             return Err(MasterError::invalid(format!(
@@ -72,7 +72,7 @@ impl MasterCore {
         // Refuse a path that does not exist now, rather than a job that fails at once.
         self.ns.resolve(&path).await?;
         let cmd = Command::CreateJob {
-            kind: kind.to_string(),
+            kind: kind.text().to_string(),
             path,
             replicas,
             now_ms: granary_common::now_ms(),
@@ -154,9 +154,11 @@ fn to_info(job: &Job, failed: Vec<FailedFile>) -> pb::JobInfo {
     pb::JobInfo {
         id: job.id,
         kind: job.kind.clone(),
+        kind_code: pb::JobKind::requested(0, &job.kind).unwrap_or_default() as i32,
         path: job.path.clone(),
         replicas: job.replicas,
         state: job.state.as_str().to_string(),
+        state_code: job.state.code() as i32,
         created_ms: job.created_ms.max(0) as u64,
         finished_ms: job.finished_ms.max(0) as u64,
         total_files: job.total_files,
@@ -222,12 +224,15 @@ fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
     core.workers
         .all()
         .into_iter()
-        .filter(|w| core.workers.state_of(w, decommissioned.contains(&w.id)) == "live")
+        .filter(|w| {
+            core.workers.state_of(w, decommissioned.contains(&w.id)) == pb::WorkerState::Live
+        })
         .map(|w| pb::WorkerInfo {
             worker_id: w.id,
             address: w.address,
             host: w.host,
-            state: "live".into(),
+            state: pb::WorkerState::Live.text().into(),
+            state_code: pb::WorkerState::Live as i32,
             stats: Some(w.stats),
             data_address: w.data_address,
             ..Default::default()

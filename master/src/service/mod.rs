@@ -989,9 +989,15 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::SetTtlResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        let action = pb::TtlAction::requested(r.action_code, &r.action).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "unknown TTL action {:?} (code {}; free or delete)",
+                r.action, r.action_code
+            ))
+        })?;
         let (_, ttl) = self
             .core
-            .set_ttl(&r.path, r.ttl_ms, &r.action, scoped(&who, r.request_id))
+            .set_ttl(&r.path, r.ttl_ms, action, scoped(&who, r.request_id))
             .await?;
         Ok(Response::new(pb::SetTtlResponse {
             expires_ms: ttl.map_or(0, |t| t.expires_ms.max(0) as u64),
@@ -1030,14 +1036,15 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::JobInfo>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        let kind = pb::JobKind::requested(r.kind_code, &r.kind).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "unknown job kind {:?} (code {}; known: load)",
+                r.kind, r.kind_code
+            ))
+        })?;
         let job = self
             .core
-            .start_job(
-                &r.kind,
-                &r.path,
-                r.replicas.max(1),
-                scoped(&who, r.request_id),
-            )
+            .start_job(kind, &r.path, r.replicas.max(1), scoped(&who, r.request_id))
             .await?;
         Ok(Response::new(self.core.job_info(job.id, 0)?))
     }

@@ -43,6 +43,18 @@ impl JobState {
     pub fn finished(self) -> bool {
         !matches!(self, Self::Planning | Self::Running)
     }
+
+    /// The state on the wire.
+    pub fn code(self) -> granary_proto::JobState {
+        use granary_proto::JobState as Wire;
+        match self {
+            Self::Planning => Wire::Planning,
+            Self::Running => Wire::Running,
+            Self::Succeeded => Wire::Succeeded,
+            Self::Failed => Wire::Failed,
+            Self::Cancelled => Wire::Cancelled,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

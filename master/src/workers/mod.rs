@@ -96,13 +96,13 @@ impl WorkerRegistry {
         }
     }
 
-    /// The state clients see: `live`, `draining` (decommissioned, per the replicated
-    /// state) or `lost`.
-    pub fn state_of(&self, w: &WorkerEntry, decommissioned: bool) -> &'static str {
+    /// The state clients see: live, draining (decommissioned, per the replicated state)
+    /// or lost.
+    pub fn state_of(&self, w: &WorkerEntry, decommissioned: bool) -> pb::WorkerState {
         match (self.is_live(w), decommissioned) {
-            (true, false) => "live",
-            (true, true) => "draining",
-            (false, _) => "lost",
+            (true, false) => pb::WorkerState::Live,
+            (true, true) => pb::WorkerState::Draining,
+            (false, _) => pb::WorkerState::Lost,
         }
     }
 

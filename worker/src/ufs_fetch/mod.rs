@@ -348,11 +348,8 @@ impl Fetcher {
                         .await
                         .ok()?
                         .ok()?;
-                    let w: Vec<pb::WorkerInfo> = info
-                        .workers
-                        .into_iter()
-                        .filter(|w| w.state == "live")
-                        .collect();
+                    let w: Vec<pb::WorkerInfo> =
+                        info.workers.into_iter().filter(|w| w.is_live()).collect();
                     *live = Some((Instant::now(), w.clone()));
                     w
                 }

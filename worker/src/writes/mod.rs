@@ -732,9 +732,10 @@ impl Writes {
                 .cluster_info(false)
                 .await
                 .map(|c| {
-                    c.workers
-                        .iter()
-                        .any(|w| w.worker_id == status.persist_worker && w.state != "lost")
+                    c.workers.iter().any(|w| {
+                        w.worker_id == status.persist_worker
+                            && w.worker_state() != pb::WorkerState::Lost
+                    })
                 })
                 .unwrap_or(true);
             let pending_for = pending_since
