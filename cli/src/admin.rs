@@ -246,145 +246,12 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             stale,
             json,
             master: addr,
-        } => {
-            let client = FileSystem::new(master(&addr)?);
-            let entries = if recursive {
-                walk(&client, &path, stale).await?
-            } else {
-                client
-                    .list_with(pb::path_or_id::Target::Path(path.clone()), stale)
-                    .await
-                    .with_context(|| format!("cannot list {path}"))?
-            };
-            // Recursive listings name entries by their full path.
-            let entries: Vec<pb::FileStatus> = entries
-                .into_iter()
-                .map(|mut e| {
-                    if recursive {
-                        e.name = e.path.clone();
-                    }
-                    e
-                })
-                .collect();
-            let mut out = std::io::stdout().lock();
-            if json {
-                let v: Vec<_> = entries.iter().map(status_json).collect();
-                writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
-            } else {
-                for e in &entries {
-                    // Pinned entries are marked (with their replicas in the long form).
-                    if long {
-                        let pin = match e.pinned_replicas {
-                            0 => "-".to_string(),
-                            n => format!("pinned:{n}"),
-                        };
-                        writeln!(
-                            out,
-                            "{}\t{:>12}\t{}\t{pin}\t{}",
-                            kind_name(e),
-                            e.length,
-                            mtime(e.mtime_ms),
-                            e.name
-                        )?;
-                    } else if e.pinned_replicas > 0 {
-                        writeln!(out, "{} (pinned)", e.name)?;
-                    } else {
-                        writeln!(out, "{}", e.name)?;
-                    }
-                }
-            }
-        }
+        } => fs_ls(path, long, recursive, stale, json, addr).await?,
         FsCommand::Stat {
             path,
             json,
             master: addr,
-        } => {
-            let client = FileSystem::new(master(&addr)?);
-            let s = client
-                .stat(&path)
-                .await
-                .with_context(|| format!("cannot stat {path}"))?;
-            let cache = cache_state(&client, &s).await?;
-            if json {
-                let mut v = status_json(&s);
-                if let (Some(c), Some(obj)) = (&cache, v.as_object_mut()) {
-                    obj.insert("cached_bytes".into(), c.cached_bytes.into());
-                    obj.insert("cached_percent".into(), json!(c.percent()));
-                    obj.insert("replicas".into(), c.min_replicas.into());
-                    obj.insert(
-                        "locations".into(),
-                        json!(c
-                            .locations
-                            .iter()
-                            .map(|(b, w)| json!({"block": b, "workers": w}))
-                            .collect::<Vec<_>>()),
-                    );
-                }
-                println!("{}", serde_json::to_string_pretty(&v)?);
-            } else {
-                if let Some(c) = &cache {
-                    println!(
-                        "cached:      {:.1}% ({} of {} bytes), {} replica(s) of every block",
-                        c.percent(),
-                        c.cached_bytes,
-                        s.length,
-                        c.min_replicas
-                    );
-                    for (b, w) in &c.locations {
-                        let ws: Vec<String> = w.iter().map(u64::to_string).collect();
-                        println!("  block {b}: workers {}", ws.join(", "));
-                    }
-                }
-                if s.pinned_replicas > 0 {
-                    println!("pinned:      {} replicas", s.pinned_replicas);
-                }
-                if s.ttl_expires_ms > 0 {
-                    println!(
-                        "ttl:         {} at {} ms since the epoch",
-                        s.ttl_action, s.ttl_expires_ms
-                    );
-                }
-                println!("path:        {}", s.path);
-                println!("kind:        {}", kind_name(&s));
-                println!("inode:       {}", s.inode);
-                println!("size:        {} ({})", s.length, format_size(s.length));
-                println!("block size:  {}", format_size(s.block_size));
-                println!("mode:        {:o}", s.mode);
-                println!("modified:    {}", mtime(s.mtime_ms));
-                if s.kind != pb::FileKind::Directory as i32 {
-                    let by = if s.persist_worker != 0 {
-                        format!(" (on worker {})", s.persist_worker)
-                    } else {
-                        String::new()
-                    };
-                    println!("persisted:   {}{by}", persist_name(&s));
-                }
-                if let Some(u) = &s.ufs {
-                    println!(
-                        "under-store: mount {} path {}",
-                        u.mount_id,
-                        if u.path.is_empty() { "/" } else { &u.path }
-                    );
-                }
-                if s.sync_failures > 0 {
-                    println!(
-                        "sync:        FAILING ({} listings in a row; known entries kept): {}",
-                        s.sync_failures, s.sync_error
-                    );
-                } else if s.synced_ms_ago > 0 {
-                    println!("sync:        listed {} ms ago", s.synced_ms_ago);
-                }
-                if let Some(f) = &s.fingerprint {
-                    println!(
-                        "fingerprint: etag={} size={} mtime_ms={}",
-                        f.etag, f.size, f.mtime_ms
-                    );
-                }
-                if s.is_mount_point {
-                    println!("mount point: yes");
-                }
-            }
-        }
+        } => fs_stat(path, json, addr).await?,
         FsCommand::Rm {
             path,
             recursive,
@@ -423,82 +290,238 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             summarize,
             json,
             master: addr,
-        } => {
-            let client = FileSystem::new(master(&addr)?);
-            let top = client
-                .list_with(pb::path_or_id::Target::Path(path.clone()), false)
-                .await
-                .with_context(|| format!("cannot list {path}"))?;
-            let mut rows: Vec<(String, u64, u64)> = Vec::new();
-            let (mut bytes, mut files) = (0u64, 0u64);
-            for e in top {
-                let (b, f) = if e.kind == pb::FileKind::Directory as i32 {
-                    let below = walk(&client, &e.path, false).await?;
-                    let fs: Vec<_> = below
-                        .iter()
-                        .filter(|x| x.kind != pb::FileKind::Directory as i32)
-                        .collect();
-                    (fs.iter().map(|x| x.length).sum(), fs.len() as u64)
-                } else {
-                    (e.length, 1)
+        } => fs_du(path, summarize, json, addr).await?,
+        FsCommand::Cat { path, master: addr } => fs_cat(path, addr).await?,
+    }
+    Ok(())
+}
+
+/// `granary fs ls`.
+async fn fs_ls(
+    path: String,
+    long: bool,
+    recursive: bool,
+    stale: bool,
+    json: bool,
+    addr: MasterAddr,
+) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(&addr)?);
+    let entries = if recursive {
+        walk(&client, &path, stale).await?
+    } else {
+        client
+            .list_with(pb::path_or_id::Target::Path(path.clone()), stale)
+            .await
+            .with_context(|| format!("cannot list {path}"))?
+    };
+    // Recursive listings name entries by their full path.
+    let entries: Vec<pb::FileStatus> = entries
+        .into_iter()
+        .map(|mut e| {
+            if recursive {
+                e.name = e.path.clone();
+            }
+            e
+        })
+        .collect();
+    let mut out = std::io::stdout().lock();
+    if json {
+        let v: Vec<_> = entries.iter().map(status_json).collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+    } else {
+        for e in &entries {
+            // Pinned entries are marked (with their replicas in the long form).
+            if long {
+                let pin = match e.pinned_replicas {
+                    0 => "-".to_string(),
+                    n => format!("pinned:{n}"),
                 };
-                bytes += b;
-                files += f;
-                rows.push((e.path, b, f));
-            }
-            if json {
-                let v = json!({
-                    "path": path,
-                    "bytes": bytes,
-                    "files": files,
-                    "entries": if summarize { Vec::new() } else {
-                        rows.iter().map(|(p, b, f)| json!({"path": p, "bytes": b, "files": f})).collect()
-                    },
-                });
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                writeln!(
+                    out,
+                    "{}\t{:>12}\t{}\t{pin}\t{}",
+                    kind_name(e),
+                    e.length,
+                    mtime(e.mtime_ms),
+                    e.name
+                )?;
+            } else if e.pinned_replicas > 0 {
+                writeln!(out, "{} (pinned)", e.name)?;
             } else {
-                if !summarize {
-                    for (p, b, f) in &rows {
-                        println!("{:>10}  {b:>15}  {f:>9} files  {p}", format_size(*b));
-                    }
-                }
-                println!(
-                    "{:>10}  {bytes:>15}  {files:>9} files  {path}",
-                    format_size(bytes)
-                );
+                writeln!(out, "{}", e.name)?;
             }
-        }
-        FsCommand::Cat { path, master: addr } => {
-            let client = FileSystem::new(master(&addr)?);
-            let s = client
-                .stat(&path)
-                .await
-                .with_context(|| format!("cannot read {path}"))?;
-            if s.kind == pb::FileKind::Directory as i32 {
-                anyhow::bail!("cannot read {path}: it is a directory");
-            }
-            const CHUNK: u64 = 4 * 1024 * 1024;
-            let mut out = std::io::stdout().lock();
-            let mut off = 0;
-            while off < s.length {
-                let data = client
-                    .read(&s, off, CHUNK)
-                    .await
-                    .with_context(|| format!("cannot read {path} at offset {off}"))?;
-                if data.is_empty() {
-                    anyhow::bail!("cannot read {path}: unexpected end of data at offset {off}");
-                }
-                if let Err(e) = out.write_all(&data) {
-                    if e.kind() == std::io::ErrorKind::BrokenPipe {
-                        return Ok(());
-                    }
-                    return Err(e.into());
-                }
-                off += data.len() as u64;
-            }
-            out.flush().ok();
         }
     }
+    Ok(())
+}
+
+/// `granary fs stat`.
+async fn fs_stat(path: String, json: bool, addr: MasterAddr) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(&addr)?);
+    let s = client
+        .stat(&path)
+        .await
+        .with_context(|| format!("cannot stat {path}"))?;
+    let cache = cache_state(&client, &s).await?;
+    if json {
+        let mut v = status_json(&s);
+        if let (Some(c), Some(obj)) = (&cache, v.as_object_mut()) {
+            obj.insert("cached_bytes".into(), c.cached_bytes.into());
+            obj.insert("cached_percent".into(), json!(c.percent()));
+            obj.insert("replicas".into(), c.min_replicas.into());
+            obj.insert(
+                "locations".into(),
+                json!(c
+                    .locations
+                    .iter()
+                    .map(|(b, w)| json!({"block": b, "workers": w}))
+                    .collect::<Vec<_>>()),
+            );
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if let Some(c) = &cache {
+            println!(
+                "cached:      {:.1}% ({} of {} bytes), {} replica(s) of every block",
+                c.percent(),
+                c.cached_bytes,
+                s.length,
+                c.min_replicas
+            );
+            for (b, w) in &c.locations {
+                let ws: Vec<String> = w.iter().map(u64::to_string).collect();
+                println!("  block {b}: workers {}", ws.join(", "));
+            }
+        }
+        if s.pinned_replicas > 0 {
+            println!("pinned:      {} replicas", s.pinned_replicas);
+        }
+        if s.ttl_expires_ms > 0 {
+            println!(
+                "ttl:         {} at {} ms since the epoch",
+                s.ttl_action, s.ttl_expires_ms
+            );
+        }
+        println!("path:        {}", s.path);
+        println!("kind:        {}", kind_name(&s));
+        println!("inode:       {}", s.inode);
+        println!("size:        {} ({})", s.length, format_size(s.length));
+        println!("block size:  {}", format_size(s.block_size));
+        println!("mode:        {:o}", s.mode);
+        println!("modified:    {}", mtime(s.mtime_ms));
+        if s.kind != pb::FileKind::Directory as i32 {
+            let by = if s.persist_worker != 0 {
+                format!(" (on worker {})", s.persist_worker)
+            } else {
+                String::new()
+            };
+            println!("persisted:   {}{by}", persist_name(&s));
+        }
+        if let Some(u) = &s.ufs {
+            println!(
+                "under-store: mount {} path {}",
+                u.mount_id,
+                if u.path.is_empty() { "/" } else { &u.path }
+            );
+        }
+        if s.sync_failures > 0 {
+            println!(
+                "sync:        FAILING ({} listings in a row; known entries kept): {}",
+                s.sync_failures, s.sync_error
+            );
+        } else if s.synced_ms_ago > 0 {
+            println!("sync:        listed {} ms ago", s.synced_ms_ago);
+        }
+        if let Some(f) = &s.fingerprint {
+            println!(
+                "fingerprint: etag={} size={} mtime_ms={}",
+                f.etag, f.size, f.mtime_ms
+            );
+        }
+        if s.is_mount_point {
+            println!("mount point: yes");
+        }
+    }
+    Ok(())
+}
+
+/// `granary fs du`.
+async fn fs_du(path: String, summarize: bool, json: bool, addr: MasterAddr) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(&addr)?);
+    let top = client
+        .list_with(pb::path_or_id::Target::Path(path.clone()), false)
+        .await
+        .with_context(|| format!("cannot list {path}"))?;
+    let mut rows: Vec<(String, u64, u64)> = Vec::new();
+    let (mut bytes, mut files) = (0u64, 0u64);
+    for e in top {
+        let (b, f) = if e.kind == pb::FileKind::Directory as i32 {
+            let below = walk(&client, &e.path, false).await?;
+            let fs: Vec<_> = below
+                .iter()
+                .filter(|x| x.kind != pb::FileKind::Directory as i32)
+                .collect();
+            (fs.iter().map(|x| x.length).sum(), fs.len() as u64)
+        } else {
+            (e.length, 1)
+        };
+        bytes += b;
+        files += f;
+        rows.push((e.path, b, f));
+    }
+    if json {
+        let v = json!({
+            "path": path,
+            "bytes": bytes,
+            "files": files,
+            "entries": if summarize { Vec::new() } else {
+                rows.iter().map(|(p, b, f)| json!({"path": p, "bytes": b, "files": f})).collect()
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if !summarize {
+            for (p, b, f) in &rows {
+                println!("{:>10}  {b:>15}  {f:>9} files  {p}", format_size(*b));
+            }
+        }
+        println!(
+            "{:>10}  {bytes:>15}  {files:>9} files  {path}",
+            format_size(bytes)
+        );
+    }
+    Ok(())
+}
+
+/// `granary fs cat`.
+async fn fs_cat(path: String, addr: MasterAddr) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(&addr)?);
+    let s = client
+        .stat(&path)
+        .await
+        .with_context(|| format!("cannot read {path}"))?;
+    if s.kind == pb::FileKind::Directory as i32 {
+        anyhow::bail!("cannot read {path}: it is a directory");
+    }
+    const CHUNK: u64 = 4 * 1024 * 1024;
+    let mut out = std::io::stdout().lock();
+    let mut off = 0;
+    while off < s.length {
+        let data = client
+            .read(&s, off, CHUNK)
+            .await
+            .with_context(|| format!("cannot read {path} at offset {off}"))?;
+        if data.is_empty() {
+            anyhow::bail!("cannot read {path}: unexpected end of data at offset {off}");
+        }
+        if let Err(e) = out.write_all(&data) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(());
+            }
+            return Err(e.into());
+        }
+        off += data.len() as u64;
+    }
+    out.flush().ok();
     Ok(())
 }
 
@@ -791,45 +814,7 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
     );
     println!("Workers ({} live of {})", stats.len(), info.workers.len());
     for w in &info.workers {
-        let s = w.stats.clone().unwrap_or_default();
-        println!(
-            "  {:<20} {:<22} {:<5} used {} of {}  blocks {}  heartbeat {} ms ago",
-            w.worker_id,
-            w.address,
-            w.state,
-            format_size(s.used_bytes),
-            format_size(s.capacity_bytes),
-            w.block_count,
-            w.last_heartbeat_ms_ago
-        );
-        if s.tiers.len() > 1 {
-            let tiers: Vec<String> = s
-                .tiers
-                .iter()
-                .map(|t| {
-                    format!(
-                        "{} {} of {}",
-                        t.tier,
-                        format_size(t.used_bytes),
-                        format_size(t.capacity_bytes)
-                    )
-                })
-                .collect();
-            println!("  {:<20} tiers: {}", "", tiers.join(", "));
-        }
-        // Where this node's bytes went: read from its disk by clients of its node, served
-        // over gRPC, copied from peers (node copies, hand-overs), fetched from stores.
-        println!(
-            "  {:<20} node {}: {} read locally, {} served over gRPC ({} to peers), {} copied from peers ({} node copies), {} from under-stores",
-            "",
-            if w.host.is_empty() { "?" } else { &w.host },
-            format_size(s.short_circuit_bytes),
-            format_size(s.cache_hit_bytes.saturating_add(s.cache_miss_bytes)),
-            format_size(s.peer_served_bytes),
-            format_size(s.peer_fill_bytes),
-            format_size(s.node_copy_bytes),
-            format_size(s.ufs_read_bytes)
-        );
+        print_worker(w);
     }
     println!(
         "Capacity: {} used of {}",
@@ -862,6 +847,49 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One worker's lines of `granary report`.
+fn print_worker(w: &pb::WorkerInfo) {
+    let s = w.stats.clone().unwrap_or_default();
+    println!(
+        "  {:<20} {:<22} {:<5} used {} of {}  blocks {}  heartbeat {} ms ago",
+        w.worker_id,
+        w.address,
+        w.state,
+        format_size(s.used_bytes),
+        format_size(s.capacity_bytes),
+        w.block_count,
+        w.last_heartbeat_ms_ago
+    );
+    if s.tiers.len() > 1 {
+        let tiers: Vec<String> = s
+            .tiers
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} {} of {}",
+                    t.tier,
+                    format_size(t.used_bytes),
+                    format_size(t.capacity_bytes)
+                )
+            })
+            .collect();
+        println!("  {:<20} tiers: {}", "", tiers.join(", "));
+    }
+    // Where this node's bytes went: read from its disk by clients of its node, served
+    // over gRPC, copied from peers (node copies, hand-overs), fetched from stores.
+    println!(
+        "  {:<20} node {}: {} read locally, {} served over gRPC ({} to peers), {} copied from peers ({} node copies), {} from under-stores",
+        "",
+        if w.host.is_empty() { "?" } else { &w.host },
+        format_size(s.short_circuit_bytes),
+        format_size(s.cache_hit_bytes.saturating_add(s.cache_miss_bytes)),
+        format_size(s.peer_served_bytes),
+        format_size(s.peer_fill_bytes),
+        format_size(s.node_copy_bytes),
+        format_size(s.ufs_read_bytes)
+    );
 }
 
 fn master_json(m: &pb::MasterInfo) -> serde_json::Value {
@@ -954,9 +982,9 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             options,
             each,
             json,
-        } => return bench_get(&uri, &options, each, json).await,
-        BenchCommand::Tcp { size, json } => return bench_tcp(size, json),
-        BenchCommand::Tls { size, json } => return bench_tls(size, json).await,
+        } => bench_get(&uri, &options, each, json).await,
+        BenchCommand::Tcp { size, json } => bench_tcp(size, json),
+        BenchCommand::Tls { size, json } => bench_tls(size, json).await,
         BenchCommand::Read {
             path,
             passes,
@@ -970,22 +998,47 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
                 short_circuit,
                 data_plane: !no_data_plane,
             };
-            return bench_read(&path, passes, concurrency, how, json, &addr).await;
+            bench_read(&path, passes, concurrency, how, json, &addr).await
         }
-        BenchCommand::Metadata { .. } => {}
+        BenchCommand::Metadata {
+            dir,
+            duration,
+            ops,
+            concurrency,
+            ack_log,
+            json,
+            master: addr,
+        } => {
+            let load = MetadataLoad {
+                dir,
+                duration,
+                ops,
+                concurrency,
+                ack_log,
+            };
+            bench_metadata(load, json, &addr).await
+        }
     }
-    let BenchCommand::Metadata {
+}
+
+/// What `granary bench metadata` runs.
+struct MetadataLoad {
+    dir: String,
+    duration: std::time::Duration,
+    ops: Option<u64>,
+    concurrency: usize,
+    ack_log: Option<std::path::PathBuf>,
+}
+
+/// `granary bench metadata`: creates then stats through the master group.
+async fn bench_metadata(load: MetadataLoad, json: bool, addr: &MasterAddr) -> anyhow::Result<()> {
+    let MetadataLoad {
         dir,
         duration,
         ops,
         concurrency,
         ack_log,
-        json,
-        master: addr,
-    } = cmd
-    else {
-        return Ok(());
-    };
+    } = load;
     let client = MasterClient::new(&addr.master)?;
     client
         .mkdir(&dir, true, 0o755)

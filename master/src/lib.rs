@@ -117,13 +117,8 @@ pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError>
     })
 }
 
-/// Opens the store, starts Raft, binds the gRPC (and metrics) listeners and serves until
-/// `shutdown` is cancelled.
-pub async fn start(
-    config: MasterConfig,
-    registry: SharedRegistry,
-    shutdown: CancellationToken,
-) -> Result<RunningMaster, MasterError> {
+/// Refuses a configuration no master can run with.
+fn check(config: &MasterConfig) -> Result<(), MasterError> {
     if config.id == 0 {
         return Err(MasterError::invalid("master ids start at 1"));
     }
@@ -133,6 +128,118 @@ pub async fn start(
             config.id
         )));
     }
+    if !(granary_common::MIN_BLOCK_SIZE..=granary_common::MAX_BLOCK_SIZE)
+        .contains(&config.block_size)
+    {
+        return Err(MasterError::invalid(format!(
+            "--block-size must be between {} KiB and {} MiB",
+            granary_common::MIN_BLOCK_SIZE >> 10,
+            granary_common::MAX_BLOCK_SIZE >> 20
+        )));
+    }
+    Ok(())
+}
+
+/// A state left broken (by an older version, or a damaged disk) is named, not fatal:
+/// commands touching the broken part fail, the rest is served.
+fn report_broken_state(sm: &state::StateMachine) -> Result<(), MasterError> {
+    let broken = sm.check_invariants(false, 100)?;
+    for v in &broken {
+        tracing::error!(key = %v.key, rule = %v.rule, "the master's state breaks a rule; see docs/operations.md, \"Inconsistent state\"");
+    }
+    if let Some(first) = broken.first() {
+        eprintln!(
+            "granary master: the state breaks {} rule(s) (first: {first}); serving anyway, see docs/operations.md",
+            broken.len(),
+        );
+    }
+    Ok(())
+}
+
+/// The leader's periodic work (every half second until `shutdown`): worker expiry,
+/// metrics, failed listings, jobs, pins and TTLs.
+fn housekeeping(
+    core: Arc<core::MasterCore>,
+    master_metrics: metrics::MasterMetrics,
+    shutdown: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => {
+                    core.sweep();
+                    master_metrics.refresh(&core);
+                    core.retry_failed_listings();
+                    core.run_jobs();
+                    core.refresh_pins();
+                    core.expire_ttls();
+                }
+            }
+        }
+    });
+}
+
+/// The group a new master's log starts with: none when it joins a running group (it is
+/// added), itself alone, or the configured peers.
+fn initial_voters(config: &MasterConfig) -> Vec<u64> {
+    if config.join {
+        Vec::new()
+    } else if config.peers.is_empty() {
+        vec![config.id]
+    } else {
+        config.peers.keys().copied().collect()
+    }
+}
+
+/// The masters' addresses by id: the configured peers, those the state records, and this
+/// master at `address`.
+fn peers_of(
+    config: &MasterConfig,
+    sm: &state::StateMachine,
+    address: &str,
+) -> Result<raft::transport::Peers, MasterError> {
+    let mut peer_map = config.peers.clone();
+    for (id, a) in sm.member_addresses()? {
+        peer_map.entry(id).or_insert(a);
+    }
+    peer_map
+        .entry(config.id)
+        .or_insert_with(|| address.to_string());
+    Ok(Arc::new(std::sync::RwLock::new(peer_map)))
+}
+
+/// Serves `/metrics` and readiness on `a`: ready while this master is part of a group
+/// with a known leader (a quorum answered).
+async fn serve_metrics(
+    a: SocketAddr,
+    registry: SharedRegistry,
+    raft: &raft::node::RaftHandle,
+    shutdown: CancellationToken,
+) -> Result<SocketAddr, MasterError> {
+    let status = raft.status.clone();
+    let ready = std::sync::Arc::new(move || {
+        match status.leader_id.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => Err("no leader known: this master is not in a quorum (yet)".into()),
+            _ => Ok(()),
+        }
+    });
+    granary_common::metrics::serve_with(a, registry, shutdown, ready)
+        .await
+        .map_err(|e| MasterError::Unavailable {
+            message: format!("cannot serve metrics on {a}: {e}"),
+        })
+}
+
+/// Opens the store, starts Raft, binds the gRPC (and metrics) listeners and serves until
+/// `shutdown` is cancelled.
+pub async fn start(
+    config: MasterConfig,
+    registry: SharedRegistry,
+    shutdown: CancellationToken,
+) -> Result<RunningMaster, MasterError> {
+    check(&config)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| MasterError::Unavailable {
@@ -149,44 +256,11 @@ pub async fn start(
         .or_else(|| config.peers.get(&config.id).cloned())
         .unwrap_or_else(|| addr.to_string());
 
-    if !(granary_common::MIN_BLOCK_SIZE..=granary_common::MAX_BLOCK_SIZE)
-        .contains(&config.block_size)
-    {
-        return Err(MasterError::invalid(format!(
-            "--block-size must be between {} KiB and {} MiB",
-            granary_common::MIN_BLOCK_SIZE >> 10,
-            granary_common::MAX_BLOCK_SIZE >> 20
-        )));
-    }
     let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
     let sm = state::StateMachine::open(db.clone())?;
-    // A state left broken (by an older version, or a damaged disk) is named, not fatal:
-    // commands touching the broken part fail, the rest is served.
-    let broken = sm.check_invariants(false, 100)?;
-    for v in &broken {
-        tracing::error!(key = %v.key, rule = %v.rule, "the master's state breaks a rule; see docs/operations.md, \"Inconsistent state\"");
-    }
-    if !broken.is_empty() {
-        eprintln!(
-            "granary master: the state breaks {} rule(s) (first: {}); serving anyway, see docs/operations.md",
-            broken.len(),
-            broken[0]
-        );
-    }
-    let initial_voters: Vec<u64> = if config.join {
-        Vec::new()
-    } else if config.peers.is_empty() {
-        vec![config.id]
-    } else {
-        config.peers.keys().copied().collect()
-    };
-    let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters)?;
-    let mut peer_map = config.peers.clone();
-    for (id, a) in sm.member_addresses()? {
-        peer_map.entry(id).or_insert(a);
-    }
-    peer_map.entry(config.id).or_insert_with(|| address.clone());
-    let peers: raft::transport::Peers = Arc::new(std::sync::RwLock::new(peer_map));
+    report_broken_state(&sm)?;
+    let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters(&config))?;
+    let peers = peers_of(&config, &sm, &address)?;
     let snapshots = raft::snapshot::SnapshotDir::open(config.data_dir.join("snapshots"))?;
     let chan = raft::node::channel();
     let transport = raft::transport::GrpcTransport::new(
@@ -252,46 +326,11 @@ pub async fn start(
         );
     }
     let metrics_addr = match config.metrics_listen {
-        Some(a) => Some(
-            granary_common::metrics::serve_with(a, registry.clone(), shutdown.clone(), {
-                // Ready: part of a group with a known leader (a quorum answered).
-                let status = raft_handle.status.clone();
-                std::sync::Arc::new(move || {
-                    match status.leader_id.load(std::sync::atomic::Ordering::Relaxed) {
-                        0 => Err("no leader known: this master is not in a quorum (yet)".into()),
-                        _ => Ok(()),
-                    }
-                })
-            })
-            .await
-            .map_err(|e| MasterError::Unavailable {
-                message: format!("cannot serve metrics on {a}: {e}"),
-            })?,
-        ),
+        Some(a) => Some(serve_metrics(a, registry, &raft_handle, shutdown.clone()).await?),
         None => None,
     };
 
-    // Housekeeping: worker expiry and metrics.
-    {
-        let core = core.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tick.tick() => {
-                        core.sweep();
-                        master_metrics.refresh(&core);
-                        core.retry_failed_listings();
-                        core.run_jobs();
-                        core.refresh_pins();
-                        core.expire_ttls();
-                    }
-                }
-            }
-        });
-    }
+    housekeeping(core.clone(), master_metrics, shutdown.clone());
 
     // Request messages limited per method (granary_common::authz: control methods small).
     let rpc = Arc::new(service::MasterRpc::new(core.clone(), shutdown.clone()));

@@ -136,6 +136,52 @@ pub struct RunningWorker {
     pub done: tokio::task::JoinHandle<Result<(), WorkerError>>,
 }
 
+/// The block data plane's listener (`--data-listen`) and the address it is advertised at:
+/// the host clients reach the worker at, with the data port (empty: no data plane).
+async fn bind_data_plane(
+    config: &WorkerConfig,
+    addr: SocketAddr,
+    advertise: &str,
+) -> Result<(Option<tokio::net::TcpListener>, String), WorkerError> {
+    let Some(a) = config.data_listen else {
+        return Ok((None, String::new()));
+    };
+    let l = tokio::net::TcpListener::bind(a)
+        .await
+        .map_err(|source| WorkerError::Listen { addr: a, source })?;
+    let port = l
+        .local_addr()
+        .map_err(|source| WorkerError::Listen { addr, source })?
+        .port();
+    let host = advertise.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+    Ok((Some(l), format!("{host}:{port}")))
+}
+
+/// Serves the block data plane on `l` (mutual TLS when the worker has an identity).
+fn serve_data_plane(
+    config: &WorkerConfig,
+    l: tokio::net::TcpListener,
+    data_address: &str,
+    rpc: Arc<service::WorkerRpc>,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    let tls =
+        match config.net.tls() {
+            Some(m) => Some(m.stream_acceptor().map_err(|e| {
+                WorkerError::Config(format!("TLS setup of the block data plane: {e}"))
+            })?),
+            None => None,
+        };
+    let how = if tls.is_some() {
+        "mutual TLS"
+    } else {
+        "plain TCP"
+    };
+    tracing::info!(address = %data_address, "block data plane serving ({how})");
+    tokio::spawn(dataplane::serve(l, rpc, tls, shutdown));
+    Ok(())
+}
+
 /// Opens the cache, binds the listeners, starts heartbeating and serves until `shutdown`.
 pub async fn start(
     config: WorkerConfig,
@@ -215,26 +261,7 @@ pub async fn start(
             "resuming uploads of files written async-through"
         );
     }
-    let data_listener = match config.data_listen {
-        Some(a) => Some(
-            tokio::net::TcpListener::bind(a)
-                .await
-                .map_err(|source| WorkerError::Listen { addr: a, source })?,
-        ),
-        None => None,
-    };
-    // Advertised on the host clients reach the worker at, with the data port.
-    let data_address = match &data_listener {
-        Some(l) => {
-            let port = l
-                .local_addr()
-                .map_err(|source| WorkerError::Listen { addr, source })?
-                .port();
-            let host = advertise.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
-            format!("{host}:{port}")
-        }
-        None => String::new(),
-    };
+    let (data_listener, data_address) = bind_data_plane(&config, addr, &advertise).await?;
     let grant_keys = Arc::new(granary_common::grant::GrantKeys::default());
     let hb = heartbeat::Heartbeat {
         master,
@@ -260,19 +287,7 @@ pub async fn start(
         node_copies: config.node_copies,
     });
     if let Some(l) = data_listener {
-        let tls = match config.net.tls() {
-            Some(m) => Some(m.stream_acceptor().map_err(|e| {
-                WorkerError::Config(format!("TLS setup of the block data plane: {e}"))
-            })?),
-            None => None,
-        };
-        let how = if tls.is_some() {
-            "mutual TLS"
-        } else {
-            "plain TCP"
-        };
-        tracing::info!(address = %data_address, "block data plane serving ({how})");
-        tokio::spawn(dataplane::serve(l, rpc.clone(), tls, shutdown.clone()));
+        serve_data_plane(&config, l, &data_address, rpc.clone(), shutdown.clone())?;
     }
     let svc = granary_common::grpc::per_method_limits(|limit| {
         WorkerServiceServer::from_arc(rpc.clone())

@@ -319,15 +319,9 @@ impl Writes {
         }
     }
 
-    async fn receive_inner<S>(
-        self: Arc<Self>,
-        h: pb::WriteFileHeader,
-        inbound: &mut S,
-        tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
-    ) -> Result<(), Status>
-    where
-        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
-    {
+    /// The write mode and block size a header asks for, refused when no write can have
+    /// them.
+    fn check_header(&self, h: &pb::WriteFileHeader) -> Result<(pb::WriteMode, u64), Status> {
         let mode = pb::WriteMode::try_from(h.mode)
             .map_err(|_| Status::invalid_argument(format!("unknown write mode {}", h.mode)))?;
         if h.inode == 0 || h.version == 0 {
@@ -335,8 +329,7 @@ impl Writes {
                 "the header needs an inode and a version",
             ));
         }
-        let ufs = h.ufs.clone();
-        if ufs.is_none() && mode != pb::WriteMode::MustCache {
+        if h.ufs.is_none() && mode != pb::WriteMode::MustCache {
             return Err(Status::invalid_argument(
                 "a file outside any mount can only be written must-cache",
             ));
@@ -354,6 +347,41 @@ impl Writes {
                 granary_common::MAX_BLOCK_SIZE
             )));
         }
+        Ok((mode, block_size))
+    }
+
+    /// Holds `n` more journal bytes against the cache's capacity in `room`; false (and
+    /// nothing held) when the cache cannot hold them.
+    fn hold_room(&self, n: u64, room: &mut Option<crate::store::Reservation>) -> bool {
+        match self.journal_room(n) {
+            Some(r) => {
+                match room.as_mut() {
+                    // One tier: always the same store.
+                    Some(held) => {
+                        let _ = held.absorb(r);
+                    }
+                    None => *room = Some(r),
+                }
+                true
+            }
+            None => {
+                *room = None;
+                false
+            }
+        }
+    }
+
+    async fn receive_inner<S>(
+        self: Arc<Self>,
+        h: pb::WriteFileHeader,
+        inbound: &mut S,
+        tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
+    ) -> Result<(), Status>
+    where
+        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
+    {
+        let (mode, block_size) = self.check_header(&h)?;
+        let ufs = h.ufs.clone();
         // Block indexes are 32-bit: a file ends before block 2^32 (and at the largest length).
         let max_length = granary_common::MAX_FILE_LENGTH.min(block_size << 32);
         let mut journal = Journal {
@@ -397,23 +425,6 @@ impl Writes {
             caching,
             cache_full: false,
         });
-        // Runs one step of disk work off the async threads, handing the sink back.
-        async fn blocking(
-            sink: &mut Option<Sink>,
-            step: impl FnOnce(&mut Sink) -> std::io::Result<()> + Send + 'static,
-        ) -> std::io::Result<()> {
-            let Some(mut s) = sink.take() else {
-                return Err(std::io::Error::other("the journal is gone"));
-            };
-            let (s, r) = tokio::task::spawn_blocking(move || {
-                let r = step(&mut s);
-                (s, r)
-            })
-            .await
-            .map_err(std::io::Error::other)?;
-            *sink = Some(s);
-            r
-        }
         let mut offset = 0u64;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(|e| Status::aborted(format!("the client went away: {e}")))?;
@@ -428,19 +439,7 @@ impl Writes {
                 )));
             }
             if pinned && n > 0 && !uncounted {
-                match self.journal_room(n) {
-                    Some(r) => match room.as_mut() {
-                        Some(held) => {
-                            // One tier: always the same store.
-                            let _ = held.absorb(r);
-                        }
-                        None => room = Some(r),
-                    },
-                    None => {
-                        uncounted = true;
-                        room = None;
-                    }
-                }
+                uncounted = !self.hold_room(n, &mut room);
                 if uncounted && !journal.persist {
                     return Err(no_space(
                         "the worker's cache cannot hold this replica of an async-through write \
@@ -782,6 +781,24 @@ const MAX_TAKEN: usize = 100_000;
 
 /// Bytes per part of an upload.
 const UPLOAD_PART: usize = 16 * 1024 * 1024;
+
+/// Runs one step of disk work off the async threads, handing the sink back.
+async fn blocking(
+    sink: &mut Option<Sink>,
+    step: impl FnOnce(&mut Sink) -> std::io::Result<()> + Send + 'static,
+) -> std::io::Result<()> {
+    let Some(mut s) = sink.take() else {
+        return Err(std::io::Error::other("the journal is gone"));
+    };
+    let (s, r) = tokio::task::spawn_blocking(move || {
+        let r = step(&mut s);
+        (s, r)
+    })
+    .await
+    .map_err(std::io::Error::other)?;
+    *sink = Some(s);
+    r
+}
 
 /// The receiving end of one write: the journal file and the pages being cut from it.
 struct Sink {
