@@ -65,6 +65,8 @@ pub struct PassthroughFile {
     /// Set for a one-page file: the kernel may keep reading the block file after the file
     /// is closed, until the next check is due (see [`crate::local::Parkable`]).
     pub park: Option<crate::local::Parkable>,
+    /// The worker whose cache file it is.
+    pub worker_id: u64,
 }
 
 /// The leases of a file open in passthrough mode: one per block, all of one worker.
@@ -1148,6 +1150,26 @@ impl FileSystem {
                 tracing::debug!(path = %file.path, block = next, error = %e, "warming the next block failed");
             }
         });
+    }
+
+    /// A file opened in passthrough mode (on `worker`, else this node's worker as last
+    /// listed): the kernel reads the worker's cache file and the daemon sees none of the
+    /// reads, so the open counts as a read of the whole file — what a loader does; for a
+    /// reader of part of a big file, more than it read. The bytes go to the worker with
+    /// the short-circuit reads (`report`'s hits and local reads).
+    pub fn count_passthrough_open(&self, file: &pb::FileStatus, worker: Option<u64>) {
+        self.metrics.passthrough_opens.inc();
+        self.metrics.add_read("passthrough", file.length);
+        let worker = worker.or_else(|| {
+            lock(&self.view)
+                .workers
+                .iter()
+                .find(|w| self.short_circuit.same_node(w))
+                .map(|w| w.worker_id)
+        });
+        if let Some(w) = worker {
+            self.short_circuit.count_read(w, file.length);
+        }
     }
 
     pub(crate) async fn live_workers(&self) -> Vec<pb::WorkerInfo> {

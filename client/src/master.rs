@@ -17,7 +17,7 @@ pub const DEFAULT_RETRY_WINDOW: Duration = Duration::from_secs(20);
 /// Deadline of one attempt at one master (a stopped master must not stall a caller longer).
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Metadata key carrying the leader's address on a `NotLeader` status (set by the master).
-pub const LEADER_HINT_KEY: &str = "granary-leader";
+pub use granary_proto::LEADER_HINT_KEY;
 
 struct Endpoint {
     address: String,

@@ -1160,7 +1160,7 @@ impl GranaryFs {
         self.client.short_circuit.drop_kept(&id);
         lock(&self.passthrough_fhs).insert(fh, s.inode);
         lock(&self.files).insert(fh, Arc::new(s.clone()));
-        self.client.metrics.passthrough_opens.inc();
+        self.client.count_passthrough_open(s, None);
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
         None
     }
@@ -1333,7 +1333,7 @@ impl Passthrough {
         });
         if let Some(id) = parked {
             lock(&self.fhs).insert(fh, s.inode);
-            client.metrics.passthrough_opens.inc();
+            client.count_passthrough_open(s, None);
             reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
             return None;
         }
@@ -1353,6 +1353,7 @@ impl Passthrough {
             return Some(reply);
         };
         lock(&self.fhs).insert(fh, s.inode);
+        client.count_passthrough_open(s, Some(pf.worker_id));
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
         None
     }

@@ -103,18 +103,8 @@ impl From<granary_common::ufs::UfsError> for MasterError {
     }
 }
 
-/// Linux errno values sent in the `ERRNO_KEY` metadata.
-mod libc_errno {
-    pub const EBUSY: i32 = 16;
-    pub const ENOTDIR: i32 = 20;
-    pub const EISDIR: i32 = 21;
-    pub const EXDEV: i32 = 18;
-    pub const EROFS: i32 = 30;
-    pub const ENOTEMPTY: i32 = 39;
-}
-
-/// Metadata key carrying the leader's address on a `NotLeader` status.
-pub const LEADER_HINT_KEY: &str = "granary-leader";
+use granary_proto::errno as libc_errno;
+pub use granary_proto::LEADER_HINT_KEY;
 
 impl From<MasterError> for tonic::Status {
     fn from(e: MasterError) -> Self {

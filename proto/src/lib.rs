@@ -18,8 +18,23 @@ pub use prost;
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// gRPC metadata key carrying the Linux errno that fits an error precisely (ENOTEMPTY,
-/// ENOTDIR, EXDEV, EISDIR, EROFS…), where the status code alone would merge several.
+/// ENOTDIR, EXDEV, EISDIR, EROFS…), where the status code alone would merge several; the
+/// values are [`errno`]'s.
 pub const ERRNO_KEY: &str = "granary-errno";
+
+/// The Linux errno values sent in [`ERRNO_KEY`] (the wire carries numbers, so they are
+/// fixed here rather than taken from the sender's libc).
+pub mod errno {
+    pub const EBUSY: i32 = 16;
+    pub const EXDEV: i32 = 18;
+    pub const ENOTDIR: i32 = 20;
+    pub const EISDIR: i32 = 21;
+    pub const EROFS: i32 = 30;
+    pub const ENOTEMPTY: i32 = 39;
+}
+
+/// gRPC metadata key carrying the leader's address on a master's `NotLeader` status.
+pub const LEADER_HINT_KEY: &str = "granary-leader";
 /// gRPC metadata a worker adds to a `PERMISSION_DENIED` that refuses the request's read
 /// grant (value [`GRANT_REFUSAL`]): a new grant from the master may help, which a refusal
 /// of the caller itself would not.

@@ -1036,6 +1036,28 @@ fn a_wholly_cached_file_is_served_in_passthrough_mode() {
         before,
         "the daemon served a passthrough read"
     );
+    // Each passthrough open counts its file's length as read from the cache (the daemon
+    // sees none of the reads), and the worker hears of it with the short-circuit bytes:
+    // `report`'s hits include passthrough reads.
+    let passthrough = c
+        .fuse
+        .metric("granary_client_read_bytes_total{source=\"passthrough\"}");
+    assert_eq!(
+        passthrough,
+        (2 * (5 * MIB + 17) + 2 * (64 * MIB + 5)) as f64
+    );
+    let local = c
+        .fuse
+        .metric("granary_client_read_bytes_total{source=\"short_circuit\"}");
+    poll(
+        "the worker to hear of the passthrough reads",
+        Duration::from_secs(10),
+        || {
+            (w.metric("granary_worker_short_circuit_bytes_total") == local + passthrough)
+                .then_some(())
+        },
+    )
+    .unwrap();
 
     // While a passthrough file is open its pages are leased (the two-block file: a lease
     // per block); they are held until its last handle closes, not its first.

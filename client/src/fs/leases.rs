@@ -387,16 +387,17 @@ impl FileSystem {
                 .short_circuit
                 .verified_at(&ids[0])
                 .and_then(|at| crate::local::Parkable::new(&f, leases[0].path(), at));
-            self.metrics.passthrough_opens.inc();
             return Some(PassthroughFile {
                 file: f,
                 handle: 0,
                 park,
+                worker_id: w.worker_id,
             });
         }
         let handle = self
             .next_held
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let worker_id = w.worker_id;
         lock(&self.held).insert(
             handle,
             Held {
@@ -405,11 +406,11 @@ impl FileSystem {
                 renewed: Instant::now(),
             },
         );
-        self.metrics.passthrough_opens.inc();
         Some(PassthroughFile {
             file: f,
             handle,
             park: None,
+            worker_id,
         })
     }
 
