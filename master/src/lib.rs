@@ -174,6 +174,7 @@ fn housekeeping(
                     core.retry_failed_listings();
                     core.run_jobs();
                     core.refresh_pins();
+                    core.reload_pins_once_per_term();
                     core.expire_ttls();
                 }
             }

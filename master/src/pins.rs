@@ -20,6 +20,8 @@ const REFRESH_EVERY: Duration = Duration::from_secs(3);
 #[derive(Default)]
 pub struct PinSet {
     inner: Mutex<Inner>,
+    /// The term whose pins were loaded again once its workers had re-registered.
+    reloaded_term: Mutex<u64>,
 }
 
 #[derive(Default)]
@@ -164,15 +166,94 @@ impl MasterCore {
         Ok(Some(job))
     }
 
+    /// Once per term, when the workers have had a worker timeout to re-register with this
+    /// leader: loads again the pins with a block on fewer live workers than its replicas.
+    /// A worker that died while leadership changed hands never registers with the new
+    /// leader, so it is never declared lost and its replicas would never be replaced (the
+    /// in-process test found it).
+    pub fn reload_pins_once_per_term(self: &Arc<Self>) {
+        if !self.raft.status.is_leader() || self.workers.term_age() < self.workers.timeout {
+            return;
+        }
+        let term = self
+            .raft
+            .status
+            .term
+            .load(std::sync::atomic::Ordering::Relaxed);
+        {
+            let mut reloaded = lock(&self.pins.reloaded_term);
+            if *reloaded == term {
+                return;
+            }
+            *reloaded = term;
+        }
+        // A walk of every pinned file's blocks: off the housekeeping tick.
+        let core = self.clone();
+        tokio::task::spawn_blocking(move || match core.short_pins() {
+            Ok(short) if !short.is_empty() => {
+                tracing::info!(
+                    term,
+                    pins = short.len(),
+                    "pins short of their replicas under a new leader: loading them again"
+                );
+                core.repin(Some(short));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot check the pins' replicas"),
+        });
+    }
+
+    /// The pins with a block of a loadable file on fewer live workers than they ask for.
+    fn short_pins(&self) -> Result<HashSet<u64>, MasterError> {
+        let mut short = HashSet::new();
+        for (inode, pin) in self.ns.sm.pins()? {
+            let Some(node) = self.ns.sm.inode(inode)? else {
+                continue;
+            };
+            for entry in self.ns.sm.walk(node, String::new()) {
+                let (f, _) = entry?;
+                if f.kind == Kind::Directory || f.mount_id.is_none() || !f.complete {
+                    continue;
+                }
+                let Ok((_, blocks)) =
+                    crate::jobs::plan_blocks(&f, granary_common::DEFAULT_BLOCK_SIZE)
+                else {
+                    continue;
+                };
+                let under = (0..blocks).any(|index| {
+                    let id = granary_proto::BlockId {
+                        inode: f.id,
+                        version: f.version,
+                        index,
+                    };
+                    self.holders_of(&id).len() < pin.replicas as usize
+                });
+                if under {
+                    short.insert(inode);
+                    break;
+                }
+            }
+        }
+        Ok(short)
+    }
+
     /// After a worker is lost: load every pin again (unless a load of it runs already),
     /// so pinned blocks get back to their replica count on the workers left.
     pub fn repin_after_loss(self: &Arc<Self>) {
+        self.repin(None);
+    }
+
+    /// Loads the pins (`only` these, by inode) again, unless a load of one runs already.
+    fn repin(self: &Arc<Self>, only: Option<HashSet<u64>>) {
         let core = self.clone();
         tokio::spawn(async move {
             let (Ok(pins), Ok(jobs)) = (core.ns.sm.pins(), core.ns.sm.jobs()) else {
                 return;
             };
             for (inode, pin) in pins {
+                if only.as_ref().is_some_and(|o| !o.contains(&inode)) {
+                    continue;
+                }
                 let Ok(Some(node)) = core.ns.sm.inode(inode) else {
                     continue;
                 };

@@ -225,3 +225,60 @@ async fn a_failing_store_leaves_the_known_listing_intact_until_a_sync_succeeds()
     assert_eq!(names(&fs.list(data()).await?), ["a", "c", "d"]);
     c.stop().await
 }
+
+/// A pin outlives its leader: after the leader that recorded it stops and a worker holding
+/// a replica goes, the next leader loads the pinned file again until it is on two workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_keeps_its_replicas_across_a_leader_change_and_a_lost_worker() -> Result<()> {
+    let mut c = Cluster::start(Shape {
+        masters: 3,
+        workers: 3,
+        ..Shape::default()
+    })
+    .await?;
+    std::fs::create_dir_all(c.store.join("p"))?;
+    std::fs::write(c.store.join("p/a"), vec![7u8; 300_000])?;
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let file = fs.stat("/data/p/a").await?;
+    let job = fs.master.set_pin("/data/p", 2).await?;
+    let master = fs.master.clone();
+    eventually("the pin's load", Duration::from_secs(30), || {
+        let master = master.clone();
+        async move {
+            let j = master.get_job(job.id, 0).await.ok()?;
+            (j.job_state() == pb::JobState::Succeeded).then_some(())
+        }
+    })
+    .await?;
+    let holders = |c: &Cluster| -> Vec<usize> {
+        (0..3)
+            .filter(|&i| {
+                c.worker(i)
+                    .is_some_and(|w| w.store.holds_version(file.inode, file.version))
+            })
+            .collect()
+    };
+    let first = holders(&c);
+    assert_eq!(first.len(), 2, "{first:?}");
+
+    let leader = c.leader().await?;
+    c.stop_master(leader).await?;
+    c.stop_worker(first[0]).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = holders(&c);
+        if now.len() == 2 {
+            assert!(!now.contains(&first[0]));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pin stayed at {now:?} after worker {} went",
+            first[0]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(c.leader().await?, leader);
+    c.stop().await
+}

@@ -23,6 +23,7 @@ mod planner;
 #[cfg(test)]
 mod proptests;
 
+pub(crate) use planner::plan_blocks;
 use planner::{Limits, Planner};
 
 /// Deadline of one task.

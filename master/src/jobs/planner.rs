@@ -576,7 +576,7 @@ pub(super) fn worth_retrying(code: pb::LoadError) -> bool {
 
 /// A file's block size and number of blocks as a load plans them; the error says why the
 /// file cannot be loaded (a length no real file has: it would plan billions of blocks).
-pub(super) fn plan_blocks(inode: &Inode, default_bs: u64) -> Result<(u64, u32), String> {
+pub(crate) fn plan_blocks(inode: &Inode, default_bs: u64) -> Result<(u64, u32), String> {
     let bs = if inode.block_size == 0 {
         default_bs
     } else {
