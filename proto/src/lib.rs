@@ -103,14 +103,16 @@ impl JobKind {
         }
     }
 
-    /// The kind a request names: its code, else its text (older clients); None: unknown.
+    /// The kind a request names: its code, else its text (older clients); None: unknown
+    /// (a code no version defines is not overruled by the text).
     pub fn requested(code: i32, text: &str) -> Option<JobKind> {
-        match JobKind::try_from(code).unwrap_or_default() {
-            JobKind::Unspecified => match text {
+        match JobKind::try_from(code) {
+            Ok(JobKind::Unspecified) => match text {
                 "load" => Some(JobKind::Load),
                 _ => None,
             },
-            k => Some(k),
+            Ok(k) => Some(k),
+            Err(_) => None,
         }
     }
 }
@@ -211,6 +213,7 @@ mod tests {
         assert_eq!(JobKind::requested(0, "load"), Some(JobKind::Load));
         assert_eq!(JobKind::requested(0, "LOAD"), None);
         assert_eq!(JobKind::requested(0, ""), None);
+        assert_eq!(JobKind::requested(42, "load"), None, "an unknown code");
         assert_eq!(TtlAction::requested(0, ""), Some(TtlAction::Free));
         assert_eq!(TtlAction::requested(0, "delete"), Some(TtlAction::Delete));
         assert_eq!(

@@ -282,3 +282,67 @@ async fn a_pin_keeps_its_replicas_across_a_leader_change_and_a_lost_worker() -> 
     assert_ne!(c.leader().await?, leader);
     c.stop().await
 }
+
+/// Codes no version defines, in the fields that name a job kind or a TTL action, are
+/// refused with INVALID_ARGUMENT and change nothing — whatever text comes with them — and
+/// the text of an older client still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undefined_kind_and_action_codes_are_refused_and_change_nothing() -> Result<()> {
+    use granary_common::net::ServerKind;
+    use granary_proto::master_service_client::MasterServiceClient;
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::write(c.store.join("f"), b"data")?;
+    c.mount_store().await?;
+    let ch = c
+        .faults(Node::Client)
+        .net()
+        .channel(c.master_addr(0), ServerKind::Master)
+        .map_err(anyhow::Error::msg)?;
+    let mut m = MasterServiceClient::new(ch);
+    for (code, text) in [(99, "free"), (-1, ""), (i32::MAX, "delete")] {
+        let err = m
+            .set_ttl(pb::SetTtlRequest {
+                path: "/data/f".into(),
+                ttl_ms: 1_000,
+                action: text.into(),
+                action_code: code,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{code}: {err:?}");
+    }
+    for (code, text) in [(42, "load"), (0, "evict"), (0, "")] {
+        let err = m
+            .start_job(pb::StartJobRequest {
+                kind: text.into(),
+                kind_code: code,
+                path: "/data".into(),
+                replicas: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{code}: {err:?}");
+    }
+    let fs = c.client()?;
+    assert!(
+        fs.master.list_jobs().await?.is_empty(),
+        "a refused job started"
+    );
+    let st = fs.stat("/data/f").await?;
+    assert_eq!(st.ttl_expires_ms, 0, "a refused TTL was set");
+    // An older client's text alone.
+    let job = m
+        .start_job(pb::StartJobRequest {
+            kind: "load".into(),
+            path: "/data".into(),
+            replicas: 1,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert_ne!(job.job_state(), pb::JobState::Unspecified);
+    assert_eq!(job.kind_code(), pb::JobKind::Load);
+    c.stop().await
+}
