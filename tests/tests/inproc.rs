@@ -346,3 +346,37 @@ async fn undefined_kind_and_action_codes_are_refused_and_change_nothing() -> Res
     assert_eq!(job.kind_code(), pb::JobKind::Load);
     c.stop().await
 }
+
+/// A request id replays only the request it was first used for: the same mkdir again
+/// answers as the first did; another request reusing the id gets its own checks' error,
+/// not the first outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_replays_only_its_own_request() -> Result<()> {
+    use granary_common::net::ServerKind;
+    use granary_proto::master_service_client::MasterServiceClient;
+    let c = Cluster::start(Shape::default()).await?;
+    let ch = c
+        .faults(Node::Client)
+        .net()
+        .channel(c.master_addr(0), ServerKind::Master)
+        .map_err(anyhow::Error::msg)?;
+    let mut m = MasterServiceClient::new(ch);
+    let mkdir = |path: &str, request_id: u64| pb::MkdirRequest {
+        path: path.into(),
+        mode: 0o755,
+        request_id,
+        ..Default::default()
+    };
+    let first = m.mkdir(mkdir("/r1", 777)).await?.into_inner();
+    let again = m.mkdir(mkdir("/r1", 777)).await?.into_inner();
+    assert_eq!(first.status.map(|s| s.inode), again.status.map(|s| s.inode));
+    let other = m.mkdir(mkdir("/missing/x", 777)).await.unwrap_err();
+    assert_eq!(other.code(), tonic::Code::NotFound, "{other:?}");
+    let fresh = m.mkdir(mkdir("/r1", 778)).await.unwrap_err();
+    assert_eq!(fresh.code(), tonic::Code::AlreadyExists, "{fresh:?}");
+    // The first outcome was for /r1: a request for /r2 under its id is another request.
+    c.client()?.master.rename("/r1", "/r2").await?;
+    let moved = m.mkdir(mkdir("/r2", 777)).await.unwrap_err();
+    assert_eq!(moved.code(), tonic::Code::AlreadyExists, "{moved:?}");
+    c.stop().await
+}

@@ -266,11 +266,25 @@ fn one(
 impl MasterRpc {
     /// A mutation whose checks failed with `err`: when the same request was applied
     /// before (its answer was lost and the client retries), its first outcome; else `err`.
-    async fn replayed_or(&self, request_id: u64, err: Status) -> Result<ApplyOutput, Status> {
-        match self.core.replayed(request_id).await {
-            Ok(Some(first)) => Ok(first?),
-            Ok(None) | Err(_) => Err(err),
+    /// `path`: the entry the request makes or moves to; a first outcome recorded for
+    /// another path (the id reused for another request) is not replayed.
+    async fn replayed_or(
+        &self,
+        request_id: u64,
+        err: Status,
+        path: Option<&str>,
+    ) -> Result<ApplyOutput, Status> {
+        let first = match self.core.replayed(request_id).await {
+            Ok(Some(first)) => first?,
+            Ok(None) | Err(_) => return Err(err),
+        };
+        if let (Some(path), ApplyOutput::Inode(i)) = (path, &first) {
+            let now = self.core.ns.sm.path_of(i).ok();
+            if now.as_deref() != granary_common::paths::normalize(path).ok().as_deref() {
+                return Err(err);
+            }
         }
+        Ok(first)
     }
 
     /// Checks a mount's caller may change the folder that holds `path` (write and search
@@ -575,7 +589,7 @@ impl MasterService for MasterRpc {
             Ok(())
         };
         if let Err(e) = checked.await {
-            let out = self.replayed_or(id, e).await?;
+            let out = self.replayed_or(id, e, Some(&r.path)).await?;
             return one(&self.core, &who, out);
         }
         let out = self
@@ -611,7 +625,7 @@ impl MasterService for MasterRpc {
         };
         let (replaces, out) = match checked.await {
             Ok(replaces) => (replaces, None),
-            Err(e) => (false, Some(self.replayed_or(id, e).await?)),
+            Err(e) => (false, Some(self.replayed_or(id, e, Some(&r.path)).await?)),
         };
         let out = match out {
             Some(out) => out,
@@ -740,7 +754,7 @@ impl MasterService for MasterRpc {
             Ok(())
         };
         if let Err(e) = deleted.await {
-            self.replayed_or(id, e).await?;
+            self.replayed_or(id, e, None).await?;
         }
         Ok(Response::new(pb::DeleteResponse {}))
     }
@@ -763,7 +777,7 @@ impl MasterService for MasterRpc {
             Ok(())
         };
         if let Err(e) = checked.await {
-            let out = self.replayed_or(id, e).await?;
+            let out = self.replayed_or(id, e, Some(&r.dst)).await?;
             return one(&self.core, &who, out);
         }
         let out = self
