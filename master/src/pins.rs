@@ -108,18 +108,31 @@ impl MasterCore {
     /// Every file at or below a pin (as far as the namespace is listed).
     fn pinned_files(&self) -> Result<HashSet<u64>, MasterError> {
         let mut out = HashSet::new();
-        for (inode, _) in self.ns.sm.pins()? {
+        self.for_each_pinned_file(|_, _, f| {
+            out.insert(f.id);
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `f(pin's inode, pin, file)` for every file at or below every pin; a pin's
+    /// remaining files are skipped once `f` returns false for one of them.
+    fn for_each_pinned_file(
+        &self,
+        mut f: impl FnMut(u64, &crate::state::pins::Pin, &crate::state::Inode) -> bool,
+    ) -> Result<(), MasterError> {
+        for (inode, pin) in self.ns.sm.pins()? {
             let Some(node) = self.ns.sm.inode(inode)? else {
                 continue;
             };
             for entry in self.ns.sm.walk(node, String::new()) {
                 let (node, _) = entry?;
-                if node.kind != Kind::Directory {
-                    out.insert(node.id);
+                if node.kind != Kind::Directory && !f(inode, &pin, &node) {
+                    break;
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// `granary pin PATH --replicas N` (N = 0: unpin). Pinning starts a load job of the
@@ -206,34 +219,27 @@ impl MasterCore {
     /// The pins with a block of a loadable file on fewer live workers than they ask for.
     fn short_pins(&self) -> Result<HashSet<u64>, MasterError> {
         let mut short = HashSet::new();
-        for (inode, pin) in self.ns.sm.pins()? {
-            let Some(node) = self.ns.sm.inode(inode)? else {
-                continue;
-            };
-            for entry in self.ns.sm.walk(node, String::new()) {
-                let (f, _) = entry?;
-                if f.kind == Kind::Directory || f.mount_id.is_none() || !f.complete {
-                    continue;
-                }
-                let Ok((_, blocks)) =
-                    crate::jobs::plan_blocks(&f, granary_common::DEFAULT_BLOCK_SIZE)
-                else {
-                    continue;
-                };
-                let under = (0..blocks).any(|index| {
-                    let id = granary_proto::BlockId {
-                        inode: f.id,
-                        version: f.version,
-                        index,
-                    };
-                    self.holders_of(&id).len() < pin.replicas as usize
-                });
-                if under {
-                    short.insert(inode);
-                    break;
-                }
+        self.for_each_pinned_file(|inode, pin, f| {
+            if f.mount_id.is_none() || !f.complete {
+                return true;
             }
-        }
+            let Ok((_, blocks)) = crate::jobs::plan_blocks(f, granary_common::DEFAULT_BLOCK_SIZE)
+            else {
+                return true;
+            };
+            let under = (0..blocks).any(|index| {
+                let id = granary_proto::BlockId {
+                    inode: f.id,
+                    version: f.version,
+                    index,
+                };
+                self.holders_of(&id).len() < pin.replicas as usize
+            });
+            if under {
+                short.insert(inode);
+            }
+            !under
+        })?;
         Ok(short)
     }
 

@@ -15,6 +15,19 @@ fn names(list: &[pb::FileStatus]) -> Vec<String> {
     v
 }
 
+/// The job once it has finished (within a minute).
+async fn finished(master: &granary_client::MasterClient, id: u64) -> Result<pb::JobInfo> {
+    eventually(
+        "the job to finish",
+        Duration::from_secs(60),
+        || async move {
+            let j = master.get_job(id, 10).await.ok()?;
+            j.job_state().finished().then_some(j)
+        },
+    )
+    .await
+}
+
 fn root() -> pb::path_or_id::Target {
     pb::path_or_id::Target::Path("/".into())
 }
@@ -113,15 +126,7 @@ async fn a_load_finishes_on_the_workers_left_when_one_is_cut_off() -> Result<()>
     );
     let fs = c.client()?;
     let job = fs.master.start_job(pb::JobKind::Load, "/data", 1).await?;
-    let master = fs.master.clone();
-    let done = eventually("the load to finish", Duration::from_secs(60), || {
-        let master = master.clone();
-        async move {
-            let j = master.get_job(job.id, 10).await.ok()?;
-            j.job_state().finished().then_some(j)
-        }
-    })
-    .await?;
+    let done = finished(&fs.master, job.id).await?;
     assert_eq!(
         (done.job_state(), done.done_files, done.failed_files),
         (pb::JobState::Succeeded, 24, 0),
@@ -242,15 +247,8 @@ async fn a_pin_keeps_its_replicas_across_a_leader_change_and_a_lost_worker() -> 
     let fs = c.client()?;
     let file = fs.stat("/data/p/a").await?;
     let job = fs.master.set_pin("/data/p", 2).await?;
-    let master = fs.master.clone();
-    eventually("the pin's load", Duration::from_secs(30), || {
-        let master = master.clone();
-        async move {
-            let j = master.get_job(job.id, 0).await.ok()?;
-            (j.job_state() == pb::JobState::Succeeded).then_some(())
-        }
-    })
-    .await?;
+    let done = finished(&fs.master, job.id).await?;
+    assert_eq!(done.job_state(), pb::JobState::Succeeded, "{done:?}");
     let holders = |c: &Cluster| -> Vec<usize> {
         (0..3)
             .filter(|&i| {

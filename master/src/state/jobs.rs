@@ -31,13 +31,7 @@ pub enum JobState {
 
 impl JobState {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Planning => "planning",
-            Self::Running => "running",
-            Self::Succeeded => "succeeded",
-            Self::Failed => "failed",
-            Self::Cancelled => "cancelled",
-        }
+        self.code().text()
     }
 
     pub fn finished(self) -> bool {
