@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use granary_common::net::GrpcChannel as Channel;
+use granary_common::sequential::{continues, ReadEnds};
 use granary_proto as pb;
 use granary_proto::worker_service_client::WorkerServiceClient;
 
@@ -146,8 +147,9 @@ pub struct FileSystem {
     pub short_circuit: ShortCircuit,
     held: Mutex<HashMap<u64, Held>>,
     next_held: std::sync::atomic::AtomicU64,
-    /// Sequential readers: inode → (end of its last read, next block already warmed).
-    sequential: Mutex<HashMap<u64, (u64, u64)>>,
+    /// Sequential readers: by inode, the end of its last read and the next block already
+    /// warmed.
+    sequential: ReadEnds<u64, u64>,
     /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
     read_timeout_ms: std::sync::atomic::AtomicU64,
     /// Statuses seen lately (lookups, listings), by inode: an open within `status_ttl` of
@@ -175,7 +177,7 @@ pub struct FileSystem {
     windows_ahead: Mutex<std::collections::HashSet<(u64, u64, u32, u32)>>,
     /// Where the last read served from leases ended, by inode (sequential detection of the
     /// fast path).
-    leased_ends: Mutex<HashMap<u64, u64>>,
+    leased_ends: ReadEnds<u64>,
     /// The small file read last in each folder: parent → inode (name-order detection).
     last_read_in_dir: Mutex<HashMap<u64, u64>>,
     /// Folders where a small file's lease at its open found it not cached, when: a cold
@@ -272,7 +274,7 @@ impl FileSystem {
             short_circuit: ShortCircuit::new(granary_common::node_name()),
             held: Mutex::new(HashMap::new()),
             next_held: std::sync::atomic::AtomicU64::new(1),
-            sequential: Mutex::new(HashMap::new()),
+            sequential: ReadEnds::default(),
             read_timeout_ms: std::sync::atomic::AtomicU64::new(
                 DEFAULT_READ_TIMEOUT.as_millis() as u64
             ),
@@ -285,7 +287,7 @@ impl FileSystem {
             names: Mutex::new(Names::default()),
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
-            leased_ends: Mutex::new(HashMap::new()),
+            leased_ends: ReadEnds::default(),
             last_read_in_dir: Mutex::new(HashMap::new()),
             open_lease_misses: Mutex::new(HashMap::new()),
             warmer: crate::warm::Warmer::new(crate::warm::DEFAULT_WARM_FOLDER_BYTES),
@@ -909,14 +911,8 @@ impl FileSystem {
             }
         }
         if let Some(&(worker, _)) = reads.last() {
-            let sequential = {
-                let mut m = lock(&self.leased_ends);
-                if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.inode) {
-                    m.clear();
-                }
-                m.insert(file.inode, end)
-                    .is_some_and(|prev| offset.abs_diff(prev) <= LEASE_NEXT_SLACK)
-            };
+            let prev = self.leased_ends.note_end(file.inode, end);
+            let sequential = continues(prev, offset, LEASE_NEXT_SLACK, false);
             if sequential {
                 self.lease_next_window(file, end, len, worker);
             }
@@ -1116,17 +1112,16 @@ impl FileSystem {
     /// boundary). Once per block; nothing for random readers.
     fn warm_next_block(self: &Arc<Self>, file: &pb::FileStatus, offset: u64, end: u64, bs: u64) {
         let next = end / bs + 1;
-        let warm = {
-            let mut m = lock(&self.sequential);
-            if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.inode) {
-                m.clear();
+        let mut warm = false;
+        self.sequential.note(file.inode, end, |prev, warmed| {
+            warm = continues(prev, offset, 0, true)
+                && end % bs >= bs / 2
+                && next * bs < file.length
+                && *warmed < next;
+            if warm {
+                *warmed = next;
             }
-            let (prev_end, warmed) = m.get(&file.inode).copied().unwrap_or((u64::MAX, 0));
-            let sequential = offset == 0 || prev_end == offset;
-            let warm = sequential && end % bs >= bs / 2 && next * bs < file.length && warmed < next;
-            m.insert(file.inode, (end, if warm { next } else { warmed }));
-            warm
-        };
+        });
         if !warm {
             return;
         }

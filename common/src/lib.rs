@@ -15,6 +15,7 @@ pub mod logging;
 pub mod metrics;
 pub mod net;
 pub mod paths;
+pub mod sequential;
 pub mod size;
 pub mod tls;
 pub mod ufs;

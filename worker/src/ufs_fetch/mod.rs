@@ -90,9 +90,6 @@ impl Uncached {
     }
 }
 
-/// Blocks whose last read end is remembered (sequential detection).
-const SEQ_TRACKED: usize = 4096;
-
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum FetchError {
     #[error("the file changed in the under-store (fingerprint mismatch): {0}")]
@@ -166,7 +163,7 @@ pub struct Fetcher {
     inflight: Mutex<HashMap<PageKey, Pending>>,
     next_id: AtomicU64,
     /// Where the last read of a block ended (a read starting there is sequential).
-    read_ends: Mutex<HashMap<BlockKey, u64>>,
+    read_ends: granary_common::sequential::ReadEnds<BlockKey>,
     /// Pages fetched but not cached (full cache, not admitted), kept briefly in memory: a
     /// reader usually asks for a page in several requests, which must not each cost a GET.
     uncached: Mutex<Uncached>,
@@ -319,7 +316,7 @@ impl Fetcher {
             stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
-            read_ends: Mutex::new(HashMap::new()),
+            read_ends: Default::default(),
             uncached: Mutex::new(Uncached::new(
                 (store.capacity / 8).clamp(store.page_size, UNCACHED_MAX_BYTES),
             )),
@@ -701,12 +698,8 @@ impl Fetcher {
     /// Notes a read of `block` ending at byte `end` (block offset) and tells whether it
     /// continued the previous one (or starts the block): a sequential reader.
     pub fn sequential(&self, block: &BlockRef, offset: u64, end: u64) -> bool {
-        let mut m = lock(&self.read_ends);
-        if m.len() >= SEQ_TRACKED && !m.contains_key(&block.key) {
-            m.clear();
-        }
-        let prev = m.insert(block.key, end);
-        offset == 0 || prev == Some(offset)
+        let prev = self.read_ends.note_end(block.key, end);
+        granary_common::sequential::continues(prev, offset, 0, true)
     }
 
     /// Keeps `part_concurrency` parts in flight after page `after` of `block` (read-ahead
