@@ -500,7 +500,7 @@ impl Planner {
         }
         let error = match outcome {
             Ok(fetched) => {
-                self.report.fetched_bytes += fetched;
+                self.report.fetched_bytes = self.report.fetched_bytes.saturating_add(fetched);
                 None
             }
             Err((true, _)) if item.attempt + 1 < self.limits.attempts => {

@@ -199,7 +199,8 @@ impl World {
                         block,
                         error,
                         code: code as i32,
-                        fetched_bytes: 1,
+                        // What a hostile worker could claim: the sums must not overflow.
+                        fetched_bytes: u64::MAX,
                     });
                 }
                 Ok(pb::LoadBlocksResponse { results })
