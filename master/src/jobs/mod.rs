@@ -194,8 +194,14 @@ async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)
         return Ok(vec![(root, root_path)]);
     }
     let mut files = Vec::new();
-    let mut dirs = VecDeque::from([(root, root_path)]);
-    while let Some((dir, path)) = dirs.pop_front() {
+    let mut dirs = VecDeque::from([(root, root_path, 0)]);
+    while let Some((dir, path, depth)) = dirs.pop_front() {
+        if depth > crate::state::walk::MAX_DEPTH {
+            return Err(MasterError::inconsistent(format!(
+                "{path} is more than {} folders deep: the namespace loops",
+                crate::state::walk::MAX_DEPTH
+            )));
+        }
         let mut after: Option<String> = None;
         loop {
             let page = core
@@ -207,7 +213,7 @@ async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)
             for child in page {
                 let p = granary_common::paths::join(&path, &child.name);
                 match child.kind {
-                    Kind::Directory => dirs.push_back((child, p)),
+                    Kind::Directory => dirs.push_back((child, p, depth + 1)),
                     _ => files.push((child, p)),
                 }
             }

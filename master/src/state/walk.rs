@@ -9,6 +9,10 @@ use crate::error::MasterError;
 /// Names read from the state per page.
 pub const PAGE: usize = 1000;
 
+/// Folders deeper than this mean a namespace that loops (a damaged state): the walk ends
+/// with an error instead of going round for ever (as `path_of` bounds a parent chain).
+pub const MAX_DEPTH: usize = 4096;
+
 /// The children of one directory in name order.
 pub struct Children<'a> {
     sm: &'a StateMachine,
@@ -54,11 +58,19 @@ pub struct Walk<'a> {
 }
 
 impl Walk<'_> {
-    fn enter(&mut self, node: &Inode, path: &str) {
-        if node.kind == Kind::Directory {
-            self.open
-                .push((self.sm.children_of(node.id), path.to_string()));
+    fn enter(&mut self, node: &Inode, path: &str) -> Result<(), MasterError> {
+        if node.kind != Kind::Directory {
+            return Ok(());
         }
+        if self.open.len() >= MAX_DEPTH {
+            self.open.clear();
+            return Err(MasterError::inconsistent(format!(
+                "{path} is more than {MAX_DEPTH} folders deep: the namespace loops"
+            )));
+        }
+        self.open
+            .push((self.sm.children_of(node.id), path.to_string()));
+        Ok(())
     }
 }
 
@@ -67,8 +79,7 @@ impl Iterator for Walk<'_> {
 
     fn next(&mut self) -> Option<Self::Item> {
         if let Some((root, path)) = self.root.take() {
-            self.enter(&root, &path);
-            return Some(Ok((root, path)));
+            return Some(self.enter(&root, &path).map(|()| (root, path)));
         }
         loop {
             let (children, parent) = self.open.last_mut()?;
@@ -82,8 +93,7 @@ impl Iterator for Walk<'_> {
                 }
                 Some(Ok(child)) => {
                     let path = granary_common::paths::join(parent, &child.name);
-                    self.enter(&child, &path);
-                    return Some(Ok((child, path)));
+                    return Some(self.enter(&child, &path).map(|()| (child, path)));
                 }
             }
         }
@@ -167,5 +177,41 @@ mod tests {
         // A file is a walk of itself.
         let f = sm.resolve_loaded("/t/b/deep/z").unwrap().unwrap();
         assert_eq!(sm.walk(f, "/z".into()).count(), 1);
+    }
+
+    #[test]
+    fn a_walk_of_a_namespace_that_loops_ends_with_an_error() {
+        // A damaged state whose folders loop (/x/y/loop is /x).
+        let (_d, sm) = super::super::tests::open();
+        sm.apply(
+            1,
+            &Command::Mkdir {
+                path: "/x/y".into(),
+                recursive: true,
+                mode: 0,
+                now_ms: 1,
+                owner: None,
+            },
+        )
+        .unwrap();
+        let x = sm.resolve_loaded("/x").unwrap().unwrap();
+        let y = sm.resolve_loaded("/x/y").unwrap().unwrap();
+        let cf = sm.cf().unwrap();
+        sm.db
+            .put_cf(
+                cf,
+                super::super::child_key(y.id, "loop"),
+                x.id.to_be_bytes(),
+            )
+            .unwrap();
+        let mut n = 0;
+        let mut last = None;
+        for entry in sm.walk(x, "/x".into()) {
+            n += 1;
+            last = Some(entry);
+            assert!(n <= 2 * MAX_DEPTH + 2, "the walk does not end");
+        }
+        let err = last.unwrap().unwrap_err();
+        assert!(err.to_string().contains("loops"), "{err}");
     }
 }
