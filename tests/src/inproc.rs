@@ -253,12 +253,9 @@ impl Cluster {
     pub async fn stop_master(&mut self, i: usize) -> Result<()> {
         if let Some(r) = self.masters[i].running.take() {
             r.shutdown.cancel();
-            let core = r.node.core.clone();
             tokio::time::timeout(Duration::from_secs(20), r.node.done)
                 .await
                 .context("a master did not stop within 20 s")???;
-            // Raft's thread ends with its last handle (the store closes with it).
-            drop(core);
         }
         Ok(())
     }
