@@ -215,9 +215,21 @@ impl Cluster {
 
     /// Mounts the store folder at `/data`.
     pub async fn mount_store(&self) -> Result<()> {
+        self.mount_store_with(&[]).await
+    }
+
+    /// [`Self::mount_store`] with mount options (`("sync_interval", "1s")`).
+    pub async fn mount_store_with(&self, options: &[(&str, &str)]) -> Result<()> {
         let fs = self.client()?;
         let uri = format!("file://{}", self.store.display());
-        fs.master.add_mount("/data", &uri, Vec::new()).await?;
+        let options = options
+            .iter()
+            .map(|(k, v)| granary_proto::MountOptionEntry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect();
+        fs.master.add_mount("/data", &uri, options).await?;
         Ok(())
     }
 

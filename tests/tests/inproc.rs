@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use granary_common::net::{Fault, Rule};
 use granary_proto as pb;
 use granary_tests::inproc::{eventually, Cluster, Node, Shape};
@@ -376,5 +376,50 @@ async fn a_request_id_replays_only_its_own_request() -> Result<()> {
     c.client()?.master.rename("/r1", "/r2").await?;
     let moved = m.mkdir(mkdir("/r2", 777)).await.unwrap_err();
     assert_eq!(moved.code(), tonic::Code::AlreadyExists, "{moved:?}");
+    c.stop().await
+}
+
+/// A file asked for by inode only (as a mount's opens ask) is checked against the store on
+/// the mount's `sync_interval` like a lookup of its name: an object replaced in the store
+/// shows its new version, whether its folder was listed or only its name looked up. (Found
+/// by the under-store acceptance test: the mount served a replaced object's old bytes for
+/// as long as a reader kept opening it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_asked_for_by_inode_sees_its_object_replaced_in_the_store() -> Result<()> {
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::create_dir_all(c.store.join("listed"))?;
+    std::fs::create_dir_all(c.store.join("probed"))?;
+    std::fs::write(c.store.join("listed/f"), "old")?;
+    std::fs::write(c.store.join("probed/f"), "old")?;
+    c.mount_store_with(&[("sync_interval", "1s")]).await?;
+    let fs = c.client()?;
+    let path = |p: &str| pb::path_or_id::Target::Path(p.into());
+    // One folder listed, one only looked into by name (a HEAD of the object).
+    assert_eq!(names(&fs.list(path("/data/listed")).await?), ["f"]);
+    let mut ids = Vec::new();
+    for p in ["/data/listed/f", "/data/probed/f"] {
+        let s = fs.master.get_status(path(p)).await?;
+        assert_eq!(s.length, 3, "{p}");
+        ids.push((p, s.inode, s.version));
+    }
+    std::fs::write(c.store.join("listed/f"), "new bytes")?;
+    std::fs::write(c.store.join("probed/f"), "new bytes")?;
+    for (p, inode, old) in ids {
+        let master = &fs.master;
+        let s = eventually(
+            "the replaced object's new version",
+            Duration::from_secs(15),
+            || async move {
+                let s = master
+                    .get_status(pb::path_or_id::Target::Inode(inode))
+                    .await
+                    .ok()?;
+                (s.length == 9).then_some(s)
+            },
+        )
+        .await
+        .with_context(|| format!("{p} asked for by inode"))?;
+        assert_ne!(s.version, old, "{p}: a new object keeps its old version");
+    }
     c.stop().await
 }

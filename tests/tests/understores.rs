@@ -407,12 +407,21 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     random_file(&fresh, 4096).unwrap();
     let fresh_sha = sha_of(&fresh).unwrap();
     s3.put("plain/b.bin", &fresh).unwrap();
-    poll(
+    if let Err(e) = poll(
         "the re-listed mount to serve the new bytes",
         Duration::from_secs(30),
         || (sha_of(&target).as_deref() == Some(fresh_sha.as_str())).then_some(()),
-    )
-    .unwrap();
+    ) {
+        let st = granary(&["fs", "stat", "/synced/plain/b.bin", "--master", &addr]);
+        let m = scrape(&master.metrics).unwrap_or_default();
+        let m: Vec<&str> = m.lines().filter(|l| l.contains("synced")).collect();
+        panic!(
+            "{e:#}\nstat: {}{}\nmaster metrics: {m:#?}\nmount log:\n{}",
+            String::from_utf8_lossy(&st.stdout),
+            String::from_utf8_lossy(&st.stderr),
+            fuse.proc.log_text()
+        );
+    }
     poll(
         "the old version's pages to be dropped",
         Duration::from_secs(15),

@@ -228,6 +228,25 @@ impl Namespace {
         }
     }
 
+    /// The inode `id`, as fresh as a lookup of its name would give it: an entry inside a
+    /// mount whose folder is due to be listed again (in a folder never listed: a file whose
+    /// own check is due) is checked against the under-store first. A mount opens files by
+    /// inode, and the statuses its opens fetch answer the kernel's lookups of their names:
+    /// without this, a file read over and over was never checked again, and an object
+    /// replaced in the store was served in its old version for as long as it was read. A
+    /// failed check answers what is known, as a failed re-listing does.
+    pub async fn current(&self, id: u64) -> Result<Inode, MasterError> {
+        let inode = self.inode(id)?;
+        if inode.mount_id.is_none() || inode.is_mount_point || inode.id == ROOT_INODE {
+            return Ok(inode);
+        }
+        let parent = self.inode(inode.parent)?;
+        if let Err(e) = self.child_of(parent, &inode.name).await {
+            tracing::debug!(inode = id, error = %e, "checking an entry against its under-store failed; answering what is known");
+        }
+        self.inode(id)
+    }
+
     pub fn inode(&self, id: u64) -> Result<Inode, MasterError> {
         self.sm
             .inode(id)?

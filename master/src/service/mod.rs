@@ -351,7 +351,7 @@ impl MasterRpc {
                 }
                 Ok(self.core.ns.resolve(&p).await?)
             }
-            Some(pb::path_or_id::Target::Inode(id)) => Ok(self.core.ns.inode(id)?),
+            Some(pb::path_or_id::Target::Inode(id)) => Ok(self.core.ns.current(id).await?),
             None => Err(MasterError::invalid("a path or inode id is required").into()),
         }
     }
