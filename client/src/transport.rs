@@ -326,6 +326,24 @@ impl BlockTransport for DataPlane {
     }
 }
 
+/// A worker's refusal as the status gRPC would have carried, metadata included (a grant
+/// refusal is told by it, not by its text).
+fn refusal(f: pb::DataFrame) -> tonic::Status {
+    let code = tonic::Code::from(i32::try_from(f.code).unwrap_or(i32::MAX));
+    let mut s = tonic::Status::new(code, f.message);
+    if f.refusal == pb::GRANT_REFUSAL {
+        s.metadata_mut().insert(
+            pb::REFUSAL_KEY,
+            tonic::metadata::MetadataValue::from_static(pb::GRANT_REFUSAL),
+        );
+    }
+    if f.errno != 0 {
+        s.metadata_mut()
+            .insert(pb::ERRNO_KEY, tonic::metadata::MetadataValue::from(f.errno));
+    }
+    s
+}
+
 /// One request and its answer on `sock`: the bytes, or the worker's refusal; `Err`: the
 /// stream failed (the connection is not reusable).
 async fn exchange<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
@@ -352,8 +370,7 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
         let f = pb::DataFrame::decode(&header[..]).map_err(|e| format!("bad frame: {e}"))?;
         if f.end {
             if f.code != 0 {
-                let code = tonic::Code::from(i32::try_from(f.code).unwrap_or(i32::MAX));
-                return Ok(Err(tonic::Status::new(code, f.message)));
+                return Ok(Err(refusal(f)));
             }
             return Ok(Ok((out, hit)));
         }
@@ -536,5 +553,32 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(!dp.is_down(&addr));
+    }
+
+    /// A refused grant is told by the frame's marker, as over gRPC by the status metadata:
+    /// the reader asks the master for a new grant instead of failing the read.
+    #[tokio::test]
+    async fn a_grant_refusal_and_an_errno_survive_the_data_plane() {
+        let (mut grant, _) = end(tonic::Code::PermissionDenied as u32, "the grant expired");
+        grant.refusal = pb::GRANT_REFUSAL.into();
+        let (mut full, _) = end(tonic::Code::ResourceExhausted as u32, "the disk is full");
+        full.errno = 28;
+        let dp = DataPlane::default();
+        let addr = server(vec![(grant, Vec::new())]).await;
+        match dp.read_from(&addr, &req(10), T).await {
+            Err(DataPlaneError::Refused(e)) => assert_eq!(
+                e,
+                crate::error::ClientError::GrantRefused("the grant expired".into())
+            ),
+            other => panic!("{other:?}"),
+        }
+        let addr = server(vec![(full, Vec::new())]).await;
+        match dp.read_from(&addr, &req(10), T).await {
+            Err(DataPlaneError::Refused(e)) => assert_eq!(
+                e,
+                crate::error::ClientError::Posix(28, "the disk is full".into())
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -29,6 +29,7 @@ pub mod errno {
     pub const EXDEV: i32 = 18;
     pub const ENOTDIR: i32 = 20;
     pub const EISDIR: i32 = 21;
+    pub const ENOSPC: i32 = 28;
     pub const EROFS: i32 = 30;
     pub const ENOTEMPTY: i32 = 39;
 }

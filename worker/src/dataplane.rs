@@ -31,6 +31,7 @@ use tonic::Status;
 
 use granary_common::tls::Principal;
 
+use crate::error::RpcError;
 use crate::service::{Plan, WorkerRpc};
 use crate::store::block_key;
 
@@ -158,9 +159,10 @@ pub(crate) async fn connection<S: Wire>(
             Ok(Err(e)) => return Err(e),
         };
         if n > MAX_REQUEST_BYTES {
-            let s = Status::invalid_argument(format!(
+            let s = RpcError::Invalid(format!(
                 "a data plane request of {n} bytes (at most {MAX_REQUEST_BYTES})"
-            ));
+            ))
+            .into();
             return end(&mut sock, Some(&s)).await; // the stream is out of step: close it
         }
         let mut buf = vec![0u8; n];
@@ -168,7 +170,7 @@ pub(crate) async fn connection<S: Wire>(
         match pb::ReadBlockRequest::decode(&buf[..]) {
             Ok(r) => serve_one(&mut sock, rpc, &who, r).await?,
             Err(e) => {
-                let s = Status::invalid_argument(format!("undecodable read request: {e}"));
+                let s = RpcError::Invalid(format!("undecodable read request: {e}")).into();
                 end(&mut sock, Some(&s)).await?;
             }
         }
@@ -186,17 +188,28 @@ async fn frame<S: Wire>(sock: &mut S, f: &pb::DataFrame) -> std::io::Result<()> 
 /// stream keeps what the socket did not take yet until then (the caller would wait for
 /// the end of an answer sitting in the worker's buffer).
 async fn end<S: Wire>(sock: &mut S, err: Option<&Status>) -> std::io::Result<()> {
-    frame(
-        sock,
-        &pb::DataFrame {
-            end: true,
-            code: err.map_or(0, |s| s.code() as u32),
-            message: err.map(|s| s.message().to_string()).unwrap_or_default(),
-            ..Default::default()
-        },
-    )
-    .await?;
+    frame(sock, &end_frame(err)).await?;
     sock.flush().await
+}
+
+/// The last frame of an answer: the status's code and message, and the metadata a caller
+/// acts on (a grant refusal, an errno), so a refusal reads the same as over gRPC.
+fn end_frame(err: Option<&Status>) -> pb::DataFrame {
+    let meta = |key: &str| {
+        err.and_then(|s| s.metadata().get(key))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    pb::DataFrame {
+        end: true,
+        code: err.map_or(0, |s| s.code() as u32),
+        message: err.map(|s| s.message().to_string()).unwrap_or_default(),
+        refusal: meta(pb::REFUSAL_KEY).unwrap_or_default(),
+        errno: meta(pb::ERRNO_KEY)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+        ..Default::default()
+    }
 }
 
 /// Sends `len` bytes of `file` from `offset` (the socket is non-blocking: waits for room).
@@ -234,7 +247,7 @@ async fn serve_one<S: Wire>(
 ) -> std::io::Result<()> {
     let (desc, p) = match rpc.admit_read(who, &r) {
         Ok(x) => x,
-        Err(s) => return end(sock, Some(&s)).await,
+        Err(e) => return end(sock, Some(&e.into())).await,
     };
     rpc.metrics.read_requests.inc();
     let mut at = p.offset;
@@ -354,4 +367,25 @@ async fn send_leased<S: Wire>(
         }
     }
     Ok(at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_keeps_what_the_caller_acts_on() {
+        let ok = end_frame(None);
+        assert!(ok.end && ok.code == 0 && ok.refusal.is_empty() && ok.errno == 0);
+        let grant: Status = RpcError::GrantRefused("the read grant expired".into()).into();
+        let f = end_frame(Some(&grant));
+        assert_eq!(f.code, tonic::Code::PermissionDenied as u32);
+        assert_eq!(f.refusal, pb::GRANT_REFUSAL);
+        assert_eq!(f.message, "the read grant expired");
+        let full: Status = RpcError::NoSpace("the disk is full".into()).into();
+        assert_eq!(end_frame(Some(&full)).errno, pb::errno::ENOSPC);
+        let plain: Status = RpcError::Invalid("bad".into()).into();
+        let f = end_frame(Some(&plain));
+        assert!(f.refusal.is_empty() && f.errno == 0);
+    }
 }

@@ -7,6 +7,7 @@
 //! the cache survives a restart (the index is reloaded at start).
 
 pub mod dataplane;
+pub mod error;
 pub mod evict;
 pub mod heartbeat;
 pub mod metrics;

@@ -13,6 +13,7 @@ use granary_common::authz::principal;
 use granary_common::grant::{GrantKeys, Terms};
 use granary_common::tls::{Principal, Role};
 
+use crate::error::RpcError;
 use crate::metrics::WorkerMetrics;
 use crate::store::block_key;
 use crate::ufs_fetch::{BlockRef, FetchError, Fetcher, Source};
@@ -32,25 +33,25 @@ const LOAD_PARALLELISM: usize = 8;
 /// [`granary_common::MAX_FILE_LENGTH`], or a block index past the end of the file. Whether
 /// the geometry is the file's is the grant's to say ([`check_grant`]); nodes (masters'
 /// load tasks, peers) are trusted with it, but not with its shape.
-pub(crate) fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Status> {
+pub(crate) fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), RpcError> {
     let id = desc
         .id
         .as_ref()
-        .ok_or_else(|| Status::invalid_argument("the block id is missing"))?;
+        .ok_or_else(|| RpcError::Invalid("the block id is missing".into()))?;
     if desc.ufs.is_none() {
-        return Err(Status::invalid_argument(
-            "the block has no under-store location",
+        return Err(RpcError::Invalid(
+            "the block has no under-store location".into(),
         ));
     }
     let bs = desc.block_size;
     if bs == 0 || bs > granary_common::MAX_BLOCK_SIZE {
-        return Err(Status::invalid_argument(format!(
+        return Err(RpcError::Invalid(format!(
             "block size {bs} must be between 1 and {} bytes",
             granary_common::MAX_BLOCK_SIZE
         )));
     }
     if desc.file_length > granary_common::MAX_FILE_LENGTH {
-        return Err(Status::invalid_argument(format!(
+        return Err(RpcError::Invalid(format!(
             "file length {} is above the largest a file may have ({} bytes)",
             desc.file_length,
             granary_common::MAX_FILE_LENGTH
@@ -58,7 +59,7 @@ pub(crate) fn block_extent(desc: &pb::BlockDescriptor) -> Result<(u64, u64), Sta
     }
     let blocks = desc.file_length.div_ceil(bs);
     if u64::from(id.index) >= blocks {
-        return Err(Status::invalid_argument(format!(
+        return Err(RpcError::Invalid(format!(
             "block {} is past the end of the file ({blocks} blocks of {bs} bytes in {})",
             id.index, desc.file_length
         )));
@@ -76,8 +77,7 @@ async fn load_block(
     desc: pb::BlockDescriptor,
     holders: Option<Vec<pb::WorkerAddress>>,
 ) -> Result<u64, (pb::LoadError, String)> {
-    let (start, len) =
-        block_extent(&desc).map_err(|s| (pb::LoadError::Invalid, s.message().to_string()))?;
+    let (start, len) = block_extent(&desc).map_err(|e| (pb::LoadError::Invalid, e.to_string()))?;
     let block = Arc::new(BlockRef {
         len,
         start,
@@ -162,7 +162,7 @@ fn check_grant(
     ufs: Option<&pb::UfsLocation>,
     terms: Terms,
     fills: bool,
-) -> Result<(), Status> {
+) -> Result<(), RpcError> {
     // A node's request without a grant: another worker reading cached pages only, a
     // lease, or any request of a cluster whose masters sign no grants (plaintext). One
     // that may fill the cache or write needs a grant like anyone's, and a grant a node
@@ -172,7 +172,7 @@ fn check_grant(
         if !fills || !keys.any() {
             return Ok(());
         }
-        return Err(granary_common::grant::grant_denial(format!(
+        return Err(RpcError::GrantRefused(format!(
             "no read grant for file {inode}: a node's request that may fill the cache or write needs one too (ask the master for the file's status first)"
         )));
     }
@@ -183,7 +183,7 @@ fn check_grant(
         terms,
     };
     keys.check(grant, &want, granary_common::now_ms().max(0) as u64)
-        .map_err(granary_common::grant::grant_denial)
+        .map_err(RpcError::GrantRefused)
 }
 
 type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Status>> + Send>>;
@@ -197,14 +197,14 @@ pub(crate) struct Plan {
     pub(crate) end: u64,
 }
 
-fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status> {
+fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), RpcError> {
     let desc = r
         .block
         .clone()
-        .ok_or_else(|| Status::invalid_argument("the block descriptor is missing"))?;
+        .ok_or_else(|| RpcError::Invalid("the block descriptor is missing".into()))?;
     let (block_start, block_len) = block_extent(&desc)?;
     if r.length == 0 || r.length > MAX_READ_LENGTH {
-        return Err(Status::invalid_argument(format!(
+        return Err(RpcError::Invalid(format!(
             "read length {} must be between 1 and {MAX_READ_LENGTH}",
             r.length
         )));
@@ -214,7 +214,7 @@ fn plan(r: &pb::ReadBlockRequest) -> Result<(pb::BlockDescriptor, Plan), Status>
         .checked_add(r.length)
         .filter(|e| *e <= block_len)
         .ok_or_else(|| {
-            Status::out_of_range(format!(
+            RpcError::OutOfRange(format!(
                 "range {}+{} is outside the block ({block_len} bytes)",
                 r.offset, r.length
             ))
@@ -236,13 +236,18 @@ type ReadStream = Pin<Box<dyn Stream<Item = Result<pb::ReadBlockResponse, Status
 /// block, bytes). A page whose length is not the one the block's geometry gives it (a
 /// fetch for other geometry joined in a race) is refused as UNAVAILABLE — the reader tries
 /// again or elsewhere — and never sliced out of its bounds.
-fn piece(data: &bytes::Bytes, page: u64, ps: u64, p: Plan) -> Result<(u64, bytes::Bytes), Status> {
+fn piece(
+    data: &bytes::Bytes,
+    page: u64,
+    ps: u64,
+    p: Plan,
+) -> Result<(u64, bytes::Bytes), RpcError> {
     let page_start = page * ps;
     let want_len = ps.min(p.block_len.saturating_sub(page_start));
     let from = p.offset.max(page_start) - page_start;
     let to = p.end.min(page_start + want_len) - page_start;
     if data.len() as u64 != want_len || from >= to {
-        return Err(Status::unavailable(format!(
+        return Err(RpcError::Unavailable(format!(
             "page {page} holds {} bytes where the block has {want_len}",
             data.len()
         )));
@@ -257,17 +262,13 @@ impl WorkerRpc {
         &self,
         who: &Principal,
         r: &pb::ReadBlockRequest,
-    ) -> Result<(pb::BlockDescriptor, Plan), Status> {
+    ) -> Result<(pb::BlockDescriptor, Plan), RpcError> {
         let (desc, p) = plan(r)?;
         if r.from_peers && (r.cached_only || !r.cache) {
-            return Err(Status::invalid_argument(
-                "a node copy (from_peers) caches what it reads: it needs `cache` and excludes `cached_only`",
-            ));
+            return Err(RpcError::Invalid("a node copy (from_peers) caches what it reads: it needs `cache` and excludes `cached_only`".into()));
         }
         if r.from_peers && !self.node_copies {
-            return Err(Status::failed_precondition(
-                "this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner",
-            ));
+            return Err(RpcError::Precondition("this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner".into()));
         }
         check_grant(
             &self.grant_keys,
@@ -299,16 +300,20 @@ impl WorkerRpc {
                     Some(data) => Some(data),
                     None => fetcher.arriving_page(&block, page, ARRIVING_WAIT).await,
                 };
-                let msg = match cached {
-                    Some(data) => piece(&data, page, ps, p).map(|(offset, slice)| {
-                        metrics.peer_served_bytes.inc_by(slice.len() as u64);
-                        pb::ReadBlockResponse {
-                            data: slice,
-                            offset,
-                            hit: true,
-                        }
-                    }),
-                    None => Err(Status::not_found(format!("page {page} is not cached here"))),
+                let msg: Result<_, Status> = match cached {
+                    Some(data) => piece(&data, page, ps, p)
+                        .map(|(offset, slice)| {
+                            metrics.peer_served_bytes.inc_by(slice.len() as u64);
+                            pb::ReadBlockResponse {
+                                data: slice,
+                                offset,
+                                hit: true,
+                            }
+                        })
+                        .map_err(Status::from),
+                    None => {
+                        Err(RpcError::NotCached(format!("page {page} is not cached here")).into())
+                    }
                 };
                 let failed = msg.is_err();
                 if tx.send(msg).await.is_err() || failed {
@@ -334,9 +339,13 @@ impl WorkerService for WorkerRpc {
         let header = match inbound.next().await {
             Some(Ok(m)) => m
                 .header
-                .ok_or_else(|| Status::invalid_argument("the first message needs the header"))?,
-            Some(Err(e)) => return Err(e),
-            None => return Err(Status::invalid_argument("an empty write stream")),
+                .ok_or_else(|| RpcError::Invalid("the first message needs the header".into()))?,
+            Some(Err(e)) => {
+                return Err(
+                    RpcError::Aborted(format!("the client went away: {}", e.message())).into(),
+                )
+            }
+            None => return Err(RpcError::Invalid("an empty write stream".into()).into()),
         };
         check_grant(
             &self.grant_keys,
@@ -401,20 +410,22 @@ impl WorkerService for WorkerRpc {
                 .buffered(PAGE_PARALLELISM);
             while let Some((page, res)) = pages.next().await {
                 let msg = match res {
-                    Ok((data, source)) => piece(&data, page, ps, p).map(|(offset, slice)| {
-                        let n = slice.len() as u64;
-                        let hit = source == Source::Cache;
-                        if hit {
-                            metrics.cache_hit_bytes.inc_by(n);
-                        } else {
-                            metrics.cache_miss_bytes.inc_by(n);
-                        }
-                        pb::ReadBlockResponse {
-                            data: slice,
-                            offset,
-                            hit,
-                        }
-                    }),
+                    Ok((data, source)) => piece(&data, page, ps, p)
+                        .map(|(offset, slice)| {
+                            let n = slice.len() as u64;
+                            let hit = source == Source::Cache;
+                            if hit {
+                                metrics.cache_hit_bytes.inc_by(n);
+                            } else {
+                                metrics.cache_miss_bytes.inc_by(n);
+                            }
+                            pb::ReadBlockResponse {
+                                data: slice,
+                                offset,
+                                hit,
+                            }
+                        })
+                        .map_err(Status::from),
                     Err(e) => Err(Status::from(e)),
                 };
                 let failed = msg.is_err();
@@ -433,10 +444,11 @@ impl WorkerService for WorkerRpc {
         let task = req.into_inner();
         let blocks = task.blocks;
         if blocks.len() > MAX_LOAD_BLOCKS {
-            return Err(Status::invalid_argument(format!(
+            return Err(RpcError::Invalid(format!(
                 "a load task may carry at most {MAX_LOAD_BLOCKS} blocks, not {}",
                 blocks.len()
-            )));
+            ))
+            .into());
         }
         let holders: Vec<Option<Vec<pb::WorkerAddress>>> = match task.holders.len() {
             0 => vec![None; blocks.len()],
@@ -446,10 +458,11 @@ impl WorkerService for WorkerRpc {
                 .map(|h| h.known.then_some(h.workers))
                 .collect(),
             n => {
-                return Err(Status::invalid_argument(format!(
+                return Err(RpcError::Invalid(format!(
                     "a load task names the holders of each of its {} blocks or of none, not of {n}",
                     blocks.len()
-                )))
+                ))
+                .into())
             }
         };
         let fetcher = self.fetcher.clone();
@@ -542,13 +555,13 @@ impl WorkerService for WorkerRpc {
             false
         };
         let lease = lease.filter(readable).ok_or_else(|| {
-            Status::not_found("the page is not cached here (or leases hold their share)")
+            RpcError::NotCached("the page is not cached here (or leases hold their share)".into())
         })?;
         self.metrics.short_circuit_leases.inc();
         let answer = |lease: crate::store::Lease, block: pb::BlockId, window: u32| {
             let path = std::path::absolute(&lease.path)
-                .map_err(|e| Status::internal(format!("block file path: {e}")))?;
-            Ok::<_, Status>(pb::LeaseLocalBlockResponse {
+                .map_err(|e| RpcError::Internal(format!("block file path: {e}")))?;
+            Ok::<_, RpcError>(pb::LeaseLocalBlockResponse {
                 path: path.to_string_lossy().into_owned(),
                 page_size: store.page_size,
                 pages: lease
@@ -643,7 +656,7 @@ mod tests {
     #[test]
     fn hostile_ranges_are_refused() {
         use tonic::Code;
-        let code = |r: pb::ReadBlockRequest| plan(&r).err().map(|s| s.code());
+        let code = |r: pb::ReadBlockRequest| plan(&r).err().map(|e| Status::from(e).code());
         assert_eq!(code(req(2, 10_000, 0, 1809)), Some(Code::OutOfRange));
         assert_eq!(code(req(3, 10_000, 0, 1)), Some(Code::InvalidArgument));
         assert_eq!(code(req(0, 10_000, 0, 0)), Some(Code::InvalidArgument));

@@ -105,18 +105,6 @@ pub enum FetchError {
     NoPeer(String),
 }
 
-impl From<FetchError> for tonic::Status {
-    fn from(e: FetchError) -> Self {
-        match &e {
-            FetchError::Changed(_) => tonic::Status::aborted(e.to_string()),
-            FetchError::NotFound(_) => tonic::Status::not_found(e.to_string()),
-            FetchError::PermissionDenied(_) => tonic::Status::permission_denied(e.to_string()),
-            FetchError::Unavailable(_) => tonic::Status::unavailable(e.to_string()),
-            FetchError::NoPeer(_) => tonic::Status::not_found(e.to_string()),
-        }
-    }
-}
-
 /// A block being read: its descriptor and geometry.
 #[derive(Debug)]
 pub struct BlockRef {

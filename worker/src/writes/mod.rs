@@ -28,6 +28,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use crate::error::RpcError;
+
 use crate::metrics::WorkerMetrics;
 use crate::ufs_fetch::Fetcher;
 
@@ -94,23 +96,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
-fn io_status(what: &str, e: std::io::Error) -> Status {
-    if e.raw_os_error() == Some(28) {
-        return no_space(format!("{what}: the worker's disk is full"));
-    }
-    Status::internal(format!("{what}: {e}"))
-}
-
-/// RESOURCE_EXHAUSTED that a mount reports as ENOSPC.
-fn no_space(message: String) -> Status {
-    let mut s = Status::resource_exhausted(message);
-    s.metadata_mut().insert(
-        pb::ERRNO_KEY,
-        tonic::metadata::MetadataValue::from_static("28"),
-    );
-    s
-}
-
 impl Writes {
     pub fn open(
         cache_dir: &Path,
@@ -173,7 +158,7 @@ impl Writes {
     /// used again after the file was completed) could cache other bytes under that name.
     /// Versions written here are remembered for a write grant's lifetime, so a write
     /// whose pages were evicted since cannot be taken again either.
-    fn claim(&self, inode: u64, version: u64) -> Result<(), Status> {
+    fn claim(&self, inode: u64, version: u64) -> Result<(), RpcError> {
         let key = (inode, version);
         let mut receiving = lock(&self.receiving);
         let (_, meta) = self.paths(inode, version);
@@ -198,7 +183,7 @@ impl Writes {
             || meta.exists()
             || self.fetcher.store.holds_version(inode, version)
         {
-            return Err(Status::already_exists(format!(
+            return Err(RpcError::AlreadyTaken(format!(
                 "this worker already took version {version:x} of file {inode}"
             )));
         }
@@ -210,22 +195,20 @@ impl Writes {
     /// not completed): a write grant lasts minutes, and without this its holder could stream
     /// other bytes for a completed version to a worker that never saw it — cached under the
     /// version's name for every reader. Asked for writes of principals other than nodes.
-    pub async fn being_written(&self, inode: u64, version: u64) -> Result<(), Status> {
+    pub async fn being_written(&self, inode: u64, version: u64) -> Result<(), RpcError> {
         match self
             .master
             .get_status(pb::path_or_id::Target::Inode(inode))
             .await
         {
             Ok(s) if s.version == version && !s.complete => Ok(()),
-            Ok(s) if s.version == version => Err(Status::failed_precondition(format!(
+            Ok(s) if s.version == version => Err(RpcError::Precondition(format!(
                 "version {version:x} of file {inode} is complete; it cannot be written again"
             ))),
-            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => {
-                Err(Status::failed_precondition(format!(
-                    "file {inode} is no longer at version {version:x} (replaced or removed)"
-                )))
-            }
-            Err(e) => Err(Status::unavailable(format!(
+            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => Err(RpcError::Precondition(
+                format!("file {inode} is no longer at version {version:x} (replaced or removed)"),
+            )),
+            Err(e) => Err(RpcError::Unavailable(format!(
                 "cannot ask the master whether file {inode} is being written: {e}"
             ))),
         }
@@ -300,13 +283,13 @@ impl Writes {
         let (inode, version, mode) = (header.inode, header.version, header.mode);
         if let Err(e) = self.claim(inode, version) {
             self.metrics.write_failures.inc();
-            let _ = tx.send(Err(e)).await;
+            let _ = tx.send(Err(e.into())).await;
             return;
         }
         let out = self.clone().receive_inner(header, &mut inbound, &tx).await;
         lock(&self.receiving).remove(&(inode, version));
         if let Err(e) = out {
-            tracing::warn!(inode, error = %e.message(), "write failed");
+            tracing::warn!(inode, error = %e, "write failed");
             self.metrics.write_failures.inc();
             let active = lock(&self.active).contains(&(inode, version));
             if !active {
@@ -315,34 +298,34 @@ impl Writes {
                     self.fetcher.store.unpin(inode);
                 }
             }
-            let _ = tx.send(Err(e)).await;
+            let _ = tx.send(Err(e.into())).await;
         }
     }
 
     /// The write mode and block size a header asks for, refused when no write can have
     /// them.
-    fn check_header(&self, h: &pb::WriteFileHeader) -> Result<(pb::WriteMode, u64), Status> {
+    fn check_header(&self, h: &pb::WriteFileHeader) -> Result<(pb::WriteMode, u64), RpcError> {
         let mode = pb::WriteMode::try_from(h.mode)
-            .map_err(|_| Status::invalid_argument(format!("unknown write mode {}", h.mode)))?;
+            .map_err(|_| RpcError::Invalid(format!("unknown write mode {}", h.mode)))?;
         if h.inode == 0 || h.version == 0 {
-            return Err(Status::invalid_argument(
-                "the header needs an inode and a version",
+            return Err(RpcError::Invalid(
+                "the header needs an inode and a version".into(),
             ));
         }
         if h.ufs.is_none() && mode != pb::WriteMode::MustCache {
-            return Err(Status::invalid_argument(
-                "a file outside any mount can only be written must-cache",
+            return Err(RpcError::Invalid(
+                "a file outside any mount can only be written must-cache".into(),
             ));
         }
         let block_size = granary_common::grant::effective_block_size(h.block_size);
         if block_size < self.fetcher.store.page_size {
-            return Err(Status::invalid_argument(format!(
+            return Err(RpcError::Invalid(format!(
                 "block size {block_size} is below the worker's page size {}",
                 self.fetcher.store.page_size
             )));
         }
         if block_size > granary_common::MAX_BLOCK_SIZE {
-            return Err(Status::invalid_argument(format!(
+            return Err(RpcError::Invalid(format!(
                 "block size {block_size} is above the largest a file may have ({} bytes)",
                 granary_common::MAX_BLOCK_SIZE
             )));
@@ -376,7 +359,7 @@ impl Writes {
         h: pb::WriteFileHeader,
         inbound: &mut S,
         tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
-    ) -> Result<(), Status>
+    ) -> Result<(), RpcError>
     where
         S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
     {
@@ -398,11 +381,11 @@ impl Writes {
         let (data_path, _) = self.paths(h.inode, h.version);
         let save = |j: &Journal| {
             self.save(j)
-                .map_err(|e| io_status("saving the write journal", e))
+                .map_err(|e| RpcError::io("saving the write journal", e))
         };
         save(&journal)?;
         let file =
-            private_file(&data_path).map_err(|e| io_status("creating the write journal", e))?;
+            private_file(&data_path).map_err(|e| RpcError::io("creating the write journal", e))?;
         let caching = mode != pb::WriteMode::Through;
         let pinned = mode == pb::WriteMode::AsyncThrough;
         // An async-through journal outlives the write (until uploaded): its bytes are held
@@ -427,13 +410,14 @@ impl Writes {
         });
         let mut offset = 0u64;
         while let Some(msg) = inbound.next().await {
-            let msg = msg.map_err(|e| Status::aborted(format!("the client went away: {e}")))?;
+            let msg = msg
+                .map_err(|e| RpcError::Aborted(format!("the client went away: {}", e.message())))?;
             if msg.abort {
-                return Err(Status::aborted("the client gave the write up"));
+                return Err(RpcError::Aborted("the client gave the write up".into()));
             }
             let (n, sync) = (msg.data.len() as u64, msg.sync);
             if offset.saturating_add(n) > max_length {
-                return Err(Status::invalid_argument(format!(
+                return Err(RpcError::Invalid(format!(
                     "the file would be longer than {max_length} bytes (the most a file of \
                      {block_size}-byte blocks may have)"
                 )));
@@ -441,7 +425,7 @@ impl Writes {
             if pinned && n > 0 && !uncounted {
                 uncounted = !self.hold_room(n, &mut room);
                 if uncounted && !journal.persist {
-                    return Err(no_space(
+                    return Err(RpcError::NoSpace(
                         "the worker's cache cannot hold this replica of an async-through write \
                          (its pages and its journal count against --cache-size until uploaded)"
                             .to_string(),
@@ -457,7 +441,7 @@ impl Writes {
                     Ok(())
                 })
                 .await
-                .map_err(|e| io_status("writing the journal", e))?;
+                .map_err(|e| RpcError::io("writing the journal", e))?;
                 offset += n;
                 self.metrics.written_bytes.inc_by(n);
             }
@@ -475,7 +459,7 @@ impl Writes {
             s.file.sync_all()
         })
         .await
-        .map_err(|e| io_status("syncing the journal", e))?;
+        .map_err(|e| RpcError::io("syncing the journal", e))?;
         let cache_full = sink.as_ref().is_none_or(|s| s.cache_full);
         drop(sink);
         journal.length = offset;
@@ -490,8 +474,9 @@ impl Writes {
             pb::WriteMode::MustCache => {
                 self.remove(h.inode, h.version);
                 if cache_full {
-                    return Err(Status::resource_exhausted(
-                        "the worker's cache cannot hold the file (must-cache writes are only cached)",
+                    return Err(RpcError::TooMuch(
+                        "the worker's cache cannot hold the file (must-cache writes are only cached)"
+                            .into(),
                     ));
                 }
                 let _ = tx.send(Ok(answer(None, false))).await;
@@ -509,7 +494,7 @@ impl Writes {
                     self.metrics.async_writes_uploaded_at_close.inc();
                 }
                 let fp = self.upload(&journal).await.map_err(|e| {
-                    Status::unavailable(format!("uploading to the under-store failed: {e}"))
+                    RpcError::Unavailable(format!("uploading to the under-store failed: {e}"))
                 })?;
                 self.remove(h.inode, h.version);
                 if pinned {
