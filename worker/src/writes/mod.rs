@@ -96,6 +96,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
+/// The writer's stream broke.
+fn went_away(e: Status) -> RpcError {
+    RpcError::Aborted(format!("the client went away: {}", e.message()))
+}
+
 impl Writes {
     pub fn open(
         cache_dir: &Path,
@@ -410,8 +415,7 @@ impl Writes {
         });
         let mut offset = 0u64;
         while let Some(msg) = inbound.next().await {
-            let msg = msg
-                .map_err(|e| RpcError::Aborted(format!("the client went away: {}", e.message())))?;
+            let msg = msg.map_err(went_away)?;
             if msg.abort {
                 return Err(RpcError::Aborted("the client gave the write up".into()));
             }
