@@ -22,6 +22,7 @@ use crate::placement::order_workers;
 
 /// How long the list of live workers is reused before asking the master again.
 mod leases;
+pub mod meta;
 
 const WORKERS_TTL: Duration = Duration::from_secs(2);
 /// How long a worker that failed a read is tried last.
@@ -84,56 +85,6 @@ const MAX_PASSTHROUGH_BLOCKS: u32 = 4096;
 /// Lease requests of one passthrough open (or renewal) in flight at once.
 const PASSTHROUGH_LEASES_IN_FLIGHT: usize = 16;
 
-/// A status seen lately: when it arrived and in which epoch of the namespace watch.
-pub(crate) struct Recent {
-    pub(crate) at: Instant,
-    pub(crate) epoch: u64,
-    pub(crate) status: pb::FileStatus,
-}
-
-/// Names seen in listings and lookups, by folder: parent → name → inode (the statuses are
-/// in `recent`). By folder, so a lookup needs no key allocated and a changed folder's
-/// names are found without a scan of all.
-#[derive(Default)]
-pub(crate) struct Names {
-    by_dir: HashMap<u64, HashMap<String, u64>>,
-    len: usize,
-}
-
-impl Names {
-    fn get(&self, parent: u64, name: &str) -> Option<u64> {
-        self.by_dir.get(&parent)?.get(name).copied()
-    }
-
-    /// Remembers a name (everything is forgotten first when [`RECENT_STATUSES`] are held).
-    fn insert(&mut self, parent: u64, name: &str, inode: u64) {
-        if self.len >= RECENT_STATUSES {
-            self.by_dir.clear();
-            self.len = 0;
-        }
-        if self
-            .by_dir
-            .entry(parent)
-            .or_default()
-            .insert(name.to_string(), inode)
-            .is_none()
-        {
-            self.len += 1;
-        }
-    }
-
-    /// Forgets the names of folder `parent`, returning them.
-    pub(crate) fn take_dir(&mut self, parent: u64) -> Vec<String> {
-        let names: Vec<String> = self
-            .by_dir
-            .remove(&parent)
-            .map(|m| m.into_keys().collect())
-            .unwrap_or_default();
-        self.len -= names.len();
-        names
-    }
-}
-
 pub struct FileSystem {
     pub master: MasterClient,
     view: Mutex<WorkerView>,
@@ -152,24 +103,14 @@ pub struct FileSystem {
     sequential: ReadEnds<u64, u64>,
     /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
     read_timeout_ms: std::sync::atomic::AtomicU64,
-    /// Statuses seen lately (lookups, listings), by inode: an open within `status_ttl` of
-    /// one uses it instead of asking the master again (0: never).
-    pub(crate) recent: Mutex<HashMap<u64, Recent>>,
-    /// The namespace watch: statuses it covers are used beyond `status_ttl` (see
-    /// [`crate::watch`]).
-    pub watch: crate::watch::Watch,
-    status_ttl_ms: std::sync::atomic::AtomicU64,
-    /// The entry listed after each file (by inode): a reader of a folder of small files
-    /// leases the next ones with the one it opens.
-    next_in_dir: Mutex<HashMap<u64, u64>>,
+    /// Statuses seen lately, their names and the namespace watch (see [`meta`]).
+    pub meta: meta::MetaCache,
     /// A background lease request for the small files ahead of a reader is in flight.
     leasing_ahead: AtomicBool,
     /// The newest read grant seen for each version of each file, by (inode, version) (TLS
     /// clusters: workers serve a file's blocks only with one, for the version it names;
     /// see `granary_common::grant`).
     grants: Mutex<HashMap<(u64, u64), pb::ReadGrant>>,
-    /// Names seen in listings: (parent, name) → inode (its status is in `recent`).
-    pub(crate) names: Mutex<Names>,
     /// Folders whose next listing page is being fetched ahead of lookups.
     listing_ahead: Mutex<std::collections::HashSet<u64>>,
     /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
@@ -214,9 +155,6 @@ const LEASE_NEXT_MIN_READ: u64 = 128 * 1024;
 const LEASE_NEXT_SLACK: u64 = 8 << 20;
 /// Lease requests ahead of sequential readers in flight at once.
 const MAX_WINDOWS_AHEAD: usize = 256;
-
-/// Statuses kept for opens (older ones are dropped when the map is full).
-const RECENT_STATUSES: usize = 100_000;
 
 /// Files whose read position is remembered for sequential detection.
 const SEQUENTIAL_TRACKED: usize = 4096;
@@ -278,13 +216,9 @@ impl FileSystem {
             read_timeout_ms: std::sync::atomic::AtomicU64::new(
                 DEFAULT_READ_TIMEOUT.as_millis() as u64
             ),
-            recent: Mutex::new(HashMap::new()),
-            watch: crate::watch::Watch::default(),
-            status_ttl_ms: std::sync::atomic::AtomicU64::new(0),
-            next_in_dir: Mutex::new(HashMap::new()),
+            meta: meta::MetaCache::default(),
             leasing_ahead: AtomicBool::new(false),
             grants: Mutex::new(HashMap::new()),
-            names: Mutex::new(Names::default()),
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
             leased_ends: ReadEnds::default(),
@@ -365,53 +299,19 @@ impl FileSystem {
     /// instead of asking the master again — the same staleness the kernel's attribute
     /// cache already allows. Files of `validate_on_open` mounts are always asked for.
     pub fn set_status_ttl(&self, ttl: Duration) {
-        self.status_ttl_ms
-            .store(ttl.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.meta.set_ttl(ttl);
     }
 
-    /// Keeps a status the master sent in answer to a request sent at `since`.
+    /// Keeps a status the master sent in answer to a request sent at `since` (and the
+    /// grant it carries).
     pub(crate) fn remember(&self, s: &pb::FileStatus, since: crate::watch::Since) {
         self.note_grant(s);
-        if self.status_ttl() == 0 {
-            return;
-        }
-        let epoch = self.watch.epoch_for(s.inode, since);
-        let mut r = lock(&self.recent);
-        if r.len() >= RECENT_STATUSES {
-            r.clear();
-        }
-        r.insert(
-            s.inode,
-            Recent {
-                at: Instant::now(),
-                epoch,
-                status: s.clone(),
-            },
-        );
+        self.meta.remember(s, since);
     }
 
     /// Forgets what the client saw of `inode` (it changed through this client).
     pub fn forget_status(&self, inode: u64) {
-        lock(&self.recent).remove(&inode);
-    }
-
-    fn recent_status(&self, inode: u64) -> Option<pb::FileStatus> {
-        let ttl = self.status_ttl();
-        let r = lock(&self.recent);
-        let e = r.get(&inode)?;
-        let s = &e.status;
-        (self.fresh(e, ttl) && !s.validate_on_open && s.complete).then(|| s.clone())
-    }
-
-    /// Whether a status seen lately may be used without asking the master: within the
-    /// attribute timeout `ttl` (ms; 0: never), or beyond it while the namespace watch
-    /// covers it.
-    fn fresh(&self, e: &Recent, ttl: u64) -> bool {
-        if ttl == 0 {
-            return false;
-        }
-        let age = e.at.elapsed();
-        age.as_millis() < u128::from(ttl) || self.watch.trusts(e.epoch, age, e.status.cache_ms)
+        self.meta.forget(inode);
     }
 
     pub async fn stat(&self, path: &str) -> Result<pb::FileStatus, ClientError> {
@@ -486,27 +386,20 @@ impl FileSystem {
     /// The status an open may use without asking the master (seen within the status TTL;
     /// never for validate-on-open mounts).
     pub fn cached_open_status(&self, inode: u64) -> Option<pb::FileStatus> {
-        self.recent_status(inode)
+        self.meta.open_status(inode)
     }
 
     /// A folder's status when the namespace watch vouches for it (any change of its
     /// entries is announced, which drops it): a `stat` of a folder may use it. Without
     /// the watch a folder is always asked for (its entries may have just changed).
     pub fn watched_dir_status(&self, inode: u64) -> Option<pb::FileStatus> {
-        let r = lock(&self.recent);
-        let e = r.get(&inode)?;
-        (e.status.kind == pb::FileKind::Directory as i32
-            && self.status_ttl() > 0
-            && self
-                .watch
-                .trusts(e.epoch, e.at.elapsed(), e.status.cache_ms))
-        .then(|| e.status.clone())
+        self.meta.watched_dir(inode)
     }
 
     /// The entry after `inode` in its folder's name order, as the last listing page that
     /// held both gave it.
     pub fn next_in_folder(&self, inode: u64) -> Option<u64> {
-        lock(&self.next_in_dir).get(&inode).copied()
+        self.meta.next_in_folder(inode)
     }
 
     /// Up to `n` entries after `inode` in its folder's name order whose statuses are fresh
@@ -520,7 +413,7 @@ impl FileSystem {
             let Some(next) = self.next_in_folder(cur) else {
                 break;
             };
-            let Some(s) = self.recent_status(next) else {
+            let Some(s) = self.meta.open_status(next) else {
                 break;
             };
             out.push(s);
@@ -535,16 +428,16 @@ impl FileSystem {
     /// the background, as lookups do: a reader going through the folder in name order then
     /// opens the next files from fresh statuses instead of asking the master for each.
     pub async fn open_inode(self: &Arc<Self>, inode: u64) -> Result<pb::FileStatus, ClientError> {
-        if let Some(s) = self.recent_status(inode) {
+        if let Some(s) = self.meta.open_status(inode) {
             return Ok(s);
         }
-        let since = self.watch.since();
+        let since = self.meta.watch.since();
         let s = self
             .master
             .get_status_opts(pb::path_or_id::Target::Inode(inode), true)
             .await?;
         self.remember(&s, since);
-        let listed = lock(&self.names).get(s.parent, &s.name).is_some();
+        let listed = self.meta.knows_name(s.parent, &s.name);
         if listed && !s.validate_on_open {
             self.list_ahead(s.parent, &s.name);
         }
@@ -552,7 +445,7 @@ impl FileSystem {
     }
 
     pub async fn stat_inode(&self, inode: u64) -> Result<pb::FileStatus, ClientError> {
-        let since = self.watch.since();
+        let since = self.meta.watch.since();
         let s = self
             .master
             .get_status(pb::path_or_id::Target::Inode(inode))
@@ -562,34 +455,18 @@ impl FileSystem {
     }
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
-        let since = self.watch.since();
+        let since = self.meta.watch.since();
         let s = self.master.lookup(parent, name).await?;
         self.remember(&s, since);
-        if self.status_ttl() > 0 {
-            lock(&self.names).insert(s.parent, &s.name, s.inode);
-        }
+        self.meta.remember_name(&s);
         Ok(s)
-    }
-
-    /// How long a fetched status (and a name from a listing) may be used, in ms (0: never).
-    fn status_ttl(&self) -> u64 {
-        self.status_ttl_ms
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A lookup answered from a listing fetched within the status TTL, if it holds the
     /// name (cheap: no await, callable from a FUSE thread). The staleness is the attribute
     /// timeout's, as for opens.
     pub fn lookup_fresh(&self, parent: u64, name: &str) -> Option<pb::FileStatus> {
-        let ttl = self.status_ttl();
-        if ttl == 0 {
-            return None;
-        }
-        let inode = lock(&self.names).get(parent, name)?;
-        let r = lock(&self.recent);
-        let e = r.get(&inode)?;
-        let s = &e.status;
-        (self.fresh(e, ttl) && s.parent == parent && s.name == name).then(|| s.clone())
+        self.meta.lookup(parent, name)
     }
 
     /// A lookup for the kernel (FUSE): answered from a fresh listing when it holds the name
@@ -605,24 +482,19 @@ impl FileSystem {
             return Ok(s);
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
-            let inode = lock(&self.names).get(parent, name);
-            let entry = inode.and_then(|i| {
-                lock(&self.recent)
-                    .get(&i)
-                    .map(|e| (e.epoch, e.at.elapsed(), e.status.cache_ms))
-            });
+            let (inode, entry) = self.meta.describe(parent, name);
             tracing::debug!(
                 parent,
                 name,
                 ?inode,
                 ?entry,
-                live = self.watch.live(),
-                epoch = self.watch.epoch(),
+                live = self.meta.watch.live(),
+                epoch = self.meta.watch.epoch(),
                 "lookup asks the master"
             );
         }
         let s = self.lookup(parent, name).await?;
-        if self.status_ttl() > 0 {
+        if self.meta.ttl() > 0 {
             self.list_ahead(parent, name);
         }
         Ok(s)
@@ -658,29 +530,15 @@ impl FileSystem {
         after: &str,
         page_size: u32,
     ) -> Result<(Vec<pb::FileStatus>, String), ClientError> {
-        let since = self.watch.since();
+        let since = self.meta.watch.since();
         let r = self
             .master
             .list_page(target, after.to_string(), page_size, false)
             .await?;
         for e in &r.entries {
-            self.remember(e, since);
+            self.note_grant(e);
         }
-        if self.status_ttl() > 0 {
-            let mut names = lock(&self.names);
-            for e in &r.entries {
-                names.insert(e.parent, &e.name, e.inode);
-            }
-        }
-        {
-            let mut next = lock(&self.next_in_dir);
-            if next.len() >= RECENT_STATUSES {
-                next.clear();
-            }
-            for pair in r.entries.windows(2) {
-                next.insert(pair[0].inode, pair[1].inode);
-            }
-        }
+        self.meta.remember_page(&r.entries, since);
         Ok((r.entries, r.next_page_token))
     }
 
@@ -809,13 +667,13 @@ impl FileSystem {
     /// a shuffled loader reads a file's neighbours at random times, and leases taken for
     /// them ran out before use and filled the worker's leased share.
     fn in_name_order(&self, inode: u64) -> bool {
-        let Some(parent) = lock(&self.recent).get(&inode).map(|e| e.status.parent) else {
+        let Some(parent) = lock(&self.meta.recent).get(&inode).map(|e| e.status.parent) else {
             return false;
         };
         let Some(last) = lock(&self.last_read_in_dir).get(&parent).copied() else {
             return false;
         };
-        last == inode || lock(&self.next_in_dir).get(&last) == Some(&inode)
+        last == inode || lock(&self.meta.next_in_dir).get(&last) == Some(&inode)
     }
 
     /// A small file was read: remembered as its folder's last read (see
@@ -1005,7 +863,7 @@ impl FileSystem {
             return;
         }
         let target = {
-            let next = lock(&self.next_in_dir);
+            let next = lock(&self.meta.next_in_dir);
             let mut cur = file.inode;
             for _ in 0..LEASE_AHEAD_FILES / 2 {
                 let Some(&n) = next.get(&cur) else {
@@ -1015,7 +873,10 @@ impl FileSystem {
             }
             cur
         };
-        let Some(s) = lock(&self.recent).get(&target).map(|e| e.status.clone()) else {
+        let Some(s) = lock(&self.meta.recent)
+            .get(&target)
+            .map(|e| e.status.clone())
+        else {
             return;
         };
         let Some(id) = self.small_block_to_lease(&s, small) else {

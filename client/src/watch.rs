@@ -216,7 +216,7 @@ impl crate::FileSystem {
                     }
                 }
                 if let Some(fs) = weak.upgrade() {
-                    fs.watch.down();
+                    fs.meta.watch.down();
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(RETRY_MAX);
@@ -237,7 +237,7 @@ impl crate::FileSystem {
             };
             match next {
                 Ok(Ok(Some(m))) => {
-                    fs.watch.heard(&m);
+                    fs.meta.watch.heard(&m);
                     if !m.inodes.is_empty() {
                         tracing::debug!(index = m.applied_index, inodes = ?m.inodes, "namespace changes announced");
                     }
@@ -267,7 +267,7 @@ impl crate::FileSystem {
     /// mount) about those this client had handed out.
     fn forget_changed(&self, inodes: &[u64]) {
         let (known, folders): (Vec<u64>, Vec<u64>) = {
-            let mut recent = lock(&self.recent);
+            let mut recent = lock(&self.meta.recent);
             let mut known = Vec::new();
             let mut folders = Vec::new();
             for i in inodes {
@@ -288,13 +288,13 @@ impl crate::FileSystem {
         let entries: Vec<(u64, String)> = if folders.is_empty() {
             Vec::new()
         } else {
-            let mut names = lock(&self.names);
+            let mut names = lock(&self.meta.names);
             folders
                 .iter()
                 .flat_map(|&p| names.take_dir(p).into_iter().map(move |n| (p, n)))
                 .collect()
         };
-        if let Some(l) = self.watch.listener.get() {
+        if let Some(l) = self.meta.watch.listener.get() {
             l(&known, &entries);
         }
     }

@@ -353,7 +353,7 @@ impl FileWriter {
             }
         };
         self.fs.forget_status(self.status.inode);
-        let since = self.fs.watch.since();
+        let since = self.fs.meta.watch.since();
         let done = self
             .fs
             .master

@@ -180,7 +180,7 @@ pub fn mount(
     // Changes the master announces drop the kernel's caches of the inodes concerned (off
     // the runtime's threads: a kernel invalidation may wait on the file's pages).
     let (pc, rt) = (page_cache.clone(), runtime.clone());
-    client.watch.on_change(Box::new(
+    client.meta.watch.on_change(Box::new(
         move |inodes: &[u64], entries: &[(u64, String)]| {
             let (pc, inodes, entries) = (pc.clone(), inodes.to_vec(), entries.to_vec());
             rt.spawn_blocking(move || pc.changed(&inodes, &entries));

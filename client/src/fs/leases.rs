@@ -119,7 +119,7 @@ impl FileSystem {
     /// have no lease yet: leased together with it, a loader reading a folder file by file
     /// costs one lease request per batch rather than per file.
     pub(super) fn small_files_after(&self, inode: u64) -> Vec<pb::BlockId> {
-        if lock(&self.recent).get(&inode).is_none_or(|e| {
+        if lock(&self.meta.recent).get(&inode).is_none_or(|e| {
             e.status.length
                 > self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES)
         }) || !self.in_name_order(inode)
@@ -127,8 +127,8 @@ impl FileSystem {
             return Vec::new();
         }
         let small = self.short_circuit_page_size() * u64::from(crate::local::LEASE_WINDOW_PAGES);
-        let next = lock(&self.next_in_dir);
-        let recent = lock(&self.recent);
+        let next = lock(&self.meta.next_in_dir);
+        let recent = lock(&self.meta.recent);
         let mut out = Vec::new();
         let mut cur = inode;
         for _ in 0..LEASE_AHEAD_FILES * 2 {
@@ -136,7 +136,7 @@ impl FileSystem {
                 break;
             };
             cur = n;
-            let Some(Recent { status: s, .. }) = recent.get(&n) else {
+            let Some(crate::fs::meta::Recent { status: s, .. }) = recent.get(&n) else {
                 continue;
             };
             let Some(id) = self.small_block_to_lease(s, small) else {
