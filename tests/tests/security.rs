@@ -1397,6 +1397,50 @@ fn no_user_request_stops_a_master_group() {
                 .unwrap_err();
             assert_eq!(e.code(), tonic::Code::PermissionDenied, "{path}: {e:?}");
         }
+        // Nor by inode id: an inode outside the subtree and one that does not exist get the
+        // same refusal, which names neither path (ids are easy to guess).
+        let mut a = MasterServiceClient::new(channel(&leader_addr, Some(&creds_in(&alice))));
+        let scratch = a
+            .get_status(pb::GetStatusRequest {
+                target: Some(pb::PathOrId {
+                    target: Some(pb::path_or_id::Target::Path("/scratch-file".into())),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap();
+        for id in [scratch.inode, 1 << 40] {
+            let by_id = || {
+                Some(pb::PathOrId {
+                    target: Some(pb::path_or_id::Target::Inode(id)),
+                })
+            };
+            let e = t
+                .get_status(pb::GetStatusRequest {
+                    target: by_id(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            let e2 = t
+                .list_status(pb::ListStatusRequest {
+                    target: by_id(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            for e in [e, e2] {
+                assert_eq!(e.code(), tonic::Code::PermissionDenied, "{id}: {e:?}");
+                assert!(
+                    e.message()
+                        == format!("inode {id} is outside the subtree /datasets/team-x of team-x"),
+                    "{id}: {e:?}"
+                );
+            }
+        }
     });
 
     // A store file claiming 2^58 bytes (sparse, on a tmpfs): its load fails with a reason,

@@ -23,6 +23,13 @@ fn denied(who: &Principal, path: &str) -> Status {
     ))
 }
 
+/// The refusal of an entry a caller confined to a subtree named by inode id: the same for
+/// an inode outside the subtree and for one that does not exist, naming no path (ids are
+/// easy to guess; paths outside the subtree are not the caller's to learn).
+pub fn denied_id(who: &Principal, id: u64) -> Status {
+    denied(who, &format!("inode {id}"))
+}
+
 /// How far `who` reaches `path` (a normalised Granary path); an error when not at all.
 pub fn reach(who: &Principal, path: &str) -> Result<Reach, Status> {
     let Some(top) = who.subtree.as_deref() else {

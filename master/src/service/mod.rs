@@ -264,6 +264,21 @@ fn one(
 }
 
 impl MasterRpc {
+    /// The inode a caller named by id. A caller confined to a subtree gets one refusal for
+    /// an inode outside it and for a missing one ([`access::denied_id`]): it learns neither
+    /// the path nor whether the inode exists.
+    fn named_inode(&self, who: &Principal, id: u64) -> Result<Inode, Status> {
+        let found = self.core.ns.inode(id);
+        if who.subtree.is_none() {
+            return Ok(found?);
+        }
+        let hidden = |_| access::denied_id(who, id);
+        let inode = found.map_err(hidden)?;
+        let path = self.core.ns.sm.path_of(&inode).map_err(hidden)?;
+        access::reach(who, &path).map_err(|_| access::denied_id(who, id))?;
+        Ok(inode)
+    }
+
     /// A mutation whose checks failed with `err`: when the same request was applied
     /// before (its answer was lost and the client retries), its first outcome; else `err`.
     /// `path`: the entry the request makes or moves to; a first outcome recorded for
@@ -340,8 +355,16 @@ impl MasterRpc {
     }
 
     /// The inode a request names. A path outside the caller's reach is refused before it is
-    /// resolved: whether it exists is not the caller's to learn.
-    async fn target(&self, who: &Principal, t: Option<pb::PathOrId>) -> Result<Inode, Status> {
+    /// resolved: whether it exists is not the caller's to learn. An inode is checked against
+    /// its under-store as a lookup of its name would be (`Namespace::current`) unless the
+    /// request takes stale answers — and only once it is within the caller's reach, so no
+    /// caller makes the master ask a store about entries it may not see.
+    async fn target(
+        &self,
+        who: &Principal,
+        t: Option<pb::PathOrId>,
+        stale: bool,
+    ) -> Result<Inode, Status> {
         match t.and_then(|t| t.target) {
             Some(pb::path_or_id::Target::Path(p)) => {
                 if who.subtree.is_some() {
@@ -351,7 +374,13 @@ impl MasterRpc {
                 }
                 Ok(self.core.ns.resolve(&p).await?)
             }
-            Some(pb::path_or_id::Target::Inode(id)) => Ok(self.core.ns.current(id).await?),
+            Some(pb::path_or_id::Target::Inode(id)) => {
+                let inode = self.named_inode(who, id)?;
+                if stale {
+                    return Ok(inode);
+                }
+                Ok(self.core.ns.current(id).await?)
+            }
             None => Err(MasterError::invalid("a path or inode id is required").into()),
         }
     }
@@ -463,7 +492,7 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let mut inode = self.target(&who, r.target).await?;
+        let mut inode = self.target(&who, r.target, r.allow_stale).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         if r.validate && !r.allow_stale {
             inode = self.core.ns.validate(inode).await?;
@@ -481,14 +510,14 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         self.core.read_barrier().await?;
-        if caller.is_some() {
-            let parent = status_of(&self.core, &self.core.ns.inode(r.parent)?)?;
-            access::posix(caller, &parent, access::EXEC, "look up entries of")?;
-        }
+        let parent = self.named_inode(&who, r.parent)?;
         if who.subtree.is_some() {
-            let parent = self.core.ns.inode(r.parent)?;
             let p = self.core.ns.sm.path_of(&parent)?;
             access::reach(&who, &granary_common::paths::join(&p, &r.name))?;
+        }
+        if caller.is_some() {
+            let parent = status_of(&self.core, &parent)?;
+            access::posix(caller, &parent, access::EXEC, "look up entries of")?;
         }
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
         access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
@@ -507,7 +536,7 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let dir = self.target(&who, r.target).await?;
+        let dir = self.target(&who, r.target, r.allow_stale).await?;
         let reach = access::reach(&who, &self.core.ns.sm.path_of(&dir)?)?;
         let limit = match r.page_size as usize {
             0 => DEFAULT_PAGE,
@@ -677,7 +706,7 @@ impl MasterService for MasterRpc {
                 r.length
             )));
         }
-        let inode = self.core.ns.inode(r.inode)?;
+        let inode = self.named_inode(&who, r.inode)?;
         if who.subtree.is_some() {
             access::full(&who, &self.core.ns.sm.path_of(&inode)?)?;
         }
