@@ -20,10 +20,12 @@ use crate::metrics::ClientMetrics;
 use crate::mounts::MountStores;
 use crate::placement::order_workers;
 
-/// How long the list of live workers is reused before asking the master again.
+mod grants;
 mod leases;
 pub mod meta;
+mod routing;
 
+/// How long the list of live workers is reused before asking the master again.
 const WORKERS_TTL: Duration = Duration::from_secs(2);
 /// How long a worker that failed a read is tried last.
 const SUSPECT_FOR: Duration = Duration::from_secs(10);
@@ -110,7 +112,7 @@ pub struct FileSystem {
     /// The newest read grant seen for each version of each file, by (inode, version) (TLS
     /// clusters: workers serve a file's blocks only with one, for the version it names;
     /// see `granary_common::grant`).
-    grants: Mutex<HashMap<(u64, u64), pb::ReadGrant>>,
+    grants: grants::Grants,
     /// Folders whose next listing page is being fetched ahead of lookups.
     listing_ahead: Mutex<std::collections::HashSet<u64>>,
     /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
@@ -135,8 +137,6 @@ pub struct FileSystem {
 /// Entries a lookup that had to ask the master fetches ahead (the listing page after it).
 const LOOKUP_AHEAD: u32 = 1000;
 
-/// Grants kept (expired ones are dropped first when the map is full).
-const MAX_GRANTS: usize = 100_000;
 /// A worker refused a fresh grant: it may not have the new leader's key yet (it gets it
 /// with its next heartbeat), so the read is tried once more after this pause.
 const GRANT_RETRY_PAUSE: Duration = Duration::from_millis(500);
@@ -218,7 +218,7 @@ impl FileSystem {
             ),
             meta: meta::MetaCache::default(),
             leasing_ahead: AtomicBool::new(false),
-            grants: Mutex::new(HashMap::new()),
+            grants: grants::Grants::default(),
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
             windows_ahead: Mutex::new(std::collections::HashSet::new()),
             leased_ends: ReadEnds::default(),
@@ -325,22 +325,7 @@ impl FileSystem {
 
     /// Keeps the grant a status carries when it is the newest seen for its file.
     pub(crate) fn note_grant(&self, s: &pb::FileStatus) {
-        let Some(g) = &s.grant else { return };
-        let key = (s.inode, g.version);
-        let mut m = lock(&self.grants);
-        if m.get(&key)
-            .is_some_and(|old| old.expires_ms >= g.expires_ms)
-        {
-            return;
-        }
-        if m.len() >= MAX_GRANTS {
-            let now = granary_common::now_ms().max(0) as u64;
-            m.retain(|_, g| g.expires_ms > now);
-            if m.len() >= MAX_GRANTS {
-                m.clear();
-            }
-        }
-        m.insert(key, g.clone());
+        self.grants.note(s);
     }
 
     /// The grant to show workers for `file` (`None` on a plaintext cluster): the newest
@@ -356,12 +341,12 @@ impl FileSystem {
         }
         self.note_grant(file);
         let now = granary_common::now_ms().max(0) as u64;
-        if !renew {
-            if let Some(g) = lock(&self.grants).get(&(file.inode, file.version)) {
-                if granary_common::grant::fresh(g, now) {
-                    return Ok(Some(g.clone()));
-                }
-            }
+        if let Some(g) = self
+            .grants
+            .fresh(file.inode, file.version, now)
+            .filter(|_| !renew)
+        {
+            return Ok(Some(g));
         }
         let s = self
             .master
@@ -370,17 +355,12 @@ impl FileSystem {
         self.note_grant(&s);
         // Only a grant for the version read (a file replaced meanwhile: the old version's
         // grant while it lasts).
-        Ok(lock(&self.grants).get(&(file.inode, file.version)).cloned())
+        Ok(self.grants.get(file.inode, file.version))
     }
 
     /// The unexpired grants held for these files' versions (sent with lease requests).
-    fn held_grants(&self, blocks: impl IntoIterator<Item = (u64, u64)>) -> Vec<pb::ReadGrant> {
-        let now = granary_common::now_ms().max(0) as u64;
-        let m = lock(&self.grants);
-        blocks
-            .into_iter()
-            .filter_map(|k| m.get(&k).filter(|g| g.expires_ms > now).cloned())
-            .collect()
+    fn held_grants(&self, files: impl IntoIterator<Item = (u64, u64)>) -> Vec<pb::ReadGrant> {
+        self.grants.held(files)
     }
 
     /// The status an open may use without asking the master (seen within the status TTL;
@@ -1025,303 +1005,6 @@ impl FileSystem {
         });
         if let Some(w) = worker {
             self.short_circuit.count_read(w, file.length);
-        }
-    }
-
-    pub(crate) async fn live_workers(&self) -> Vec<pb::WorkerInfo> {
-        {
-            let v = lock(&self.view);
-            if v.fetched.is_some_and(|t| t.elapsed() < WORKERS_TTL) {
-                return v.workers.clone();
-            }
-        }
-        match self.master.cluster_info(false).await {
-            Ok(info) => {
-                let live: Vec<pb::WorkerInfo> =
-                    info.workers.into_iter().filter(|w| w.is_live()).collect();
-                let mut v = lock(&self.view);
-                v.workers = live.clone();
-                v.fetched = Some(Instant::now());
-                live
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot refresh the worker list; using the last one");
-                lock(&self.view).workers.clone()
-            }
-        }
-    }
-
-    pub(crate) fn worker_client(
-        &self,
-        address: &str,
-    ) -> Result<WorkerServiceClient<Channel>, ClientError> {
-        self.grpc.client(address)
-    }
-
-    /// The block data plane of the worker at `address`, when it offers one and it has not
-    /// failed lately (and data planes are not turned off).
-    fn data_address_of(&self, address: &str) -> Option<String> {
-        let dp = self.data_plane.as_ref()?;
-        if !self.data_plane_on.load(Ordering::Relaxed) {
-            return None;
-        }
-        let v = lock(&self.view);
-        let w = v.workers.iter().find(|w| w.address == address)?;
-        (!w.data_address.is_empty() && !dp.is_down(&w.data_address)).then(|| w.data_address.clone())
-    }
-
-    /// `desc` as `grant` describes its file (the master's word on the version the grant is
-    /// for): a file persisted since its status was read has a fingerprint now, and workers
-    /// serve a block only under a grant that binds the descriptor's terms. A write grant
-    /// (from the file's creation) binds no length: the descriptor stays as it is.
-    pub(crate) fn with_grant_terms(desc: &mut pb::BlockDescriptor, grant: Option<&pb::ReadGrant>) {
-        let Some(g) = grant else { return };
-        let same = desc
-            .id
-            .as_ref()
-            .is_some_and(|id| id.inode == g.inode && id.version == g.version);
-        if same && !g.write {
-            desc.fingerprint = g.fingerprint.clone();
-            desc.file_length = g.file_length;
-            desc.block_size = g.block_size;
-        }
-    }
-
-    pub(crate) fn descriptor(
-        file: &pb::FileStatus,
-        index: u64,
-    ) -> Result<pb::BlockDescriptor, ClientError> {
-        let ufs = file.ufs.clone().ok_or_else(|| {
-            ClientError::FailedPrecondition(format!(
-                "{} has no under-store copy to read",
-                file.path
-            ))
-        })?;
-        Ok(pb::BlockDescriptor {
-            id: Some(pb::BlockId {
-                inode: file.inode,
-                version: file.version,
-                index: index as u32,
-            }),
-            ufs: Some(ufs),
-            fingerprint: file.fingerprint.clone(),
-            file_length: file.length,
-            block_size: block_size(file),
-        })
-    }
-
-    async fn read_block_range(
-        self: &Arc<Self>,
-        file: &pb::FileStatus,
-        index: u64,
-        block_start: u64,
-        offset: u64,
-        len: u64,
-    ) -> Result<Bytes, ClientError> {
-        let mut desc = Self::descriptor(file, index)?;
-        let block_id = desc.id.unwrap_or_default();
-        let mut grant = self.grant_for(file, false).await?;
-        Self::with_grant_terms(&mut desc, grant.as_ref());
-        // Two rounds: the cached worker list, then (if every worker in it failed) a fresh
-        // list from the master, which may know a restarted worker's new address.
-        let mut tried: Vec<String> = Vec::new();
-        for round in 0..2 {
-            if round == 1 {
-                if tried.is_empty() {
-                    break;
-                }
-                lock(&self.view).fetched = None;
-            }
-            let mut candidates = order_workers(&block_id, &self.live_workers().await);
-            // The placement owner (the worker a node copy is made from).
-            let owner = candidates.first().map_or(0, |w| w.worker_id);
-            candidates.retain(|w| !tried.contains(&w.address));
-            {
-                // Workers that failed recently go last.
-                let v = lock(&self.view);
-                candidates.sort_by_key(|w| {
-                    v.suspects
-                        .get(&w.worker_id)
-                        .is_some_and(|t| t.elapsed() < SUSPECT_FOR)
-                });
-            }
-            let node_local = self.node_local() && file.persist_worker == 0;
-            if node_local {
-                // This node's worker first: it may hold a node copy (see crate::nodecopy).
-                candidates.sort_by_key(|w| !self.short_circuit.same_node(w));
-            }
-            if file.persist_worker != 0 {
-                // A file not in the under-store (yet): the worker that wrote it has it.
-                candidates.sort_by_key(|w| w.worker_id != file.persist_worker);
-            }
-            for w in candidates {
-                if self.short_circuit.applies_to(&w) {
-                    if let Some(data) = self.read_local(&w, &block_id, offset, len).await {
-                        self.metrics.add_read("short_circuit", data.len() as u64);
-                        return Ok(data);
-                    }
-                }
-                let same_node = self.short_circuit.same_node(&w);
-                let node_copy = node_local && same_node && w.worker_id != owner;
-                if node_copy && self.short_circuit.applies_to(&w) {
-                    // Not cached on this node: read from the owner, then copy it here.
-                    continue;
-                }
-                let mut res = self
-                    .read_from_worker_opts(&w.address, &desc, offset, len, grant.clone(), node_copy)
-                    .await;
-                if matches!(&res, Err(ClientError::GrantRefused(_))) {
-                    // Expired on the way, or signed by a new leader whose key this worker
-                    // gets with its next heartbeat: once more with a new grant.
-                    tokio::time::sleep(GRANT_RETRY_PAUSE).await;
-                    grant = self.grant_for(file, true).await?;
-                    Self::with_grant_terms(&mut desc, grant.as_ref());
-                    res = self
-                        .read_from_worker_opts(
-                            &w.address,
-                            &desc,
-                            offset,
-                            len,
-                            grant.clone(),
-                            node_copy,
-                        )
-                        .await;
-                }
-                match res {
-                    Ok((data, hit)) => {
-                        self.metrics.add_read("worker", data.len() as u64);
-                        if !same_node {
-                            self.metrics.peer_read_bytes.inc_by(data.len() as u64);
-                            if node_local {
-                                self.copy_to_node(file, index);
-                            }
-                        }
-                        if !hit && index == 0 && file.length <= block_size(file) {
-                            self.note_cold_read(file);
-                        }
-                        return Ok(data);
-                    }
-                    // No peer has it yet: the owner reads it (from the store if need be).
-                    Err(ClientError::NotFound(_)) if node_copy => {}
-                    Err(e) if e.is_retryable() => {
-                        tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
-                        self.metrics.worker_failures.inc();
-                        lock(&self.view)
-                            .suspects
-                            .insert(w.worker_id, Instant::now());
-                        tried.push(w.address.clone());
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        let data = self.read_direct(file, block_start + offset, len).await?;
-        self.metrics.add_read("under_store", data.len() as u64);
-        Ok(data)
-    }
-
-    /// Reads a range of a block from a worker over gRPC: the bytes, and whether the worker
-    /// had them all cached.
-    pub(crate) async fn read_from_worker(
-        &self,
-        address: &str,
-        desc: &pb::BlockDescriptor,
-        offset: u64,
-        len: u64,
-        grant: Option<pb::ReadGrant>,
-    ) -> Result<(Bytes, bool), ClientError> {
-        self.read_from_worker_opts(address, desc, offset, len, grant, false)
-            .await
-    }
-
-    /// [`read_from_worker`](Self::read_from_worker); `from_peers`: the worker is on this
-    /// node but does not own the block, and is asked for its node copy (filled from peers
-    /// only, never from the under-store; see `crate::nodecopy`).
-    pub(crate) async fn read_from_worker_opts(
-        &self,
-        address: &str,
-        desc: &pb::BlockDescriptor,
-        offset: u64,
-        len: u64,
-        grant: Option<pb::ReadGrant>,
-        from_peers: bool,
-    ) -> Result<(Bytes, bool), ClientError> {
-        let slots = lock(&self.view)
-            .slots
-            .entry(address.to_string())
-            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_READS_PER_WORKER)))
-            .clone();
-        let req = pb::ReadBlockRequest {
-            block: Some(desc.clone()),
-            offset,
-            length: len,
-            cache: true,
-            cached_only: false,
-            grant,
-            from_peers,
-        };
-        let deadline = self.read_timeout();
-        let data = self.data_address_of(address);
-        let fut = async move {
-            use crate::transport::{BlockTransport, DataPlaneError};
-            // Waiting for a slot counts against the read's deadline.
-            let _slot = slots
-                .acquire_owned()
-                .await
-                .map_err(|e| ClientError::Internal(e.to_string()))?;
-            if let (Some(dp), Some(data)) = (&self.data_plane, data) {
-                match dp.read_from(&data, &req, deadline).await {
-                    Ok(r) => return Ok(r),
-                    Err(DataPlaneError::Refused(e)) => return Err(e),
-                    Err(DataPlaneError::Stream(why)) => {
-                        self.metrics.data_plane_failures.inc();
-                        tracing::warn!(worker = %address, data_plane = %data, error = %why, "the block data plane failed; reading over gRPC (and leaving it alone for 30 s)");
-                    }
-                }
-            }
-            self.grpc.read(address, req, deadline).await
-        };
-        match tokio::time::timeout(self.read_timeout(), fut).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(format!(
-                "worker {address} did not finish a read within {:?}",
-                self.read_timeout()
-            ))),
-        }
-    }
-
-    /// Reads straight from the under-store (no worker could serve), checking the object is
-    /// still the version the namespace knows.
-    pub async fn read_direct(
-        &self,
-        file: &pb::FileStatus,
-        offset: u64,
-        len: u64,
-    ) -> Result<Bytes, ClientError> {
-        let loc = file.ufs.clone().ok_or_else(|| {
-            ClientError::Unavailable(format!(
-                "no worker can serve {} and it has no under-store copy",
-                file.path
-            ))
-        })?;
-        let ufs = self.ufs.get(&self.master, loc.mount_id).await?;
-        let expect = file
-            .fingerprint
-            .as_ref()
-            .map(granary_common::ufs::Expected::from);
-        let fut = async {
-            Ok::<_, ClientError>(
-                ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len)
-                    .await?,
-            )
-        };
-        match tokio::time::timeout(self.read_timeout(), fut).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(format!(
-                "under-store read of {} timed out after {:?}",
-                file.path,
-                self.read_timeout()
-            ))),
         }
     }
 }

@@ -166,3 +166,77 @@ fn the_shape_reader_measures_what_it_claims() {
     // The test module is not product code.
     assert_eq!(s.product_lines, 4 + (MAX_FN_LINES + 4) + 1);
 }
+
+/// `docs/architecture.md`'s crate table names files and folders that exist, and names every
+/// module of the crates whose rows list their files.
+#[test]
+fn the_architecture_crate_table_matches_the_tree() {
+    let doc = std::fs::read_to_string(root().join("docs/architecture.md")).expect("the doc");
+    let mut problems = Vec::new();
+    let mut rows = 0;
+    for line in doc.lines() {
+        let Some(rest) = line.strip_prefix("| `") else {
+            continue;
+        };
+        let Some((krate, text)) = rest.split_once("` | ") else {
+            continue;
+        };
+        let src = root().join(krate).join("src");
+        if !CRATES.contains(&krate) || !src.is_dir() {
+            continue;
+        }
+        rows += 1;
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        let rel: Vec<String> = files
+            .iter()
+            .filter_map(|f| f.strip_prefix(&src).ok())
+            .map(|f| f.to_string_lossy().replace('\\', "/"))
+            .collect();
+        let named: Vec<&str> = text
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|t| t.ends_with(".rs") || (t.ends_with('/') && t.len() > 1))
+            .filter(|t| !t.contains('*'))
+            .collect();
+        for t in &named {
+            let found = rel.iter().any(|r| {
+                r == t
+                    || r.ends_with(&format!("/{t}"))
+                    || r.starts_with(t)
+                    || r.contains(&format!("/{t}"))
+            });
+            if !found {
+                problems.push(format!("{krate}: `{t}` is not in {}", src.display()));
+            }
+        }
+        // Rows that list their modules list them all.
+        if ["client", "master", "worker", "fuse-client"].contains(&krate) {
+            for r in &rel {
+                let top = match r.split_once('/') {
+                    Some((dir, _)) => format!("{dir}/"),
+                    None => r.clone(),
+                };
+                let test = TEST_FILES.iter().any(|t| r.ends_with(t));
+                let dir_of_file = top.ends_with('/')
+                    && named.iter().any(|n| {
+                        n.starts_with(&top) || *n == format!("{}.rs", top.trim_end_matches('/'))
+                    });
+                if test || ["lib.rs", "main.rs"].contains(&top.as_str()) || dir_of_file {
+                    continue;
+                }
+                if !named.iter().any(|n| *n == top) {
+                    problems.push(format!("{krate}: `{top}` is not in the table"));
+                }
+            }
+        }
+    }
+    assert!(rows >= 6, "the crate table was not found ({rows} rows)");
+    problems.sort();
+    problems.dedup();
+    assert!(
+        problems.is_empty(),
+        "docs/architecture.md's crate table: {problems:#?}"
+    );
+}

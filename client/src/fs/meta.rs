@@ -216,3 +216,81 @@ impl MetaCache {
         (inode, entry)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn file(inode: u64, parent: u64, name: &str) -> pb::FileStatus {
+        pb::FileStatus {
+            inode,
+            parent,
+            name: name.into(),
+            kind: pb::FileKind::File as i32,
+            complete: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn without_a_ttl_nothing_is_kept() {
+        let m = MetaCache::default();
+        let since = m.watch.since();
+        m.remember_page(&[file(2, 1, "a"), file(3, 1, "b")], since);
+        assert_eq!(m.lookup(1, "a"), None);
+        assert_eq!(m.open_status(2), None);
+        assert!(!m.knows_name(1, "a"));
+        // Successors are kept whatever the TTL (they name no status).
+        assert_eq!(m.next_in_folder(2), Some(3));
+    }
+
+    #[test]
+    fn a_listing_answers_lookups_and_opens_until_forgotten() {
+        let m = MetaCache::default();
+        m.set_ttl(Duration::from_secs(3600));
+        let since = m.watch.since();
+        let mut checked = file(4, 1, "c");
+        checked.validate_on_open = true;
+        let mut partial = file(5, 1, "d");
+        partial.complete = false;
+        m.remember_page(&[file(2, 1, "a"), file(3, 1, "b"), checked, partial], since);
+        assert_eq!(m.lookup(1, "b").map(|s| s.inode), Some(3));
+        assert_eq!(m.lookup(1, "zz"), None);
+        assert_eq!(m.lookup(9, "b"), None, "another folder's name");
+        assert_eq!(m.next_in_folder(2), Some(3));
+        assert_eq!(m.next_in_folder(5), None, "the last entry has no successor");
+        assert_eq!(m.open_status(2).map(|s| s.inode), Some(2));
+        assert_eq!(
+            m.open_status(4),
+            None,
+            "validate-on-open files are always asked for"
+        );
+        assert_eq!(m.open_status(5), None, "a file being written is asked for");
+        // Renamed since: the old name no longer answers for it.
+        m.remember(&file(3, 1, "renamed"), m.watch.since());
+        assert_eq!(m.lookup(1, "b"), None);
+        m.forget(2);
+        assert_eq!((m.open_status(2), m.lookup(1, "a")), (None, None));
+    }
+
+    #[test]
+    fn a_folder_is_trusted_only_while_the_watch_vouches_for_it() {
+        let m = MetaCache::default();
+        m.set_ttl(Duration::from_secs(3600));
+        let dir = pb::FileStatus {
+            inode: 7,
+            parent: 1,
+            name: "d".into(),
+            kind: pb::FileKind::Directory as i32,
+            cache_ms: u64::MAX,
+            ..Default::default()
+        };
+        m.remember(&dir, m.watch.since());
+        // No watch heard from: a folder's entries may have changed at any time.
+        assert_eq!(m.watched_dir(7), None);
+        assert_eq!(m.lookup(1, "d"), None, "a lookup keeps no name");
+        m.remember_name(&dir);
+        assert_eq!(m.lookup(1, "d").map(|s| s.inode), Some(7));
+    }
+}
