@@ -23,7 +23,10 @@ use crate::placement::order_workers;
 mod grants;
 mod leases;
 pub mod meta;
+mod passthrough;
 mod routing;
+
+pub use passthrough::PassthroughFile;
 
 /// How long the list of live workers is reused before asking the master again.
 const WORKERS_TTL: Duration = Duration::from_secs(2);
@@ -55,37 +58,6 @@ pub struct ReadStats {
 
 /// How often bytes read by short-circuit are reported to their workers.
 const SHORT_CIRCUIT_REPORT_EVERY: Duration = Duration::from_secs(2);
-/// Lease of a file open in passthrough mode, and how often it is renewed.
-const PASSTHROUGH_HOLD: Duration = Duration::from_secs(60);
-const PASSTHROUGH_RENEW: Duration = Duration::from_secs(20);
-
-/// A file opened for FUSE passthrough: hand `file` to the kernel, call
-/// [`FileSystem::close_passthrough`] with `handle` when it is closed.
-pub struct PassthroughFile {
-    pub file: std::fs::File,
-    /// 0 when no lease is held: a one-page file, whose block file is never punched out
-    /// under the kernel's reads (see `park`).
-    pub handle: u64,
-    /// Set for a one-page file: the kernel may keep reading the block file after the file
-    /// is closed, until the next check is due (see [`crate::local::Parkable`]).
-    pub park: Option<crate::local::Parkable>,
-    /// The worker whose cache file it is.
-    pub worker_id: u64,
-}
-
-/// The leases of a file open in passthrough mode: one per block, all of one worker.
-#[derive(Clone)]
-struct Held {
-    worker: pb::WorkerInfo,
-    leases: Vec<(pb::BlockId, u64)>,
-    renewed: Instant,
-}
-
-/// Blocks a file opened in passthrough may have (256 GiB in 64 MiB blocks); a longer file
-/// is read through the daemon.
-const MAX_PASSTHROUGH_BLOCKS: u32 = 4096;
-/// Lease requests of one passthrough open (or renewal) in flight at once.
-const PASSTHROUGH_LEASES_IN_FLIGHT: usize = 16;
 
 pub struct FileSystem {
     pub master: MasterClient,
@@ -98,7 +70,8 @@ pub struct FileSystem {
     ufs: MountStores,
     pub metrics: ClientMetrics,
     pub short_circuit: ShortCircuit,
-    held: Mutex<HashMap<u64, Held>>,
+    /// Leases of the files open in passthrough mode, by handle (see [`passthrough`]).
+    held: Mutex<HashMap<u64, passthrough::Held>>,
     next_held: std::sync::atomic::AtomicU64,
     /// Sequential readers: by inode, the end of its last read and the next block already
     /// warmed.
@@ -986,26 +959,6 @@ impl FileSystem {
                 tracing::debug!(path = %file.path, block = next, error = %e, "warming the next block failed");
             }
         });
-    }
-
-    /// A file opened in passthrough mode (on `worker`, else this node's worker as last
-    /// listed): the kernel reads the worker's cache file and the daemon sees none of the
-    /// reads, so the open counts as a read of the whole file — what a loader does; for a
-    /// reader of part of a big file, more than it read. The bytes go to the worker with
-    /// the short-circuit reads (`report`'s hits and local reads).
-    pub fn count_passthrough_open(&self, file: &pb::FileStatus, worker: Option<u64>) {
-        self.metrics.passthrough_opens.inc();
-        self.metrics.add_read("passthrough", file.length);
-        let worker = worker.or_else(|| {
-            lock(&self.view)
-                .workers
-                .iter()
-                .find(|w| self.short_circuit.same_node(w))
-                .map(|w| w.worker_id)
-        });
-        if let Some(w) = worker {
-            self.short_circuit.count_read(w, file.length);
-        }
     }
 }
 
