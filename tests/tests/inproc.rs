@@ -423,3 +423,67 @@ async fn a_file_asked_for_by_inode_sees_its_object_replaced_in_the_store() -> Re
     }
     c.stop().await
 }
+
+/// A folder's re-listing never holds up requests by inode (a mount's opens): while the
+/// store takes 10 s to list the folder, a file of it asked for by inode is answered at once
+/// from what is known, and the re-listing's outcome shows when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_relisting_does_not_hold_up_requests_by_inode() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::create_dir_all(c.store.join("dir"))?;
+    std::fs::write(c.store.join("dir/f"), "old")?;
+    c.mount_store_with(&[("sync_interval", "1s")]).await?;
+    let fs = c.client()?;
+    let path = |p: &str| pb::path_or_id::Target::Path(p.into());
+    assert_eq!(names(&fs.list(path("/data/dir")).await?), ["f"]);
+    let inode = fs.master.get_status(path("/data/dir/f")).await?.inode;
+    let slow = c.store_faults.add(StoreRule::new(
+        StoreOp::List,
+        StoreFault::Delay(Duration::from_secs(10)),
+    ));
+    std::fs::write(c.store.join("dir/f"), "new bytes")?;
+    let master = &fs.master;
+    let by_inode = || async move {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            master.get_status(pb::path_or_id::Target::Inode(inode)),
+        )
+        .await
+    };
+    // Asked until the re-listing is under way (the interval passes first); every answer
+    // comes within the 5 s bound, while the listing takes 10.
+    let faults = &c.store_faults;
+    let by_inode = &by_inode;
+    eventually(
+        "the slow re-listing to start",
+        Duration::from_secs(10),
+        || async move {
+            let s = by_inode()
+                .await
+                .expect("a request by inode waited for the re-listing")
+                .ok()?;
+            assert_eq!(s.length, 3, "{s:?}");
+            (faults.fired(slow) > 0).then_some(())
+        },
+    )
+    .await?;
+    let s = by_inode()
+        .await
+        .context("a request by inode waited for the re-listing")??;
+    assert_eq!(
+        s.length, 3,
+        "answered from what is known while the store lists"
+    );
+    c.store_faults.remove(slow);
+    eventually(
+        "the re-listing's outcome",
+        Duration::from_secs(30),
+        || async move {
+            let s = by_inode().await.ok()?.ok()?;
+            (s.length == 9).then_some(())
+        },
+    )
+    .await?;
+    c.stop().await
+}

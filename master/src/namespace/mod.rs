@@ -41,6 +41,9 @@ pub struct Namespace {
     missing: Mutex<HashMap<(u64, String), Instant>>,
     /// When `sync_state` was last pruned.
     last_prune: Mutex<Instant>,
+    /// Entries being checked against their store in the background (see
+    /// [`Namespace::check_due`]).
+    checking: Mutex<HashSet<u64>>,
     pub metrics: NsMetrics,
 }
 
@@ -62,6 +65,7 @@ impl Namespace {
             sync_state: Mutex::new(HashMap::new()),
             missing: Mutex::new(HashMap::new()),
             last_prune: Mutex::new(Instant::now()),
+            checking: Mutex::new(HashSet::new()),
             metrics: NsMetrics::default(),
         }
     }
@@ -245,6 +249,31 @@ impl Namespace {
             tracing::debug!(inode = id, error = %e, "checking an entry against its under-store failed; answering what is known");
         }
         self.inode(id)
+    }
+
+    /// Whether `inode` is due for the check [`Self::current`] makes (its folder due to be
+    /// listed again, or, in a folder never listed, the file's own check due) and no check of
+    /// the same thing runs now: then the key of what is checked (the folder, or the file) is
+    /// marked and returned, and the caller runs `current` and [`Self::checked`] with the key
+    /// after it. One check per folder however many of its entries are asked for. Cheap
+    /// (state reads, no store).
+    pub fn check_due(&self, inode: &Inode) -> Option<u64> {
+        let (Some(mount_id), false) = (inode.mount_id, inode.is_mount_point) else {
+            return None;
+        };
+        let parent = self.inode(inode.parent).ok()?;
+        let policy = find_mount(&self.sm, mount_id).ok()?.spec.sync_policy();
+        let key = if parent.children_loaded {
+            (parent.mount_id.is_some() && self.due(&parent, policy)).then_some(parent.id)
+        } else {
+            (inode.kind == Kind::File && self.due(inode, policy)).then_some(inode.id)
+        }?;
+        lock(&self.checking).insert(key).then_some(key)
+    }
+
+    /// The background check marked by [`Self::check_due`] ended.
+    pub fn checked(&self, key: u64) {
+        lock(&self.checking).remove(&key);
     }
 
     pub fn inode(&self, id: u64) -> Result<Inode, MasterError> {

@@ -263,6 +263,16 @@ fn one(
     }
 }
 
+/// Ends a background check of the namespace (see `Namespace::check_due`) however its task
+/// ends.
+struct Checked(Arc<MasterCore>, u64);
+
+impl Drop for Checked {
+    fn drop(&mut self) {
+        self.0.ns.checked(self.1);
+    }
+}
+
 impl MasterRpc {
     /// The inode a caller named by id. A caller confined to a subtree gets one refusal for
     /// an inode outside it and for a missing one ([`access::denied_id`]): it learns neither
@@ -356,9 +366,10 @@ impl MasterRpc {
 
     /// The inode a request names. A path outside the caller's reach is refused before it is
     /// resolved: whether it exists is not the caller's to learn. An inode is checked against
-    /// its under-store as a lookup of its name would be (`Namespace::current`) unless the
-    /// request takes stale answers — and only once it is within the caller's reach, so no
-    /// caller makes the master ask a store about entries it may not see.
+    /// its under-store as a lookup of its name would be (`Namespace::current`, in the
+    /// background) unless the request takes stale answers — and only once it is within the
+    /// caller's reach, so no caller makes the master ask a store about entries it may not
+    /// see.
     async fn target(
         &self,
         who: &Principal,
@@ -376,10 +387,22 @@ impl MasterRpc {
             }
             Some(pb::path_or_id::Target::Inode(id)) => {
                 let inode = self.named_inode(who, id)?;
-                if stale {
-                    return Ok(inode);
+                // Checked against its store when due, in the background: the answer is what
+                // is known now, and the next request sees what the check found — an open
+                // never waits for a folder's re-listing (stale-while-revalidate).
+                let due = if stale {
+                    None
+                } else {
+                    self.core.ns.check_due(&inode)
+                };
+                if let Some(key) = due {
+                    let core = self.core.clone();
+                    tokio::spawn(async move {
+                        let _ended = Checked(core.clone(), key);
+                        let _ = core.ns.current(id).await;
+                    });
                 }
-                Ok(self.core.ns.current(id).await?)
+                Ok(inode)
             }
             None => Err(MasterError::invalid("a path or inode id is required").into()),
         }
