@@ -31,6 +31,11 @@ pub enum ClientError {
     Posix(i32, String),
 }
 
+/// Errnos a server may name are below this (the kernel refuses a FUSE reply with an error
+/// of 512 or more, which would leave the caller's system call waiting); another value is
+/// ignored and the status code decides.
+const MAX_ERRNO: i32 = 512;
+
 impl ClientError {
     pub fn from_status(s: tonic::Status) -> Self {
         use tonic::Code;
@@ -40,6 +45,7 @@ impl ClientError {
             .get(granary_proto::ERRNO_KEY)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<i32>().ok())
+            .filter(|n| (1..MAX_ERRNO).contains(n))
         {
             return Self::Posix(n, msg);
         }
@@ -119,6 +125,25 @@ impl From<object_store::Error> for ClientError {
                 Self::PermissionDenied(format!("the under-store refused access: {e}"))
             }
             _ => Self::Unavailable(format!("under-store read failed: {e}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_errno_the_kernel_takes_is_kept() {
+        let with = |errno: &str| {
+            let mut s = tonic::Status::unavailable("x");
+            s.metadata_mut()
+                .insert(granary_proto::ERRNO_KEY, errno.parse().unwrap());
+            ClientError::from_status(s)
+        };
+        assert_eq!(with("28"), ClientError::Posix(28, "x".into()));
+        for bad in ["0", "-5", "512", "100000", "nope"] {
+            assert_eq!(with(bad), ClientError::Unavailable("x".into()), "{bad}");
         }
     }
 }
