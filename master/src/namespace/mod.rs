@@ -290,10 +290,14 @@ impl Namespace {
                 path: self.sm.path_of(&dir)?,
             });
         }
-        let path = paths::join(&self.sm.path_of(&dir)?, name);
-        self.child_of(dir, name)
-            .await?
-            .ok_or_else(|| MasterError::not_found(path))
+        // The path is walked for the error only: a found name costs no walk to the root.
+        match self.child_of(dir.clone(), name).await? {
+            Some(child) => Ok(child),
+            None => Err(MasterError::not_found(paths::join(
+                &self.sm.path_of(&dir)?,
+                name,
+            ))),
+        }
     }
 
     pub async fn list(

@@ -123,7 +123,16 @@ fn fill_perms(s: &mut pb::FileStatus, spec: Option<&granary_common::ufs::UfsSpec
 }
 
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
-    let mut s = to_status(inode, core.ns.sm.path_of(inode)?);
+    status_at(core, inode, core.ns.sm.path_of(inode)?)
+}
+
+/// [`status_of`] for an inode whose path the caller already walked.
+fn status_at(
+    core: &MasterCore,
+    inode: &Inode,
+    path: String,
+) -> Result<pb::FileStatus, MasterError> {
+    let mut s = to_status(inode, path);
     let spec = mount_spec(core, inode.mount_id);
     fill_perms(&mut s, spec.as_ref());
     // A file whose mount validates every open: clients never open it from a cached status.
@@ -245,7 +254,17 @@ fn status_for(
     who: &Principal,
     inode: &Inode,
 ) -> Result<pb::FileStatus, MasterError> {
-    let mut s = status_of(core, inode)?;
+    status_for_at(core, who, inode, core.ns.sm.path_of(inode)?)
+}
+
+/// [`status_for`] for an inode whose path the caller already walked.
+fn status_for_at(
+    core: &MasterCore,
+    who: &Principal,
+    inode: &Inode,
+    path: String,
+) -> Result<pb::FileStatus, MasterError> {
+    let mut s = status_at(core, inode, path)?;
     grant(core, who, &mut s, false);
     Ok(s)
 }
@@ -276,17 +295,21 @@ impl Drop for Checked {
 impl MasterRpc {
     /// The inode a caller named by id. A caller confined to a subtree gets one refusal for
     /// an inode outside it and for a missing one ([`access::denied_id`]): it learns neither
-    /// the path nor whether the inode exists.
-    fn named_inode(&self, who: &Principal, id: u64) -> Result<Inode, Status> {
+    /// the path nor whether the inode exists. With the inode comes its path when the check
+    /// walked it (a confined caller), so that the request need not walk it again.
+    fn named_inode(&self, who: &Principal, id: u64) -> Result<(Inode, Option<String>), Status> {
         let found = self.core.ns.inode(id);
         if who.subtree.is_none() {
-            return Ok(found?);
+            return Ok((found?, None));
         }
-        let hidden = |_| access::denied_id(who, id);
-        let inode = found.map_err(hidden)?;
-        let path = self.core.ns.sm.path_of(&inode).map_err(hidden)?;
-        access::reach(who, &path).map_err(|_| access::denied_id(who, id))?;
-        Ok(inode)
+        let checked = found.and_then(|inode| {
+            let path = self.core.ns.sm.path_of(&inode)?;
+            Ok((inode, path))
+        });
+        match checked {
+            Ok((inode, path)) if access::reach(who, &path).is_ok() => Ok((inode, Some(path))),
+            _ => Err(access::denied_id(who, id)),
+        }
     }
 
     /// A mutation whose checks failed with `err`: when the same request was applied
@@ -369,13 +392,14 @@ impl MasterRpc {
     /// its under-store as a lookup of its name would be (`Namespace::current`, in the
     /// background) unless the request takes stale answers — and only once it is within the
     /// caller's reach, so no caller makes the master ask a store about entries it may not
-    /// see.
+    /// see. With the inode comes its path, walked once for the whole request, and how far
+    /// the caller reaches it.
     async fn target(
         &self,
         who: &Principal,
         t: Option<pb::PathOrId>,
         stale: bool,
-    ) -> Result<Inode, Status> {
+    ) -> Result<(Inode, String, Reach), Status> {
         match t.and_then(|t| t.target) {
             Some(pb::path_or_id::Target::Path(p)) => {
                 if who.subtree.is_some() {
@@ -383,10 +407,18 @@ impl MasterRpc {
                         .map_err(|e| Status::invalid_argument(e.to_string()))?;
                     access::reach(who, &n)?;
                 }
-                Ok(self.core.ns.resolve(&p).await?)
+                let inode = self.core.ns.resolve(&p).await?;
+                let path = self.core.ns.sm.path_of(&inode)?;
+                let reach = access::reach(who, &path)?;
+                Ok((inode, path, reach))
             }
             Some(pb::path_or_id::Target::Inode(id)) => {
-                let inode = self.named_inode(who, id)?;
+                let (inode, walked) = self.named_inode(who, id)?;
+                let path = match walked {
+                    Some(path) => path,
+                    None => self.core.ns.sm.path_of(&inode)?,
+                };
+                let reach = access::reach(who, &path)?;
                 // Checked against its store when due, in the background: the answer is what
                 // is known now, and the next request sees what the check found — an open
                 // never waits for a folder's re-listing (stale-while-revalidate).
@@ -402,7 +434,7 @@ impl MasterRpc {
                         let _ = core.ns.current(id).await;
                     });
                 }
-                Ok(inode)
+                Ok((inode, path, reach))
             }
             None => Err(MasterError::invalid("a path or inode id is required").into()),
         }
@@ -515,13 +547,17 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let mut inode = self.target(&who, r.target, r.allow_stale).await?;
-        access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
+        let (mut inode, mut path, _) = self.target(&who, r.target, r.allow_stale).await?;
         if r.validate && !r.allow_stale {
+            let before = (inode.parent, inode.name.clone());
             inode = self.core.ns.validate(inode).await?;
+            if (inode.parent, &inode.name) != (before.0, &before.1) {
+                path = self.core.ns.sm.path_of(&inode)?;
+                access::reach(&who, &path)?;
+            }
         }
         Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_for(&self.core, &who, &inode)?),
+            status: Some(status_for_at(&self.core, &who, &inode, path)?),
         }))
     }
 
@@ -533,19 +569,21 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         self.core.read_barrier().await?;
-        let parent = self.named_inode(&who, r.parent)?;
-        if who.subtree.is_some() {
-            let p = self.core.ns.sm.path_of(&parent)?;
-            access::reach(&who, &granary_common::paths::join(&p, &r.name))?;
-        }
+        let (parent, walked) = self.named_inode(&who, r.parent)?;
+        // The parent's path is walked once; the entry's is the parent's and its name.
+        let parent_path = match walked {
+            Some(p) => p,
+            None => self.core.ns.sm.path_of(&parent)?,
+        };
+        let path = granary_common::paths::join(&parent_path, &r.name);
+        access::reach(&who, &path)?;
         if caller.is_some() {
-            let parent = status_of(&self.core, &parent)?;
+            let parent = status_at(&self.core, &parent, parent_path)?;
             access::posix(caller, &parent, access::EXEC, "look up entries of")?;
         }
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
-        access::reach(&who, &self.core.ns.sm.path_of(&inode)?)?;
         Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_for(&self.core, &who, &inode)?),
+            status: Some(status_for_at(&self.core, &who, &inode, path)?),
         }))
     }
 
@@ -559,15 +597,13 @@ impl MasterService for MasterRpc {
         if !r.allow_stale {
             self.core.read_barrier().await?;
         }
-        let dir = self.target(&who, r.target, r.allow_stale).await?;
-        let reach = access::reach(&who, &self.core.ns.sm.path_of(&dir)?)?;
+        let (dir, dir_path, reach) = self.target(&who, r.target, r.allow_stale).await?;
         let limit = match r.page_size as usize {
             0 => DEFAULT_PAGE,
             n => n.min(MAX_PAGE),
         };
         let after = (!r.page_token.is_empty()).then_some(r.page_token.as_str());
         let is_dir = dir.kind == crate::state::Kind::Directory;
-        let dir_path = self.core.ns.sm.path_of(&dir).map_err(Status::from)?;
         // The pin covering the directory covers its children (unless they have their own).
         let dir_pin = self
             .core
@@ -729,9 +765,9 @@ impl MasterService for MasterRpc {
                 r.length
             )));
         }
-        let inode = self.named_inode(&who, r.inode)?;
-        if who.subtree.is_some() {
-            access::full(&who, &self.core.ns.sm.path_of(&inode)?)?;
+        let (inode, walked) = self.named_inode(&who, r.inode)?;
+        if let Some(path) = walked {
+            access::full(&who, &path)?;
         }
         may_complete(&who, &inode, r.version)?;
         // A file not in the store is kept (and pinned) by the worker it names: one that is
