@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/granary/v1/master.proto",
         "proto/granary/v1/worker.proto",
         "proto/granary/v1/raft.proto",
+        "proto/granary/v1/fuse.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");

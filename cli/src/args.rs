@@ -759,6 +759,41 @@ pub struct FuseArgs {
     pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub fuse: FuseOpts,
+    #[command(flatten)]
+    pub handover: HandoverOpts,
+}
+
+/// Replacing the daemon of a mount without unmounting it (docs/operations.md, "Restarting
+/// and upgrading a mount"). Linux 6.9+.
+#[derive(Debug, Args, Clone)]
+pub struct HandoverOpts {
+    /// Take the mount at --mount over from the `granary fuse` serving it now (an upgrade, or
+    /// new flags) without unmounting: that daemon hands over the mount's descriptor and open
+    /// handles on --handover-socket and exits; programs using the mount see a pause, no
+    /// error.
+    #[arg(long)]
+    pub takeover: bool,
+    /// Unix socket on which this daemon hands its mount to a successor, and where
+    /// --takeover asks for it [default: /run/granary/fuse/<hash of the mount point>.sock as
+    /// root, else under $XDG_RUNTIME_DIR].
+    #[arg(long, env = "GRANARY_HANDOVER_SOCKET")]
+    pub handover_socket: Option<PathBuf>,
+    /// How long a successor's request waits for files open for writing through the mount
+    /// to be closed before it is refused (their bytes live in this daemon).
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    pub handover_timeout: Duration,
+    /// Run the daemon under a small supervisor that holds the mount's descriptor: when the
+    /// daemon dies (a crash, an OOM kill, kill -9) a new one takes the mount over and the
+    /// kernel sends it what the old one had not answered; programs reading see a pause, no
+    /// error.
+    #[arg(long)]
+    pub supervise: bool,
+    /// The supervisor's socket, given by the supervisor to its daemon.
+    #[arg(long, hide = true)]
+    pub holder_socket: Option<PathBuf>,
+    /// Take the mount over from this socket (the supervisor's, after a crash).
+    #[arg(long, hide = true)]
+    pub take_from: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

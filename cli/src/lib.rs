@@ -7,6 +7,7 @@ pub mod config;
 pub mod jobs;
 pub mod security;
 pub mod servers;
+pub mod supervise;
 
 use std::process::ExitCode;
 

@@ -163,21 +163,119 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
 }
 
 async fn serve_mount(client: Arc<FileSystem>, config: FuseConfig) -> anyhow::Result<()> {
-    let session = granary_fuse::mount(client, &config, tokio::runtime::Handle::current())?;
+    let mounted = granary_fuse::mount(client, &config, tokio::runtime::Handle::current())?;
     eprintln!(
         "granary mounted at {}; press Ctrl-C to unmount",
         config.mountpoint.display()
     );
     shutdown_signal().await;
-    eprintln!("unmounting {}", config.mountpoint.display());
-    tokio::task::spawn_blocking(move || session.umount_and_join())
+    unmount(mounted).await
+}
+
+async fn unmount(mounted: granary_fuse::Mounted) -> anyhow::Result<()> {
+    let mp = mounted.mountpoint.clone();
+    eprintln!("unmounting {}", mp.display());
+    tokio::task::spawn_blocking(move || mounted.unmount())
         .await
         .context("unmount task")?
-        .with_context(|| format!("unmounting {}", config.mountpoint.display()))?;
+        .with_context(|| format!("unmounting {}", mp.display()))?;
     Ok(())
 }
 
+/// `granary fuse`'s mount: mounted or taken over, served until a signal unmounts it or a
+/// successor takes it over (this process then exits at once, leaving it mounted).
+async fn serve_fuse_mount(
+    client: Arc<FileSystem>,
+    config: FuseConfig,
+    h: &crate::args::HandoverOpts,
+) -> anyhow::Result<()> {
+    use granary_fuse::handover;
+    let rt = tokio::runtime::Handle::current();
+    let socket = h
+        .handover_socket
+        .clone()
+        .unwrap_or_else(|| handover::default_socket(&config.mountpoint));
+    let mounted = match h.take_from.clone().or(h.takeover.then(|| socket.clone())) {
+        Some(from) => {
+            let (c, rt2) = (config.clone(), rt.clone());
+            let (m, t) = tokio::task::spawn_blocking(move || {
+                granary_fuse::take_over(client, &c, rt2, &from)
+            })
+            .await
+            .context("takeover task")??;
+            eprintln!(
+                "granary took over the mount at {} (daemon pid {}, generation {}, after build {}; not fully served for {} ms{})",
+                config.mountpoint.display(),
+                std::process::id(),
+                t.generation,
+                t.donor_version,
+                t.unserved.as_millis(),
+                if t.resent { "" } else { "; requests it had not answered failed" }
+            );
+            m
+        }
+        None => {
+            let m = granary_fuse::mount(client, &config, rt.clone())?;
+            eprintln!(
+                "granary mounted at {} (daemon pid {}); press Ctrl-C to unmount",
+                config.mountpoint.display(),
+                std::process::id()
+            );
+            m
+        }
+    };
+    if let Some(holder) = &h.holder_socket {
+        crate::supervise::hold(holder, &mounted)
+            .with_context(|| format!("giving the mount's descriptor to {}", holder.display()))?;
+    }
+    // A successor may take the mount over (where the kernel can resend; else say why not).
+    let handed = match handover::kernel_can_resend() {
+        Err(why) => {
+            tracing::info!("{why}");
+            None
+        }
+        Ok(()) => match handover::listen(&socket) {
+            Ok(l) => Some(granary_fuse::serve_handovers(
+                l,
+                &mounted,
+                rt,
+                h.handover_timeout,
+            )?),
+            Err(e) => {
+                tracing::warn!(socket = %socket.display(), error = %e, "no handover socket: this mount cannot be taken over");
+                None
+            }
+        },
+    };
+    let handed = async {
+        match handed {
+            Some(rx) => rx.await.ok(),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = shutdown_signal() => {
+            if let Some(holder) = &h.holder_socket {
+                crate::supervise::release(holder);
+            }
+            let _ = std::fs::remove_file(&socket);
+            unmount(mounted).await
+        }
+        Some(pid) = handed => {
+            if let Some(holder) = &h.holder_socket {
+                crate::supervise::release(holder);
+            }
+            eprintln!("handed the mount at {} over to pid {pid}; exiting", config.mountpoint.display());
+            // Without unmounting, and at once: the successor serves the mount from now on.
+            std::process::exit(0)
+        }
+    }
+}
+
 pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
+    if a.handover.supervise {
+        return crate::supervise::run(&a).await;
+    }
     let config = fuse_config(a.mount, &a.fuse);
     granary_fuse::check_mountpoint(&config.mountpoint)?;
     let client = FileSystem::connect(&a.master.master)?;
@@ -195,7 +293,7 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
             .with_context(|| format!("serving metrics on {addr}"))?;
         eprintln!("metrics on http://{bound}/metrics");
     }
-    let served = serve_mount(client, config).await;
+    let served = serve_fuse_mount(client, config, &a.handover).await;
     shutdown.cancel();
     served
 }

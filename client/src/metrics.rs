@@ -81,6 +81,18 @@ pub struct ClientMetrics {
     pub node_copy_skipped: Counter<u64, AtomicU64>,
     /// Node copies asked for and not finished.
     pub node_copies_pending: Gauge,
+    /// This daemon's place in its mount's line of daemons (0: it mounted; each takeover, after
+    /// an upgrade or a crash, adds one).
+    pub fuse_generation: Gauge,
+    /// Mounts this daemon took over from a running daemon or its holder.
+    pub fuse_takeovers: Counter<u64, AtomicU64>,
+    /// Requests the kernel sent again after a takeover (read but not answered before).
+    pub fuse_resent_requests: Counter<u64, AtomicU64>,
+    /// Handles an earlier daemon of the mount opened, found again by inode at their first use.
+    pub fuse_recovered_handles: Counter<u64, AtomicU64>,
+    /// Seconds the mount was not fully served during takeovers (from the previous daemon's
+    /// last change, or its death, to this one serving).
+    pub fuse_unserved_seconds: Counter<f64, AtomicU64>,
 }
 
 impl ClientMetrics {
@@ -210,6 +222,31 @@ impl ClientMetrics {
                 "granary_client_node_copies_pending",
                 "Node copies asked for and not finished yet (--locality node)",
                 self.node_copies_pending.clone(),
+            );
+            r.register(
+                "granary_client_fuse_generation",
+                "This daemon's place in its mount's line of daemons: 0 for the one that mounted, one more at each takeover (upgrade or crash recovery)",
+                self.fuse_generation.clone(),
+            );
+            r.register(
+                "granary_client_fuse_takeovers",
+                "Mounts this daemon took over from a running daemon (--takeover) or from its descriptor holder after a crash (--supervise)",
+                self.fuse_takeovers.clone(),
+            );
+            r.register(
+                "granary_client_fuse_resent_requests",
+                "Requests the kernel sent again after a takeover: read by the previous daemon and not answered by it",
+                self.fuse_resent_requests.clone(),
+            );
+            r.register(
+                "granary_client_fuse_recovered_handles",
+                "Open handles of an earlier daemon of this mount found again by inode at their first use (after a crash, or opened during a handover)",
+                self.fuse_recovered_handles.clone(),
+            );
+            r.register(
+                "granary_client_fuse_unserved_seconds",
+                "Seconds the mount was not fully served during takeovers: from the previous daemon's pause (or death) to this daemon answering",
+                self.fuse_unserved_seconds.clone(),
             );
             r.register(
                 "granary_client_node_copy_skipped",

@@ -41,12 +41,28 @@ struct Backing {
 
 pub struct Backings {
     map: HashMap<u64, Backing>,
+    /// Backings of handles a previous daemon of the mount opened (handed over with it),
+    /// still as the kernel's raw ids: made [`BackingId`]s at the next open (they can only
+    /// be wrapped through a reply), closed then if no handle uses them any more.
+    adopted: Vec<Adopted>,
     /// Parked backings, oldest first, as (inode, stamp); entries whose backing was opened
     /// again or let go since are skipped.
     order: VecDeque<(u64, u64)>,
     parked: usize,
     stamp: u64,
     metrics: ClientMetrics,
+}
+
+/// A backing handed over by the previous daemon of the mount.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adopted {
+    pub inode: u64,
+    pub version: u64,
+    /// The kernel's backing id, owned by this daemon now.
+    pub id: u32,
+    pub opens: usize,
+    /// The client's lease handles holding its pages.
+    pub leases: Vec<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -57,6 +73,7 @@ impl Backings {
     pub fn new(metrics: ClientMetrics) -> Self {
         Self {
             map: HashMap::new(),
+            adopted: Vec::new(),
             order: VecDeque::new(),
             parked: 0,
             stamp: 0,
@@ -99,6 +116,9 @@ impl Backings {
         reply: &ReplyOpen,
         file: impl FnOnce() -> Option<(F, Option<Parkable>)>,
     ) -> Option<Arc<BackingId>> {
+        if !self.adopted.is_empty() {
+            self.wrap_adopted(reply);
+        }
         let now = Instant::now();
         if let Some(e) = self.map.get_mut(&inode) {
             let current = e.version == version && e.park.as_ref().is_none_or(|p| p.usable(now));
@@ -147,11 +167,83 @@ impl Backings {
         }
     }
 
+    /// Backings handed over by the previous daemon of the mount ([`Adopted`]).
+    pub fn adopt(&mut self, adopted: Vec<Adopted>) {
+        self.adopted.extend(adopted);
+    }
+
+    /// Makes the adopted raw ids [`BackingId`]s (closed when dropped) through `reply`, the
+    /// mount's channel: those still open join the registered backings, the others close.
+    #[allow(unsafe_code)]
+    fn wrap_adopted(&mut self, reply: &ReplyOpen) {
+        for a in std::mem::take(&mut self.adopted) {
+            // SAFETY: `a.id` is a backing id of this mount's FUSE session, opened by the
+            // previous daemon, which gave it up (`BackingId::into_raw`) when it handed the
+            // mount over and exited; nothing else in this process holds or closes it, and it
+            // is wrapped once: the `BackingId` made here is its only owner from now on.
+            let id = Arc::new(unsafe { reply.wrap_backing(a.id) });
+            if a.opens == 0 {
+                continue; // its handles were released meanwhile: closed here
+            }
+            self.map.insert(
+                a.inode,
+                Backing {
+                    version: a.version,
+                    id,
+                    opens: a.opens,
+                    leases: a.leases,
+                    park: None,
+                    stamp: 0,
+                },
+            );
+        }
+    }
+
+    /// Hands the backings of open handles over to the next daemon of the mount: each
+    /// becomes the kernel's raw id, no longer closed by this process; parked ones (no open
+    /// handle) are closed. Backings still shared with a request in progress stay (none are
+    /// once the handover gate has drained).
+    pub fn hand_over(&mut self) -> Vec<Adopted> {
+        let mut out = std::mem::take(&mut self.adopted);
+        for (inode, e) in std::mem::take(&mut self.map) {
+            if e.opens == 0 {
+                continue; // parked: dropping it closes the kernel's backing file
+            }
+            match Arc::try_unwrap(e.id) {
+                Ok(id) => out.push(Adopted {
+                    inode,
+                    version: e.version,
+                    id: id.into_raw(),
+                    opens: e.opens,
+                    leases: e.leases,
+                }),
+                Err(id) => {
+                    tracing::warn!(
+                        inode,
+                        "a passthrough backing file in use cannot be handed over"
+                    );
+                    self.map.insert(inode, Backing { id, ..e });
+                }
+            }
+        }
+        self.order.clear();
+        self.set_parked(0);
+        out
+    }
+
     /// A handle of `inode` open in passthrough was released: after its last one the backing
     /// is parked when it may be (else closed). Returns the lease handles to release (those
     /// of its opens, after its last close).
     #[must_use]
     pub fn close(&mut self, inode: u64) -> Vec<u64> {
+        if let Some(a) = self.adopted.iter_mut().find(|a| a.inode == inode) {
+            a.opens = a.opens.saturating_sub(1);
+            return if a.opens == 0 {
+                std::mem::take(&mut a.leases)
+            } else {
+                Vec::new()
+            };
+        }
         let Some(e) = self.map.get_mut(&inode) else {
             return Vec::new();
         };

@@ -16,6 +16,7 @@ use granary_client::FileSystem;
 use granary_proto as pb;
 
 use crate::error::errno;
+use crate::handover::{Gate, Pass};
 use crate::pagecache::PageCache;
 use crate::FuseConfig;
 
@@ -95,6 +96,32 @@ const NAME_MAX: usize = 255;
 /// Cluster cache capacity, used bytes and inode count (what statfs reports).
 type Capacity = (u64, u64, u64);
 
+/// File handles carry the generation of the daemon that gave them (so handles of an earlier
+/// daemon of the mount are told apart after a takeover), whether they write, and a tag of
+/// the file version they read: `[generation: 12][writer: 1][version tag: 11][count: 40]`.
+const FH_COUNT_BITS: u32 = 40;
+const FH_TAG_MASK: u64 = (1 << 11) - 1;
+const FH_WRITER: u64 = 1 << 51;
+const FH_GENERATION_SHIFT: u32 = 52;
+
+/// `fh` of a handle reading `version` of a file.
+fn tagged(fh: u64, version: u64) -> u64 {
+    fh | ((version & FH_TAG_MASK) << FH_COUNT_BITS)
+}
+
+fn generation_of(fh: u64) -> u32 {
+    (fh >> FH_GENERATION_SHIFT) as u32
+}
+
+/// Whether `fh` was given for `version` (of all versions, one in 2,048 shares a tag).
+fn tag_matches(fh: u64, version: u64) -> bool {
+    (fh >> FH_COUNT_BITS) & FH_TAG_MASK == version & FH_TAG_MASK
+}
+
+/// Bit of a request's unique id that marks a request the kernel sent again
+/// (`FUSE_UNIQUE_RESEND`).
+const RESENT: u64 = 1 << 63;
+
 /// How long a statfs answer is reused.
 const CAPACITY_TTL: Duration = Duration::from_secs(5);
 
@@ -150,6 +177,12 @@ pub struct GranaryFs {
     uid: u32,
     gid: u32,
     next_fh: AtomicU64,
+    /// This daemon's place in its mount's line of daemons (see [`crate::handover`]).
+    generation: u32,
+    /// Holds back opens, releases and changes while the mount is handed over.
+    gate: Arc<Gate>,
+    /// The kernel's INIT as this mount began, and what was granted (for a successor).
+    kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
     files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
     /// What the kernel's page cache holds of each file, and small files pushed into it.
     cache: Arc<PageCache>,
@@ -187,6 +220,7 @@ fn opened_file(
     s: pb::FileStatus,
     reply: ReplyOpen,
 ) {
+    let fh = tagged(fh, s.version);
     let Some(keep) = cache.open(&s) else {
         let (cache, files) = (cache.clone(), files.clone());
         cache.runtime().clone().spawn(async move {
@@ -276,6 +310,9 @@ impl GranaryFs {
             uid,
             gid,
             next_fh: AtomicU64::new(1),
+            generation: config.generation,
+            gate: Arc::new(Gate::default()),
+            kernel: Arc::new(Mutex::new(None)),
             files: Arc::new(Mutex::new(HashMap::new())),
             cache: Arc::new(cache),
             passthrough: Arc::new(AtomicBool::new(false)),
@@ -317,6 +354,210 @@ impl GranaryFs {
         } else {
             Ok(())
         }
+    }
+
+    /// A new file handle of this daemon.
+    fn new_fh(&self) -> u64 {
+        let count = self.next_fh.fetch_add(1, Ordering::Relaxed) & ((1 << FH_COUNT_BITS) - 1);
+        (u64::from(self.generation & 0xfff) << FH_GENERATION_SHIFT) | count
+    }
+
+    /// Counts a request the kernel sent again after a takeover.
+    fn note_resent(&self, req: &Request) {
+        if req.unique().0 & RESENT != 0 {
+            self.client.metrics.fuse_resent_requests.inc();
+        }
+    }
+
+    /// Whether `fh` is a handle an earlier daemon of this mount gave.
+    fn earlier(&self, fh: u64) -> bool {
+        generation_of(fh) != self.generation & 0xfff
+    }
+
+    /// What read handle `fh` of `ino` was opened as. A handle an earlier daemon of the mount
+    /// gave that this one was not handed (it crashed, or the open came during the
+    /// handover) is found again by inode, once, on this kernel thread: the file's version
+    /// must still carry the handle's tag, else the handle is stale (ESTALE, never bytes of
+    /// another version).
+    fn file_of(&self, ino: u64, fh: u64) -> Result<Arc<pb::FileStatus>, Errno> {
+        if let Some(f) = lock(&self.files).get(&fh) {
+            return Ok(f.clone());
+        }
+        if !self.earlier(fh) || fh & FH_WRITER != 0 {
+            return Err(Errno::EBADF);
+        }
+        let client = self.client.clone();
+        let s = self
+            .rt
+            .block_on(self.deadline.run("open", client.open_inode(ino)))
+            .map_err(|e| errno(&e))?;
+        if s.kind != pb::FileKind::File as i32 {
+            return Err(Errno::EBADF);
+        }
+        if !tag_matches(fh, s.version) {
+            tracing::warn!(inode = ino, path = %s.path, "a file open before the mount's daemon was replaced has changed since: its handle is stale");
+            return Err(Errno::ESTALE);
+        }
+        self.client.metrics.fuse_recovered_handles.inc();
+        let s = Arc::new(s);
+        Ok(lock(&self.files).entry(fh).or_insert(s).clone())
+    }
+
+    /// Directory handle `fh` of `ino`; one an earlier daemon of the mount gave is opened
+    /// again by inode (its listing starts over; offsets stay those of the same order).
+    fn dir_of(&self, ino: u64, fh: u64) -> Result<Arc<tokio::sync::Mutex<DirHandle>>, Errno> {
+        if let Some(h) = lock(&self.dirs).get(&fh) {
+            return Ok(h.clone());
+        }
+        if !self.earlier(fh) {
+            return Err(Errno::EBADF);
+        }
+        let dir = self
+            .rt
+            .block_on(self.deadline.run("opendir", self.client.stat_inode(ino)))
+            .map_err(|e| errno(&e))?;
+        if dir.kind != pb::FileKind::Directory as i32 {
+            return Err(Errno::ENOTDIR);
+        }
+        self.client.metrics.fuse_recovered_handles.inc();
+        let h = Arc::new(tokio::sync::Mutex::new(DirHandle::new(dir)));
+        Ok(lock(&self.dirs).entry(fh).or_insert(h).clone())
+    }
+
+    /// Whether `fh`, not open for writing here, is a write handle an earlier daemon of the
+    /// mount gave: what was written went with that daemon, the file was never completed,
+    /// and the program is answered EIO (it must write the file again).
+    fn lost_writer(&self, fh: u64) -> bool {
+        let lost = self.earlier(fh) && fh & FH_WRITER != 0;
+        if lost {
+            tracing::warn!(fh, "a file was being written when the mount's daemon was replaced: its writes are lost and it was not completed; answering EIO");
+        }
+        lost
+    }
+
+    /// What a handover to the next daemon of the mount needs of this filesystem.
+    pub fn donor(&self) -> Donor {
+        Donor {
+            client: self.client.clone(),
+            files: self.files.clone(),
+            fhs: self.passthrough_fhs.clone(),
+            backings: self.backings.clone(),
+            gate: self.gate.clone(),
+            kernel: self.kernel.clone(),
+            writes: self.writes.clone(),
+            generation: self.generation,
+        }
+    }
+
+    /// Takes on the open handles, backing files and leases the previous daemon of the mount
+    /// handed over.
+    pub fn adopt(&self, h: &pb::FuseHandover) {
+        let mut files = lock(&self.files);
+        let mut fhs = lock(&self.passthrough_fhs);
+        for f in &h.files {
+            if let Some(s) = &f.status {
+                files.insert(f.fh, Arc::new(s.clone()));
+                if f.passthrough {
+                    fhs.insert(f.fh, s.inode);
+                }
+            }
+        }
+        drop((files, fhs));
+        adopt_backings(&self.client, &self.backings, h);
+    }
+}
+
+/// Takes on the backing files (raw kernel ids) and leases of `h`.
+fn adopt_backings(
+    client: &FileSystem,
+    backings: &Mutex<crate::backing::Backings>,
+    h: &pb::FuseHandover,
+) {
+    let adopted = h
+        .backings
+        .iter()
+        .map(|b| crate::backing::Adopted {
+            inode: b.inode,
+            version: b.version,
+            id: b.backing_id,
+            opens: b.opens as usize,
+            leases: b
+                .leases
+                .iter()
+                .filter_map(|l| client.adopt_passthrough_leases(l.clone()))
+                .collect(),
+        })
+        .collect();
+    lock(backings).adopt(adopted);
+}
+
+/// What a handover needs of a serving [`GranaryFs`] (which belongs to the FUSE session by
+/// then).
+#[derive(Clone)]
+pub struct Donor {
+    client: Arc<FileSystem>,
+    files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    fhs: Arc<Mutex<HashMap<u64, u64>>>,
+    backings: Arc<Mutex<crate::backing::Backings>>,
+    pub gate: Arc<Gate>,
+    kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
+    writes: crate::write::Writes,
+    generation: u32,
+}
+
+impl Donor {
+    /// Files open for writing, or being completed, through this mount.
+    pub fn writing(&self) -> usize {
+        self.writes.open_count()
+    }
+
+    /// The kernel's session as this daemon began it, with its generation and no handles
+    /// (what a descriptor holder keeps); None before INIT.
+    pub fn session(&self) -> Option<pb::FuseHandover> {
+        let mut h = lock(&self.kernel).clone()?;
+        h.format = crate::handover::FORMAT;
+        h.generation = self.generation;
+        Some(h)
+    }
+
+    /// Takes back the backing files and leases of a handover that did not reach its
+    /// successor.
+    pub fn take_back(&self, h: &pb::FuseHandover) {
+        adopt_backings(&self.client, &self.backings, h);
+    }
+
+    /// The whole handover: the session and the open handles; this daemon gives up the
+    /// backing files and leases of files open in passthrough (it must not serve the mount
+    /// any more). Call with the gate closed and drained.
+    pub fn hand_over(&self, mountpoint: &str) -> Option<pb::FuseHandover> {
+        let mut h = self.session()?;
+        h.mountpoint = mountpoint.to_string();
+        h.donor_version = env!("CARGO_PKG_VERSION").to_string();
+        let fhs = lock(&self.fhs).clone();
+        h.files = lock(&self.files)
+            .iter()
+            .map(|(fh, s)| pb::FuseOpenFile {
+                fh: *fh,
+                status: Some((**s).clone()),
+                passthrough: fhs.contains_key(fh),
+            })
+            .collect();
+        let adopted = lock(&self.backings).hand_over();
+        h.backings = adopted
+            .into_iter()
+            .map(|a| pb::FuseBacking {
+                inode: a.inode,
+                version: a.version,
+                backing_id: a.id,
+                opens: u32::try_from(a.opens).unwrap_or(u32::MAX),
+                leases: a
+                    .leases
+                    .iter()
+                    .filter_map(|l| self.client.hand_over_passthrough_leases(*l))
+                    .collect(),
+            })
+            .collect();
+        Some(h)
     }
 }
 
@@ -365,7 +606,9 @@ fn attr_of(s: &pb::FileStatus, uid: u32, gid: u32) -> FileAttr {
 
 impl Filesystem for GranaryFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = config.set_max_readahead(MAX_IO);
+        // The kernel's offer, kept for a successor daemon (see `crate::handover`).
+        let kernel_readahead = config.set_max_readahead(MAX_IO).unwrap_or_else(|n| n);
+        let offered = config.capabilities();
         let _ = config.set_max_write(MAX_IO);
         // O_TRUNC arrives with the open (else the kernel truncates by setattr first, which
         // a whole-object write cannot tell from a resize).
@@ -385,11 +628,33 @@ impl Filesystem for GranaryFs {
                 ),
             }
         }
+        let passthrough = self.passthrough.load(Ordering::Relaxed);
+        // A successor is offered what this daemon was, less passthrough when it was not
+        // granted (the kernel would refuse a successor's passthrough opens).
+        let flags = if passthrough {
+            offered
+        } else {
+            offered - InitFlags::FUSE_PASSTHROUGH
+        };
+        let abi = config.kernel_abi();
+        *lock(&self.kernel) = Some(pb::FuseHandover {
+            kernel_major: abi.0,
+            kernel_minor: abi.1,
+            kernel_flags: flags.bits(),
+            max_readahead: kernel_readahead,
+            passthrough,
+            ..Default::default()
+        });
+        self.client
+            .metrics
+            .fuse_generation
+            .set(i64::from(self.generation));
         Ok(())
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.requests.lookup.inc();
+        self.note_resent(req);
         let caller = (req.uid(), req.gid());
         if name.len() > NAME_MAX {
             reply.error(Errno::ENAMETOOLONG);
@@ -430,8 +695,9 @@ impl Filesystem for GranaryFs {
         });
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         self.requests.getattr.inc();
+        self.note_resent(req);
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
         // A file's status seen within the attribute timeout (a listing, a lookup, an open):
         // answered here, without a hop to the runtime — the staleness lookups and opens
@@ -470,13 +736,15 @@ impl Filesystem for GranaryFs {
         });
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.requests.open.inc();
+        self.note_resent(req);
+        let pass = self.gate.pass();
         if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
-            self.open_for_write(ino, flags, reply);
+            self.open_for_write(ino, flags, reply, pass);
             return;
         }
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let fh = self.new_fh();
         let pt_min = self.passthrough_min;
         // A file whose status is fresh and that will not be opened in passthrough: answer on
         // this thread (a hop to the runtime costs more than the rest of the open).
@@ -512,9 +780,11 @@ impl Filesystem for GranaryFs {
         };
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             match dl.run("open", client.open_inode(ino.0)).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
+                    let fh = tagged(fh, s.version);
                     let via_lease = s.length >= pt_min
                         || small_checked == Some(s.inode)
                         || small_via_lease(&client, &writes, &s);
@@ -538,7 +808,7 @@ impl Filesystem for GranaryFs {
 
     fn read(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -548,9 +818,10 @@ impl Filesystem for GranaryFs {
         reply: ReplyData,
     ) {
         self.requests.read.inc();
-        let Some(file) = lock(&self.files).get(&fh.0).cloned() else {
-            reply.error(Errno::EBADF);
-            return;
+        self.note_resent(req);
+        let file = match self.file_of(ino.0, fh.0) {
+            Ok(f) => f,
+            Err(e) => return reply.error(e),
         };
         // Warm data on this node: from a push reading the file now, else under a
         // short-circuit lease, read on this thread.
@@ -622,7 +893,7 @@ impl Filesystem for GranaryFs {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -631,6 +902,8 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         self.requests.release.inc();
+        self.note_resent(req);
+        let _pass = self.gate.pass();
         if let Some(file) = lock(&self.files).remove(&fh.0) {
             self.client.closed(&file);
         }
@@ -648,11 +921,12 @@ impl Filesystem for GranaryFs {
         reply.ok();
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         self.requests.opendir.inc();
+        self.note_resent(req);
         let client = self.client.clone();
         let dirs = self.dirs.clone();
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let fh = self.new_fh();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             let opened = async {
@@ -663,16 +937,7 @@ impl Filesystem for GranaryFs {
                         format!("{} is not a directory", dir.path),
                     ));
                 }
-                let parent = pb::FileStatus {
-                    inode: dir.parent.max(1),
-                    kind: pb::FileKind::Directory as i32,
-                    ..Default::default()
-                };
-                let mut h = DirHandle {
-                    entries: vec![(".".into(), dir), ("..".into(), parent)],
-                    next: String::new(),
-                    done: false,
-                };
+                let mut h = DirHandle::new(dir);
                 // The first page now: a listing that fails fails the open.
                 h.fetch_page(&client, ino.0).await?;
                 Ok(h)
@@ -692,15 +957,17 @@ impl Filesystem for GranaryFs {
 
     fn readdir(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         self.requests.readdir.inc();
-        let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
-            return reply.error(Errno::EBADF);
+        self.note_resent(req);
+        let h = match self.dir_of(ino.0, fh.0) {
+            Ok(h) => h,
+            Err(e) => return reply.error(e),
         };
         let client = self.client.clone();
         let dl = self.deadline.clone();
@@ -725,15 +992,17 @@ impl Filesystem for GranaryFs {
     /// and `os.scandir` + `stat` cost one listing).
     fn readdirplus(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
         self.requests.readdir.inc();
-        let Some(h) = lock(&self.dirs).get(&fh.0).cloned() else {
-            return reply.error(Errno::EBADF);
+        self.note_resent(req);
+        let h = match self.dir_of(ino.0, fh.0) {
+            Ok(h) => h,
+            Err(e) => return reply.error(e),
         };
         let client = self.client.clone();
         let dl = self.deadline.clone();
@@ -769,21 +1038,23 @@ impl Filesystem for GranaryFs {
 
     fn releasedir(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
         self.requests.releasedir.inc();
+        self.note_resent(req);
         lock(&self.dirs).remove(&fh.0);
         reply.ok();
     }
 
     /// Answered from the cluster capacity fetched at most [`CAPACITY_TTL`] ago (`df` and
     /// training launchers call statfs often); a failed refresh answers the last known.
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+    fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         self.requests.statfs.inc();
+        self.note_resent(req);
         const BSIZE: u64 = 4096;
         let answer = |reply: ReplyStatfs, (cap, used, files): (u64, u64, u64)| {
             let blocks = cap / BSIZE;
@@ -825,8 +1096,9 @@ impl Filesystem for GranaryFs {
         });
     }
 
-    fn access(&self, _req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
+    fn access(&self, req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
         self.requests.access.inc();
+        self.note_resent(req);
         if mask.contains(fuser::AccessFlags::W_OK) && self.read_only {
             reply.error(Errno::EROFS);
         } else {
@@ -845,16 +1117,19 @@ impl Filesystem for GranaryFs {
         reply: ReplyCreate,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
+        let pass = self.gate.pass();
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
         };
         let caller = (req.uid(), req.gid());
         let writes = self.writes.clone();
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let fh = self.new_fh() | FH_WRITER;
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             let open = async {
                 let path = writes.child_path(parent.0, &name).await?;
                 let dir = writes.client.stat_inode(parent.0).await?;
@@ -887,7 +1162,7 @@ impl Filesystem for GranaryFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -898,8 +1173,13 @@ impl Filesystem for GranaryFs {
         reply: ReplyWrite,
     ) {
         self.requests.write.inc();
+        self.note_resent(req);
         let Some(h) = self.writes.handle(fh.0) else {
-            return reply.error(Errno::EBADF);
+            return reply.error(if self.lost_writer(fh.0) {
+                Errno::EIO
+            } else {
+                Errno::EBADF
+            });
         };
         let data = bytes::Bytes::copy_from_slice(data);
         let writes = self.writes.clone();
@@ -913,25 +1193,27 @@ impl Filesystem for GranaryFs {
 
     fn flush(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         self.requests.flush.inc();
+        self.note_resent(req);
         self.on_writer(fh, reply, |w, h| async move { w.flush(&h).await });
     }
 
     fn fsync(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
         self.on_writer(fh, reply, |w, h| async move { w.fsync(&h).await });
     }
 
@@ -940,7 +1222,7 @@ impl Filesystem for GranaryFs {
     /// kernel forwards each such call (fuser's default answer also logged a warning per call).
     fn ioctl(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         _fh: FileHandle,
         _flags: IoctlFlags,
@@ -950,6 +1232,7 @@ impl Filesystem for GranaryFs {
         reply: ReplyIoctl,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
         reply.error(Errno::ENOTTY);
     }
 
@@ -963,6 +1246,8 @@ impl Filesystem for GranaryFs {
         reply: ReplyEntry,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
+        let pass = self.gate.pass();
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -972,6 +1257,7 @@ impl Filesystem for GranaryFs {
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             let made = async {
                 let path = writes.child_path(parent.0, &name).await?;
                 writes
@@ -992,11 +1278,13 @@ impl Filesystem for GranaryFs {
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.requests.other.inc();
+        self.note_resent(req);
         self.remove((req.uid(), req.gid()), parent, name, false, reply);
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.requests.other.inc();
+        self.note_resent(req);
         self.remove((req.uid(), req.gid()), parent, name, true, reply);
     }
 
@@ -1011,6 +1299,8 @@ impl Filesystem for GranaryFs {
         reply: ReplyEmpty,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
+        let pass = self.gate.pass();
         let names = self
             .writable()
             .and_then(|()| Ok((Self::name_of(name)?, Self::name_of(newname)?)));
@@ -1029,6 +1319,7 @@ impl Filesystem for GranaryFs {
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             let moved = async {
                 let src = writes.child_path(parent.0, &name).await?;
                 let dst = writes.child_path(newparent.0, &newname).await?;
@@ -1064,7 +1355,7 @@ impl Filesystem for GranaryFs {
     /// `cp -p` and `touch` keep working).
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _mode: Option<u32>,
         _uid: Option<u32>,
@@ -1081,6 +1372,8 @@ impl Filesystem for GranaryFs {
         reply: ReplyAttr,
     ) {
         self.requests.other.inc();
+        self.note_resent(req);
+        let pass = self.gate.pass();
         if let Err(e) = self.writable() {
             return reply.error(e);
         }
@@ -1089,6 +1382,7 @@ impl Filesystem for GranaryFs {
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             match dl.run("setattr", client.stat_inode(ino.0)).await {
                 Ok(mut s) => {
                     if let Some(n) = writes.size_of(ino.0) {
@@ -1115,7 +1409,13 @@ impl GranaryFs {
         Fut: std::future::Future<Output = Result<(), Errno>> + Send + 'static,
     {
         let Some(h) = self.writes.handle(fh.0) else {
-            return reply.ok();
+            // A reader's handle has nothing to flush; a writer's of an earlier daemon lost
+            // its bytes (see `lost_writer`).
+            return if self.lost_writer(fh.0) {
+                reply.error(Errno::EIO)
+            } else {
+                reply.ok()
+            };
         };
         let fut = op(self.writes.clone(), h);
         self.rt.spawn(async move {
@@ -1141,6 +1441,7 @@ impl GranaryFs {
         if s.length == 0 || self.writes.size_of(s.inode).is_some() {
             return Some(reply);
         }
+        let fh = tagged(fh, s.version);
         let id = pb::BlockId {
             inode: s.inode,
             version: s.version,
@@ -1165,17 +1466,18 @@ impl GranaryFs {
         None
     }
 
-    fn open_for_write(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open_for_write(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen, pass: Pass) {
         if let Err(e) = self.writable() {
             return reply.error(e);
         }
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let append = flags.0 & libc::O_APPEND != 0;
         let writes = self.writes.clone();
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let fh = self.new_fh() | FH_WRITER;
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             let open = async {
                 let s = writes.client.stat_inode(ino.0).await?;
                 if s.kind == pb::FileKind::Directory as i32 {
@@ -1218,6 +1520,7 @@ impl GranaryFs {
         dir: bool,
         reply: ReplyEmpty,
     ) {
+        let pass = self.gate.pass();
         let name = match self.writable().and_then(|()| Self::name_of(name)) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -1226,6 +1529,7 @@ impl GranaryFs {
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
+            let _pass = pass; // held until the reply is sent
             let removed = async {
                 let entry = writes.client.lookup(parent.0, &name).await?;
                 let is_dir = entry.kind == pb::FileKind::Directory as i32;
@@ -1263,6 +1567,20 @@ impl GranaryFs {
 }
 
 impl DirHandle {
+    /// A listing of `dir` with "." and ".." and no page fetched yet.
+    fn new(dir: pb::FileStatus) -> Self {
+        let parent = pb::FileStatus {
+            inode: dir.parent.max(1),
+            kind: pb::FileKind::Directory as i32,
+            ..Default::default()
+        };
+        DirHandle {
+            entries: vec![(".".into(), dir), ("..".into(), parent)],
+            next: String::new(),
+            done: false,
+        }
+    }
+
     /// Fetches the next page of the listing.
     async fn fetch_page(
         &mut self,
@@ -1327,6 +1645,7 @@ impl Passthrough {
         fh: u64,
         reply: ReplyOpen,
     ) -> Option<ReplyOpen> {
+        let fh = tagged(fh, s.version);
         // A backing file parked since an earlier open.
         let parked = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, 0, || {
             None::<(std::fs::File, Option<granary_client::local::Parkable>)>

@@ -9,19 +9,22 @@
 mod backing;
 mod error;
 mod fs;
+pub mod handover;
 mod pagecache;
 mod prefetch;
 mod write;
 
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fuser::{Config, MountOption, SessionACL};
 use granary_client::FileSystem;
 use thiserror::Error;
 
-pub use fs::GranaryFs;
+pub use fs::{Donor, GranaryFs};
 
 #[derive(Debug, Error)]
 pub enum FuseError {
@@ -34,6 +37,12 @@ pub enum FuseError {
         path: String,
         #[source]
         source: std::io::Error,
+    },
+    #[error("cannot take over the mount at {path}: {source}")]
+    Takeover {
+        path: String,
+        #[source]
+        source: handover::HandoverError,
     },
 }
 
@@ -100,6 +109,9 @@ pub struct FuseConfig {
     pub write_mode: Option<granary_client::WriteMode>,
     /// Workers holding an async-through file before close returns.
     pub async_replicas: usize,
+    /// This daemon's place in the mount's line of daemons (0: it mounts; set by a
+    /// takeover, see [`handover`]).
+    pub generation: u32,
 }
 
 impl FuseConfig {
@@ -123,6 +135,7 @@ impl FuseConfig {
             read_only: false,
             write_mode: None,
             async_replicas: 1,
+            generation: 0,
         }
     }
 }
@@ -140,21 +153,42 @@ pub fn check_mountpoint(path: &Path) -> Result<(), FuseError> {
     }
 }
 
-/// Mounts the namespace at `config.mountpoint` and serves it on background threads until the
-/// returned session is unmounted (`umount_and_join`) or dropped.
-pub fn mount(
-    client: Arc<FileSystem>,
-    config: &FuseConfig,
-    runtime: tokio::runtime::Handle,
-) -> Result<fuser::BackgroundSession, FuseError> {
-    check_mountpoint(&config.mountpoint)?;
-    client.set_read_timeout(config.op_timeout);
-    // An open may use the status a lookup or listing fetched within the attribute timeout.
-    client.set_status_ttl(config.attr_timeout);
-    client.set_warm_folder_bytes(config.warm_folder_bytes);
-    client.set_node_local(config.node_local);
-    let fs = GranaryFs::new(client.clone(), config, runtime.clone());
-    let page_cache = fs.page_cache();
+/// A mount served by this process: its FUSE session, a copy of the mount's /dev/fuse
+/// descriptor (for a successor or a holder) and what a handover needs.
+pub struct Mounted {
+    pub session: fuser::BackgroundSession,
+    pub fuse: OwnedFd,
+    pub donor: Donor,
+    /// The mount point, resolved.
+    pub mountpoint: PathBuf,
+    /// Taken over from another daemon (this process did not mount it: it unmounts by path).
+    took_over: bool,
+}
+
+impl Mounted {
+    /// Unmounts and waits for the session to end.
+    pub fn unmount(self) -> std::io::Result<()> {
+        if self.took_over {
+            unmount_path(&self.mountpoint)?;
+            self.session.join()
+        } else {
+            self.session.umount_and_join()
+        }
+    }
+}
+
+/// Unmounts `path` (lazily when busy: it goes once its last user lets go).
+pub fn unmount_path(path: &Path) -> std::io::Result<()> {
+    match rustix::mount::unmount(path, rustix::mount::UnmountFlags::empty()) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::BUSY) => {
+            rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH).map_err(Into::into)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn session_config(config: &FuseConfig) -> Config {
     let mut c = Config::default();
     c.mount_options = vec![
         MountOption::FSName("granary".into()),
@@ -170,12 +204,130 @@ pub fn mount(
         c.acl = SessionACL::All;
     }
     c.n_threads = Some(config.threads.max(1));
-    c.clone_fd = true;
+    // Every reader thread reads the one descriptor a successor or holder shares: a request
+    // read by a daemon that exits stays queued on it for the kernel to send again (a
+    // cloned descriptor closing with its process would fail its requests instead).
+    c.clone_fd = false;
+    c
+}
+
+fn prepare(client: &FileSystem, config: &FuseConfig) {
+    client.set_read_timeout(config.op_timeout);
+    // An open may use the status a lookup or listing fetched within the attribute timeout.
+    client.set_status_ttl(config.attr_timeout);
+    client.set_warm_folder_bytes(config.warm_folder_bytes);
+    client.set_node_local(config.node_local);
+}
+
+/// Mounts the namespace at `config.mountpoint` and serves it on background threads until
+/// [`Mounted::unmount`] (or until the session is dropped).
+pub fn mount(
+    client: Arc<FileSystem>,
+    config: &FuseConfig,
+    runtime: tokio::runtime::Handle,
+) -> Result<Mounted, FuseError> {
+    check_mountpoint(&config.mountpoint)?;
+    prepare(&client, config);
+    let fs = GranaryFs::new(client.clone(), config, runtime.clone());
+    let (page_cache, donor) = (fs.page_cache(), fs.donor());
+    let failed = |source| FuseError::Mount {
+        path: config.mountpoint.display().to_string(),
+        source,
+    };
     let session =
-        fuser::spawn_mount(fs, &config.mountpoint, &c).map_err(|source| FuseError::Mount {
-            path: config.mountpoint.display().to_string(),
-            source,
-        })?;
+        fuser::Session::new(fs, &config.mountpoint, &session_config(config)).map_err(failed)?;
+    let fuse = session.as_fd().try_clone_to_owned().map_err(failed)?;
+    let session = session.spawn().map_err(failed)?;
+    Ok(serving(
+        client, config, runtime, page_cache, session, fuse, donor, false,
+    ))
+}
+
+/// What a takeover did: the daemon it replaced, and how long the mount was not fully served.
+#[derive(Debug)]
+pub struct Takeover {
+    pub generation: u32,
+    pub donor_version: String,
+    pub unserved: Duration,
+    /// Whether the kernel resent what the previous daemon read and did not answer.
+    pub resent: bool,
+}
+
+/// Takes the mount at `config.mountpoint` over from the daemon (or descriptor holder)
+/// listening on `socket`: receives its descriptor and open handles, serves the mount with
+/// them once that daemon has exited, and has the kernel send again what it had read and
+/// not answered.
+pub fn take_over(
+    client: Arc<FileSystem>,
+    config: &FuseConfig,
+    runtime: tokio::runtime::Handle,
+    socket: &Path,
+) -> Result<(Mounted, Takeover), FuseError> {
+    let failed = |source| FuseError::Takeover {
+        path: config.mountpoint.display().to_string(),
+        source,
+    };
+    handover::kernel_can_resend().map_err(|e| failed(handover::HandoverError::Kernel(e)))?;
+    check_mountpoint(&config.mountpoint)?;
+    prepare(&client, config);
+    let (h, fuse, stream) = handover::request(socket, &config.mountpoint).map_err(failed)?;
+    let mut config = config.clone();
+    config.generation = (h.generation + 1) & 0xfff;
+    let fs = GranaryFs::new(client.clone(), &config, runtime.clone());
+    fs.adopt(&h);
+    let (page_cache, donor) = (fs.page_cache(), fs.donor());
+    let session =
+        handover::attach(fs, &fuse, &h, &session_config(&config)).map_err(|e| failed(e.into()))?;
+    // The previous daemon exits once it has sent the mount; only then may the kernel send
+    // again what it read and did not answer (else it could read those once more).
+    if !handover::wait_closed(&stream, Duration::from_secs(30)) {
+        tracing::warn!("the previous daemon did not exit within 30 s of handing the mount over");
+    }
+    // Before this daemon reads any request: a request of its own in progress would be
+    // sent again too, and answered twice.
+    let resent = match handover::resend(&fuse) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!(error = %e, "the kernel did not resend the previous daemon's unanswered requests: those fail");
+            false
+        }
+    };
+    let session = session.spawn().map_err(|e| failed(e.into()))?;
+    let unserved = match h.paused_at_ms {
+        0 => Duration::ZERO,
+        at => Duration::from_millis(handover::now_ms().saturating_sub(at)),
+    };
+    client.metrics.fuse_takeovers.inc();
+    client
+        .metrics
+        .fuse_unserved_seconds
+        .inc_by(unserved.as_secs_f64());
+    let report = Takeover {
+        generation: config.generation,
+        donor_version: h.donor_version,
+        unserved,
+        resent,
+    };
+    Ok((
+        serving(
+            client, &config, runtime, page_cache, session, fuse, donor, true,
+        ),
+        report,
+    ))
+}
+
+/// The rest of serving a mount once its session runs.
+#[allow(clippy::too_many_arguments)]
+fn serving(
+    client: Arc<FileSystem>,
+    config: &FuseConfig,
+    runtime: tokio::runtime::Handle,
+    page_cache: Arc<pagecache::PageCache>,
+    session: fuser::BackgroundSession,
+    fuse: OwnedFd,
+    donor: Donor,
+    took_over: bool,
+) -> Mounted {
     page_cache.set_notifier(session.notifier());
     // Changes the master announces drop the kernel's caches of the inodes concerned (off
     // the runtime's threads: a kernel invalidation may wait on the file's pages).
@@ -193,7 +345,127 @@ pub fn mount(
     if config.read_ahead > 0 {
         set_read_ahead(&config.mountpoint, config.read_ahead);
     }
-    Ok(session)
+    let mountpoint =
+        std::fs::canonicalize(&config.mountpoint).unwrap_or_else(|_| config.mountpoint.clone());
+    Mounted {
+        session,
+        fuse,
+        donor,
+        mountpoint,
+        took_over,
+    }
+}
+
+/// Serves successors on `listener` (see [`handover`]) on a thread of its own; returns once
+/// the mount was handed over (the process must then exit at once, without unmounting).
+/// A successor is refused while files are open for writing through this mount for longer
+/// than `limit`.
+pub fn serve_handovers(
+    listener: UnixListener,
+    m: &Mounted,
+    runtime: tokio::runtime::Handle,
+    limit: Duration,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<u32>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let donor = m.donor.clone();
+    let fuse = m.fuse.try_clone()?;
+    let mountpoint = m.mountpoint.display().to_string();
+    std::thread::Builder::new()
+        .name("granary-handover".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(s) = conn else { continue };
+                match hand_over(&s, &donor, &fuse, &mountpoint, &runtime, limit) {
+                    Ok(Some(pid)) => {
+                        let _ = tx.send(pid);
+                        return;
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(error = %e, "a handover request failed"),
+                }
+            }
+        })?;
+    Ok(rx)
+}
+
+/// One successor's request: `Some(its pid)` once the mount is handed over.
+fn hand_over(
+    s: &UnixStream,
+    donor: &Donor,
+    fuse: &OwnedFd,
+    mountpoint: &str,
+    runtime: &tokio::runtime::Handle,
+    limit: Duration,
+) -> std::io::Result<Option<u32>> {
+    use granary_proto as pb;
+    let refuse = |why: String| {
+        tracing::warn!(%why, "a takeover of this mount was refused");
+        let r = pb::FuseHandover {
+            format: handover::FORMAT,
+            refused: why,
+            ..Default::default()
+        };
+        handover::send(s, &r, None).map(|()| None)
+    };
+    let pid = match handover::check_peer(s) {
+        Ok(pid) => pid,
+        Err(e) => return refuse(e.to_string()),
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let (hello, _): (pb::FuseHello, _) = handover::recv(s)?;
+    if hello.format != handover::FORMAT {
+        return refuse(format!(
+            "handover format {} asked for, this daemon speaks {}",
+            hello.format,
+            handover::FORMAT
+        ));
+    }
+    if hello.purpose != handover::TAKE {
+        return refuse(format!(
+            "{:?} is not a request this daemon serves",
+            hello.purpose
+        ));
+    }
+    tracing::info!(pid, "a successor asks for this mount");
+    let paused_at = handover::now_ms();
+    // Files being written live in this process: they must be closed first.
+    let end = Instant::now() + limit;
+    while donor.writing() > 0 {
+        if Instant::now() >= end {
+            return refuse(format!(
+                "{} files are open for writing through this mount; try again once they are closed",
+                donor.writing()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // No open, release or change passes from now on; those in progress finish.
+    donor.gate.close();
+    let drained = runtime
+        .block_on(async { tokio::time::timeout(limit, donor.gate.drained()).await })
+        .is_ok();
+    if !drained || donor.writing() > 0 {
+        donor.gate.open();
+        return refuse("requests in progress did not finish in time".into());
+    }
+    let Some(mut h) = donor.hand_over(mountpoint) else {
+        donor.gate.open();
+        return refuse("the mount is not initialised yet".into());
+    };
+    h.paused_at_ms = paused_at;
+    if let Err(e) = handover::send(s, &h, Some(fuse.as_fd())) {
+        // The successor is gone: this daemon takes back what it gave up and serves on.
+        donor.take_back(&h);
+        donor.gate.open();
+        return Err(e);
+    }
+    tracing::info!(
+        pid,
+        files = h.files.len(),
+        backings = h.backings.len(),
+        "the mount was handed over; exiting without unmounting"
+    );
+    Ok(Some(pid))
 }
 
 /// Sets the kernel read-ahead of the mount at `mountpoint` (FUSE caps it at 128 KiB in the

@@ -141,6 +141,12 @@ impl Writes {
         lock(&self.handles).get(&fh).cloned()
     }
 
+    /// Files open for writing through this mount, or still being completed after their
+    /// last close.
+    pub fn open_count(&self) -> usize {
+        lock(&self.handles).len().max(lock(&self.sizes).len())
+    }
+
     /// Bytes written so far to `inode` through an open handle of this mount.
     pub fn size_of(&self, inode: u64) -> Option<u64> {
         lock(&self.sizes)

@@ -182,6 +182,43 @@ impl FileSystem {
         }
     }
 
+    /// Gives up the leases of a file open in passthrough (`handle`) to the next daemon of
+    /// the mount, which renews and releases them from now on
+    /// ([`adopt_passthrough_leases`](Self::adopt_passthrough_leases)).
+    pub fn hand_over_passthrough_leases(&self, handle: u64) -> Option<pb::FuseLeases> {
+        let h = lock(&self.held).remove(&handle)?;
+        let (blocks, lease_ids) = h.leases.into_iter().unzip();
+        Some(pb::FuseLeases {
+            worker: Some(h.worker),
+            blocks,
+            lease_ids,
+        })
+    }
+
+    /// Takes over leases a previous daemon of the mount held for a file open in passthrough
+    /// (renewed from now on as if this process had taken them); returns their handle.
+    pub fn adopt_passthrough_leases(&self, l: pb::FuseLeases) -> Option<u64> {
+        let worker = l.worker?;
+        if l.blocks.len() != l.lease_ids.len() || l.blocks.is_empty() {
+            return None;
+        }
+        let handle = self
+            .next_held
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.held).insert(
+            handle,
+            Held {
+                worker,
+                leases: l.blocks.into_iter().zip(l.lease_ids).collect(),
+                // Due for renewal at once: the previous daemon's last renewal is unknown.
+                renewed: Instant::now()
+                    .checked_sub(PASSTHROUGH_RENEW)
+                    .unwrap_or_else(Instant::now),
+            },
+        );
+        Some(handle)
+    }
+
     /// Renews the leases of files open in passthrough mode that are due.
     pub(super) async fn renew_passthrough(&self) {
         let due: Vec<(u64, Held)> = lock(&self.held)

@@ -1,0 +1,241 @@
+//! `granary fuse --supervise`: a small process that runs the mount's daemon as its child and
+//! holds a copy of the mount's /dev/fuse descriptor, so the mount outlives the daemon. When
+//! the daemon dies without unmounting (a crash, an OOM kill, kill -9), a new one takes the
+//! mount over from this holder (see `granary_fuse::handover`): programs using the mount wait
+//! for it instead of failing, and the kernel sends it the requests the dead one had read.
+//!
+//! The holder does no I/O for the mount and keeps no cache, so what kills a daemon (memory,
+//! a bug on a request path) does not reach it. A daemon that keeps dying right after its
+//! start is given up after [`MAX_QUICK_DEATHS`]: the holder then lets the descriptor go, the
+//! kernel fails what waits on the mount, and the holder unmounts it and exits with an error.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use granary_fuse::handover;
+use granary_proto as pb;
+
+use crate::args::FuseArgs;
+
+/// A daemon that dies within this long of its start died quickly.
+const QUICK: Duration = Duration::from_secs(10);
+/// Quick deaths in a row after which the holder gives up.
+pub const MAX_QUICK_DEATHS: u32 = 5;
+
+/// What the holder keeps for the mount.
+#[derive(Default)]
+struct Held {
+    fd: Option<OwnedFd>,
+    session: Option<pb::FuseHandover>,
+    /// The daemon unmounted or handed the mount to a successor outside this holder.
+    released: bool,
+    /// When the last daemon died (ms since the epoch), for its successor's report.
+    died_at_ms: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Gives the mount's descriptor to the holder on `holder` (a supervised daemon, once it
+/// serves the mount).
+pub fn hold(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
+    let s = UnixStream::connect(holder)?;
+    handover::check_peer(&s)?;
+    let hello = pb::FuseHello {
+        format: handover::FORMAT,
+        purpose: handover::HOLD.into(),
+        pid: std::process::id(),
+        session: m.donor.session(),
+    };
+    handover::send(&s, &hello, Some(m.fuse.as_fd()))?;
+    Ok(())
+}
+
+/// Tells the holder on `holder` that the daemon unmounts or handed the mount over: it lets
+/// the descriptor go and ends with the daemon (best effort: logged when it fails).
+pub fn release(holder: &Path) {
+    let told = UnixStream::connect(holder).and_then(|s| {
+        let hello = pb::FuseHello {
+            format: handover::FORMAT,
+            purpose: handover::RELEASE.into(),
+            pid: std::process::id(),
+            session: None,
+        };
+        handover::send(&s, &hello, None)?;
+        // Wait for the holder's word that it let go (it closes the connection).
+        handover::wait_closed(&s, Duration::from_secs(5));
+        Ok(())
+    });
+    if let Err(e) = told {
+        tracing::warn!(holder = %holder.display(), error = %e, "could not tell the supervisor that the mount is released");
+    }
+}
+
+/// Serves the holder's socket: daemons give it the descriptor, or release it; a new daemon
+/// takes it.
+fn serve(listener: std::os::unix::net::UnixListener, held: Arc<Mutex<Held>>, mountpoint: String) {
+    for conn in listener.incoming() {
+        let Ok(s) = conn else { continue };
+        if let Err(e) = serve_one(&s, &held, &mountpoint) {
+            tracing::warn!(error = %e, "a request to the mount's supervisor failed");
+        }
+    }
+}
+
+fn serve_one(s: &UnixStream, held: &Mutex<Held>, mountpoint: &str) -> anyhow::Result<()> {
+    handover::check_peer(s)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let (hello, fd): (pb::FuseHello, _) = handover::recv(s)?;
+    if hello.format != handover::FORMAT {
+        bail!(
+            "handover format {} is not {}",
+            hello.format,
+            handover::FORMAT
+        );
+    }
+    match hello.purpose.as_str() {
+        handover::HOLD => {
+            let (Some(fd), Some(session)) = (fd, hello.session) else {
+                bail!("a daemon asked to hold its mount without its descriptor or session");
+            };
+            tracing::info!(
+                pid = hello.pid,
+                generation = session.generation,
+                "holding the mount's descriptor"
+            );
+            let mut h = lock(held);
+            h.fd = Some(fd);
+            h.session = Some(session);
+            h.released = false;
+        }
+        handover::RELEASE => {
+            tracing::info!(pid = hello.pid, "the daemon released the mount");
+            let mut h = lock(held);
+            h.fd = None;
+            h.released = true;
+        }
+        handover::TAKE => {
+            let h = lock(held);
+            let answer = match (&h.fd, &h.session) {
+                (Some(fd), Some(session)) if !h.released => {
+                    let mut a = session.clone();
+                    a.format = handover::FORMAT;
+                    a.mountpoint = mountpoint.to_string();
+                    a.paused_at_ms = h.died_at_ms;
+                    handover::send(s, &a, Some(fd.as_fd()))
+                }
+                _ => handover::send(
+                    s,
+                    &pb::FuseHandover {
+                        format: handover::FORMAT,
+                        refused: "the supervisor holds no mount".into(),
+                        ..Default::default()
+                    },
+                    None,
+                ),
+            };
+            answer?;
+        }
+        other => bail!("{other:?} is not a request the supervisor serves"),
+    }
+    Ok(())
+}
+
+/// The daemon's arguments: this process's, less `--supervise`.
+fn daemon_args() -> Vec<String> {
+    std::env::args()
+        .skip(1)
+        .filter(|a| a != "--supervise")
+        .collect()
+}
+
+pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
+    handover::kernel_can_resend().map_err(anyhow::Error::msg)?;
+    granary_fuse::check_mountpoint(&a.mount)?;
+    let socket = a
+        .handover
+        .handover_socket
+        .clone()
+        .unwrap_or_else(|| handover::default_socket(&a.mount));
+    let holder_path: PathBuf = socket.with_extension("holder");
+    let listener = handover::listen(&holder_path)
+        .with_context(|| format!("listening on {}", holder_path.display()))?;
+    let mountpoint = std::fs::canonicalize(&a.mount)?.display().to_string();
+    let held = Arc::new(Mutex::new(Held::default()));
+    {
+        let (held, mp) = (held.clone(), mountpoint.clone());
+        std::thread::Builder::new()
+            .name("granary-holder".into())
+            .spawn(move || serve(listener, held, mp))?;
+    }
+    let exe = std::env::current_exe().context("finding this program")?;
+    let args = daemon_args();
+    let mut quick_deaths = 0u32;
+    let mut restart = false;
+    eprintln!(
+        "granary supervisor (pid {}) runs the mount's daemon",
+        std::process::id()
+    );
+    loop {
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.args(&args).arg("--holder-socket").arg(&holder_path);
+        if restart {
+            cmd.arg("--take-from").arg(&holder_path);
+        }
+        let started = Instant::now();
+        let mut child = cmd.spawn().context("starting the mount's daemon")?;
+        let pid = child.id().unwrap_or(0);
+        let status = tokio::select! {
+            s = child.wait() => s?,
+            _ = crate::servers::shutdown_signal() => {
+                // The daemon unmounts (and releases the descriptor) on SIGTERM.
+                if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+                    let _ = rustix::process::kill_process(p, rustix::process::Signal::TERM);
+                }
+                let s = child.wait().await?;
+                let _ = std::fs::remove_file(&holder_path);
+                std::process::exit(s.code().unwrap_or(1));
+            }
+        };
+        let (released, holding) = {
+            let h = lock(&held);
+            (h.released, h.fd.is_some())
+        };
+        if released || !holding {
+            // Unmounted, handed over to a successor, or never mounted: nothing to keep.
+            let _ = std::fs::remove_file(&holder_path);
+            if !status.success() && !holding && !released {
+                bail!("the mount's daemon ended ({status}) before serving the mount");
+            }
+            std::process::exit(status.code().unwrap_or(0));
+        }
+        lock(&held).died_at_ms = handover::now_ms();
+        if started.elapsed() < QUICK {
+            quick_deaths += 1;
+        } else {
+            quick_deaths = 0;
+        }
+        if quick_deaths >= MAX_QUICK_DEATHS {
+            lock(&held).fd = None; // the kernel fails what waits on the mount
+            let _ = granary_fuse::unmount_path(&a.mount);
+            let _ = std::fs::remove_file(&holder_path);
+            bail!(
+                "the mount's daemon died {quick_deaths} times within {QUICK:?} of its start ({status}); the mount at {} is given up",
+                a.mount.display()
+            );
+        }
+        eprintln!(
+            "granary supervisor: the mount's daemon (pid {pid}) ended ({status}) without unmounting; starting another that takes the mount over"
+        );
+        // Back off a little when it keeps dying at once.
+        if quick_deaths > 1 {
+            tokio::time::sleep(Duration::from_millis(200 << quick_deaths.min(5))).await;
+        }
+        restart = true;
+    }
+}

@@ -1,0 +1,505 @@
+//! Handing a mount from one `granary fuse` daemon to the next without unmounting it
+//! (docs/operations.md, "Restarting and upgrading a mount").
+//!
+//! The kernel keeps a FUSE mount alive for as long as some process holds its /dev/fuse
+//! descriptor. A daemon hands that descriptor (SCM_RIGHTS over a Unix socket) and what the
+//! kernel holds of its answers — open handles, passthrough backing files and their leases —
+//! to its successor ([`pb::FuseHandover`]), and exits. Requests it had read but not answered
+//! stay queued in the kernel on the shared descriptor; the successor asks the kernel to send
+//! them again (`FUSE_NOTIFY_RESEND`, Linux 6.9+). A holder process ([`Holder`]) that keeps
+//! a copy of the descriptor lets a successor do the same after the daemon crashed.
+//!
+//! Who may take a mount over: only a process of the daemon's own user (checked with the
+//! socket's peer credentials), through a socket in a folder only that user may enter — the
+//! descriptor serves every reader of the mount.
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use granary_proto as pb;
+use granary_proto::prost::Message;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use thiserror::Error;
+
+/// The handover format this build speaks (`FuseHandover.format`, `FuseHello.format`).
+pub const FORMAT: u32 = 1;
+
+/// What a successor asks for; what a daemon asks its holder to keep; what it tells the
+/// holder before it unmounts or hands over.
+pub const TAKE: &str = "take";
+pub const HOLD: &str = "hold";
+pub const RELEASE: &str = "release";
+
+/// First bytes of a message: with a descriptor beside it, or without.
+const MARK_FD: [u8; 4] = *b"GFD1";
+const MARK_NONE: [u8; 4] = *b"GMS1";
+/// Largest handover message accepted (a million open handles fit).
+const MAX_MESSAGE: u32 = 256 << 20;
+
+/// The first Linux release whose FUSE can resend requests (`FUSE_NOTIFY_RESEND`).
+pub const RESEND_SINCE: (u32, u32) = (6, 9);
+
+#[derive(Debug, Error)]
+pub enum HandoverError {
+    #[error("no daemon serving this mount answers on {path}: {source}")]
+    NoDonor {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the running daemon refused to hand the mount over: {0}")]
+    Refused(String),
+    #[error("the running daemon speaks handover format {theirs}, this build knows {FORMAT}: use a build that knows format {theirs}")]
+    Format { theirs: u32 },
+    #[error("the daemon on {socket} serves {theirs}, not {ours}")]
+    OtherMount {
+        socket: String,
+        theirs: String,
+        ours: String,
+    },
+    #[error("the handover sent no /dev/fuse descriptor")]
+    NoDescriptor,
+    #[error("{0}")]
+    Kernel(String),
+    #[error("handover socket: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The handover socket of the mount at `mountpoint` when none is given: in
+/// `/run/granary/fuse` (root) or `$XDG_RUNTIME_DIR/granary/fuse`, named by a hash of the
+/// mount point (socket paths are short).
+pub fn default_socket(mountpoint: &Path) -> PathBuf {
+    use sha2::Digest;
+    let canonical = std::fs::canonicalize(mountpoint).unwrap_or_else(|_| mountpoint.to_path_buf());
+    let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    let name: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let base = if rustix::process::geteuid().is_root() {
+        PathBuf::from("/run/granary/fuse")
+    } else {
+        std::env::var_os("XDG_RUNTIME_DIR")
+            .map(|d| PathBuf::from(d).join("granary/fuse"))
+            .unwrap_or_else(|| std::env::temp_dir().join("granary-fuse"))
+    };
+    base.join(format!("{name}.sock"))
+}
+
+/// Whether this kernel resends requests a daemon read but never answered; `Err` says why not.
+pub fn kernel_can_resend() -> Result<(), String> {
+    let uname = rustix::system::uname();
+    let release = uname.release().to_string_lossy().into_owned();
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|p| p.parse::<u32>().ok());
+    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if version >= RESEND_SINCE {
+        Ok(())
+    } else {
+        Err(format!(
+            "Linux {release} cannot resend FUSE requests to a new daemon (Linux {}.{}+ can): a mount cannot be taken over or kept across a daemon crash on this kernel",
+            RESEND_SINCE.0, RESEND_SINCE.1
+        ))
+    }
+}
+
+/// Sends `msg` on `s`, with `fd` beside it when given.
+pub fn send<M: Message>(
+    s: &UnixStream,
+    msg: &M,
+    fd: Option<BorrowedFd<'_>>,
+) -> std::io::Result<()> {
+    let body = msg.encode_to_vec();
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|&n| n <= MAX_MESSAGE)
+        .ok_or_else(|| std::io::Error::other("handover message too large"))?;
+    let mut w = s;
+    match fd {
+        Some(fd) => {
+            let fds = [fd];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+                return Err(std::io::Error::other("descriptor does not fit the message"));
+            }
+            let n = rustix::net::sendmsg(
+                s,
+                &[IoSlice::new(&MARK_FD)],
+                &mut control,
+                SendFlags::empty(),
+            )?;
+            w.write_all(&MARK_FD[n..])?;
+        }
+        None => w.write_all(&MARK_NONE)?,
+    }
+    w.write_all(&len.to_le_bytes())?;
+    w.write_all(&body)?;
+    w.flush()
+}
+
+/// Receives a message from `s`, and the descriptor sent beside it.
+pub fn recv<M: Message + Default>(s: &UnixStream) -> std::io::Result<(M, Option<OwnedFd>)> {
+    let mut mark = [0u8; 4];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        s,
+        &mut [IoSliceMut::new(&mut mark)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    if got.bytes == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    let mut fd = None;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            for f in fds {
+                // One descriptor is expected; any other is closed here.
+                fd.get_or_insert(f);
+            }
+        }
+    }
+    let mut r = s;
+    r.read_exact(&mut mark[got.bytes..])?;
+    if mark != MARK_FD && mark != MARK_NONE {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a Granary handover message",
+        ));
+    }
+    if mark == MARK_NONE {
+        fd = None;
+    }
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len);
+    if len > MAX_MESSAGE {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("handover message of {len} bytes refused (at most {MAX_MESSAGE})"),
+        ));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    let msg = M::decode(body.as_slice())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    Ok((msg, fd))
+}
+
+/// Checks that the peer of `s` runs as this process's user (or root).
+pub fn check_peer(s: &UnixStream) -> std::io::Result<u32> {
+    let cred = rustix::net::sockopt::socket_peercred(s)?;
+    let me = rustix::process::geteuid();
+    if cred.uid != me && !cred.uid.is_root() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "a process of uid {} asked for the mount; only uid {} may",
+                cred.uid.as_raw(),
+                me.as_raw()
+            ),
+        ));
+    }
+    Ok(cred.pid.as_raw_nonzero().get() as u32)
+}
+
+/// Listens on `path` for successors: its folder is created for this user alone (0700); a
+/// socket file left by a daemon that is gone is replaced, one that answers is not.
+pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!(
+                    "another daemon listens on {} (take its mount over with --takeover)",
+                    path.display()
+                ),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+/// Connects to the daemon (or holder) on `path` and asks for the mount at `mountpoint`.
+pub fn request(
+    path: &Path,
+    mountpoint: &Path,
+) -> Result<(pb::FuseHandover, OwnedFd, UnixStream), HandoverError> {
+    let s = UnixStream::connect(path).map_err(|source| HandoverError::NoDonor {
+        path: path.display().to_string(),
+        source,
+    })?;
+    check_peer(&s)?;
+    let hello = pb::FuseHello {
+        format: FORMAT,
+        purpose: TAKE.into(),
+        pid: std::process::id(),
+        session: None,
+    };
+    send(&s, &hello, None)?;
+    let (h, fd): (pb::FuseHandover, _) = recv(&s)?;
+    if h.format != FORMAT {
+        return Err(HandoverError::Format { theirs: h.format });
+    }
+    if !h.refused.is_empty() {
+        return Err(HandoverError::Refused(h.refused));
+    }
+    let ours = std::fs::canonicalize(mountpoint).unwrap_or_else(|_| mountpoint.to_path_buf());
+    if Path::new(&h.mountpoint) != ours {
+        return Err(HandoverError::OtherMount {
+            socket: path.display().to_string(),
+            theirs: h.mountpoint,
+            ours: ours.display().to_string(),
+        });
+    }
+    let fd = fd.ok_or(HandoverError::NoDescriptor)?;
+    Ok((h, fd, s))
+}
+
+/// Waits until the peer of `s` has closed it (the donor exits after handing over), at most
+/// `limit`; returns whether it did.
+pub fn wait_closed(s: &UnixStream, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    let mut buf = [0u8; 64];
+    let mut r = s;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return false;
+        }
+        match r.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The INIT request a kernel sends a new mount, as the first daemon of this mount received
+/// it: the FUSE library of a successor reads it before any other request.
+pub fn synthetic_init(h: &pb::FuseHandover) -> Vec<u8> {
+    const FUSE_INIT: u32 = 26;
+    const FUSE_INIT_EXT: u64 = 1 << 30;
+    const LEN: u32 = 40 + 64; // fuse_in_header + fuse_init_in
+    let flags = h.kernel_flags | FUSE_INIT_EXT;
+    let mut b = Vec::with_capacity(LEN as usize);
+    b.extend_from_slice(&LEN.to_le_bytes());
+    b.extend_from_slice(&FUSE_INIT.to_le_bytes());
+    b.extend_from_slice(&1u64.to_le_bytes()); // unique
+    b.extend_from_slice(&0u64.to_le_bytes()); // nodeid
+    b.extend_from_slice(&[0u8; 16]); // uid, gid, pid, padding
+    b.extend_from_slice(&h.kernel_major.to_le_bytes());
+    b.extend_from_slice(&h.kernel_minor.to_le_bytes());
+    b.extend_from_slice(&h.max_readahead.to_le_bytes());
+    b.extend_from_slice(&(flags as u32).to_le_bytes());
+    b.extend_from_slice(&((flags >> 32) as u32).to_le_bytes());
+    b.extend_from_slice(&[0u8; 44]); // unused
+    b
+}
+
+/// A session serving the existing mount behind `fuse` with `fs`, not yet reading
+/// requests. The FUSE library expects the kernel's INIT first, which the kernel sends once
+/// per mount: it is given the one this mount began with over a socket pair, and the mount's
+/// descriptor then takes the socket's place under the same descriptor number (dup3).
+pub fn attach<FS: fuser::Filesystem>(
+    fs: FS,
+    fuse: &OwnedFd,
+    h: &pb::FuseHandover,
+    config: &fuser::Config,
+) -> std::io::Result<fuser::Session<FS>> {
+    let (mut ours, theirs) = UnixStream::pair()?;
+    ours.write_all(&synthetic_init(h))?;
+    let session = fuser::Session::from_fd(fs, OwnedFd::from(theirs), config.acl, config.clone())?;
+    let slot = session.as_fd().as_raw_fd();
+    nix::unistd::dup3(fuse.as_raw_fd(), slot, nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(std::io::Error::from)?;
+    drop(ours); // held the INIT reply, which no kernel needs
+    Ok(session)
+}
+
+/// Asks the kernel to send again every request of this mount that was read but not
+/// answered (by a daemon that has exited): `FUSE_NOTIFY_RESEND`.
+pub fn resend(fuse: &OwnedFd) -> std::io::Result<()> {
+    const FUSE_NOTIFY_RESEND: i32 = 7;
+    let mut msg = [0u8; 16];
+    msg[..4].copy_from_slice(&16u32.to_le_bytes());
+    msg[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_le_bytes());
+    let n = rustix::io::write(fuse, &msg)?;
+    if n != msg.len() {
+        return Err(std::io::Error::other("short write of the resend notice"));
+    }
+    Ok(())
+}
+
+/// Lets requests that change what a successor would have to know (opens, releases,
+/// creates, removals, renames) through, and counts those in progress; once closed for a
+/// handover it holds new ones on their kernel thread until it opens again (a refused
+/// handover) or the process exits (the kernel then sends them again to the successor).
+#[derive(Default)]
+pub struct Gate {
+    closed: Mutex<bool>,
+    opened: Condvar,
+    in_progress: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// A request let through the gate: in progress until dropped.
+pub struct Pass(Arc<Gate>);
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        if self.0.in_progress.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Gate {
+    /// A pass for a request; waits while the gate is closed.
+    pub fn pass(self: &Arc<Self>) -> Pass {
+        let mut closed = lock(&self.closed);
+        while *closed {
+            closed = self.opened.wait(closed).unwrap_or_else(|e| e.into_inner());
+        }
+        self.in_progress.fetch_add(1, Ordering::SeqCst);
+        Pass(self.clone())
+    }
+
+    /// Closes the gate: no request passes from now on (those in progress go on).
+    pub fn close(&self) {
+        *lock(&self.closed) = true;
+    }
+
+    pub fn open(&self) {
+        *lock(&self.closed) = false;
+        self.opened.notify_all();
+    }
+
+    /// Waits until no request let through is in progress.
+    pub async fn drained(&self) {
+        loop {
+            let idle = self.idle.notified();
+            if self.in_progress.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_synthetic_init_has_the_kernels_layout() {
+        let h = pb::FuseHandover {
+            kernel_major: 7,
+            kernel_minor: 41,
+            kernel_flags: (1 << 41) | 1,
+            max_readahead: 1 << 20,
+            ..Default::default()
+        };
+        let b = synthetic_init(&h);
+        assert_eq!(b.len(), 104);
+        assert_eq!(u32::from_le_bytes(b[0..4].try_into().unwrap()), 104);
+        assert_eq!(u32::from_le_bytes(b[4..8].try_into().unwrap()), 26);
+        assert_eq!(u32::from_le_bytes(b[40..44].try_into().unwrap()), 7);
+        assert_eq!(u32::from_le_bytes(b[44..48].try_into().unwrap()), 41);
+        assert_eq!(u32::from_le_bytes(b[48..52].try_into().unwrap()), 1 << 20);
+        // The low word carries FUSE_INIT_EXT, the high word flags2.
+        assert_eq!(
+            u32::from_le_bytes(b[52..56].try_into().unwrap()),
+            1 | (1 << 30)
+        );
+        assert_eq!(u32::from_le_bytes(b[56..60].try_into().unwrap()), 1 << 9);
+    }
+
+    #[test]
+    fn messages_and_descriptors_cross_a_socket_and_garbage_is_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = tempfile::tempfile().unwrap();
+        let h = pb::FuseHandover {
+            format: FORMAT,
+            generation: 3,
+            mountpoint: "/mnt/x".into(),
+            ..Default::default()
+        };
+        send(&a, &h, Some(file.as_fd())).unwrap();
+        let (got, fd): (pb::FuseHandover, _) = recv(&b).unwrap();
+        assert_eq!(got, h);
+        assert!(fd.is_some());
+        send(&a, &h, None).unwrap();
+        let (_, fd): (pb::FuseHandover, _) = recv(&b).unwrap();
+        assert!(fd.is_none());
+        // Not a handover message; an oversized length.
+        (&a).write_all(b"HTTP/1.1 200 OK\r\n").unwrap();
+        assert!(recv::<pb::FuseHandover>(&b).is_err());
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(&MARK_NONE).unwrap();
+        (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let e = recv::<pb::FuseHandover>(&b).unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        // The peer is this process's user.
+        assert_eq!(check_peer(&a).unwrap(), std::process::id());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_closed_gate_holds_requests_and_waits_for_those_in_progress() {
+        let gate = Arc::new(Gate::default());
+        let p = gate.pass();
+        gate.close();
+        let g = gate.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let held = std::thread::spawn(move || {
+            let _p = g.pass();
+            tx.send(()).unwrap();
+        });
+        let g = gate.clone();
+        let waiter = tokio::spawn(async move { g.drained().await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        drop(p);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("drained once the last pass is gone")
+            .unwrap();
+        // The request that came while closed is still held, and passes once it opens.
+        assert!(rx.try_recv().is_err());
+        gate.open();
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("passes once open");
+        held.join().unwrap();
+    }
+}

@@ -1,0 +1,418 @@
+//! A mount outlives its daemon: a new `granary fuse --takeover` replaces a running one, and
+//! under `--supervise` a daemon killed with SIGKILL is replaced by its supervisor, while
+//! ordinary programs read through the mount and hold files open (docs/operations.md,
+//! "Restarting and upgrading a mount"). Real processes, a real FUSE mount, Python readers;
+//! every byte checked against the source's SHA-256.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use granary_tests::*;
+
+const MIB: u64 = 1024 * 1024;
+
+/// Reads half of a file, says "half", waits for a line on its input, reads the rest and
+/// prints the SHA-256 of the whole; the file stays open throughout.
+const HOLD: &str = r#"
+import hashlib, sys
+h = hashlib.sha256()
+with open(sys.argv[1], "rb", buffering=0) as f:
+    size = f.seek(0, 2)
+    f.seek(0)
+    done = 0
+    while done < size // 2:
+        b = f.read(min(1 << 20, size // 2 - done))
+        if not b:
+            break
+        h.update(b)
+        done += len(b)
+    print("half", flush=True)
+    sys.stdin.readline()
+    while True:
+        b = f.read(1 << 20)
+        if not b:
+            break
+        h.update(b)
+print("sha", h.hexdigest(), flush=True)
+"#;
+
+/// A training loader: reads every file of a manifest ("sha256 path" lines) whole, in a new
+/// random order each pass, checks each against its SHA-256, until a line arrives on its
+/// input; "pass N" after each pass, "ok FILES" at the end, "MISMATCH path" on a wrong byte.
+const LOADER: &str = r#"
+import hashlib, random, sys, threading
+files = [l.split(" ", 1) for l in open(sys.argv[1]).read().splitlines()]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+n, k = 0, 0
+while not stop.is_set():
+    random.shuffle(files)
+    for sha, p in files:
+        with open(p, "rb") as f:
+            d = f.read()
+        if hashlib.sha256(d).hexdigest() != sha:
+            print("MISMATCH", p, flush=True)
+            sys.exit(2)
+        n += 1
+    print("pass", k, flush=True)
+    k += 1
+print("ok", n, flush=True)
+"#;
+
+/// Writes 1 MiB to a new file, says "wrote", waits for a line, writes 1 MiB more and
+/// closes: "closed", or "ERR errno" when a write or the close fails.
+const WRITER: &str = r#"
+import os, sys
+try:
+    f = open(sys.argv[1], "wb", buffering=0)
+    f.write(os.urandom(1 << 20))
+    print("wrote", flush=True)
+    sys.stdin.readline()
+    f.write(os.urandom(1 << 20))
+    f.close()
+    print("closed", flush=True)
+except OSError as e:
+    print("ERR", e.errno, flush=True)
+"#;
+
+/// A Python program whose output lines are read as they come.
+struct Script {
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Script {
+    fn start(name: &str, code: &str, args: &[&str]) -> Script {
+        let mut child = Command::new("python3")
+            .arg("-c")
+            .arg(code)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Script {
+            name: name.into(),
+            stdin: child.stdin.take(),
+            child,
+            lines: rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The next line starting with `prefix` (the rest of it), within `limit`.
+    fn expect(&mut self, prefix: &str, limit: Duration) -> String {
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if let Some(rest) = l.strip_prefix(prefix) {
+                        return rest.trim().to_string();
+                    }
+                    assert!(!l.starts_with("MISMATCH"), "{}: {l}", self.name);
+                }
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "{} printed no {prefix:?} within {limit:?}; it printed {:?}",
+                    self.name, self.seen
+                ),
+                Err(RecvTimeoutError::Disconnected) => panic!(
+                    "{} ended ({:?}) without printing {prefix:?}; it printed {:?}",
+                    self.name,
+                    self.child.wait(),
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{line}").expect("writing to the script");
+        stdin.flush().expect("flushing");
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sha_of(p: &Path) -> String {
+    sh(&format!("sha256sum < '{}'", p.display()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Small samples in folders, one big file that will be cached (it opens in passthrough) and
+/// one that will not (read through the daemon); the loader's manifest of the samples as
+/// seen through the mount at `data`.
+fn dataset(root: &Path, data: &Path) -> (PathBuf, PathBuf) {
+    let src = root.join("ufs");
+    for i in 0..300u64 {
+        let p = src.join(format!("s{}/f{i:03}.bin", i % 6));
+        random_file(&p, 16 * 1024 + i * 97).unwrap();
+    }
+    random_file(&src.join("big/cached.bin"), 48 * MIB + 3).unwrap();
+    random_file(&src.join("big/cold.bin"), 24 * MIB + 5).unwrap();
+    let sums = tree_sums(&src).unwrap();
+    let manifest = root.join("manifest.txt");
+    let lines: Vec<String> = sums
+        .iter()
+        .filter_map(|(p, sha)| Some((p.strip_prefix("./s")?, sha)))
+        .map(|(p, sha)| format!("{sha} {}/s{p}", data.display()))
+        .collect();
+    assert_eq!(lines.len(), 300);
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    (src, manifest)
+}
+
+/// The pid in a "(daemon pid N" log line.
+fn daemon_pid(line: &str) -> u32 {
+    let rest = line
+        .split("daemon pid ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no daemon pid in {line:?}"));
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no daemon pid in {line:?}"))
+}
+
+#[test]
+fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
+    let root = tempfile::Builder::new()
+        .prefix("takeover")
+        .tempdir()
+        .unwrap();
+    let rp = root.path();
+    let mp = rp.join("mnt");
+    let data = mp.join("data");
+    let (src, manifest) = dataset(rp, &data);
+    let socket = rp.join("handover.sock").display().to_string();
+    let c = Cluster::start_opts(rp, 1, "1GiB", &src, &["--handover-socket", &socket]).unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
+    // Cache the big file and the samples (they open in passthrough from now on), not the
+    // cold file.
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    sh(&format!("cat '{}'/s*/* > /dev/null", data.display())).unwrap();
+    drop_page_cache(&data.join("big")).unwrap();
+
+    let mut loader = Script::start("loader", LOADER, &[&manifest.display().to_string()]);
+    loader.expect("pass", Duration::from_secs(120));
+    let cached = data.join("big/cached.bin").display().to_string();
+    let cold = data.join("big/cold.bin").display().to_string();
+    let mut pt = Script::start("passthrough reader", HOLD, &[&cached]);
+    pt.expect("half", Duration::from_secs(60));
+    let mut daemon_read = Script::start("daemon reader", HOLD, &[&cold]);
+    daemon_read.expect("half", Duration::from_secs(60));
+    assert!(c.fuse.metric("granary_client_passthrough_opens_total") >= 1.0);
+
+    // The successor: same mount, its own metrics address.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let m = mp.display().to_string();
+    let mut new = Proc::spawn(
+        "fuse-new",
+        rp,
+        &[
+            "fuse",
+            "--master",
+            &c.master.addr,
+            "--mount",
+            &m,
+            "--metrics-listen",
+            &metrics,
+            "--handover-socket",
+            &socket,
+            "--takeover",
+        ],
+    )
+    .unwrap();
+    let line = new
+        .wait_for_line("granary took over the mount", Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e:#}\nthe old daemon's log:\n{}", c.fuse.proc.log_text()));
+    assert!(line.contains("generation 1"), "{line}");
+    let mut old = c.fuse;
+    let status = poll("the old daemon to exit", Duration::from_secs(30), || {
+        old.proc.child.try_wait().ok().flatten()
+    })
+    .unwrap();
+    assert!(status.success(), "the old daemon ended with {status}");
+    assert!(old.proc.log_text().contains("handed the mount at"));
+    assert!(is_mounted(&mp), "the mount is gone after the takeover");
+
+    // The loader goes on through the new daemon: two more whole passes, every byte checked.
+    loader.expect("pass", Duration::from_secs(120));
+    loader.expect("pass", Duration::from_secs(120));
+    // A file open in passthrough across the takeover opens again meanwhile (the kernel
+    // requires the backing file the old daemon gave it).
+    let opens_before = metric_at(&metrics, "granary_client_passthrough_opens_total");
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    assert!(metric_at(&metrics, "granary_client_passthrough_opens_total") > opens_before);
+    // The files held open read on, through handles the old daemon gave.
+    pt.send("go");
+    assert_eq!(
+        pt.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    daemon_read.send("go");
+    assert_eq!(
+        daemon_read.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cold.bin"))
+    );
+    loader.send("stop");
+    let n: u64 = loader
+        .expect("ok", Duration::from_secs(120))
+        .parse()
+        .unwrap();
+    assert!(n >= 900, "the loader read {n} files");
+    assert_eq!(
+        metric_at(&metrics, "granary_client_fuse_takeovers_total"),
+        1.0
+    );
+    assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 1.0);
+
+    // A second takeover refused cleanly when nothing listens; the new daemon unmounts on
+    // SIGTERM like any other.
+    assert_eq!(new.stop("TERM", Duration::from_secs(30)).unwrap(), Some(0));
+    poll("the mount to go", Duration::from_secs(10), || {
+        (!is_mounted(&mp)).then_some(())
+    })
+    .unwrap();
+    let out = granary(&[
+        "fuse",
+        "--master",
+        &c.master.addr,
+        "--mount",
+        &m,
+        "--handover-socket",
+        &socket,
+        "--takeover",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no daemon serving this mount answers"),
+        "{err}"
+    );
+    drop(old);
+}
+
+#[test]
+fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_clear_error() {
+    let root = tempfile::Builder::new()
+        .prefix("supervise")
+        .tempdir()
+        .unwrap();
+    let rp = root.path();
+    let mp = rp.join("mnt");
+    let data = mp.join("data");
+    let (src, manifest) = dataset(rp, &data);
+    let socket = rp.join("handover.sock").display().to_string();
+    let c = Cluster::start_opts(
+        rp,
+        1,
+        "1GiB",
+        &src,
+        &["--supervise", "--handover-socket", &socket],
+    )
+    .unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
+    let mut fuse = c.fuse;
+    let first = daemon_pid(
+        &fuse
+            .proc
+            .wait_for_line("granary mounted at", Duration::from_secs(5))
+            .unwrap(),
+    );
+    assert_ne!(
+        first,
+        fuse.proc.pid(),
+        "the daemon runs as the supervisor's child"
+    );
+    sh(&format!("cat '{}'/s*/* > /dev/null", data.display())).unwrap();
+
+    let mut loader = Script::start("loader", LOADER, &[&manifest.display().to_string()]);
+    loader.expect("pass", Duration::from_secs(120));
+    let cold = data.join("big/cold.bin").display().to_string();
+    let mut reader = Script::start("reader", HOLD, &[&cold]);
+    reader.expect("half", Duration::from_secs(60));
+    let out = data.join("out.bin").display().to_string();
+    let mut writer = Script::start("writer", WRITER, &[&out]);
+    writer.expect("wrote", Duration::from_secs(60));
+
+    sh(&format!("kill -9 {first}")).unwrap();
+    let line = fuse
+        .proc
+        .wait_for_line("granary took over the mount", Duration::from_secs(60))
+        .unwrap();
+    assert!(line.contains("generation 1"), "{line}");
+    assert_ne!(daemon_pid(&line), first);
+    assert!(fuse
+        .proc
+        .log_text()
+        .contains("without unmounting; starting another"));
+
+    // Readers: a pause, then the right bytes.
+    loader.expect("pass", Duration::from_secs(120));
+    loader.expect("pass", Duration::from_secs(120));
+    reader.send("go");
+    assert_eq!(
+        reader.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cold.bin"))
+    );
+    loader.send("stop");
+    loader.expect("ok", Duration::from_secs(120));
+    // The writer's bytes died with the daemon: its next write fails with EIO, and the file
+    // never shows as a complete file of what it wrote.
+    writer.send("go");
+    assert_eq!(writer.expect("ERR", Duration::from_secs(60)), "5");
+    let shown = std::fs::metadata(data.join("out.bin")).map(|m| m.len());
+    assert!(
+        !matches!(shown, Ok(n) if n == 2 * MIB),
+        "a file written only in part shows as complete: {shown:?}"
+    );
+    let metrics = fuse.metrics.clone().unwrap();
+    assert_eq!(
+        metric_at(&metrics, "granary_client_fuse_takeovers_total"),
+        1.0
+    );
+    assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 1.0);
+
+    // SIGTERM to the supervisor unmounts and ends both.
+    assert_eq!(
+        fuse.proc.stop("TERM", Duration::from_secs(30)).unwrap(),
+        Some(0)
+    );
+    poll("the mount to go", Duration::from_secs(10), || {
+        (!is_mounted(&mp)).then_some(())
+    })
+    .unwrap();
+}
