@@ -763,6 +763,14 @@ pub struct FuseArgs {
     pub handover: HandoverOpts,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TakeoverMode {
+    /// Take the mount over; fail when no daemon serves it.
+    Always,
+    /// Take the mount over when a daemon serves it, else mount.
+    Auto,
+}
+
 /// Replacing the daemon of a mount without unmounting it (docs/operations.md, "Restarting
 /// and upgrading a mount"). Linux 6.9+.
 #[derive(Debug, Args, Clone)]
@@ -770,9 +778,14 @@ pub struct HandoverOpts {
     /// Take the mount at --mount over from the `granary fuse` serving it now (an upgrade, or
     /// new flags) without unmounting: that daemon hands over the mount's descriptor and open
     /// handles on --handover-socket and exits; programs using the mount see a pause, no
-    /// error.
+    /// error. `--takeover auto`: take it over when a daemon answers, else mount.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "always")]
+    pub takeover: Option<TakeoverMode>,
+    /// After handing the mount to a successor, keep the supervisor running (serving and
+    /// unmounting nothing) until SIGTERM: for a Kubernetes pod whose replacement took the
+    /// mount over, so that the pod is not restarted before it is deleted.
     #[arg(long)]
-    pub takeover: bool,
+    pub wait_after_handover: bool,
     /// Unix socket on which this daemon hands its mount to a successor, and where
     /// --takeover asks for it [default: /run/granary/fuse/<hash of the mount point>.sock as
     /// root, else under $XDG_RUNTIME_DIR].

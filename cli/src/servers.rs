@@ -195,7 +195,14 @@ async fn serve_fuse_mount(
         .handover_socket
         .clone()
         .unwrap_or_else(|| handover::default_socket(&config.mountpoint));
-    let mounted = match h.take_from.clone().or(h.takeover.then(|| socket.clone())) {
+    let from = h.take_from.clone().or(h.takeover.map(|_| socket.clone()));
+    // `--takeover auto` with no daemon answering: mount.
+    let from = from.filter(|f| {
+        h.takeover != Some(crate::args::TakeoverMode::Auto)
+            || h.take_from.is_some()
+            || std::os::unix::net::UnixStream::connect(f).is_ok()
+    });
+    let mounted = match from {
         Some(from) => {
             let (c, rt2) = (config.clone(), rt.clone());
             let (m, t) = tokio::task::spawn_blocking(move || {
@@ -256,14 +263,14 @@ async fn serve_fuse_mount(
     tokio::select! {
         _ = shutdown_signal() => {
             if let Some(holder) = &h.holder_socket {
-                crate::supervise::release(holder);
+                crate::supervise::release(holder, false);
             }
             let _ = std::fs::remove_file(&socket);
             unmount(mounted).await
         }
         Some(pid) = handed => {
             if let Some(holder) = &h.holder_socket {
-                crate::supervise::release(holder);
+                crate::supervise::release(holder, true);
             }
             eprintln!("handed the mount at {} over to pid {pid}; exiting", config.mountpoint.display());
             // Without unmounting, and at once: the successor serves the mount from now on.

@@ -33,6 +33,8 @@ struct Held {
     session: Option<pb::FuseHandover>,
     /// The daemon unmounted or handed the mount to a successor outside this holder.
     released: bool,
+    /// It handed the mount over (not unmounted).
+    handed_over: bool,
     /// When the last daemon died (ms since the epoch), for its successor's report.
     died_at_ms: u64,
 }
@@ -51,20 +53,22 @@ pub fn hold(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
         purpose: handover::HOLD.into(),
         pid: std::process::id(),
         session: m.donor.session(),
+        handed_over: false,
     };
     handover::send(&s, &hello, Some(m.fuse.as_fd()))?;
     Ok(())
 }
 
-/// Tells the holder on `holder` that the daemon unmounts or handed the mount over: it lets
-/// the descriptor go and ends with the daemon (best effort: logged when it fails).
-pub fn release(holder: &Path) {
+/// Tells the holder on `holder` that the daemon unmounts or `handed_over` the mount: it
+/// lets the descriptor go and ends with the daemon (best effort: logged when it fails).
+pub fn release(holder: &Path, handed_over: bool) {
     let told = UnixStream::connect(holder).and_then(|s| {
         let hello = pb::FuseHello {
             format: handover::FORMAT,
             purpose: handover::RELEASE.into(),
             pid: std::process::id(),
             session: None,
+            handed_over,
         };
         handover::send(&s, &hello, None)?;
         // Wait for the holder's word that it let go (it closes the connection).
@@ -118,6 +122,7 @@ fn serve_one(s: &UnixStream, held: &Mutex<Held>, mountpoint: &str) -> anyhow::Re
             let mut h = lock(held);
             h.fd = None;
             h.released = true;
+            h.handed_over = hello.handed_over;
         }
         handover::TAKE => {
             let h = lock(held);
@@ -162,7 +167,8 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
         .handover_socket
         .clone()
         .unwrap_or_else(|| handover::default_socket(&a.mount));
-    let holder_path: PathBuf = socket.with_extension("holder");
+    // One per supervisor: during a rolling update two run side by side for one mount.
+    let holder_path: PathBuf = socket.with_extension(format!("holder.{}", std::process::id()));
     let listener = handover::listen(&holder_path)
         .with_context(|| format!("listening on {}", holder_path.display()))?;
     let mountpoint = std::fs::canonicalize(&a.mount)?.display().to_string();
@@ -202,10 +208,16 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
                 std::process::exit(s.code().unwrap_or(1));
             }
         };
-        let (released, holding) = {
+        let (released, handed_over, holding) = {
             let h = lock(&held);
-            (h.released, h.fd.is_some())
+            (h.released, h.handed_over, h.fd.is_some())
         };
+        if handed_over && a.handover.wait_after_handover {
+            eprintln!("granary supervisor: the mount was handed to another daemon; waiting for SIGTERM (this supervisor serves and unmounts nothing)");
+            let _ = std::fs::remove_file(&holder_path);
+            crate::servers::shutdown_signal().await;
+            std::process::exit(0);
+        }
         if released || !holding {
             // Unmounted, handed over to a successor, or never mounted: nothing to keep.
             let _ = std::fs::remove_file(&holder_path);

@@ -252,6 +252,7 @@ pub fn request(
         purpose: TAKE.into(),
         pid: std::process::id(),
         session: None,
+        handed_over: false,
     };
     send(&s, &hello, None)?;
     let (h, fd): (pb::FuseHandover, _) = recv(&s)?;

@@ -378,9 +378,19 @@ pub fn serve_handovers(
                 match hand_over(&s, &donor, &fuse, &mountpoint, &runtime, limit) {
                     Ok(Some(pid)) => {
                         let _ = tx.send(pid);
-                        return;
+                        // The connection stays open until this process has exited: the
+                        // successor takes its end as the sign that no thread of this
+                        // daemon reads requests any more (it then has the kernel send
+                        // again those read here and never answered).
+                        loop {
+                            std::thread::park();
+                        }
                     }
                     Ok(None) => {}
+                    // A peer that only checked whether a daemon listens (`--takeover auto`).
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        tracing::debug!("a handover connection closed without a request")
+                    }
                     Err(e) => tracing::warn!(error = %e, "a handover request failed"),
                 }
             }

@@ -78,6 +78,31 @@ except OSError as e:
     print("ERR", e.errno, flush=True)
 "#;
 
+/// Hostile or confused peers on a handover socket: garbage, a format from the future, a
+/// request the daemon does not serve; prints what each got back.
+const PROBE: &str = r#"
+import socket, struct, sys
+def ask(payload):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(sys.argv[1])
+    s.sendall(payload)
+    data = b""
+    while True:
+        try:
+            b = s.recv(65536)
+        except ConnectionResetError:  # closed with our bytes unread
+            break
+        if not b:
+            break
+        data += b
+    return data
+hello = lambda body: b"GMS1" + struct.pack("<I", len(body)) + body
+print("garbage", ask(b"GET / HTTP/1.1\r\n\r\n"), flush=True)
+print("future", ask(hello(b"\x08\x63\x12\x04take")), flush=True)
+print("hold", ask(hello(b"\x08\x01\x12\x04hold")), flush=True)
+"#;
+
 /// A Python program whose output lines are read as they come.
 struct Script {
     name: String,
@@ -151,8 +176,9 @@ impl Script {
 
 impl Drop for Script {
     fn drop(&mut self) {
+        // Not waited for: a program stuck on a mount that no longer answers would hold the
+        // test forever (the test has failed already then).
         let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -211,7 +237,7 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
     let data = mp.join("data");
     let (src, manifest) = dataset(rp, &data);
     let socket = rp.join("handover.sock").display().to_string();
-    let c = Cluster::start_opts(rp, 1, "1GiB", &src, &["--handover-socket", &socket]).unwrap();
+    let mut c = Cluster::start_opts(rp, 1, "1GiB", &src, &["--handover-socket", &socket]).unwrap();
     let _unmount = UnmountOnDrop(mp.clone());
     // Cache the big file and the samples (they open in passthrough from now on), not the
     // cold file.
@@ -231,6 +257,35 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
     let mut daemon_read = Script::start("daemon reader", HOLD, &[&cold]);
     daemon_read.expect("half", Duration::from_secs(60));
     assert!(c.fuse.metric("granary_client_passthrough_opens_total") >= 1.0);
+
+    // Peers that are not a successor get a clear refusal or nothing, and change nothing.
+    let mut probe = Script::start("probe", PROBE, &[&socket]);
+    assert_eq!(probe.expect("garbage", Duration::from_secs(60)), "b''");
+    let future = probe.expect("future", Duration::from_secs(60));
+    assert!(
+        future.contains("handover format 99 asked for, this daemon speaks 1"),
+        "{future}"
+    );
+    let hold = probe.expect("hold", Duration::from_secs(60));
+    assert!(
+        hold.contains("is not a request this daemon serves"),
+        "{hold}"
+    );
+    let other_user = Command::new("runuser")
+        .args(["-u", "nobody", "--", "python3", "-c"])
+        .arg("import socket,sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])")
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(
+        !other_user.status.success(),
+        "another user reached the handover socket"
+    );
+    assert!(is_mounted(&mp));
+    assert!(
+        c.fuse.proc.child.try_wait().unwrap().is_none(),
+        "a probe stopped the daemon"
+    );
 
     // The successor: same mount, its own metrics address.
     let metrics = format!("127.0.0.1:{}", free_port());
@@ -411,6 +466,79 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
         fuse.proc.stop("TERM", Duration::from_secs(30)).unwrap(),
         Some(0)
     );
+    poll("the mount to go", Duration::from_secs(10), || {
+        (!is_mounted(&mp)).then_some(())
+    })
+    .unwrap();
+}
+
+/// What the Helm chart's FUSE rollout does on a node (docs/kubernetes.md, "Upgrading the FUSE
+/// pods"): every pod runs `--supervise --takeover auto --wait-after-handover`; the first
+/// mounts, the next takes the mount over while the first still runs, the first then waits
+/// without serving, and its end (SIGTERM, the pod deleted) leaves the mount to the second.
+#[test]
+fn a_rolling_update_of_supervised_daemons_passes_the_mount_on_without_unmounting() {
+    let root = tempfile::Builder::new()
+        .prefix("rollout")
+        .tempdir()
+        .unwrap();
+    let rp = root.path();
+    let mp = rp.join("mnt");
+    let data = mp.join("data");
+    let (src, manifest) = dataset(rp, &data);
+    let socket = rp.join("handover.sock").display().to_string();
+    let flags = [
+        "--supervise",
+        "--takeover",
+        "auto",
+        "--wait-after-handover",
+        "--handover-socket",
+        &socket,
+    ];
+    // No daemon serves the mount yet: `--takeover auto` mounts.
+    let c = Cluster::start_opts(rp, 1, "1GiB", &src, &flags).unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
+    let mut old = c.fuse;
+    let mut loader = Script::start("loader", LOADER, &[&manifest.display().to_string()]);
+    loader.expect("pass", Duration::from_secs(120));
+
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let m = mp.display().to_string();
+    let mut args = vec!["fuse", "--master", &c.master.addr, "--mount", &m];
+    args.extend(["--metrics-listen", &metrics]);
+    args.extend(flags);
+    let mut new = Proc::spawn("fuse-new", rp, &args).unwrap();
+    new.wait_for_line("granary took over the mount", Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e:#}\nthe old pod's log:\n{}", old.proc.log_text()));
+    old.proc
+        .wait_for_line(
+            "the mount was handed to another daemon",
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    loader.expect("pass", Duration::from_secs(120));
+    loader.expect("pass", Duration::from_secs(120));
+    // The old pod is deleted: its supervisor ends and leaves the mount alone.
+    assert!(
+        old.proc.child.try_wait().unwrap().is_none(),
+        "the old supervisor did not wait"
+    );
+    assert_eq!(
+        old.proc.stop("TERM", Duration::from_secs(30)).unwrap(),
+        Some(0)
+    );
+    assert!(
+        is_mounted(&mp),
+        "the old pod's end unmounted the new pod's mount"
+    );
+    loader.expect("pass", Duration::from_secs(120));
+    loader.send("stop");
+    loader.expect("ok", Duration::from_secs(120));
+    assert_eq!(
+        metric_at(&metrics, "granary_client_fuse_takeovers_total"),
+        1.0
+    );
+    assert_eq!(new.stop("TERM", Duration::from_secs(30)).unwrap(), Some(0));
     poll("the mount to go", Duration::from_secs(10), || {
         (!is_mounted(&mp)).then_some(())
     })

@@ -236,9 +236,20 @@ def check_fuse(label, values, docs):
     check(len(dev) == 1 and vols[dev[0]["name"]]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"},
           f"{label}: /dev/fuse is not passed to the FUSE pod")
     check(c["securityContext"].get("privileged") is True, f"{label}: the FUSE pod is not privileged")
-    check(c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["fusermount3", "-u"]
-          and c["lifecycle"]["preStop"]["exec"]["command"][-1] == at,
-          f"{label}: no preStop unmount of {at}")
+    # The mount outlives its daemon: a supervisor replaces a crashed one, and a new pod takes
+    # the node's mount over from the old one (the handover socket's host folder is shared),
+    # started beside it; no preStop unmount (it would unmount the new pod's mount).
+    args = c["args"]
+    check("--supervise" in args and "--wait-after-handover" in args
+          and args[args.index("--takeover") + 1] == "auto" if "--takeover" in args else False,
+          f"{label}: the FUSE pod does not run --supervise --takeover auto --wait-after-handover: {args}")
+    sock = [v for v in c["volumeMounts"] if v["mountPath"] == "/run/granary/fuse"]
+    check(len(sock) == 1 and vols[sock[0]["name"]]["hostPath"]["path"] == "/run/granary/fuse",
+          f"{label}: the handover socket's folder is not the host's /run/granary/fuse")
+    ru = ds["spec"]["updateStrategy"]["rollingUpdate"]
+    check(ru.get("maxSurge") == 1 and ru.get("maxUnavailable") == 0,
+          f"{label}: FUSE pods are not replaced by a new pod started beside the old one: {ru}")
+    check("preStop" not in c.get("lifecycle", {}), f"{label}: a preStop hook would unmount the successor's mount")
     # The worker's block files at the path the worker reports (short-circuit reads).
     worker = find(docs, "DaemonSet", "-worker")
     wmounts = {v["mountPath"]: v["name"] for v in container(worker, "worker")["volumeMounts"]}
