@@ -224,36 +224,42 @@ impl ClientMetrics {
                 self.node_copies_pending.clone(),
             );
             r.register(
-                "granary_client_fuse_generation",
-                "This daemon's place in its mount's line of daemons: 0 for the one that mounted, one more at each takeover (upgrade or crash recovery)",
-                self.fuse_generation.clone(),
-            );
-            r.register(
-                "granary_client_fuse_takeovers",
-                "Mounts this daemon took over from a running daemon (--takeover) or from its descriptor holder after a crash (--supervise)",
-                self.fuse_takeovers.clone(),
-            );
-            r.register(
-                "granary_client_fuse_resent_requests",
-                "Requests the kernel sent again after a takeover: read by the previous daemon and not answered by it",
-                self.fuse_resent_requests.clone(),
-            );
-            r.register(
-                "granary_client_fuse_recovered_handles",
-                "Open handles of an earlier daemon of this mount found again by inode at their first use (after a crash, or opened during a handover)",
-                self.fuse_recovered_handles.clone(),
-            );
-            r.register(
-                "granary_client_fuse_unserved_seconds",
-                "Seconds the mount was not fully served during takeovers: from the previous daemon's pause (or death) to this daemon answering",
-                self.fuse_unserved_seconds.clone(),
-            );
-            r.register(
                 "granary_client_node_copy_skipped",
                 "Node copies not started because 1,024 were waiting already",
                 self.node_copy_skipped.clone(),
             );
+            self.register_takeovers(&mut r);
         }
+    }
+
+    /// The metrics of a FUSE daemon's takeovers (docs/operations.md, "Restarting and
+    /// upgrading a mount").
+    fn register_takeovers(&self, r: &mut prometheus_client::registry::Registry) {
+        r.register(
+            "granary_client_fuse_generation",
+            "This daemon's place in its mount's line of daemons: 0 for the one that mounted, one more at each takeover (upgrade or crash recovery)",
+            self.fuse_generation.clone(),
+        );
+        r.register(
+            "granary_client_fuse_takeovers",
+            "Mounts this daemon took over from a running daemon (--takeover) or from its descriptor holder after a crash (--supervise)",
+            self.fuse_takeovers.clone(),
+        );
+        r.register(
+            "granary_client_fuse_resent_requests",
+            "Requests the kernel sent again after a takeover: read by the previous daemon and not answered by it",
+            self.fuse_resent_requests.clone(),
+        );
+        r.register(
+            "granary_client_fuse_recovered_handles",
+            "Open handles of an earlier daemon of this mount found again by inode at their first use (after a crash, or opened during a handover)",
+            self.fuse_recovered_handles.clone(),
+        );
+        r.register(
+            "granary_client_fuse_unserved_seconds",
+            "Seconds the mount was not fully served during takeovers: from the previous daemon's pause (or death) to this daemon answering",
+            self.fuse_unserved_seconds.clone(),
+        );
     }
 
     /// The counter of FUSE requests of kind `op` (kept by the caller: counting is then

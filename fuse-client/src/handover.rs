@@ -218,6 +218,20 @@ pub fn check_peer(s: &UnixStream) -> std::io::Result<u32> {
 pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
+        // A folder another user made (or a link to one) would let that user reach the
+        // socket, or swap it.
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(dir)?;
+        let me = rustix::process::geteuid().as_raw();
+        if !m.is_dir() || m.uid() != me {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is not a folder of uid {me}: the handover socket is not put there",
+                    dir.display()
+                ),
+            ));
+        }
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     }
     if path.exists() {
@@ -474,6 +488,33 @@ mod tests {
         assert!(e.to_string().contains("refused"), "{e}");
         // The peer is this process's user.
         assert_eq!(check_peer(&a).unwrap(), std::process::id());
+    }
+
+    #[test]
+    fn a_handover_socket_replaces_a_stale_one_never_a_live_one_nor_in_another_users_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s/h.sock");
+        let live = listen(&path).unwrap();
+        let e = listen(&path).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+        drop(live); // its socket file stays, nobody listens
+        let _l = listen(&path).unwrap();
+        let mode = std::fs::metadata(dir.path().join("s"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+        if rustix::process::geteuid().is_root() {
+            let other = dir.path().join("other");
+            std::fs::create_dir(&other).unwrap();
+            std::os::unix::fs::chown(&other, Some(65534), Some(65534)).unwrap();
+            let e = listen(&other.join("h.sock")).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+            let link = dir.path().join("link");
+            std::os::unix::fs::symlink(dir.path().join("s"), &link).unwrap();
+            let e = listen(&link.join("h.sock")).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

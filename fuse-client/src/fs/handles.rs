@@ -1,0 +1,242 @@
+//! File handles across daemons of one mount (see `crate::handover`): handles carry the
+//! generation of the daemon that gave them, a handle an earlier daemon gave is found again
+//! by inode, and what a handover hands on (open handles, passthrough backing files, their
+//! leases) is given up by one daemon and taken on by the next.
+
+use super::*;
+
+/// File handles carry the generation of the daemon that gave them (so handles of an earlier
+/// daemon of the mount are told apart after a takeover), whether they write, and a tag of
+/// the file version they read: `[generation: 12][writer: 1][version tag: 11][count: 40]`.
+const FH_COUNT_BITS: u32 = 40;
+const FH_TAG_MASK: u64 = (1 << 11) - 1;
+pub(super) const FH_WRITER: u64 = 1 << 51;
+const FH_GENERATION_SHIFT: u32 = 52;
+
+/// `fh` of a handle reading `version` of a file.
+pub(super) fn tagged(fh: u64, version: u64) -> u64 {
+    fh | ((version & FH_TAG_MASK) << FH_COUNT_BITS)
+}
+
+fn generation_of(fh: u64) -> u32 {
+    (fh >> FH_GENERATION_SHIFT) as u32
+}
+
+/// Whether `fh` was given for `version` (of all versions, one in 2,048 shares a tag).
+fn tag_matches(fh: u64, version: u64) -> bool {
+    (fh >> FH_COUNT_BITS) & FH_TAG_MASK == version & FH_TAG_MASK
+}
+
+/// Bit of a request's unique id that marks a request the kernel sent again
+/// (`FUSE_UNIQUE_RESEND`).
+const RESENT: u64 = 1 << 63;
+
+impl GranaryFs {
+    /// A new file handle of this daemon.
+    pub(super) fn new_fh(&self) -> u64 {
+        let count = self.next_fh.fetch_add(1, Ordering::Relaxed) & ((1 << FH_COUNT_BITS) - 1);
+        (u64::from(self.generation & 0xfff) << FH_GENERATION_SHIFT) | count
+    }
+
+    /// Counts a request the kernel sent again after a takeover.
+    pub(super) fn note_resent(&self, req: &Request) {
+        if req.unique().0 & RESENT != 0 {
+            self.client.metrics.fuse_resent_requests.inc();
+        }
+    }
+
+    /// Whether `fh` is a handle an earlier daemon of this mount gave.
+    fn earlier(&self, fh: u64) -> bool {
+        generation_of(fh) != self.generation & 0xfff
+    }
+
+    /// What read handle `fh` of `ino` was opened as. A handle an earlier daemon of the mount
+    /// gave that this one was not handed (it crashed, or the open came during the
+    /// handover) is found again by inode, once, on this kernel thread: the file's version
+    /// must still carry the handle's tag, else the handle is stale (ESTALE, never bytes of
+    /// another version).
+    pub(super) fn file_of(&self, ino: u64, fh: u64) -> Result<Arc<pb::FileStatus>, Errno> {
+        if let Some(f) = lock(&self.files).get(&fh) {
+            return Ok(f.clone());
+        }
+        if !self.earlier(fh) || fh & FH_WRITER != 0 {
+            return Err(Errno::EBADF);
+        }
+        let client = self.client.clone();
+        let s = self
+            .rt
+            .block_on(self.deadline.run("open", client.open_inode(ino)))
+            .map_err(|e| errno(&e))?;
+        if s.kind != pb::FileKind::File as i32 {
+            return Err(Errno::EBADF);
+        }
+        if !tag_matches(fh, s.version) {
+            tracing::warn!(inode = ino, path = %s.path, "a file open before the mount's daemon was replaced has changed since: its handle is stale");
+            return Err(Errno::ESTALE);
+        }
+        self.client.metrics.fuse_recovered_handles.inc();
+        let s = Arc::new(s);
+        Ok(lock(&self.files).entry(fh).or_insert(s).clone())
+    }
+
+    /// Directory handle `fh` of `ino`; one an earlier daemon of the mount gave is opened
+    /// again by inode (its listing starts over; offsets stay those of the same order).
+    pub(super) fn dir_of(
+        &self,
+        ino: u64,
+        fh: u64,
+    ) -> Result<Arc<tokio::sync::Mutex<DirHandle>>, Errno> {
+        if let Some(h) = lock(&self.dirs).get(&fh) {
+            return Ok(h.clone());
+        }
+        if !self.earlier(fh) {
+            return Err(Errno::EBADF);
+        }
+        let dir = self
+            .rt
+            .block_on(self.deadline.run("opendir", self.client.stat_inode(ino)))
+            .map_err(|e| errno(&e))?;
+        if dir.kind != pb::FileKind::Directory as i32 {
+            return Err(Errno::ENOTDIR);
+        }
+        self.client.metrics.fuse_recovered_handles.inc();
+        let h = Arc::new(tokio::sync::Mutex::new(DirHandle::new(dir)));
+        Ok(lock(&self.dirs).entry(fh).or_insert(h).clone())
+    }
+
+    /// Whether `fh`, not open for writing here, is a write handle an earlier daemon of the
+    /// mount gave: what was written went with that daemon, the file was never completed,
+    /// and the program is answered EIO (it must write the file again).
+    pub(super) fn lost_writer(&self, fh: u64) -> bool {
+        let lost = self.earlier(fh) && fh & FH_WRITER != 0;
+        if lost {
+            tracing::warn!(fh, "a file was being written when the mount's daemon was replaced: its writes are lost and it was not completed; answering EIO");
+        }
+        lost
+    }
+
+    /// What a handover to the next daemon of the mount needs of this filesystem.
+    pub fn donor(&self) -> Donor {
+        Donor {
+            client: self.client.clone(),
+            files: self.files.clone(),
+            fhs: self.passthrough_fhs.clone(),
+            backings: self.backings.clone(),
+            gate: self.gate.clone(),
+            kernel: self.kernel.clone(),
+            writes: self.writes.clone(),
+            generation: self.generation,
+        }
+    }
+
+    /// Takes on the open handles, backing files and leases the previous daemon of the mount
+    /// handed over.
+    pub fn adopt(&self, h: &pb::FuseHandover) {
+        let mut files = lock(&self.files);
+        let mut fhs = lock(&self.passthrough_fhs);
+        for f in &h.files {
+            if let Some(s) = &f.status {
+                files.insert(f.fh, Arc::new(s.clone()));
+                if f.passthrough {
+                    fhs.insert(f.fh, s.inode);
+                }
+            }
+        }
+        drop((files, fhs));
+        adopt_backings(&self.client, &self.backings, h);
+    }
+}
+
+/// Takes on the backing files (raw kernel ids) and leases of `h`.
+fn adopt_backings(
+    client: &FileSystem,
+    backings: &Mutex<crate::backing::Backings>,
+    h: &pb::FuseHandover,
+) {
+    let adopted = h
+        .backings
+        .iter()
+        .map(|b| crate::backing::Adopted {
+            inode: b.inode,
+            version: b.version,
+            id: b.backing_id,
+            opens: b.opens as usize,
+            leases: b
+                .leases
+                .iter()
+                .filter_map(|l| client.adopt_passthrough_leases(l.clone()))
+                .collect(),
+        })
+        .collect();
+    lock(backings).adopt(adopted);
+}
+
+/// What a handover needs of a serving [`GranaryFs`] (which belongs to the FUSE session by
+/// then).
+#[derive(Clone)]
+pub struct Donor {
+    client: Arc<FileSystem>,
+    files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    fhs: Arc<Mutex<HashMap<u64, u64>>>,
+    backings: Arc<Mutex<crate::backing::Backings>>,
+    pub gate: Arc<Gate>,
+    kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
+    writes: crate::write::Writes,
+    generation: u32,
+}
+
+impl Donor {
+    /// Files open for writing, or being completed, through this mount.
+    pub fn writing(&self) -> usize {
+        self.writes.open_count()
+    }
+
+    /// The kernel's session as this daemon began it, with its generation and no handles
+    /// (what a descriptor holder keeps); None before INIT.
+    pub fn session(&self) -> Option<pb::FuseHandover> {
+        let mut h = lock(&self.kernel).clone()?;
+        h.format = crate::handover::FORMAT;
+        h.generation = self.generation;
+        Some(h)
+    }
+
+    /// Takes back the backing files and leases of a handover that did not reach its
+    /// successor.
+    pub fn take_back(&self, h: &pb::FuseHandover) {
+        adopt_backings(&self.client, &self.backings, h);
+    }
+
+    /// The whole handover: the session and the open handles; this daemon gives up the
+    /// backing files and leases of files open in passthrough (it must not serve the mount
+    /// any more). Call with the gate closed and drained.
+    pub fn hand_over(&self, mountpoint: &str) -> Option<pb::FuseHandover> {
+        let mut h = self.session()?;
+        h.mountpoint = mountpoint.to_string();
+        h.donor_version = env!("CARGO_PKG_VERSION").to_string();
+        let fhs = lock(&self.fhs).clone();
+        h.files = lock(&self.files)
+            .iter()
+            .map(|(fh, s)| pb::FuseOpenFile {
+                fh: *fh,
+                status: Some((**s).clone()),
+                passthrough: fhs.contains_key(fh),
+            })
+            .collect();
+        let adopted = lock(&self.backings).hand_over();
+        h.backings = adopted
+            .into_iter()
+            .map(|a| pb::FuseBacking {
+                inode: a.inode,
+                version: a.version,
+                backing_id: a.id,
+                opens: u32::try_from(a.opens).unwrap_or(u32::MAX),
+                leases: a
+                    .leases
+                    .iter()
+                    .filter_map(|l| self.client.hand_over_passthrough_leases(*l))
+                    .collect(),
+            })
+            .collect();
+        Some(h)
+    }
+}
