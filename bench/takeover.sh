@@ -32,9 +32,8 @@ want_cold=$(sha256sum < "$work/ufs/data/cold.bin" | cut -d' ' -f1)
 cat "$mnt/cached.bin" > /dev/null        # cached: opens in passthrough from now on
 cat "$mnt"/s/* > /dev/null
 
-# The programs, paced so they span every round.
-(pv_rate=$(( file_mib / (rounds * 4 + 2) + 1 ))
- python3 - "$mnt/cached.bin" "$pv_rate" > "$work/cached.out" 2>&1 <<'EOF'
+# The programs, paced so they span every round: a streaming reader of each big file.
+cat > "$work/stream.py" <<'EOF'
 import hashlib, sys, time
 h, rate = hashlib.sha256(), int(sys.argv[2]) << 20
 with open(sys.argv[1], "rb") as f:
@@ -44,18 +43,9 @@ with open(sys.argv[1], "rb") as f:
         time.sleep(max(0, n / rate - (time.time() - t0)))
 print(h.hexdigest())
 EOF
-) & pids+=($!); cached_pid=$!
-(python3 - "$mnt/cold.bin" "$(( file_mib / (rounds * 4 + 2) + 1 ))" > "$work/cold.out" 2>&1 <<'EOF'
-import hashlib, sys, time
-h, rate = hashlib.sha256(), int(sys.argv[2]) << 20
-with open(sys.argv[1], "rb") as f:
-    t0, n = time.time(), 0
-    while b := f.read(1 << 20):
-        h.update(b); n += len(b)
-        time.sleep(max(0, n / rate - (time.time() - t0)))
-print(h.hexdigest())
-EOF
-) & pids+=($!); cold_pid=$!
+rate=$(( file_mib / (rounds * 4 + 2) + 1 ))
+python3 "$work/stream.py" "$mnt/cached.bin" "$rate" > "$work/cached.out" 2>&1 & pids+=($!); cached_pid=$!
+python3 "$work/stream.py" "$mnt/cold.bin" "$rate" > "$work/cold.out" 2>&1 & pids+=($!); cold_pid=$!
 python3 - "$mnt/s" "$work/stop" > "$work/loader.out" 2>&1 <<'EOF' &
 import os, random, sys, time
 d, stop = sys.argv[1], sys.argv[2]

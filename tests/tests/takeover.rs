@@ -214,6 +214,33 @@ fn dataset(root: &Path, data: &Path) -> (PathBuf, PathBuf) {
     (src, manifest)
 }
 
+/// A test's folder: the source tree, the mount point, the loader's manifest, the handover
+/// socket.
+struct Setup {
+    root: tempfile::TempDir,
+    mp: PathBuf,
+    data: PathBuf,
+    src: PathBuf,
+    manifest: PathBuf,
+    socket: String,
+}
+
+fn setup(prefix: &str) -> Setup {
+    let root = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+    let mp = root.path().join("mnt");
+    let data = mp.join("data");
+    let (src, manifest) = dataset(root.path(), &data);
+    let socket = root.path().join("handover.sock").display().to_string();
+    Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest,
+        socket,
+    }
+}
+
 /// The pid in a "(daemon pid N" log line.
 fn daemon_pid(line: &str) -> u32 {
     let rest = line
@@ -228,15 +255,15 @@ fn daemon_pid(line: &str) -> u32 {
 
 #[test]
 fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
-    let root = tempfile::Builder::new()
-        .prefix("takeover")
-        .tempdir()
-        .unwrap();
+    let Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest,
+        socket,
+    } = setup("takeover");
     let rp = root.path();
-    let mp = rp.join("mnt");
-    let data = mp.join("data");
-    let (src, manifest) = dataset(rp, &data);
-    let socket = rp.join("handover.sock").display().to_string();
     let mut c = Cluster::start_opts(rp, 1, "1GiB", &src, &["--handover-socket", &socket]).unwrap();
     let _unmount = UnmountOnDrop(mp.clone());
     // Cache the big file and the samples (they open in passthrough from now on), not the
@@ -382,15 +409,15 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
 
 #[test]
 fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_clear_error() {
-    let root = tempfile::Builder::new()
-        .prefix("supervise")
-        .tempdir()
-        .unwrap();
+    let Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest,
+        socket,
+    } = setup("supervise");
     let rp = root.path();
-    let mp = rp.join("mnt");
-    let data = mp.join("data");
-    let (src, manifest) = dataset(rp, &data);
-    let socket = rp.join("handover.sock").display().to_string();
     let c = Cluster::start_opts(
         rp,
         1,
@@ -478,15 +505,15 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
 /// without serving, and its end (SIGTERM, the pod deleted) leaves the mount to the second.
 #[test]
 fn a_rolling_update_of_supervised_daemons_passes_the_mount_on_without_unmounting() {
-    let root = tempfile::Builder::new()
-        .prefix("rollout")
-        .tempdir()
-        .unwrap();
+    let Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest,
+        socket,
+    } = setup("rollout");
     let rp = root.path();
-    let mp = rp.join("mnt");
-    let data = mp.join("data");
-    let (src, manifest) = dataset(rp, &data);
-    let socket = rp.join("handover.sock").display().to_string();
     let flags = [
         "--supervise",
         "--takeover",
