@@ -284,7 +284,11 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
         return crate::supervise::run(&a).await;
     }
     let config = fuse_config(a.mount, &a.fuse);
-    granary_fuse::check_mountpoint(&config.mountpoint)?;
+    // A mount point taken over is the FUSE mount itself, which nothing may serve yet (after
+    // a crash): not looked at.
+    if a.handover.takeover.is_none() && a.handover.take_from.is_none() {
+        granary_fuse::check_mountpoint(&config.mountpoint)?;
+    }
     let client = FileSystem::connect(&a.master.master)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
     client.set_data_plane(!a.fuse.no_data_plane);
@@ -295,10 +299,31 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     if let Some(addr) = a.metrics_listen {
         let registry = new_registry();
         client.metrics.register(&registry);
-        let bound = granary_common::metrics::serve(addr, registry, shutdown.clone())
-            .await
-            .with_context(|| format!("serving metrics on {addr}"))?;
-        eprintln!("metrics on http://{bound}/metrics");
+        match granary_common::metrics::serve(addr, registry.clone(), shutdown.clone()).await {
+            Ok(bound) => eprintln!("metrics on http://{bound}/metrics"),
+            // The daemon this one replaces may still hold the port while it ends, and it ends
+            // only once this one serves the mount: the metrics come up when it is free.
+            Err(e) if a.handover.take_from.is_some() || a.handover.takeover.is_some() => {
+                tracing::info!(%addr, error = %e, "metrics address busy; serving metrics once it is free");
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    for _ in 0..600 {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let served = granary_common::metrics::serve(
+                            addr,
+                            registry.clone(),
+                            shutdown.clone(),
+                        );
+                        if let Ok(bound) = served.await {
+                            eprintln!("metrics on http://{bound}/metrics");
+                            return;
+                        }
+                    }
+                    tracing::warn!(%addr, "metrics address still busy after 60 s: no metrics");
+                });
+            }
+            Err(e) => return Err(e).with_context(|| format!("serving metrics on {addr}")),
+        }
     }
     let served = serve_fuse_mount(client, config, &a.handover).await;
     shutdown.cancel();

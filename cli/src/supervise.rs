@@ -161,7 +161,9 @@ fn daemon_args() -> Vec<String> {
 
 pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
     handover::kernel_can_resend().map_err(anyhow::Error::msg)?;
-    granary_fuse::check_mountpoint(&a.mount)?;
+    if a.handover.takeover.is_none() {
+        granary_fuse::check_mountpoint(&a.mount)?;
+    }
     let socket = a
         .handover
         .handover_socket
@@ -171,7 +173,7 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
     let holder_path: PathBuf = socket.with_extension(format!("holder.{}", std::process::id()));
     let listener = handover::listen(&holder_path)
         .with_context(|| format!("listening on {}", holder_path.display()))?;
-    let mountpoint = std::fs::canonicalize(&a.mount)?.display().to_string();
+    let mountpoint = handover::mount_path(&a.mount).display().to_string();
     let held = Arc::new(Mutex::new(Held::default()));
     {
         let (held, mp) = (held.clone(), mountpoint.clone());
@@ -196,8 +198,19 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
         let started = Instant::now();
         let mut child = cmd.spawn().context("starting the mount's daemon")?;
         let pid = child.id().unwrap_or(0);
+        // A dying daemon may keep a thread stuck on its own mount until a successor answers
+        // (see `handover::exited`): it counts as ended once only such threads are left.
+        let dying = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if handover::exited(pid) {
+                    break;
+                }
+            }
+        };
         let status = tokio::select! {
-            s = child.wait() => s?,
+            s = child.wait() => Some(s?),
+            _ = dying => None,
             _ = crate::servers::shutdown_signal() => {
                 // The daemon unmounts (and releases the descriptor) on SIGTERM.
                 if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
@@ -211,6 +224,21 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
         let (released, handed_over, holding) = {
             let h = lock(&held);
             (h.released, h.handed_over, h.fd.is_some())
+        };
+        let status = match status {
+            Some(s) => s,
+            // An orderly end leaves no thread stuck: its status comes at once.
+            None if released || !holding => child.wait().await?,
+            None => {
+                tokio::spawn(async move { child.wait().await }); // reaped once it ends
+                lock(&held).died_at_ms = handover::now_ms();
+                eprintln!(
+                    "granary supervisor: the mount's daemon (pid {pid}) is exiting with a thread stuck on its mount; starting another that takes the mount over"
+                );
+                restart = true;
+                quick_deaths += u32::from(started.elapsed() < QUICK);
+                continue;
+            }
         };
         if handed_over && a.handover.wait_after_handover {
             eprintln!("granary supervisor: the mount was handed to another daemon; waiting for SIGTERM (this supervisor serves and unmounts nothing)");

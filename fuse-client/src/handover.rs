@@ -75,12 +75,25 @@ pub enum HandoverError {
     Io(#[from] std::io::Error),
 }
 
+/// The mount point `p` as every daemon of the mount names it: absolute, its parent folders'
+/// links resolved — never the mount point itself, which is the FUSE mount: a daemon taking
+/// it over must not ask it anything before it serves it (nothing would answer).
+pub fn mount_path(p: &Path) -> PathBuf {
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => std::fs::canonicalize(parent)
+            .map(|d| d.join(name))
+            .unwrap_or(abs.clone()),
+        _ => abs,
+    }
+}
+
 /// The handover socket of the mount at `mountpoint` when none is given: in
 /// `/run/granary/fuse` (root) or `$XDG_RUNTIME_DIR/granary/fuse`, named by a hash of the
 /// mount point (socket paths are short).
 pub fn default_socket(mountpoint: &Path) -> PathBuf {
     use sha2::Digest;
-    let canonical = std::fs::canonicalize(mountpoint).unwrap_or_else(|_| mountpoint.to_path_buf());
+    let canonical = mount_path(mountpoint);
     let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
     let name: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     let base = if rustix::process::geteuid().is_root() {
@@ -255,12 +268,12 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
 pub fn request(
     path: &Path,
     mountpoint: &Path,
-) -> Result<(pb::FuseHandover, OwnedFd, UnixStream), HandoverError> {
+) -> Result<(pb::FuseHandover, OwnedFd, UnixStream, u32), HandoverError> {
     let s = UnixStream::connect(path).map_err(|source| HandoverError::NoDonor {
         path: path.display().to_string(),
         source,
     })?;
-    check_peer(&s)?;
+    let donor = check_peer(&s)?;
     let hello = pb::FuseHello {
         format: FORMAT,
         purpose: TAKE.into(),
@@ -276,7 +289,7 @@ pub fn request(
     if !h.refused.is_empty() {
         return Err(HandoverError::Refused(h.refused));
     }
-    let ours = std::fs::canonicalize(mountpoint).unwrap_or_else(|_| mountpoint.to_path_buf());
+    let ours = mount_path(mountpoint);
     if Path::new(&h.mountpoint) != ours {
         return Err(HandoverError::OtherMount {
             socket: path.display().to_string(),
@@ -285,7 +298,7 @@ pub fn request(
         });
     }
     let fd = fd.ok_or(HandoverError::NoDescriptor)?;
-    Ok((h, fd, s))
+    Ok((h, fd, s, donor))
 }
 
 /// Waits until the peer of `s` has closed it (the donor exits after handing over), at most
@@ -307,6 +320,41 @@ pub fn wait_closed(s: &UnixStream, limit: Duration) -> bool {
             Err(_) => return false,
         }
     }
+}
+
+/// Whether process `pid` has ended as far as its mount is concerned: gone, or exiting with
+/// every thread left stuck in the kernel (state D: none of them can read a request any
+/// more). A dying FUSE daemon can keep a thread in an uninterruptible wait on its own mount
+/// — a kernel invalidation waiting for a folder's lock held by a lookup that waits for an
+/// answer — and such a process only ends once a successor answers.
+pub fn exited(pid: u32) -> bool {
+    let state = |stat: &str| stat.rsplit_once(") ").and_then(|(_, r)| r.chars().next());
+    let Ok(leader) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    if !matches!(state(&leader), Some('Z' | 'X')) {
+        return false;
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .map(|s| matches!(state(&s), Some('Z' | 'X' | 'D')))
+            .unwrap_or(true)
+    })
+}
+
+/// Waits until the donor `pid` has ended (its end of `s` closed, or [`exited`]), at most
+/// `limit`; returns whether it did.
+pub fn wait_donor_gone(s: &UnixStream, pid: u32, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if wait_closed(s, Duration::from_millis(20)) || exited(pid) {
+            return true;
+        }
+    }
+    false
 }
 
 /// Milliseconds since the Unix epoch.

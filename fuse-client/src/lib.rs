@@ -268,9 +268,11 @@ pub fn take_over(
         source,
     };
     handover::kernel_can_resend().map_err(|e| failed(handover::HandoverError::Kernel(e)))?;
-    check_mountpoint(&config.mountpoint)?;
+    // The mount point is not looked at: it is the mount taken over, which nothing may
+    // serve yet (the donor checks that it names the same one).
     prepare(&client, config);
-    let (h, fuse, stream) = handover::request(socket, &config.mountpoint).map_err(failed)?;
+    let (h, fuse, stream, donor_pid) =
+        handover::request(socket, &config.mountpoint).map_err(failed)?;
     let mut config = config.clone();
     config.generation = (h.generation + 1) & 0xfff;
     let fs = GranaryFs::new(client.clone(), &config, runtime.clone());
@@ -280,7 +282,7 @@ pub fn take_over(
         handover::attach(fs, &fuse, &h, &session_config(&config)).map_err(|e| failed(e.into()))?;
     // The previous daemon exits once it has sent the mount; only then may the kernel send
     // again what it read and did not answer (else it could read those once more).
-    if !handover::wait_closed(&stream, Duration::from_secs(30)) {
+    if !handover::wait_donor_gone(&stream, donor_pid, Duration::from_secs(30)) {
         tracing::warn!("the previous daemon did not exit within 30 s of handing the mount over");
     }
     // Before this daemon reads any request: a request of its own in progress would be
@@ -345,8 +347,7 @@ fn serving(
     if config.read_ahead > 0 {
         set_read_ahead(&config.mountpoint, config.read_ahead);
     }
-    let mountpoint =
-        std::fs::canonicalize(&config.mountpoint).unwrap_or_else(|_| config.mountpoint.clone());
+    let mountpoint = handover::mount_path(&config.mountpoint);
     Mounted {
         session,
         fuse,
