@@ -1,4 +1,5 @@
-//! Generates the tonic/prost code from `proto/granary/v1/*.proto` with a vendored protoc,
+//! Generates the tonic/prost code from `proto/granary/v1/*.proto` (and the CSI spec's part
+//! that `granary csi` serves, `proto/csi/v1/csi.proto`) with a vendored protoc,
 //! so building Granary needs no protoc install.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -11,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/granary/v1/worker.proto",
         "proto/granary/v1/raft.proto",
         "proto/granary/v1/fuse.proto",
+        "proto/csi/v1/csi.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");

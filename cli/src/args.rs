@@ -97,6 +97,12 @@ pub enum Command {
         after_help = "Examples:\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/granary\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/ckpt --write-mode async-through --async-replicas 2\n  granary fuse --master 10.0.0.1:19998 --mount /mnt/data --read-only"
     )]
     Fuse(FuseArgs),
+    /// Serve the Kubernetes CSI node plugin: pods' volumes are folders of this node's
+    /// `granary fuse` mount, bound into each pod (docs/kubernetes.md, "Volumes for pods").
+    #[command(
+        after_help = "Volume attributes: path (the Granary folder, required), readOnly (true|false),\nwriteMode (must be the node mount's, see --write-mode).\n\nExamples:\n  granary csi --endpoint unix:///csi/csi.sock --mount /mnt/granary\n  CSI_ENDPOINT=unix:///csi/csi.sock granary csi --mount /mnt/granary --write-mode async-through"
+    )]
+    Csi(CsiArgs),
     /// Manage under-store mounts.
     #[command(subcommand)]
     Mount(MountCommand),
@@ -389,7 +395,33 @@ pub struct FuseOpts {
     pub async_replicas: u32,
 }
 
-fn write_mode(s: &str) -> Result<granary_client::WriteMode, String> {
+/// The CSI node plugin (`granary csi`).
+#[derive(Debug, Args)]
+pub struct CsiArgs {
+    /// The Unix socket the kubelet and the node-driver-registrar call: `unix:///PATH` or a
+    /// path (an existing socket there is replaced).
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+    /// This node's `granary fuse` mount point: published volumes are its folders.
+    #[arg(long, env = "GRANARY_MOUNT")]
+    pub mount: PathBuf,
+    /// The node's id reported to Kubernetes [default: GRANARY_NODE_NAME, else the hostname].
+    #[arg(long, env = "GRANARY_NODE_NAME")]
+    pub node_id: Option<String>,
+    /// The driver's name, as in the cluster's CSIDriver object.
+    #[arg(long, default_value = crate::csi::DRIVER_NAME)]
+    pub driver_name: String,
+    /// The write mode of the node's mount (its `granary fuse --write-mode`): a volume whose
+    /// writeMode attribute names another is refused. Unset: volumes may not name one.
+    #[arg(long, env = "GRANARY_WRITE_MODE", value_parser = write_mode)]
+    pub write_mode: Option<granary_client::WriteMode>,
+    /// How long a publish or unpublish may wait on the mount before it fails
+    /// (DEADLINE_EXCEEDED; the kubelet retries).
+    #[arg(long, value_parser = duration, default_value = "60s")]
+    pub op_timeout: Duration,
+}
+
+pub(crate) fn write_mode(s: &str) -> Result<granary_client::WriteMode, String> {
     s.parse()
 }
 

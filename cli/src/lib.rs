@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod args;
 pub mod config;
+pub mod csi;
 pub mod jobs;
 pub mod security;
 pub mod servers;
@@ -82,7 +83,7 @@ fn one_line(e: &anyhow::Error) -> String {
 fn secure(cli: &Cli) -> anyhow::Result<()> {
     use security::Need;
     let (needs, daemon) = match &cli.command {
-        Command::Cert(_) => return Ok(()),
+        Command::Cert(_) | Command::Csi(_) => return Ok(()),
         Command::Local(_) => return security::install_local(&cli.tls),
         Command::Master(a) if a.action.is_none() => (vec![Need::Master(a.id)], true),
         Command::Worker(a) if a.action.is_none() => (vec![Need::Node], true),
@@ -107,6 +108,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             None => servers::worker(a).await,
         },
         Command::Fuse(a) => servers::fuse(a).await,
+        Command::Csi(a) => csi::serve(a).await,
         Command::Mount(c) => admin::mount(c).await,
         Command::Fs(c) => admin::fs(c).await,
         Command::Report(a) => admin::report(a).await,

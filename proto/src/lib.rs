@@ -10,6 +10,14 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// The Container Storage Interface's Identity and Node services (the spec's package
+/// `csi.v1`), served by `granary csi` to the kubelet.
+pub mod csi {
+    pub mod v1 {
+        tonic::include_proto!("csi.v1");
+    }
+}
+
 /// The message encoding, for the framed streams that carry these messages outside gRPC
 /// (the block data plane).
 pub use prost;

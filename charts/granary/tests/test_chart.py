@@ -262,6 +262,77 @@ def check_fuse(label, values, docs):
                   f"{label}: the FUSE pod does not see the worker's tier {path}")
 
 
+def check_csi(label, values, docs):
+    """The CSI node plugin: its socket where the registrar tells the kubelet it is, binds
+    made under the kubelet's folder reaching the host (Bidirectional), the node's mount seen
+    as the FUSE pod makes it (HostToContainer), volumes held to the FUSE mount's write mode;
+    a CSIDriver that needs no attach and never chowns the namespace."""
+    csi_values = {**yaml.safe_load((CHART / "values.yaml").read_text())["csi"], **values.get("csi", {})}
+    driver = find(docs, "CSIDriver", csi_values["driverName"])
+    ds = find(docs, "DaemonSet", "-csi-node")
+    if not csi_values["enabled"]:
+        check(driver is None and ds is None, f"{label}: CSI objects rendered though csi.enabled is false")
+        return
+    if not check(driver is not None and ds is not None, f"{label}: no CSIDriver or CSI node DaemonSet"):
+        return
+    spec = driver["spec"]
+    check(spec["attachRequired"] is False and spec["fsGroupPolicy"] == "None",
+          f"{label}: the CSIDriver must need no attach and never chown: {spec}")
+    modes = spec["volumeLifecycleModes"]
+    check(modes == (["Persistent", "Ephemeral"] if csi_values["inlineVolumes"] else ["Persistent"]),
+          f"{label}: lifecycle modes {modes}")
+    _, cfg = config_of(docs)
+    pod = ds["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    c = container(ds, "csi")
+    reg = container(ds, "node-driver-registrar")
+    args = c["args"]
+    arg = lambda flag: args[args.index(flag) + 1] if flag in args else None
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    sock = arg("--endpoint").removeprefix("unix://")
+    sock_dir = mounts.get(os.path.dirname(sock))
+    plugin_dir = f'{csi_values["kubeletDir"]}/plugins/{csi_values["driverName"]}'
+    check(sock_dir is not None and vols[sock_dir["name"]]["hostPath"]["path"] == plugin_dir,
+          f"{label}: the CSI socket {sock} is not in the host's {plugin_dir}")
+    check(f"--kubelet-registration-path={plugin_dir}/csi.sock" in reg["args"]
+          and f"--csi-address={sock}" in reg["args"],
+          f"{label}: the registrar does not register the plugin's socket: {reg['args']}")
+    regmounts = {m["mountPath"]: m["name"] for m in reg["volumeMounts"]}
+    check(vols[regmounts.get("/registration", "?")]["hostPath"]["path"] == f'{csi_values["kubeletDir"]}/plugins_registry'
+          if "/registration" in regmounts else False, f"{label}: the registrar cannot reach plugins_registry")
+    kubelet = mounts.get(csi_values["kubeletDir"])
+    check(kubelet is not None and kubelet.get("mountPropagation") == "Bidirectional",
+          f"{label}: binds into pods' folders would not reach the host")
+    at = cfg["fuse"]["mount"]
+    check(arg("--mount") == at and mounts.get(at, {}).get("mountPropagation") == "HostToContainer"
+          and vols[mounts[at]["name"]]["hostPath"]["path"] == at,
+          f"{label}: the plugin does not see the node's mount {at} as the FUSE pod makes it")
+    check(arg("--write-mode") == cfg["fuse"]["write-mode"] and arg("--driver-name") == csi_values["driverName"],
+          f"{label}: the plugin's write mode or driver name differs from the chart's: {args}")
+    check(c["securityContext"].get("privileged") is True, f"{label}: the CSI plugin cannot mount")
+    check(pod.get("nodeSelector") == find(docs, "DaemonSet", "-fuse")["spec"]["template"]["spec"].get("nodeSelector"),
+          f"{label}: the CSI plugin does not run on the FUSE mount's nodes")
+
+
+def check_examples():
+    """The example manifests validate, and name the chart's driver."""
+    driver = yaml.safe_load((CHART / "values.yaml").read_text())["csi"]["driverName"]
+    for path in sorted((CHART / "examples").glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        label = f"examples/{path.name}"
+        validate_kubernetes(label, docs)
+        pvs = [d for d in docs if d["kind"] == "PersistentVolume"]
+        check(len(pvs) >= 1, f"{label}: no PersistentVolume")
+        for pv in pvs:
+            check(pv["spec"]["csi"]["driver"] == driver and pv["spec"]["csi"]["volumeAttributes"]["path"].startswith("/"),
+                  f"{label}: {pv['metadata']['name']} does not name the driver and a Granary folder")
+        claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        pods = [d for d in docs if d["kind"] == "Pod"]
+        check(bool(pods) and all(v["persistentVolumeClaim"]["claimName"] in claims
+                                 for p in pods for v in p["spec"]["volumes"] if "persistentVolumeClaim" in v),
+              f"{label}: a pod uses a claim the example does not make")
+
+
 def check_secrets(label, values, docs):
     """No Secret value in any ConfigMap; credentials reach the setup Job only by reference."""
     secrets = []
@@ -304,6 +375,8 @@ def granary_commands(docs):
             continue
         for c in d["spec"]["template"]["spec"]["containers"]:
             where = f'{d["kind"]} {d["metadata"]["name"]}/{c["name"]}'
+            if c["name"] == "node-driver-registrar":
+                continue  # Kubernetes' sidecar, not granary
             if "command" not in c:
                 out.append((where, c.get("args", [])))  # the image's entrypoint is granary
                 continue
@@ -347,6 +420,7 @@ def check_refusals(granary_bin):
          "invalid propertyName 'secret_access_key'"),
         ({"fuse": {"writeMode": "write-back"}}, "/fuse/writeMode"),
         ({"master": {"replicaz": 3}}, "replicaz"),
+        ({"csi": {"driverName": "Granary CSI"}}, "/csi/driverName"),
     ]
     for values, where in bad:
         try:
@@ -384,6 +458,7 @@ def main():
         check_masters(name, values, docs)
         check_worker(name, values, docs)
         check_fuse(name, values, docs)
+        check_csi(name, values, docs)
         check_secrets(name, values, docs)
         check_commands(name, docs, granary_bin)
         kinds = sorted({d["kind"] for d in docs})
@@ -391,6 +466,7 @@ def main():
               f"{'ok' if len(FAILURES) == before else 'FAILED'}")
     check_refusals(granary_bin)
     check_dashboard()
+    check_examples()
     for f in FAILURES:
         print("FAIL:", f)
     print(f"{len(sets)} value sets, {len(FAILURES)} failures")
