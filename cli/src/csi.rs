@@ -182,7 +182,7 @@ impl csi::node_server::Node for Plugin {
         let t = target.clone();
         self.run(&target, move || publish(&mount, &volume, &t))
             .await?;
-        tracing::info!(volume = %id, target = %target.display(), "volume published");
+        tracing::info!(volume = ?id, target = ?target, "volume published");
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
     }
 
@@ -197,7 +197,7 @@ impl csi::node_server::Node for Plugin {
         let target = target_path(&r.target_path)?;
         let t = target.clone();
         self.run(&target, move || unpublish(&t)).await?;
-        tracing::info!(volume = %r.volume_id, target = %target.display(), "volume unpublished");
+        tracing::info!(volume = ?r.volume_id, target = ?target, "volume unpublished");
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
     }
 
@@ -393,6 +393,9 @@ fn target_path(path: &str) -> Result<PathBuf, Status> {
     }
     if !path.starts_with('/') || path.contains('\0') {
         return bad("must be an absolute path");
+    }
+    if path.len() > granary_common::paths::MAX_PATH_LEN {
+        return bad("is longer than 4096 bytes");
     }
     let p = Path::new(path);
     if p.components()
@@ -780,7 +783,8 @@ mod tests {
             target_path("/var/lib/kubelet/x/mount/").unwrap(),
             PathBuf::from("/var/lib/kubelet/x/mount")
         );
-        for bad in ["", "relative/x", "/a/../b", "/a/./b", "/", "/a\0b"] {
+        let long = format!("/{}", "x/".repeat(2100));
+        for bad in ["", "relative/x", "/a/../b", "/a/./b", "/", "/a\0b", &long] {
             assert_eq!(
                 target_path(bad).unwrap_err().code(),
                 Code::InvalidArgument,
