@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use granary_client::WriteMode;
+use granary_common::paths::shown;
 use granary_proto::csi::v1 as csi;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
@@ -100,15 +101,21 @@ fn endpoint_path(endpoint: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Listens on `socket`, owner-only (the kubelet and the registrar run as root); a socket
-/// left by an earlier plugin is replaced, anything else there is an error.
+/// left by a plugin that is gone is replaced; one that answers, or anything else there, is
+/// an error.
 fn bind(socket: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     match std::fs::symlink_metadata(socket) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(socket)
-            .with_context(|| format!("removing the old socket {}", socket.display()))?,
+        Ok(m) if m.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+                anyhow::bail!("another plugin listens on {}", socket.display());
+            }
+            std::fs::remove_file(socket)
+                .with_context(|| format!("removing the old socket {}", socket.display()))?
+        }
         Ok(_) => anyhow::bail!("{} exists and is not a socket", socket.display()),
         Err(_) => {}
     }
@@ -155,7 +162,9 @@ impl csi::identity_server::Identity for Plugin {
         &self,
         _: Request<csi::ProbeRequest>,
     ) -> Result<Response<csi::ProbeResponse>, Status> {
-        let ready = node_mount(&self.mount).is_ok();
+        let ready = mounts()
+            .and_then(|all| node_mount(&all, &self.mount))
+            .is_ok();
         Ok(Response::new(csi::ProbeResponse {
             ready: Some(csi::BoolValue { value: ready }),
         }))
@@ -323,7 +332,8 @@ impl Volume {
                 "noexec" => no_exec = true,
                 other => {
                     return bad(format!(
-                        "mount option {other:?} is not supported (ro, rw, noexec, nosuid, nodev)"
+                        "mount option {:?} is not supported (ro, rw, noexec, nosuid, nodev)",
+                        shown(other)
                     ))
                 }
             }
@@ -335,14 +345,19 @@ impl Volume {
                 "readOnly" => match value.as_str() {
                     "true" => read_only = true,
                     "false" => {}
-                    v => return bad(format!("readOnly must be true or false, not {v:?}")),
+                    v => {
+                        return bad(format!(
+                            "readOnly must be true or false, not {:?}",
+                            shown(v)
+                        ))
+                    }
                 },
                 "writeMode" => check_write_mode(value, node_mode)?,
                 k if k.starts_with(K8S_ATTRIBUTE) => {}
                 k => {
                     return bad(format!(
                         "unknown volume attribute {:?} (path, readOnly, writeMode)",
-                        granary_common::paths::shown(k)
+                        shown(k)
                     ))
                 }
             }
@@ -361,9 +376,12 @@ impl Volume {
 }
 
 fn check_write_mode(value: &str, node_mode: Option<WriteMode>) -> Result<(), Status> {
-    let wanted: WriteMode = value
-        .parse()
-        .map_err(|e: String| Status::invalid_argument(format!("writeMode: {e}")))?;
+    let wanted: WriteMode = value.parse().map_err(|_| {
+        Status::invalid_argument(format!(
+            "writeMode {:?} is not cache-through, async-through, must-cache or through",
+            shown(value)
+        ))
+    })?;
     match node_mode {
         Some(m) if m == wanted => Ok(()),
         Some(m) => Err(Status::failed_precondition(format!(
@@ -385,7 +403,7 @@ fn target_path(path: &str) -> Result<PathBuf, Status> {
     let bad = |why: &str| {
         Err(Status::invalid_argument(format!(
             "target_path {:?} {why}",
-            granary_common::paths::shown(path)
+            shown(path)
         )))
     };
     if path.is_empty() {
@@ -487,9 +505,9 @@ fn mounted_at<'a>(all: &'a [MountEntry], point: &Path) -> Option<&'a MountEntry>
     all.iter().rev().find(|m| m.point == point)
 }
 
-/// The node's Granary mount, or UNAVAILABLE (the kubelet retries the publish).
-fn node_mount(mount: &Path) -> Result<MountEntry, Status> {
-    match mounted_at(&mounts()?, mount) {
+/// The node's Granary mount among `all`, or UNAVAILABLE (the kubelet retries the publish).
+fn node_mount(all: &[MountEntry], mount: &Path) -> Result<MountEntry, Status> {
+    match mounted_at(all, mount) {
         Some(m) if m.is_granary() => Ok(m.clone()),
         _ => Err(Status::unavailable(format!(
             "{} is not a Granary mount (is this node's granary fuse running?)",
@@ -501,9 +519,10 @@ fn node_mount(mount: &Path) -> Result<MountEntry, Status> {
 /// Binds the volume's folder of the node's mount at `target`; done already is success,
 /// another volume there is ALREADY_EXISTS.
 fn publish(mount: &Path, volume: &Volume, target: &Path) -> Result<(), Status> {
-    let node = node_mount(mount)?;
+    let all = mounts()?;
+    let node = node_mount(&all, mount)?;
     let wanted_root = format!("/{}", volume.path);
-    if let Some(there) = mounted_at(&mounts()?, target) {
+    if let Some(there) = mounted_at(&all, target) {
         if there.device == node.device && there.root == wanted_root {
             if there.read_only == volume.read_only {
                 return Ok(());
@@ -742,6 +761,52 @@ mod tests {
             m.mount_flags = vec!["suid".into()];
         }
         assert_eq!(code(&r, None), Code::InvalidArgument);
+    }
+
+    #[test]
+    fn refusals_echo_at_most_a_short_part_of_what_was_sent() {
+        let huge = "x".repeat(1 << 20);
+        for attrs in [
+            vec![("path", "/d"), ("readOnly", huge.as_str())],
+            vec![("path", "/d"), ("writeMode", huge.as_str())],
+            vec![("path", "/d"), (huge.as_str(), "1")],
+            vec![("path", huge.as_str())],
+        ] {
+            let e = Volume::from_request(&request(&attrs), None).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().len() < 1024, "{} bytes", e.message().len());
+        }
+        let mut r = request(&[("path", "/d")]);
+        if let Some(AccessType::Mount(m)) = &mut r.volume_capability.as_mut().unwrap().access_type {
+            m.mount_flags = vec![huge.clone()];
+        }
+        let e = Volume::from_request(&r, None).unwrap_err();
+        assert!(e.message().len() < 1024);
+        let e = target_path(&format!("/{huge}")).unwrap_err();
+        assert!(e.message().len() < 1024);
+    }
+
+    #[test]
+    fn a_second_operation_on_a_target_in_progress_is_aborted() {
+        let plugin = Plugin {
+            driver: DRIVER_NAME.into(),
+            node_id: "n".into(),
+            mount: "/mnt/g".into(),
+            write_mode: None,
+            op_timeout: Duration::from_secs(1),
+            busy: Default::default(),
+        };
+        let t = Path::new("/k/pods/p/mount");
+        let first = Claim::take(&plugin, t).unwrap();
+        assert_eq!(
+            Claim::take(&plugin, t).err().map(|s| s.code()),
+            Some(Code::Aborted)
+        );
+        let other = Claim::take(&plugin, Path::new("/k/pods/q/mount")).unwrap();
+        drop(first);
+        drop(other);
+        drop(Claim::take(&plugin, t).unwrap());
+        assert!(plugin.busy.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -390,4 +390,17 @@ fn a_publish_the_nodes_identity_may_not_read_is_refused() {
     assert_eq!(sha_of(&ta.join("s.bin")), sha_of(&src.join("team-a/s.bin")));
     plugin.unpublish(&ta).unwrap();
     assert!(mount_of(&ta).is_none());
+
+    // A second plugin on the socket of one that answers is refused; the first serves on.
+    let endpoint = format!("unix://{}", root.join("csi-a/csi.sock").display());
+    let m = fuse.mountpoint.display().to_string();
+    let second = granary(&["csi", "--endpoint", &endpoint, "--mount", &m]);
+    assert_eq!(second.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("another plugin listens on"), "{err}");
+    let mut identity = plugin.identity.clone();
+    assert!(plugin
+        .rt
+        .block_on(identity.probe(csi::ProbeRequest {}))
+        .is_ok());
 }
