@@ -234,6 +234,9 @@ async fn serve_fuse_mount(
     if let Some(holder) = &h.holder_socket {
         crate::supervise::hold(holder, &mounted)
             .with_context(|| format!("giving the mount's descriptor to {}", holder.display()))?;
+        if let Err(e) = crate::supervise::mirror(holder, &mounted) {
+            tracing::warn!(holder = %holder.display(), error = %e, "cannot tell the supervisor about passthrough backing files: after a crash, files open in passthrough may fail to open again until closed");
+        }
     }
     // A successor may take the mount over (where the kernel can resend; else say why not).
     let handed = match handover::kernel_can_resend() {

@@ -9,6 +9,7 @@
 //! start is given up after [`MAX_QUICK_DEATHS`]: the holder then lets the descriptor go, the
 //! kernel fails what waits on the mount, and the holder unmounts it and exits with an error.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -37,7 +38,17 @@ struct Held {
     handed_over: bool,
     /// When the last daemon died (ms since the epoch), for its successor's report.
     died_at_ms: u64,
+    /// The serving daemon's passthrough backing files as it mirrors them (kernel id →
+    /// backing): a successor after a crash is given them.
+    backings: HashMap<u32, pb::FuseBacking>,
+    /// The latest mirror connection, until its end was read, and its number.
+    mirror: Option<UnixStream>,
+    mirror_conn: u64,
 }
+
+/// Backing files a holder keeps track of, at most (a daemon parks at most 65,536, and has
+/// as many more as files are open in passthrough); beyond it new ones are not recorded.
+const MAX_MIRRORED: usize = 1 << 20;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -56,6 +67,23 @@ pub fn hold(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
         handed_over: false,
     };
     handover::send(&s, &hello, Some(m.fuse.as_fd()))?;
+    Ok(())
+}
+
+/// Mirrors the daemon's passthrough backing files to the holder on `holder` from now on
+/// (see `granary_fuse::backing`): after a crash its successor uses the same ones.
+pub fn mirror(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
+    let s = UnixStream::connect(holder)?;
+    handover::check_peer(&s)?;
+    let hello = pb::FuseHello {
+        format: handover::FORMAT,
+        purpose: handover::MIRROR.into(),
+        pid: std::process::id(),
+        session: None,
+        handed_over: false,
+    };
+    handover::send(&s, &hello, None)?;
+    m.donor.mirror_to(s);
     Ok(())
 }
 
@@ -91,7 +119,87 @@ fn serve(listener: std::os::unix::net::UnixListener, held: Arc<Mutex<Held>>, mou
     }
 }
 
-fn serve_one(s: &UnixStream, held: &Mutex<Held>, mountpoint: &str) -> anyhow::Result<()> {
+/// Reads a daemon's mirror connection `s` (number `conn`) until it ends or a newer one
+/// replaces it.
+fn mirror_loop(s: UnixStream, held: Arc<Mutex<Held>>, conn: u64) {
+    let mut one = [0u8; 1];
+    loop {
+        let _ = s.set_read_timeout(None);
+        // Waits for bytes without taking them: they are read with the state locked, so a
+        // successor's "take" (which drains the connection first) sees all of them.
+        match rustix::net::recv(&s, &mut one, rustix::net::RecvFlags::PEEK) {
+            Ok((_, n)) if n > 0 => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => break,
+        }
+        let mut h = lock(&held);
+        if h.mirror_conn != conn {
+            return;
+        }
+        if let Err(e) = drain_mirror(&s, &mut h) {
+            tracing::warn!(error = %e, "the daemon's mirror of passthrough backing files broke off");
+            break;
+        }
+    }
+    let mut h = lock(&held);
+    if h.mirror_conn == conn {
+        h.mirror = None;
+    }
+}
+
+/// Applies what waits on mirror connection `s` (with the state locked).
+fn drain_mirror(s: &UnixStream, h: &mut Held) -> std::io::Result<()> {
+    while rustix::io::ioctl_fionread(s)? > 0 {
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let (m, _): (pb::FuseMirror, _) = handover::recv(s)?;
+        apply_mirror(&mut h.backings, m);
+    }
+    Ok(())
+}
+
+fn apply_mirror(backings: &mut HashMap<u32, pb::FuseBacking>, m: pb::FuseMirror) {
+    if m.snapshot {
+        backings.clear();
+    }
+    for b in m.registered {
+        if backings.len() < MAX_MIRRORED || backings.contains_key(&b.backing_id) {
+            backings.insert(b.backing_id, b);
+        }
+    }
+    for e in m.opened {
+        if let Some(b) = backings.get_mut(&e.backing_id) {
+            b.handles.push(e.fh);
+            b.leases.extend(e.leases);
+        }
+    }
+    for e in m.released {
+        if let Some(b) = backings.get_mut(&e.backing_id) {
+            b.handles.retain(|h| *h != e.fh);
+        }
+    }
+    for id in m.closed {
+        backings.remove(&id);
+    }
+}
+
+/// The backing files a successor after a crash takes on: those whose handles are counted
+/// with their handles, the others as orphans (`FuseBacking::opens_unknown`).
+fn crashed_backings(backings: &HashMap<u32, pb::FuseBacking>) -> Vec<pb::FuseBacking> {
+    backings
+        .values()
+        .map(|b| {
+            let mut b = b.clone();
+            b.opens = if b.opens_unknown {
+                0
+            } else {
+                u32::try_from(b.handles.len()).unwrap_or(u32::MAX)
+            };
+            b
+        })
+        .collect()
+}
+
+fn serve_one(s: &UnixStream, held: &Arc<Mutex<Held>>, mountpoint: &str) -> anyhow::Result<()> {
     handover::check_peer(s)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let (hello, fd): (pb::FuseHello, _) = handover::recv(s)?;
@@ -124,14 +232,38 @@ fn serve_one(s: &UnixStream, held: &Mutex<Held>, mountpoint: &str) -> anyhow::Re
             h.released = true;
             h.handed_over = hello.handed_over;
         }
+        handover::MIRROR => {
+            let mut h = lock(held);
+            h.mirror_conn += 1;
+            let conn = h.mirror_conn;
+            let (a, b) = (s.try_clone()?, s.try_clone()?);
+            h.mirror = Some(a);
+            drop(h);
+            let held = held.clone();
+            std::thread::Builder::new()
+                .name("granary-mirror".into())
+                .spawn(move || mirror_loop(b, held, conn))?;
+        }
         handover::TAKE => {
-            let h = lock(held);
+            let mut h = lock(held);
+            // Everything the dead daemon wrote before it died is read first.
+            if let Some(m) = h.mirror.take() {
+                if let Err(e) = drain_mirror(&m, &mut h) {
+                    tracing::warn!(error = %e, "the dead daemon's mirror of passthrough backing files ends in a broken message");
+                }
+                h.mirror_conn += 1;
+            }
             let answer = match (&h.fd, &h.session) {
                 (Some(fd), Some(session)) if !h.released => {
                     let mut a = session.clone();
                     a.format = handover::FORMAT;
                     a.mountpoint = mountpoint.to_string();
                     a.paused_at_ms = h.died_at_ms;
+                    a.backings = crashed_backings(&h.backings);
+                    tracing::info!(
+                        backings = a.backings.len(),
+                        "handing the mount to a new daemon"
+                    );
                     handover::send(s, &a, Some(fd.as_fd()))
                 }
                 _ => handover::send(
@@ -277,5 +409,109 @@ pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(200 << quick_deaths.min(5))).await;
         }
         restart = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backing(id: u32, inode: u64, handles: &[u64], unknown: bool) -> pb::FuseBacking {
+        pb::FuseBacking {
+            inode,
+            version: 1,
+            backing_id: id,
+            opens: handles.len() as u32,
+            opens_unknown: unknown,
+            handles: handles.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn leases(id: u64) -> pb::FuseLeases {
+        pb::FuseLeases {
+            worker: Some(pb::WorkerInfo::default()),
+            blocks: vec![pb::BlockId::default()],
+            lease_ids: vec![id],
+        }
+    }
+
+    #[test]
+    fn the_mirror_follows_a_daemons_backing_files_and_a_crash_successor_gets_them() {
+        let mut m = HashMap::new();
+        apply_mirror(
+            &mut m,
+            pb::FuseMirror {
+                snapshot: true,
+                registered: vec![backing(1, 10, &[100], false), backing(2, 20, &[], true)],
+                ..Default::default()
+            },
+        );
+        // A second handle on 1 with its lease, a third that is released, 2 closed.
+        for (opened, released) in [(Some(101), None), (Some(102), None), (None, Some(100))] {
+            apply_mirror(
+                &mut m,
+                pb::FuseMirror {
+                    opened: opened
+                        .map(|fh| pb::FuseHandleEvent {
+                            backing_id: 1,
+                            fh,
+                            leases: Some(leases(fh)),
+                        })
+                        .into_iter()
+                        .collect(),
+                    released: released
+                        .map(|fh| pb::FuseHandleEvent {
+                            backing_id: 1,
+                            fh,
+                            leases: None,
+                        })
+                        .into_iter()
+                        .collect(),
+                    ..Default::default()
+                },
+            );
+        }
+        apply_mirror(
+            &mut m,
+            pb::FuseMirror {
+                registered: vec![backing(3, 30, &[], true)],
+                closed: vec![2],
+                ..Default::default()
+            },
+        );
+        // Events of ids it does not know change nothing.
+        apply_mirror(
+            &mut m,
+            pb::FuseMirror {
+                opened: vec![pb::FuseHandleEvent {
+                    backing_id: 9,
+                    fh: 5,
+                    leases: None,
+                }],
+                closed: vec![8],
+                ..Default::default()
+            },
+        );
+        let mut got = crashed_backings(&m);
+        got.sort_by_key(|b| b.backing_id);
+        assert_eq!(got.len(), 2);
+        assert_eq!((got[0].backing_id, got[0].opens), (1, 2));
+        assert_eq!(got[0].handles, vec![101, 102]);
+        assert_eq!(got[0].leases.len(), 2);
+        assert!(!got[0].opens_unknown);
+        // A parked kind: its handles are not counted; the successor keeps it as an orphan.
+        assert_eq!((got[1].backing_id, got[1].opens), (3, 0));
+        assert!(got[1].opens_unknown);
+        // A new daemon's snapshot replaces all of it.
+        apply_mirror(
+            &mut m,
+            pb::FuseMirror {
+                snapshot: true,
+                registered: vec![backing(7, 70, &[1], false)],
+                ..Default::default()
+            },
+        );
+        assert_eq!(m.keys().copied().collect::<Vec<_>>(), vec![7]);
     }
 }

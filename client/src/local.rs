@@ -524,6 +524,31 @@ impl Parkable {
         })
     }
 
+    /// A block file known by its path and identity (`st_dev`, `st_ino`), due for its next
+    /// check at `until` (a parked backing file a previous daemon of the mount described).
+    pub fn from_parts(path: PathBuf, dev: u64, ino: u64, until: Instant) -> Self {
+        Self {
+            until,
+            path,
+            dev,
+            ino,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The block file's identity: (`st_dev`, `st_ino`).
+    pub fn identity(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
+    /// Whether `other` is the same block file (not one put in its place since).
+    pub fn same_file(&self, other: &Parkable) -> bool {
+        self.identity() == other.identity()
+    }
+
     /// Not due for a new check yet.
     pub fn usable(&self, now: Instant) -> bool {
         now < self.until

@@ -684,7 +684,7 @@ impl Filesystem for GranaryFs {
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         if let Some(inode) = lock(&self.passthrough_fhs).remove(&fh.0) {
-            let leases = lock(&self.backings).close(inode);
+            let leases = lock(&self.backings).close(inode, fh.0);
             if !leases.is_empty() {
                 let _rt = self.rt.enter(); // the lease releases are sent from tasks
                 for handle in leases {
@@ -1221,13 +1221,18 @@ impl GranaryFs {
             version: s.version,
             index: 0,
         };
-        let backing =
-            lock(&self.backings).open(&self.passthrough, (s.inode, s.version), &reply, 0, || {
+        let backing = lock(&self.backings).open(
+            &self.passthrough,
+            (s.inode, s.version),
+            &reply,
+            (fh, 0),
+            || {
                 self.client
                     .short_circuit
                     .kept_for_passthrough(&id)
                     .map(|(f, park)| (f, Some(park)))
-            });
+            },
+        );
         let Some(backing) = backing else {
             return Some(reply);
         };
@@ -1421,9 +1426,10 @@ impl Passthrough {
     ) -> Option<ReplyOpen> {
         let fh = tagged(fh, s.version);
         // A backing file parked since an earlier open.
-        let parked = lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, 0, || {
-            None::<(std::fs::File, Option<granary_client::local::Parkable>)>
-        });
+        let parked =
+            lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, (fh, 0), || {
+                None::<(std::fs::File, Option<granary_client::local::Parkable>)>
+            });
         if let Some(id) = parked {
             lock(&self.fhs).insert(fh, s.inode);
             client.count_passthrough_open(s, None);
@@ -1437,10 +1443,13 @@ impl Passthrough {
         let Some(pf) = client.open_passthrough(s).await else {
             return Some(reply);
         };
-        let id =
-            lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, pf.handle, || {
-                Some((&pf.file, pf.park.clone()))
-            });
+        let id = lock(&self.backings).open(
+            &self.on,
+            (s.inode, s.version),
+            &reply,
+            (fh, pf.handle),
+            || Some((&pf.file, pf.park.clone())),
+        );
         let Some(id) = id else {
             client.close_passthrough(pf.handle);
             return Some(reply);

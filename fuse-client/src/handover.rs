@@ -39,6 +39,7 @@ pub const FORMAT: u32 = 1;
 pub const TAKE: &str = "take";
 pub const HOLD: &str = "hold";
 pub const RELEASE: &str = "release";
+pub const MIRROR: &str = "mirror";
 
 /// First bytes of a message: with a descriptor beside it, or without.
 const MARK_FD: [u8; 4] = *b"GFD1";
@@ -157,6 +158,55 @@ pub fn send<M: Message>(
     w.write_all(&len.to_le_bytes())?;
     w.write_all(&body)?;
     w.flush()
+}
+
+/// Sends `msg` on `s` in one write when it fits the socket's buffer (a sender killed
+/// between two writes would leave a message cut short, which the receiver drops whole).
+fn send_whole<M: Message>(s: &UnixStream, msg: &M) -> std::io::Result<()> {
+    let body = msg.encode_to_vec();
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|&n| n <= MAX_MESSAGE)
+        .ok_or_else(|| std::io::Error::other("handover message too large"))?;
+    let mut buf = Vec::with_capacity(8 + body.len());
+    buf.extend_from_slice(&MARK_NONE);
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(&body);
+    let mut w = s;
+    w.write_all(&buf)
+}
+
+/// A daemon's connection to its descriptor holder that mirrors its passthrough backing
+/// files ([`pb::FuseMirror`]); see `crate::backing`. Each message is written before the
+/// kernel is answered, so a holder knows every backing file the kernel may hand to a handle
+/// of a daemon that died. A connection that fails is given up with a warning: the mount
+/// goes on, and a successor after a crash registers new backing files (an inode still read
+/// through a dead daemon's backing file then fails to open with EBUSY until its last such
+/// handle closes).
+pub struct Mirror {
+    s: Mutex<Option<UnixStream>>,
+}
+
+impl Mirror {
+    pub fn new(s: UnixStream) -> Self {
+        // A holder that stops reading must not stall the mount: a send that cannot finish
+        // gives the mirror up.
+        if let Err(e) = s.set_write_timeout(Some(Duration::from_secs(5))) {
+            tracing::warn!(error = %e, "cannot bound writes to the mount's supervisor");
+        }
+        Self {
+            s: Mutex::new(Some(s)),
+        }
+    }
+
+    pub fn send(&self, m: &pb::FuseMirror) {
+        let mut g = lock(&self.s);
+        let Some(s) = g.as_ref() else { return };
+        if let Err(e) = send_whole(s, m) {
+            tracing::warn!(error = %e, "the mount's supervisor no longer hears of passthrough backing files: after a crash, files open in passthrough may fail to open again until closed");
+            *g = None;
+        }
+    }
 }
 
 /// Receives a message from `s`, and the descriptor sent beside it.

@@ -440,12 +440,35 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
         "the daemon runs as the supervisor's child"
     );
     sh(&format!("cat '{}'/s*/* > /dev/null", data.display())).unwrap();
+    // The big file cached: it opens in passthrough from now on.
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    let metrics = fuse.metrics.clone().unwrap();
 
     let mut loader = Script::start("loader", LOADER, &[&manifest.display().to_string()]);
     loader.expect("pass", Duration::from_secs(120));
     let cold = data.join("big/cold.bin").display().to_string();
     let mut reader = Script::start("reader", HOLD, &[&cold]);
     reader.expect("half", Duration::from_secs(60));
+    // Files open in passthrough across the crash: the big one (under leases) and a sample
+    // (its backing file parked between opens).
+    let opens = metric_at(&metrics, "granary_client_passthrough_opens_total");
+    let cached = data.join("big/cached.bin").display().to_string();
+    let mut pt = Script::start("passthrough reader", HOLD, &[&cached]);
+    pt.expect("half", Duration::from_secs(60));
+    let sample = data.join("s1/f001.bin");
+    let mut pt_small = Script::start(
+        "passthrough sample reader",
+        HOLD,
+        &[&sample.display().to_string()],
+    );
+    pt_small.expect("half", Duration::from_secs(60));
+    assert!(
+        metric_at(&metrics, "granary_client_passthrough_opens_total") >= opens + 2.0,
+        "the held files did not open in passthrough"
+    );
     let out = data.join("out.bin").display().to_string();
     let mut writer = Script::start("writer", WRITER, &[&out]);
     writer.expect("wrote", Duration::from_secs(60));
@@ -485,6 +508,49 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
         reader.expect("sha", Duration::from_secs(60)),
         sha_of(&src.join("big/cold.bin"))
     );
+    // Files a handle of the killed daemon still reads in passthrough open again (the
+    // kernel takes only the backing file it already has for them: the supervisor kept
+    // track of it), and those handles read on.
+    let text = fuse.proc.log_text();
+    let handed = text
+        .lines()
+        .find(|l| l.contains("handing the mount to a new daemon"))
+        .unwrap_or_else(|| panic!("no handover in the supervisor's log:\n{text}"));
+    assert!(!handed.contains("backings=0"), "{handed}");
+    assert_eq!(sha_of(&sample), sha_of(&src.join("s1/f001.bin")));
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    // A second crash: the new daemon told the supervisor what it took on, so the next one
+    // has it too.
+    sh(&format!("kill -9 {}", daemon_pid(&line))).unwrap();
+    poll("a second takeover", Duration::from_secs(60), || {
+        let text = fuse.proc.log_text();
+        text.lines()
+            .any(|l| l.contains("granary took over the mount") && l.contains("generation 2"))
+            .then_some(())
+    })
+    .unwrap();
+    assert_eq!(sha_of(&sample), sha_of(&src.join("s1/f001.bin")));
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    pt.send("go");
+    assert_eq!(
+        pt.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    pt_small.send("go");
+    assert_eq!(
+        pt_small.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("s1/f001.bin"))
+    );
+    assert_eq!(
+        sha_of(&data.join("big/cached.bin")),
+        sha_of(&src.join("big/cached.bin"))
+    );
     loader.send("stop");
     loader.expect("ok", Duration::from_secs(120));
     // The writer's bytes died with the daemon: its next write fails with EIO, and the file
@@ -497,13 +563,12 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
         "a file written only in part shows as complete: {shown:?}"
     );
     // The new daemon serves metrics on the same address once the killed one has let it go.
-    let metrics = fuse.metrics.clone().unwrap();
     poll("the new daemon's metrics", Duration::from_secs(30), || {
         let text = scrape(&metrics).ok()?;
         (metric(&text, "granary_client_fuse_takeovers_total") == Some(1.0)).then_some(())
     })
     .unwrap();
-    assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 1.0);
+    assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 2.0);
 
     // SIGTERM to the supervisor unmounts and ends both.
     assert_eq!(

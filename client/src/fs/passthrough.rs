@@ -195,6 +195,19 @@ impl FileSystem {
         })
     }
 
+    /// What the leases of a file open in passthrough (`handle`) hold, for the mount's
+    /// descriptor holder: a successor after a crash renews and releases them.
+    pub fn passthrough_leases(&self, handle: u64) -> Option<pb::FuseLeases> {
+        let held = lock(&self.held);
+        let h = held.get(&handle)?;
+        let (blocks, lease_ids) = h.leases.iter().cloned().unzip();
+        Some(pb::FuseLeases {
+            worker: Some(h.worker.clone()),
+            blocks,
+            lease_ids,
+        })
+    }
+
     /// Takes over leases a previous daemon of the mount held for a file open in passthrough
     /// (renewed from now on as if this process had taken them); returns their handle.
     pub fn adopt_passthrough_leases(&self, l: pb::FuseLeases) -> Option<u64> {

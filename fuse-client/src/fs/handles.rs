@@ -142,6 +142,13 @@ impl GranaryFs {
                 }
             }
         }
+        // Handles open in passthrough on counted backings (after a crash, only these are
+        // known: the holder's mirror).
+        for b in &h.backings {
+            for fh in &b.handles {
+                fhs.insert(*fh, b.inode);
+            }
+        }
         drop((files, fhs));
         adopt_backings(&self.client, &self.backings, h);
     }
@@ -161,11 +168,14 @@ fn adopt_backings(
             version: b.version,
             id: b.backing_id,
             opens: b.opens as usize,
+            handles: b.handles.clone(),
             leases: b
                 .leases
                 .iter()
                 .filter_map(|l| client.adopt_passthrough_leases(l.clone()))
                 .collect(),
+            orphan: b.opens_unknown,
+            park: crate::backing::park_of(b),
         })
         .collect();
     lock(backings).adopt(adopted);
@@ -200,6 +210,15 @@ impl Donor {
         Some(h)
     }
 
+    /// Tells the mount's descriptor holder on `s` about this daemon's passthrough backing
+    /// files from now on (see `crate::backing`).
+    pub fn mirror_to(&self, s: std::os::unix::net::UnixStream) {
+        let client = self.client.clone();
+        let describe: crate::backing::Describe =
+            Arc::new(move |handle| client.passthrough_leases(handle));
+        lock(&self.backings).set_mirror(crate::handover::Mirror::new(s), describe);
+    }
+
     /// Takes back the backing files and leases of a handover that did not reach its
     /// successor.
     pub fn take_back(&self, h: &pb::FuseHandover) {
@@ -225,16 +244,23 @@ impl Donor {
         let adopted = lock(&self.backings).hand_over();
         h.backings = adopted
             .into_iter()
-            .map(|a| pb::FuseBacking {
-                inode: a.inode,
-                version: a.version,
-                backing_id: a.id,
-                opens: u32::try_from(a.opens).unwrap_or(u32::MAX),
-                leases: a
-                    .leases
-                    .iter()
-                    .filter_map(|l| self.client.hand_over_passthrough_leases(*l))
-                    .collect(),
+            .map(|a| {
+                let mut b = pb::FuseBacking {
+                    inode: a.inode,
+                    version: a.version,
+                    backing_id: a.id,
+                    opens: u32::try_from(a.opens).unwrap_or(u32::MAX),
+                    leases: a
+                        .leases
+                        .iter()
+                        .filter_map(|l| self.client.hand_over_passthrough_leases(*l))
+                        .collect(),
+                    opens_unknown: a.orphan,
+                    handles: a.handles,
+                    ..Default::default()
+                };
+                crate::backing::describe_park(&mut b, a.park.as_ref());
+                b
             })
             .collect();
         Some(h)
