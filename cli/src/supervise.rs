@@ -54,35 +54,41 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Gives the mount's descriptor to the holder on `holder` (a supervised daemon, once it
-/// serves the mount).
-pub fn hold(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
+/// Connects to the holder on `holder` and says `purpose`, with `hello`'s other fields and
+/// `fd` beside it.
+fn tell(
+    holder: &Path,
+    purpose: &str,
+    hello: pb::FuseHello,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> std::io::Result<UnixStream> {
     let s = UnixStream::connect(holder)?;
     handover::check_peer(&s)?;
     let hello = pb::FuseHello {
         format: handover::FORMAT,
-        purpose: handover::HOLD.into(),
+        purpose: purpose.into(),
         pid: std::process::id(),
-        session: m.donor.session(),
-        handed_over: false,
+        ..hello
     };
-    handover::send(&s, &hello, Some(m.fuse.as_fd()))?;
+    handover::send(&s, &hello, fd)?;
+    Ok(s)
+}
+
+/// Gives the mount's descriptor to the holder on `holder` (a supervised daemon, once it
+/// serves the mount).
+pub fn hold(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
+    let hello = pb::FuseHello {
+        session: m.donor.session(),
+        ..Default::default()
+    };
+    tell(holder, handover::HOLD, hello, Some(m.fuse.as_fd()))?;
     Ok(())
 }
 
 /// Mirrors the daemon's passthrough backing files to the holder on `holder` from now on
 /// (see `granary_fuse::backing`): after a crash its successor uses the same ones.
 pub fn mirror(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
-    let s = UnixStream::connect(holder)?;
-    handover::check_peer(&s)?;
-    let hello = pb::FuseHello {
-        format: handover::FORMAT,
-        purpose: handover::MIRROR.into(),
-        pid: std::process::id(),
-        session: None,
-        handed_over: false,
-    };
-    handover::send(&s, &hello, None)?;
+    let s = tell(holder, handover::MIRROR, pb::FuseHello::default(), None)?;
     m.donor.mirror_to(s);
     Ok(())
 }
@@ -90,18 +96,13 @@ pub fn mirror(holder: &Path, m: &granary_fuse::Mounted) -> anyhow::Result<()> {
 /// Tells the holder on `holder` that the daemon unmounts or `handed_over` the mount: it
 /// lets the descriptor go and ends with the daemon (best effort: logged when it fails).
 pub fn release(holder: &Path, handed_over: bool) {
-    let told = UnixStream::connect(holder).and_then(|s| {
-        let hello = pb::FuseHello {
-            format: handover::FORMAT,
-            purpose: handover::RELEASE.into(),
-            pid: std::process::id(),
-            session: None,
-            handed_over,
-        };
-        handover::send(&s, &hello, None)?;
+    let hello = pb::FuseHello {
+        handed_over,
+        ..Default::default()
+    };
+    let told = tell(holder, handover::RELEASE, hello, None).map(|s| {
         // Wait for the holder's word that it let go (it closes the connection).
         handover::wait_closed(&s, Duration::from_secs(5));
-        Ok(())
     });
     if let Err(e) = told {
         tracing::warn!(holder = %holder.display(), error = %e, "could not tell the supervisor that the mount is released");
