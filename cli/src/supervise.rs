@@ -122,7 +122,7 @@ fn serve(listener: std::os::unix::net::UnixListener, held: Arc<Mutex<Held>>, mou
 
 /// Reads a daemon's mirror connection `s` (number `conn`) until it ends or a newer one
 /// replaces it.
-fn mirror_loop(s: UnixStream, held: Arc<Mutex<Held>>, conn: u64) {
+fn mirror_loop(s: UnixStream, held: Arc<Mutex<Held>>, conn: u64, pid: u32) {
     let mut one = [0u8; 1];
     loop {
         let _ = s.set_read_timeout(None);
@@ -142,9 +142,24 @@ fn mirror_loop(s: UnixStream, held: Arc<Mutex<Held>>, conn: u64) {
             break;
         }
     }
+    // The end of a daemon that died: what it wrote is what a successor needs (a message cut
+    // short by its death was never acted on). The end of one that still runs: the holder
+    // no longer hears of its changes, and what it knows would go stale.
+    let end = Instant::now() + Duration::from_secs(1);
+    while !handover::exited(pid) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive = !handover::exited(pid);
     let mut h = lock(&held);
     if h.mirror_conn == conn {
         h.mirror = None;
+        if alive {
+            tracing::warn!(
+                pid,
+                "the daemon's mirror of passthrough backing files ended while it runs: after a crash, files open in passthrough may fail to open again until closed"
+            );
+            h.backings.clear();
+        }
     }
 }
 
@@ -201,7 +216,7 @@ fn crashed_backings(backings: &HashMap<u32, pb::FuseBacking>) -> Vec<pb::FuseBac
 }
 
 fn serve_one(s: &UnixStream, held: &Arc<Mutex<Held>>, mountpoint: &str) -> anyhow::Result<()> {
-    handover::check_peer(s)?;
+    let peer = handover::check_peer(s)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let (hello, fd): (pb::FuseHello, _) = handover::recv(s)?;
     if hello.format != handover::FORMAT {
@@ -243,7 +258,7 @@ fn serve_one(s: &UnixStream, held: &Arc<Mutex<Held>>, mountpoint: &str) -> anyho
             let held = held.clone();
             std::thread::Builder::new()
                 .name("granary-mirror".into())
-                .spawn(move || mirror_loop(b, held, conn))?;
+                .spawn(move || mirror_loop(b, held, conn, peer))?;
         }
         handover::TAKE => {
             let mut h = lock(held);

@@ -67,6 +67,8 @@ pub struct ClientMetrics {
     /// Passthrough backing files kept after their files' last close, and opens they served.
     pub parked_backings: Gauge,
     pub parked_opens: Counter<u64, AtomicU64>,
+    /// Backing files a crashed daemon of the mount left parked, kept for their inodes.
+    pub fuse_orphan_backings: Gauge,
     /// Folder warms started, and the files and bytes they had cached.
     pub warm_folders: Counter<u64, AtomicU64>,
     pub warm_files: Counter<u64, AtomicU64>,
@@ -167,6 +169,11 @@ impl ClientMetrics {
                 "granary_client_parked_backings",
                 "Passthrough backing files (checked one-page block files) the kernel keeps after their files' last close, so the next open needs no lease and no read",
                 self.parked_backings.clone(),
+            );
+            r.register(
+                "granary_client_fuse_orphan_backings",
+                "Passthrough backing files a crashed daemon of this mount left parked, kept for their files while a handle of that daemon may still read through them (the kernel takes no other for such a file)",
+                self.fuse_orphan_backings.clone(),
             );
             r.register(
                 "granary_client_parked_opens",

@@ -145,6 +145,8 @@ pub struct Backings {
     /// again or let go since are skipped.
     order: VecDeque<(u64, u64)>,
     parked: usize,
+    /// Orphans in `map` ([`Backing::orphan`]).
+    orphans: usize,
     stamp: u64,
     metrics: ClientMetrics,
     /// The holder this daemon's backing files are mirrored to, once set.
@@ -188,6 +190,7 @@ impl Backings {
             adopted: Vec::new(),
             order: VecDeque::new(),
             parked: 0,
+            orphans: 0,
             stamp: 0,
             metrics,
             mirror: Arc::new(OnceLock::new()),
@@ -199,6 +202,11 @@ impl Backings {
     fn set_parked(&mut self, n: usize) {
         self.parked = n;
         self.metrics.parked_backings.set(n as i64);
+    }
+
+    fn set_orphans(&mut self, n: usize) {
+        self.orphans = n;
+        self.metrics.fuse_orphan_backings.set(n as i64);
     }
 
     /// Tells `mirror` (the mount's descriptor holder) about this daemon's backing files
@@ -354,6 +362,7 @@ impl Backings {
             } else if e.version == version {
                 orphan = Some(e);
             } else {
+                self.set_orphans(self.orphans.saturating_sub(1));
                 self.to_release.extend(e.leases);
             }
         }
@@ -375,6 +384,7 @@ impl Backings {
                     return Some((id, false));
                 }
             }
+            self.set_orphans(self.orphans.saturating_sub(1));
             self.to_release.append(&mut e.leases);
             tracing::debug!(
                 inode,
@@ -422,6 +432,9 @@ impl Backings {
             if a.opens == 0 && !a.orphan {
                 self.to_release.extend(a.leases);
                 continue; // its handles were released meanwhile: closed here
+            }
+            if a.orphan {
+                self.set_orphans(self.orphans + 1);
             }
             self.map.insert(
                 a.inode,
@@ -471,6 +484,7 @@ impl Backings {
         }
         self.order.clear();
         self.set_parked(0);
+        self.set_orphans(0);
         out
     }
 
@@ -553,7 +567,9 @@ impl Backings {
         if let Some(e) = self.map.remove(&inode) {
             self.to_release.extend(e.leases);
         }
-        if !orphan {
+        if orphan {
+            self.set_orphans(self.orphans.saturating_sub(1));
+        } else {
             self.set_parked(self.parked - 1);
         }
         true

@@ -569,6 +569,8 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
     })
     .unwrap();
     assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 2.0);
+    // The samples' parked backing files the killed daemons left stay theirs.
+    assert!(metric_at(&metrics, "granary_client_fuse_orphan_backings") >= 1.0);
 
     // SIGTERM to the supervisor unmounts and ends both.
     assert_eq!(
