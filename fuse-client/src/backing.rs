@@ -155,6 +155,10 @@ pub struct Backings {
     describe: Option<Describe>,
     /// Lease handles of backings let go outside a close, released at the next close.
     to_release: Vec<u64>,
+    /// Read handles answered without passthrough (the kernel's cached I/O mode), per
+    /// inode: while one is open the kernel fails a passthrough open of the inode with EIO,
+    /// as it fails a cached open while a passthrough handle is open.
+    cached: HashMap<u64, usize>,
 }
 
 type Slot = Arc<OnceLock<Mirror>>;
@@ -196,6 +200,7 @@ impl Backings {
             mirror: Arc::new(OnceLock::new()),
             describe: None,
             to_release: Vec::new(),
+            cached: HashMap::new(),
         }
     }
 
@@ -287,6 +292,9 @@ impl Backings {
         (fh, lease): (u64, u64),
         file: impl FnOnce() -> Option<(F, Option<Parkable>)>,
     ) -> Option<Arc<Registered>> {
+        if self.cached.contains_key(&inode) {
+            return None; // the kernel holds it in cached I/O mode
+        }
         let (id, new) = self.open_backing(on, (inode, version), reply, file)?;
         let mirroring = self.mirror.get().is_some();
         let e = self.map.get_mut(&inode)?;
@@ -319,6 +327,59 @@ impl Backings {
             }
         }
         Some(id)
+    }
+
+    /// An open of `version` of `inode` about to be answered without passthrough: the
+    /// backing file registered for it when there is one (the kernel takes only that one
+    /// while a handle reads through it, and no cached open); else the handle is counted
+    /// as one of cached I/O ([`closed_cached`](Self::closed_cached) at its release).
+    /// `Err(())` while handles of another version of the file read it in passthrough: the
+    /// kernel would fail the open (EIO); the caller answers EBUSY.
+    pub fn open_registered_or_cached(
+        &mut self,
+        on: &AtomicBool,
+        (inode, version): (u64, u64),
+        reply: &ReplyOpen,
+        fh: u64,
+    ) -> Result<Option<Arc<Registered>>, ()> {
+        let other_version_open = self
+            .map
+            .get(&inode)
+            .map(|e| (e.version, e.opens))
+            .into_iter()
+            .chain(
+                self.adopted
+                    .iter()
+                    .filter(|a| a.inode == inode)
+                    .map(|a| (a.version, a.opens)),
+            )
+            .any(|(v, opens)| v != version && opens > 0);
+        if other_version_open {
+            return Err(());
+        }
+        if on.load(Ordering::Relaxed) {
+            let none = || None::<(std::fs::File, Option<Parkable>)>;
+            if let Some(id) = self.open(on, (inode, version), reply, (fh, 0), none) {
+                return Ok(Some(id));
+            }
+        }
+        self.opened_cached(inode);
+        Ok(None)
+    }
+
+    /// A read handle of `inode` in cached I/O mode (not passthrough) is open.
+    pub fn opened_cached(&mut self, inode: u64) {
+        *self.cached.entry(inode).or_default() += 1;
+    }
+
+    /// A read handle of `inode` in cached I/O mode was released.
+    pub fn closed_cached(&mut self, inode: u64) {
+        if let Some(n) = self.cached.get_mut(&inode) {
+            *n -= 1;
+            if *n == 0 {
+                self.cached.remove(&inode);
+            }
+        }
     }
 
     /// `open`'s backing file, and whether it was registered now.

@@ -194,6 +194,7 @@ pub struct GranaryFs {
 fn opened_file(
     cache: &Arc<PageCache>,
     files: &Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    pt: Passthrough,
     fh: u64,
     s: pb::FileStatus,
     reply: ReplyOpen,
@@ -205,10 +206,24 @@ fn opened_file(
             while cache.storing_other_version(&s) {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            opened_file(&cache, &files, fh, s, reply);
+            opened_file(&cache, &files, pt, fh, s, reply);
         });
         return;
     };
+    // Another handle of the file reads it in passthrough: this one must name the same
+    // backing file (the kernel fails a cached open of it with EIO).
+    let joined =
+        lock(&pt.backings).open_registered_or_cached(&pt.on, (s.inode, s.version), &reply, fh);
+    let Ok(joined) = joined else {
+        tracing::warn!(inode = s.inode, path = %s.path, "a file changed while a program holds an older version of it open in passthrough: it opens again once that program closes it (EBUSY)");
+        return reply.error(Errno::EBUSY);
+    };
+    if let Some(id) = joined {
+        lock(&pt.fhs).insert(fh, s.inode);
+        lock(files).insert(fh, Arc::new(s));
+        reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
+        return;
+    }
     let flags = if keep {
         FopenFlags::FOPEN_KEEP_CACHE
     } else {
@@ -313,6 +328,14 @@ impl GranaryFs {
 
     /// What the mount knows of the kernel's page cache (it needs the mount's channel to
     /// the kernel once mounted).
+    fn pt(&self) -> Passthrough {
+        Passthrough {
+            on: self.passthrough.clone(),
+            backings: self.backings.clone(),
+            fhs: self.passthrough_fhs.clone(),
+        }
+    }
+
     pub(crate) fn page_cache(&self) -> Arc<PageCache> {
         self.cache.clone()
     }
@@ -538,7 +561,7 @@ impl Filesystem for GranaryFs {
                 let via_lease =
                     pt && (s.length >= pt_min || small_via_lease(&self.client, &self.writes, &s));
                 if !via_lease {
-                    return opened_file(&self.cache, &self.files, fh, s, reply);
+                    return opened_file(&self.cache, &self.files, self.pt(), fh, s, reply);
                 }
                 small_checked = Some(s.inode);
             }
@@ -547,11 +570,7 @@ impl Filesystem for GranaryFs {
         let files = self.files.clone();
         let cache = self.cache.clone();
         let writes = self.writes.clone();
-        let pt = Passthrough {
-            on: self.passthrough.clone(),
-            backings: self.backings.clone(),
-            fhs: self.passthrough_fhs.clone(),
-        };
+        let pt = self.pt();
         let dl = self.deadline.clone();
         self.rt.spawn(async move {
             let _pass = pass; // held until the reply is sent
@@ -559,9 +578,12 @@ impl Filesystem for GranaryFs {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
                 Ok(s) => {
                     let fh = tagged(fh, s.version);
-                    let via_lease = s.length >= pt_min
-                        || small_checked == Some(s.inode)
-                        || small_via_lease(&client, &writes, &s);
+                    // A file being written here is not opened in passthrough (its
+                    // writer's handle holds the kernel's cached I/O mode).
+                    let via_lease = writes.size_of(s.inode).is_none()
+                        && (s.length >= pt_min
+                            || small_checked == Some(s.inode)
+                            || small_via_lease(&client, &writes, &s));
                     let reply = if pt.on.load(Ordering::Relaxed) && via_lease {
                         match pt.try_open(&client, &s, fh, reply).await {
                             Some(r) => r,
@@ -573,7 +595,7 @@ impl Filesystem for GranaryFs {
                     } else {
                         reply
                     };
-                    opened_file(&cache, &files, fh, s, reply);
+                    opened_file(&cache, &files, pt, fh, s, reply);
                 }
                 Err(e) => reply.error(errno(&e)),
             }
@@ -678,12 +700,17 @@ impl Filesystem for GranaryFs {
         self.requests.release.inc();
         self.note_resent(req);
         let _pass = self.gate.pass();
-        if let Some(file) = lock(&self.files).remove(&fh.0) {
-            self.client.closed(&file);
-        }
+        let file = lock(&self.files).remove(&fh.0);
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
-        if let Some(inode) = lock(&self.passthrough_fhs).remove(&fh.0) {
+        let passthrough = lock(&self.passthrough_fhs).remove(&fh.0);
+        if let Some(file) = file {
+            self.client.closed(&file);
+            if passthrough.is_none() {
+                lock(&self.backings).closed_cached(file.inode);
+            }
+        }
+        if let Some(inode) = passthrough {
             let leases = lock(&self.backings).close(inode, fh.0);
             if !leases.is_empty() {
                 let _rt = self.rt.enter(); // the lease releases are sent from tasks
@@ -1408,6 +1435,7 @@ fn small_via_lease(client: &FileSystem, writes: &crate::write::Writes, s: &pb::F
 }
 
 /// What an open needs to try passthrough.
+#[derive(Clone)]
 struct Passthrough {
     on: Arc<AtomicBool>,
     backings: Arc<Mutex<crate::backing::Backings>>,

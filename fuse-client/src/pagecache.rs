@@ -361,6 +361,41 @@ impl PageCache {
         }
     }
 
+    /// What a successor daemon of the mount needs to know of the kernel's pages: the
+    /// version each file's pages are of, as (inodes, versions), and whether a file not
+    /// listed may hold pages of any version (see `State::forgot`). Files being stored now
+    /// are left out, and then a file not listed may hold any.
+    pub fn hand_over(&self) -> (Vec<u64>, Vec<u64>, bool) {
+        let st = lock(&self.state);
+        let (inodes, versions) = st
+            .versions
+            .iter()
+            .filter(|(i, _)| !st.storing.contains_key(*i))
+            .map(|(i, (v, _))| (*i, *v))
+            .unzip();
+        (inodes, versions, st.forgot || !st.storing.is_empty())
+    }
+
+    /// Takes on what the previous daemon of the mount knew of the kernel's pages; `known`
+    /// false (after a crash, or from a build that did not say): the kernel may hold pages
+    /// of any version of any file, so none is pushed before its next open, and that open
+    /// drops what the kernel holds.
+    pub fn adopt(&self, inodes: &[u64], versions: &[u64], forgot: bool, known: bool) {
+        let mut st = lock(&self.state);
+        if !known || inodes.len() != versions.len() {
+            st.forgot = true;
+            return;
+        }
+        // Not recent: whether the kernel still holds them is not known.
+        let then = Instant::now()
+            .checked_sub(RECENT)
+            .unwrap_or_else(Instant::now);
+        for (i, v) in inodes.iter().zip(versions).take(VERSIONS_TRACKED) {
+            st.versions.insert(*i, (*v, then));
+        }
+        st.forgot = forgot || inodes.len() > VERSIONS_TRACKED;
+    }
+
     /// An open of `s` for reading: whether the kernel may keep its pages of the file (they
     /// are of this version). None while the kernel is being sent pages of another version
     /// of the file: the open must wait (its reply makes the kernel drop the pages it holds,

@@ -2,7 +2,9 @@
 //! under `--supervise` a daemon killed with SIGKILL is replaced by its supervisor, while
 //! ordinary programs read through the mount and hold files open (docs/operations.md,
 //! "Restarting and upgrading a mount"). Real processes, a real FUSE mount, Python readers;
-//! every byte checked against the source's SHA-256.
+//! every byte checked against the source's SHA-256. Also: one file opened by several
+//! programs in the kernel's two I/O modes (through the daemon and in passthrough), which
+//! the kernel lets an inode have only one at a time.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -241,6 +243,25 @@ fn setup(prefix: &str) -> Setup {
     }
 }
 
+fn inode_of(p: &Path) -> String {
+    sh(&format!("stat -c %i '{}'", p.display()))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// Bytes of `p` in the kernel's page cache (`fincore`, which opens the file).
+fn resident_bytes(p: &Path) -> u64 {
+    let out = sh(&format!(
+        "fincore --bytes --noheadings --output RES '{}'",
+        p.display()
+    ))
+    .unwrap();
+    out.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("fincore said {out:?}: {e}"))
+}
+
 /// The pid in a "(daemon pid N" log line.
 fn daemon_pid(line: &str) -> u32 {
     let rest = line
@@ -284,6 +305,20 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
     let mut daemon_read = Script::start("daemon reader", HOLD, &[&cold]);
     daemon_read.expect("half", Duration::from_secs(60));
     assert!(c.fuse.metric("granary_client_passthrough_opens_total") >= 1.0);
+    // What the kernel holds: inode numbers, and the pages of the half of the uncached file
+    // read through the daemon (in the kernel's page cache).
+    let watched = [
+        data.join("big/cached.bin"),
+        data.join("big/cold.bin"),
+        data.join("s1"),
+        data.join("s1/f001.bin"),
+    ];
+    let inodes: Vec<String> = watched.iter().map(|p| inode_of(p)).collect();
+    let resident = resident_bytes(&data.join("big/cold.bin"));
+    assert!(
+        resident >= 8 * MIB,
+        "{resident} bytes of the file read are cached"
+    );
 
     // Peers that are not a successor get a clear refusal or nothing, and change nothing.
     let mut probe = Script::start("probe", PROBE, &[&socket]);
@@ -346,6 +381,18 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
     assert!(status.success(), "the old daemon ended with {status}");
     assert!(old.proc.log_text().contains("handed the mount at"));
     assert!(is_mounted(&mp), "the mount is gone after the takeover");
+
+    // Inode numbers and the kernel's pages stay: a new open of the file keeps them (the new
+    // daemon knows their version from the old one).
+    assert_eq!(
+        watched.iter().map(|p| inode_of(p)).collect::<Vec<_>>(),
+        inodes
+    );
+    let after = resident_bytes(&data.join("big/cold.bin"));
+    assert!(
+        after >= resident,
+        "the kernel's pages of a file went with the takeover: {resident} bytes cached before, {after} after"
+    );
 
     // The loader goes on through the new daemon: two more whole passes, every byte checked.
     loader.expect("pass", Duration::from_secs(120));
@@ -654,4 +701,91 @@ fn a_rolling_update_of_supervised_daemons_passes_the_mount_on_without_unmounting
         (!is_mounted(&mp)).then_some(())
     })
     .unwrap();
+}
+
+/// The kernel allows an inode one I/O mode at a time: while a handle reads a file through
+/// the daemon, an open answered in passthrough fails with EIO, and the other way round. A
+/// file held open through the daemon becomes wholly cached meanwhile (its next open would
+/// be in passthrough: EIO before the daemon counted such handles), and a sample held open
+/// in passthrough is read again by `sha256sum` of its folder in name order: every open
+/// succeeds with the right bytes.
+#[test]
+fn a_file_open_in_one_io_mode_opens_again_while_held() {
+    let Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest: _,
+        socket: _,
+    } = setup("iomode");
+    let c = Cluster::start_opts(root.path(), 1, "1GiB", &src, &[]).unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
+    // Held open through the daemon (not cached yet), then cached whole by another reader.
+    let cold = data.join("big/cold.bin");
+    let want = sha_of(&src.join("big/cold.bin"));
+    let mut held = Script::start("daemon reader", HOLD, &[&cold.display().to_string()]);
+    held.expect("half", Duration::from_secs(60));
+    granary_ok(&["load", "/data/big", "--master", &c.master.addr]).unwrap();
+    // Cached whole now: an open would be in passthrough but for the handle reading through
+    // the daemon; each must succeed (EIO before) with the right bytes.
+    let opens = c.fuse.metric("granary_client_passthrough_opens_total");
+    for _ in 0..3 {
+        assert_eq!(sha_of(&cold), want);
+    }
+    assert_eq!(
+        c.fuse.metric("granary_client_passthrough_opens_total"),
+        opens,
+        "an open went to passthrough while a handle read the file through the daemon"
+    );
+    held.send("go");
+    assert_eq!(held.expect("sha", Duration::from_secs(60)), want);
+    // With no handle open, the next open is in passthrough.
+    assert_eq!(sha_of(&cold), want);
+    assert!(c.fuse.metric("granary_client_passthrough_opens_total") > opens);
+
+    // Held in passthrough while the file gets a new version in the store: opens of the new
+    // version are refused with EBUSY (not EIO, never the old bytes) until it is closed.
+    let mut held = Script::start("passthrough reader", HOLD, &[&cold.display().to_string()]);
+    held.expect("half", Duration::from_secs(60));
+    random_file(&src.join("big/cold.bin"), 3 * MIB + 11).unwrap();
+    let new = sha_of(&src.join("big/cold.bin"));
+    let refused = poll("the new version seen", Duration::from_secs(120), || {
+        match sh(&format!("sha256sum < '{}'", cold.display())) {
+            Ok(out) if out.starts_with(&want) => None, // not seen yet: the old version
+            Ok(out) => Some(Ok(out)),
+            Err(e) => Some(Err(format!("{e:#}"))),
+        }
+    })
+    .unwrap();
+    let err =
+        refused.expect_err("the new version opened while the old one was held in passthrough");
+    assert!(err.contains("Device or resource busy"), "{err}");
+    held.send("go");
+    assert_eq!(held.expect("sha", Duration::from_secs(60)), want);
+    poll("the new version", Duration::from_secs(60), || {
+        sh(&format!("sha256sum < '{}'", cold.display()))
+            .ok()
+            .filter(|o| o.starts_with(&new))
+    })
+    .unwrap();
+
+    // A sample held open in passthrough, read again with its folder in name order (any
+    // open of it must name the same backing file).
+    sh(&format!("cat '{}'/s1/* > /dev/null", data.display())).unwrap();
+    let sample = data.join("s1/f001.bin");
+    let opens = c.fuse.metric("granary_client_passthrough_opens_total");
+    let mut pt = Script::start("sample reader", HOLD, &[&sample.display().to_string()]);
+    pt.expect("half", Duration::from_secs(60));
+    assert!(c.fuse.metric("granary_client_passthrough_opens_total") > opens);
+    for _ in 0..3 {
+        let sums = sh(&format!("cd '{}' && sha256sum s1/*", data.display())).unwrap();
+        let want = sh(&format!("cd '{}' && sha256sum s1/*", src.display())).unwrap();
+        assert_eq!(sums, want);
+    }
+    pt.send("go");
+    assert_eq!(
+        pt.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("s1/f001.bin"))
+    );
 }

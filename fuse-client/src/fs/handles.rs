@@ -76,7 +76,12 @@ impl GranaryFs {
         }
         self.client.metrics.fuse_recovered_handles.inc();
         let s = Arc::new(s);
-        Ok(lock(&self.files).entry(fh).or_insert(s).clone())
+        let mut files = lock(&self.files);
+        if !files.contains_key(&fh) {
+            // Read through the daemon: a handle of the kernel's cached I/O mode.
+            lock(&self.backings).opened_cached(s.inode);
+        }
+        Ok(files.entry(fh).or_insert(s).clone())
     }
 
     /// Directory handle `fh` of `ino`; one an earlier daemon of the mount gave is opened
@@ -124,6 +129,7 @@ impl GranaryFs {
             backings: self.backings.clone(),
             gate: self.gate.clone(),
             kernel: self.kernel.clone(),
+            cache: self.cache.clone(),
             writes: self.writes.clone(),
             generation: self.generation,
         }
@@ -134,11 +140,14 @@ impl GranaryFs {
     pub fn adopt(&self, h: &pb::FuseHandover) {
         let mut files = lock(&self.files);
         let mut fhs = lock(&self.passthrough_fhs);
+        let mut cached = Vec::new();
         for f in &h.files {
             if let Some(s) = &f.status {
                 files.insert(f.fh, Arc::new(s.clone()));
                 if f.passthrough {
                     fhs.insert(f.fh, s.inode);
+                } else {
+                    cached.push(s.inode);
                 }
             }
         }
@@ -150,7 +159,18 @@ impl GranaryFs {
             }
         }
         drop((files, fhs));
+        let mut b = lock(&self.backings);
+        for inode in cached {
+            b.opened_cached(inode);
+        }
+        drop(b);
         adopt_backings(&self.client, &self.backings, h);
+        self.cache.adopt(
+            &h.page_inodes,
+            &h.page_versions,
+            h.pages_forgot,
+            h.pages_known,
+        );
     }
 }
 
@@ -191,6 +211,7 @@ pub struct Donor {
     backings: Arc<Mutex<crate::backing::Backings>>,
     pub gate: Arc<Gate>,
     kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
+    cache: Arc<crate::pagecache::PageCache>,
     writes: crate::write::Writes,
     generation: u32,
 }
@@ -232,6 +253,8 @@ impl Donor {
         let mut h = self.session()?;
         h.mountpoint = mountpoint.to_string();
         h.donor_version = env!("CARGO_PKG_VERSION").to_string();
+        (h.page_inodes, h.page_versions, h.pages_forgot) = self.cache.hand_over();
+        h.pages_known = true;
         let fhs = lock(&self.fhs).clone();
         h.files = lock(&self.files)
             .iter()
