@@ -41,6 +41,8 @@ struct Held {
     /// The serving daemon's passthrough backing files as it mirrors them (kernel id →
     /// backing): a successor after a crash is given them.
     backings: HashMap<u32, pb::FuseBacking>,
+    /// Its read handles open through the daemon (fh → inode).
+    cached: HashMap<u64, u64>,
     /// The latest mirror connection, until its end was read, and its number.
     mirror: Option<UnixStream>,
     mirror_conn: u64,
@@ -159,6 +161,7 @@ fn mirror_loop(s: UnixStream, held: Arc<Mutex<Held>>, conn: u64, pid: u32) {
                 "the daemon's mirror of passthrough backing files ended while it runs: after a crash, files open in passthrough may fail to open again until closed"
             );
             h.backings.clear();
+            h.cached.clear();
         }
     }
 }
@@ -168,14 +171,27 @@ fn drain_mirror(s: &UnixStream, h: &mut Held) -> std::io::Result<()> {
     while rustix::io::ioctl_fionread(s)? > 0 {
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
         let (m, _): (pb::FuseMirror, _) = handover::recv(s)?;
-        apply_mirror(&mut h.backings, m);
+        apply_mirror(&mut h.backings, &mut h.cached, m);
     }
     Ok(())
 }
 
-fn apply_mirror(backings: &mut HashMap<u32, pb::FuseBacking>, m: pb::FuseMirror) {
+fn apply_mirror(
+    backings: &mut HashMap<u32, pb::FuseBacking>,
+    cached: &mut HashMap<u64, u64>,
+    m: pb::FuseMirror,
+) {
     if m.snapshot {
         backings.clear();
+        cached.clear();
+    }
+    for e in m.cached_opened {
+        if cached.len() < MAX_MIRRORED {
+            cached.insert(e.fh, e.inode);
+        }
+    }
+    for e in m.cached_released {
+        cached.remove(&e.fh);
     }
     for b in m.registered {
         if backings.len() < MAX_MIRRORED || backings.contains_key(&b.backing_id) {
@@ -276,6 +292,15 @@ fn serve_one(s: &UnixStream, held: &Arc<Mutex<Held>>, mountpoint: &str) -> anyho
                     a.mountpoint = mountpoint.to_string();
                     a.paused_at_ms = h.died_at_ms;
                     a.backings = crashed_backings(&h.backings);
+                    a.cached = h
+                        .cached
+                        .iter()
+                        .map(|(fh, inode)| pb::FuseHandleEvent {
+                            fh: *fh,
+                            inode: *inode,
+                            ..Default::default()
+                        })
+                        .collect();
                     tracing::info!(
                         backings = a.backings.len(),
                         "handing the mount to a new daemon"
@@ -454,12 +479,20 @@ mod tests {
 
     #[test]
     fn the_mirror_follows_a_daemons_backing_files_and_a_crash_successor_gets_them() {
-        let mut m = HashMap::new();
+        let (mut m, mut c) = (HashMap::new(), HashMap::new());
         apply_mirror(
             &mut m,
+            &mut c,
             pb::FuseMirror {
                 snapshot: true,
                 registered: vec![backing(1, 10, &[100], false), backing(2, 20, &[], true)],
+                cached_opened: [(500, 50), (501, 51)]
+                    .map(|(fh, inode)| pb::FuseHandleEvent {
+                        fh,
+                        inode,
+                        ..Default::default()
+                    })
+                    .to_vec(),
                 ..Default::default()
             },
         );
@@ -467,12 +500,14 @@ mod tests {
         for (opened, released) in [(Some(101), None), (Some(102), None), (None, Some(100))] {
             apply_mirror(
                 &mut m,
+                &mut c,
                 pb::FuseMirror {
                     opened: opened
                         .map(|fh| pb::FuseHandleEvent {
                             backing_id: 1,
                             fh,
                             leases: Some(leases(fh)),
+                            ..Default::default()
                         })
                         .into_iter()
                         .collect(),
@@ -481,6 +516,7 @@ mod tests {
                             backing_id: 1,
                             fh,
                             leases: None,
+                            ..Default::default()
                         })
                         .into_iter()
                         .collect(),
@@ -490,20 +526,28 @@ mod tests {
         }
         apply_mirror(
             &mut m,
+            &mut c,
             pb::FuseMirror {
                 registered: vec![backing(3, 30, &[], true)],
                 closed: vec![2],
+                cached_released: vec![pb::FuseHandleEvent {
+                    fh: 500,
+                    inode: 50,
+                    ..Default::default()
+                }],
                 ..Default::default()
             },
         );
         // Events of ids it does not know change nothing.
         apply_mirror(
             &mut m,
+            &mut c,
             pb::FuseMirror {
                 opened: vec![pb::FuseHandleEvent {
                     backing_id: 9,
                     fh: 5,
                     leases: None,
+                    ..Default::default()
                 }],
                 closed: vec![8],
                 ..Default::default()
@@ -519,9 +563,11 @@ mod tests {
         // A parked kind: its handles are not counted; the successor keeps it as an orphan.
         assert_eq!((got[1].backing_id, got[1].opens), (3, 0));
         assert!(got[1].opens_unknown);
+        assert_eq!(c, HashMap::from([(501, 51)]));
         // A new daemon's snapshot replaces all of it.
         apply_mirror(
             &mut m,
+            &mut c,
             pb::FuseMirror {
                 snapshot: true,
                 registered: vec![backing(7, 70, &[1], false)],
@@ -529,5 +575,6 @@ mod tests {
             },
         );
         assert_eq!(m.keys().copied().collect::<Vec<_>>(), vec![7]);
+        assert!(c.is_empty());
     }
 }

@@ -159,6 +159,9 @@ pub struct Backings {
     /// inode: while one is open the kernel fails a passthrough open of the inode with EIO,
     /// as it fails a cached open while a passthrough handle is open.
     cached: HashMap<u64, usize>,
+    /// The same handles by fh, with their inode (mirrored to the holder: after a crash the
+    /// dead daemon's are known too).
+    cached_fhs: HashMap<u64, u64>,
 }
 
 type Slot = Arc<OnceLock<Mirror>>;
@@ -201,6 +204,7 @@ impl Backings {
             describe: None,
             to_release: Vec::new(),
             cached: HashMap::new(),
+            cached_fhs: HashMap::new(),
         }
     }
 
@@ -228,6 +232,7 @@ impl Backings {
         mirror.send(&pb::FuseMirror {
             snapshot: true,
             registered: all,
+            cached_opened: self.cached_handles(),
             ..Default::default()
         });
         if self.mirror.set(mirror).is_err() {
@@ -321,6 +326,7 @@ impl Backings {
                         backing_id: id.raw,
                         fh,
                         leases,
+                        ..Default::default()
                     }],
                     ..Default::default()
                 });
@@ -363,23 +369,62 @@ impl Backings {
                 return Ok(Some(id));
             }
         }
-        self.opened_cached(inode);
+        self.opened_cached(inode, fh);
         Ok(None)
     }
 
-    /// A read handle of `inode` in cached I/O mode (not passthrough) is open.
-    pub fn opened_cached(&mut self, inode: u64) {
+    /// Read handle `fh` of `inode` in cached I/O mode (not passthrough) is open (again
+    /// for one known already: nothing changes).
+    pub fn opened_cached(&mut self, inode: u64, fh: u64) {
+        if self.cached_fhs.insert(fh, inode).is_some() {
+            return;
+        }
         *self.cached.entry(inode).or_default() += 1;
+        if self.mirror.get().is_some() {
+            self.send(pb::FuseMirror {
+                cached_opened: vec![pb::FuseHandleEvent {
+                    fh,
+                    inode,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+        }
     }
 
-    /// A read handle of `inode` in cached I/O mode was released.
-    pub fn closed_cached(&mut self, inode: u64) {
+    /// Handle `fh`, if one in cached I/O mode, was released.
+    pub fn closed_cached(&mut self, fh: u64) {
+        let Some(inode) = self.cached_fhs.remove(&fh) else {
+            return;
+        };
         if let Some(n) = self.cached.get_mut(&inode) {
             *n -= 1;
             if *n == 0 {
                 self.cached.remove(&inode);
             }
         }
+        if self.mirror.get().is_some() {
+            self.send(pb::FuseMirror {
+                cached_released: vec![pb::FuseHandleEvent {
+                    fh,
+                    inode,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+        }
+    }
+
+    /// The read handles open in cached I/O mode, for the holder or the next daemon.
+    pub fn cached_handles(&self) -> Vec<pb::FuseHandleEvent> {
+        self.cached_fhs
+            .iter()
+            .map(|(fh, inode)| pb::FuseHandleEvent {
+                fh: *fh,
+                inode: *inode,
+                ..Default::default()
+            })
+            .collect()
     }
 
     /// `open`'s backing file, and whether it was registered now.
@@ -610,6 +655,7 @@ impl Backings {
                 backing_id,
                 fh,
                 leases: None,
+                ..Default::default()
             }],
             ..Default::default()
         });

@@ -706,9 +706,10 @@ impl Filesystem for GranaryFs {
         let passthrough = lock(&self.passthrough_fhs).remove(&fh.0);
         if let Some(file) = file {
             self.client.closed(&file);
-            if passthrough.is_none() {
-                lock(&self.backings).closed_cached(file.inode);
-            }
+        }
+        if passthrough.is_none() {
+            // Also a handle of a crashed daemon never used since (known from the holder).
+            lock(&self.backings).closed_cached(fh.0);
         }
         if let Some(inode) = passthrough {
             let leases = lock(&self.backings).close(inode, fh.0);

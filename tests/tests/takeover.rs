@@ -550,6 +550,14 @@ fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_c
     // Readers: a pause, then the right bytes.
     loader.expect("pass", Duration::from_secs(120));
     loader.expect("pass", Duration::from_secs(120));
+    // The file a reader holds open through the killed daemon, cached whole now: the new
+    // daemon knows that handle from the supervisor and does not answer another open of it
+    // in passthrough (the kernel would fail it with EIO).
+    granary_ok(&["load", "/data/big", "--master", &c.master.addr]).unwrap();
+    assert_eq!(
+        sha_of(&data.join("big/cold.bin")),
+        sha_of(&src.join("big/cold.bin"))
+    );
     reader.send("go");
     assert_eq!(
         reader.expect("sha", Duration::from_secs(60)),

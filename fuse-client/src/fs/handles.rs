@@ -76,12 +76,9 @@ impl GranaryFs {
         }
         self.client.metrics.fuse_recovered_handles.inc();
         let s = Arc::new(s);
-        let mut files = lock(&self.files);
-        if !files.contains_key(&fh) {
-            // Read through the daemon: a handle of the kernel's cached I/O mode.
-            lock(&self.backings).opened_cached(s.inode);
-        }
-        Ok(files.entry(fh).or_insert(s).clone())
+        // Read through the daemon: a handle of the kernel's cached I/O mode.
+        lock(&self.backings).opened_cached(s.inode, fh);
+        Ok(lock(&self.files).entry(fh).or_insert(s).clone())
     }
 
     /// Directory handle `fh` of `ino`; one an earlier daemon of the mount gave is opened
@@ -147,7 +144,7 @@ impl GranaryFs {
                 if f.passthrough {
                     fhs.insert(f.fh, s.inode);
                 } else {
-                    cached.push(s.inode);
+                    cached.push((s.inode, f.fh));
                 }
             }
         }
@@ -159,9 +156,11 @@ impl GranaryFs {
             }
         }
         drop((files, fhs));
+        // After a crash only the holder knows the dead daemon's handles.
+        cached.extend(h.cached.iter().map(|c| (c.inode, c.fh)));
         let mut b = lock(&self.backings);
-        for inode in cached {
-            b.opened_cached(inode);
+        for (inode, fh) in cached {
+            b.opened_cached(inode, fh);
         }
         drop(b);
         adopt_backings(&self.client, &self.backings, h);
@@ -264,6 +263,7 @@ impl Donor {
                 passthrough: fhs.contains_key(fh),
             })
             .collect();
+        h.cached = lock(&self.backings).cached_handles();
         let adopted = lock(&self.backings).hand_over();
         h.backings = adopted
             .into_iter()
