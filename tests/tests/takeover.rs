@@ -388,9 +388,10 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
         watched.iter().map(|p| inode_of(p)).collect::<Vec<_>>(),
         inodes
     );
+    // (The kernel may reclaim a few of them meanwhile; a takeover that lost them left none.)
     let after = resident_bytes(&data.join("big/cold.bin"));
     assert!(
-        after >= resident,
+        after >= resident / 2,
         "the kernel's pages of a file went with the takeover: {resident} bytes cached before, {after} after"
     );
 
