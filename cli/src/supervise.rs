@@ -200,8 +200,10 @@ fn apply_mirror(
     }
     for e in m.opened {
         if let Some(b) = backings.get_mut(&e.backing_id) {
-            b.handles.push(e.fh);
-            b.leases.extend(e.leases);
+            if b.handles.len() < MAX_MIRRORED {
+                b.handles.push(e.fh);
+                b.leases.extend(e.leases);
+            }
         }
     }
     for e in m.released {

@@ -40,7 +40,7 @@ fn block_key(id: &pb::BlockId) -> BlockKey {
 /// aligned to multiples of it).
 pub const LEASE_WINDOW_PAGES: u32 = 16;
 /// How long a block file checked whole for passthrough is trusted without a new check.
-const REVERIFY_AFTER: Duration = Duration::from_secs(600);
+pub const REVERIFY_AFTER: Duration = Duration::from_secs(600);
 /// Block files remembered as checked.
 const MAX_VERIFIED: usize = 100_000;
 /// Leases kept open (one file descriptor each).

@@ -380,16 +380,7 @@ impl Backings {
             return;
         }
         *self.cached.entry(inode).or_default() += 1;
-        if self.mirror.get().is_some() {
-            self.send(pb::FuseMirror {
-                cached_opened: vec![pb::FuseHandleEvent {
-                    fh,
-                    inode,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            });
-        }
+        self.send_cached(true, fh, inode);
     }
 
     /// Handle `fh`, if one in cached I/O mode, was released.
@@ -403,16 +394,29 @@ impl Backings {
                 self.cached.remove(&inode);
             }
         }
-        if self.mirror.get().is_some() {
-            self.send(pb::FuseMirror {
-                cached_released: vec![pb::FuseHandleEvent {
-                    fh,
-                    inode,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            });
+        self.send_cached(false, fh, inode);
+    }
+
+    /// Tells the holder that cached I/O handle `fh` of `inode` was `opened` (or released).
+    fn send_cached(&self, opened: bool, fh: u64, inode: u64) {
+        if self.mirror.get().is_none() {
+            return;
         }
+        let e = vec![pb::FuseHandleEvent {
+            fh,
+            inode,
+            ..Default::default()
+        }];
+        let (cached_opened, cached_released) = if opened {
+            (e, Vec::new())
+        } else {
+            (Vec::new(), e)
+        };
+        self.send(pb::FuseMirror {
+            cached_opened,
+            cached_released,
+            ..Default::default()
+        });
     }
 
     /// The read handles open in cached I/O mode, for the holder or the next daemon.
@@ -709,13 +713,34 @@ pub fn park_of(b: &pb::FuseBacking) -> Option<Parkable> {
     if b.block_path.is_empty() {
         return None;
     }
-    let left = Duration::from_millis(b.check_due_ms.saturating_sub(now_ms()));
+    // A check is never due later than a full interval from now, whatever the value says.
+    let left = Duration::from_millis(b.check_due_ms.saturating_sub(now_ms()))
+        .min(granary_client::local::REVERIFY_AFTER);
     Some(Parkable::from_parts(
         b.block_path.clone().into(),
         b.block_dev,
         b.block_ino,
         Instant::now() + left,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_described_block_file_is_due_within_one_check_interval_whatever_it_says() {
+        for due in [0, 1, now_ms(), u64::MAX] {
+            let b = pb::FuseBacking {
+                block_path: "/nowhere/block".into(),
+                check_due_ms: due,
+                ..Default::default()
+            };
+            let p = park_of(&b).unwrap();
+            assert!(p.until <= Instant::now() + granary_client::local::REVERIFY_AFTER);
+        }
+        assert!(park_of(&pb::FuseBacking::default()).is_none());
+    }
 }
 
 /// Lets go of parked backings that are due for a new check or whose block files their
