@@ -724,25 +724,6 @@ pub fn park_of(b: &pb::FuseBacking) -> Option<Parkable> {
     ))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_described_block_file_is_due_within_one_check_interval_whatever_it_says() {
-        for due in [0, 1, now_ms(), u64::MAX] {
-            let b = pb::FuseBacking {
-                block_path: "/nowhere/block".into(),
-                check_due_ms: due,
-                ..Default::default()
-            };
-            let p = park_of(&b).unwrap();
-            assert!(p.until <= Instant::now() + granary_client::local::REVERIFY_AFTER);
-        }
-        assert!(park_of(&pb::FuseBacking::default()).is_none());
-    }
-}
-
 /// Lets go of parked backings that are due for a new check or whose block files their
 /// worker removed (blocking: a `stat` each). Returns how many went.
 pub fn sweep(backings: &Mutex<Backings>) -> usize {
@@ -789,4 +770,23 @@ pub fn spawn_sweeper(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_described_block_file_is_due_within_one_check_interval_whatever_it_says() {
+        for due in [0, 1, now_ms(), u64::MAX] {
+            let b = pb::FuseBacking {
+                block_path: "/nowhere/block".into(),
+                check_due_ms: due,
+                ..Default::default()
+            };
+            let p = park_of(&b).unwrap();
+            assert!(p.until <= Instant::now() + granary_client::local::REVERIFY_AFTER);
+        }
+        assert!(park_of(&pb::FuseBacking::default()).is_none());
+    }
 }
