@@ -804,7 +804,7 @@ pub enum TakeoverMode {
 }
 
 /// Replacing the daemon of a mount without unmounting it (docs/operations.md, "Restarting
-/// and upgrading a mount"). Linux 6.9+.
+/// and upgrading a mount"). Crash recovery needs Linux 6.9+.
 #[derive(Debug, Args, Clone)]
 pub struct HandoverOpts {
     /// Take the mount at --mount over from the `granary fuse` serving it now (an upgrade, or
@@ -833,6 +833,12 @@ pub struct HandoverOpts {
     /// error.
     #[arg(long)]
     pub supervise: bool,
+    /// Act as on a kernel that cannot send a new daemon the requests the old one read and
+    /// did not answer (FUSE_NOTIFY_RESEND, Linux < 6.9, where this is how it works anyway):
+    /// no crash recovery (--supervise serves unsupervised), and a successor takes the
+    /// mount over only once the old daemon has answered every request it read.
+    #[arg(long, env = "GRANARY_FUSE_NO_RESEND")]
+    pub no_resend: bool,
     /// The supervisor's socket, given by the supervisor to its daemon.
     #[arg(long, hide = true)]
     pub holder_socket: Option<PathBuf>,

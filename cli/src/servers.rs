@@ -202,6 +202,7 @@ async fn serve_fuse_mount(
             || h.take_from.is_some()
             || std::os::unix::net::UnixStream::connect(f).is_ok()
     });
+    let from_taken = from.is_some();
     let mounted = match from {
         Some(from) => {
             let (c, rt2) = (config.clone(), rt.clone());
@@ -217,7 +218,11 @@ async fn serve_fuse_mount(
                 t.generation,
                 t.donor_version,
                 t.unserved.as_millis(),
-                if t.resent { "" } else { "; requests it had not answered failed" }
+                match (t.quiesced, t.resent) {
+                    (true, _) => "; it answered every request it had read first",
+                    (false, true) => "",
+                    (false, false) => "; requests it had not answered failed",
+                }
             );
             m
         }
@@ -238,24 +243,38 @@ async fn serve_fuse_mount(
             tracing::warn!(holder = %holder.display(), error = %e, "cannot tell the supervisor about passthrough backing files: after a crash, files open in passthrough may fail to open again until closed");
         }
     }
-    // A successor may take the mount over (where the kernel can resend; else say why not).
-    let handed = match handover::kernel_can_resend() {
-        Err(why) => {
-            tracing::info!("{why}");
+    // A successor may take the mount over (where the kernel cannot resend, once this
+    // daemon has answered every request it read).
+    let resend = handover::kernel_can_resend(h.no_resend);
+    if let Err(why) = &resend {
+        eprintln!("{why}");
+    }
+    // The daemon taken over may still be ending (its socket live) for a moment.
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    let listened = loop {
+        match handover::listen(&socket) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && from_taken
+                    && std::time::Instant::now() < end =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            r => break r,
+        }
+    };
+    let handed = match listened {
+        Ok(l) => Some(granary_fuse::serve_handovers(
+            l,
+            &mounted,
+            rt,
+            h.handover_timeout,
+            resend.is_ok(),
+        )?),
+        Err(e) => {
+            tracing::warn!(socket = %socket.display(), error = %e, "no handover socket: this mount cannot be taken over");
             None
         }
-        Ok(()) => match handover::listen(&socket) {
-            Ok(l) => Some(granary_fuse::serve_handovers(
-                l,
-                &mounted,
-                rt,
-                h.handover_timeout,
-            )?),
-            Err(e) => {
-                tracing::warn!(socket = %socket.display(), error = %e, "no handover socket: this mount cannot be taken over");
-                None
-            }
-        },
     };
     let handed = async {
         match handed {
@@ -284,9 +303,14 @@ async fn serve_fuse_mount(
 
 pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     if a.handover.supervise {
-        return crate::supervise::run(&a).await;
+        // Recovering from a crash needs the kernel to resend what the dead daemon read.
+        match granary_fuse::handover::kernel_can_resend(a.handover.no_resend) {
+            Ok(()) => return crate::supervise::run(&a).await,
+            Err(why) => eprintln!("--supervise is ignored: {why}"),
+        }
     }
-    let config = fuse_config(a.mount, &a.fuse);
+    let mut config = fuse_config(a.mount, &a.fuse);
+    config.no_resend = a.handover.no_resend;
     // A mount point taken over is the FUSE mount itself, which nothing may serve yet (after
     // a crash): not looked at.
     if a.handover.takeover.is_none() && a.handover.take_from.is_none() {

@@ -335,7 +335,7 @@ fn daemon_args() -> Vec<String> {
 }
 
 pub async fn run(a: &FuseArgs) -> anyhow::Result<()> {
-    handover::kernel_can_resend().map_err(anyhow::Error::msg)?;
+    handover::kernel_can_resend(a.handover.no_resend).map_err(anyhow::Error::msg)?;
     if a.handover.takeover.is_none() {
         granary_fuse::check_mountpoint(&a.mount)?;
     }

@@ -16,7 +16,7 @@ use granary_client::FileSystem;
 use granary_proto as pb;
 
 use crate::error::errno;
-use crate::handover::{Gate, Pass};
+use crate::handover::{Gate, Pass, Quiesce};
 use crate::pagecache::PageCache;
 use crate::FuseConfig;
 
@@ -87,6 +87,17 @@ struct DirHandle {
 }
 
 type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
+
+/// First in every request handler: once the mount is being handed over to a successor that
+/// cannot have the kernel resend (see [`Quiesce`]), this thread handles the request and
+/// then parks.
+macro_rules! quiesced {
+    ($self:ident, $method:ident ( $($arg:expr),* )) => {
+        if let Some(_parking) = $self.quiesce.enter() {
+            return <Self as Filesystem>::$method($self, $($arg),*);
+        }
+    };
+}
 
 /// Entries fetched per page of a directory listing.
 const DIR_PAGE: u32 = 1000;
@@ -159,6 +170,9 @@ pub struct GranaryFs {
     generation: u32,
     /// Holds back opens, releases and changes while the mount is handed over.
     gate: Arc<Gate>,
+    /// Stops the reader threads, each after the request it has, for a handover the kernel
+    /// cannot resend.
+    quiesce: Arc<Quiesce>,
     /// The kernel's INIT as this mount began, and what was granted (for a successor).
     kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
     files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
@@ -305,6 +319,7 @@ impl GranaryFs {
             next_fh: AtomicU64::new(1),
             generation: config.generation,
             gate: Arc::new(Gate::default()),
+            quiesce: Quiesce::new(config.threads),
             kernel: Arc::new(Mutex::new(None)),
             files: Arc::new(Mutex::new(HashMap::new())),
             cache: Arc::new(cache),
@@ -324,6 +339,14 @@ impl GranaryFs {
             readahead: Arc::new(Mutex::new(HashMap::new())),
             prefetch_budget,
         }
+    }
+
+    /// Answers a request from a task (counted while in flight: see [`Quiesce`]).
+    fn spawn<F>(&self, reply: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.rt.spawn(self.quiesce.track(reply));
     }
 
     /// What the mount knows of the kernel's page cache (it needs the mount's channel to
@@ -450,6 +473,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        quiesced!(self, lookup(req, parent, name, reply));
         self.requests.lookup.inc();
         self.note_resent(req);
         let caller = (req.uid(), req.gid());
@@ -470,7 +494,7 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let negative = self.negative_ttl;
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             match dl
                 .run_as(caller, "lookup", client.lookup_cached(parent.0, &name))
                 .await
@@ -493,6 +517,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        quiesced!(self, getattr(req, ino, _fh, reply));
         self.requests.getattr.inc();
         self.note_resent(req);
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
@@ -516,7 +541,7 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let dl = self.deadline.clone();
         let writes = self.writes.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             match dl.run("getattr", client.stat_inode(ino.0)).await {
                 Ok(mut s) => {
                     // Being written through this mount: its size so far.
@@ -534,6 +559,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        quiesced!(self, open(req, ino, flags, reply));
         self.requests.open.inc();
         self.note_resent(req);
         let pass = self.gate.pass();
@@ -572,7 +598,7 @@ impl Filesystem for GranaryFs {
         let writes = self.writes.clone();
         let pt = self.pt();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             match dl.run("open", client.open_inode(ino.0)).await {
                 Ok(s) if s.kind == pb::FileKind::Directory as i32 => reply.error(Errno::EISDIR),
@@ -613,6 +639,10 @@ impl Filesystem for GranaryFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        quiesced!(
+            self,
+            read(req, ino, fh, offset, size, _flags, _lock_owner, reply)
+        );
         self.requests.read.inc();
         self.note_resent(req);
         let file = match self.file_of(ino.0, fh.0) {
@@ -647,7 +677,7 @@ impl Filesystem for GranaryFs {
         if let Some(parts) = ahead {
             let dl = self.deadline.clone();
             let client = self.client.clone();
-            self.rt.spawn(async move {
+            self.spawn(async move {
                 match dl.run("read", crate::prefetch::assemble(parts)).await {
                     Ok(data) => {
                         client.metrics.prefetch_hit_bytes.inc_by(data.len() as u64);
@@ -665,7 +695,7 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let dl = self.deadline.clone();
         let budget = self.budget.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             // The read's buffer comes out of the mount's memory budget (waiting for room
             // counts against the deadline); the permit is held until the reply is sent.
             let units = u64::from(size).div_ceil(BUDGET_UNIT).max(1) as u32;
@@ -697,6 +727,10 @@ impl Filesystem for GranaryFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        quiesced!(
+            self,
+            release(req, _ino, fh, _flags, _lock_owner, _flush, reply)
+        );
         self.requests.release.inc();
         self.note_resent(req);
         let _pass = self.gate.pass();
@@ -724,13 +758,14 @@ impl Filesystem for GranaryFs {
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        quiesced!(self, opendir(req, ino, _flags, reply));
         self.requests.opendir.inc();
         self.note_resent(req);
         let client = self.client.clone();
         let dirs = self.dirs.clone();
         let fh = self.new_fh();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let opened = async {
                 let dir = client.stat_inode(ino.0).await?;
                 if dir.kind != pb::FileKind::Directory as i32 {
@@ -765,6 +800,7 @@ impl Filesystem for GranaryFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        quiesced!(self, readdir(req, ino, fh, offset, reply));
         self.requests.readdir.inc();
         self.note_resent(req);
         let h = match self.dir_of(ino.0, fh.0) {
@@ -773,7 +809,7 @@ impl Filesystem for GranaryFs {
         };
         let client = self.client.clone();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let mut h = h.lock().await;
             if let Err(e) = dl
                 .run("readdir", h.fetch_past(&client, ino.0, offset))
@@ -800,6 +836,7 @@ impl Filesystem for GranaryFs {
         offset: u64,
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
+        quiesced!(self, readdirplus(req, ino, fh, offset, reply));
         self.requests.readdir.inc();
         self.note_resent(req);
         let h = match self.dir_of(ino.0, fh.0) {
@@ -810,7 +847,7 @@ impl Filesystem for GranaryFs {
         let dl = self.deadline.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let writes = self.writes.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let mut h = h.lock().await;
             if let Err(e) = dl
                 .run("readdir", h.fetch_past(&client, ino.0, offset))
@@ -846,6 +883,7 @@ impl Filesystem for GranaryFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        quiesced!(self, releasedir(req, _ino, fh, _flags, reply));
         self.requests.releasedir.inc();
         self.note_resent(req);
         lock(&self.dirs).remove(&fh.0);
@@ -855,6 +893,7 @@ impl Filesystem for GranaryFs {
     /// Answered from the cluster capacity fetched at most [`CAPACITY_TTL`] ago (`df` and
     /// training launchers call statfs often); a failed refresh answers the last known.
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        quiesced!(self, statfs(req, _ino, reply));
         self.requests.statfs.inc();
         self.note_resent(req);
         const BSIZE: u64 = 4096;
@@ -881,7 +920,7 @@ impl Filesystem for GranaryFs {
         let client = self.client.clone();
         let dl = self.deadline.clone();
         let capacity = self.capacity.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             match dl.run("statfs", client.master.cluster_info(false)).await {
                 Ok(info) => {
                     let stats = || info.workers.iter().filter_map(|w| w.stats.as_ref());
@@ -899,6 +938,7 @@ impl Filesystem for GranaryFs {
     }
 
     fn access(&self, req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        quiesced!(self, access(req, _ino, mask, reply));
         self.requests.access.inc();
         self.note_resent(req);
         if mask.contains(fuser::AccessFlags::W_OK) && self.read_only {
@@ -918,6 +958,7 @@ impl Filesystem for GranaryFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
+        quiesced!(self, create(req, parent, name, mode, umask, _flags, reply));
         self.requests.other.inc();
         self.note_resent(req);
         let pass = self.gate.pass();
@@ -930,7 +971,7 @@ impl Filesystem for GranaryFs {
         let fh = self.new_fh() | FH_WRITER;
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             let open = async {
                 let path = writes.child_path(parent.0, &name).await?;
@@ -974,6 +1015,20 @@ impl Filesystem for GranaryFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        quiesced!(
+            self,
+            write(
+                req,
+                _ino,
+                fh,
+                offset,
+                data,
+                _write_flags,
+                _flags,
+                _lock_owner,
+                reply
+            )
+        );
         self.requests.write.inc();
         self.note_resent(req);
         let Some(h) = self.writes.handle(fh.0) else {
@@ -985,7 +1040,7 @@ impl Filesystem for GranaryFs {
         };
         let data = bytes::Bytes::copy_from_slice(data);
         let writes = self.writes.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             match writes.write(&h, offset, data).await {
                 Ok(n) => reply.written(n),
                 Err(e) => reply.error(e),
@@ -1001,6 +1056,7 @@ impl Filesystem for GranaryFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        quiesced!(self, flush(req, _ino, fh, _lock_owner, reply));
         self.requests.flush.inc();
         self.note_resent(req);
         self.on_writer(fh, reply, |w, h| async move { w.flush(&h).await });
@@ -1014,6 +1070,7 @@ impl Filesystem for GranaryFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        quiesced!(self, fsync(req, _ino, fh, _datasync, reply));
         self.requests.other.inc();
         self.note_resent(req);
         self.on_writer(fh, reply, |w, h| async move { w.fsync(&h).await });
@@ -1033,6 +1090,10 @@ impl Filesystem for GranaryFs {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
+        quiesced!(
+            self,
+            ioctl(req, _ino, _fh, _flags, _cmd, _in_data, _out_size, reply)
+        );
         self.requests.other.inc();
         self.note_resent(req);
         reply.error(Errno::ENOTTY);
@@ -1047,6 +1108,7 @@ impl Filesystem for GranaryFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        quiesced!(self, mkdir(req, parent, name, mode, umask, reply));
         self.requests.other.inc();
         self.note_resent(req);
         let pass = self.gate.pass();
@@ -1058,7 +1120,7 @@ impl Filesystem for GranaryFs {
         let writes = self.writes.clone();
         let (ttl, uid, gid) = (self.entry_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             let made = async {
                 let path = writes.child_path(parent.0, &name).await?;
@@ -1079,12 +1141,14 @@ impl Filesystem for GranaryFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        quiesced!(self, unlink(req, parent, name, reply));
         self.requests.other.inc();
         self.note_resent(req);
         self.remove((req.uid(), req.gid()), parent, name, false, reply);
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        quiesced!(self, rmdir(req, parent, name, reply));
         self.requests.other.inc();
         self.note_resent(req);
         self.remove((req.uid(), req.gid()), parent, name, true, reply);
@@ -1100,6 +1164,10 @@ impl Filesystem for GranaryFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        quiesced!(
+            self,
+            rename(req, parent, name, newparent, newname, flags, reply)
+        );
         self.requests.other.inc();
         self.note_resent(req);
         let pass = self.gate.pass();
@@ -1120,7 +1188,7 @@ impl Filesystem for GranaryFs {
         let writes = self.writes.clone();
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             let moved = async {
                 let src = writes.child_path(parent.0, &name).await?;
@@ -1173,6 +1241,13 @@ impl Filesystem for GranaryFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        quiesced!(
+            self,
+            setattr(
+                req, ino, _mode, _uid, _gid, size, _atime, _mtime, _ctime, _fh, _crtime, _chgtime,
+                _bkuptime, _flags, reply
+            )
+        );
         self.requests.other.inc();
         self.note_resent(req);
         let pass = self.gate.pass();
@@ -1183,7 +1258,7 @@ impl Filesystem for GranaryFs {
         let writes = self.writes.clone();
         let (ttl, uid, gid) = (self.attr_ttl, self.uid, self.gid);
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             match dl.run("setattr", client.stat_inode(ino.0)).await {
                 Ok(mut s) => {
@@ -1220,7 +1295,7 @@ impl GranaryFs {
             };
         };
         let fut = op(self.writes.clone(), h);
-        self.rt.spawn(async move {
+        self.spawn(async move {
             match fut.await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(e),
@@ -1283,7 +1358,7 @@ impl GranaryFs {
         let fh = self.new_fh() | FH_WRITER;
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             let open = async {
                 let s = writes.client.stat_inode(ino.0).await?;
@@ -1335,7 +1410,7 @@ impl GranaryFs {
         let writes = self.writes.clone();
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
-        self.rt.spawn(async move {
+        self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             let removed = async {
                 let entry = writes.client.lookup(parent.0, &name).await?;

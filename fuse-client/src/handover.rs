@@ -19,7 +19,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -107,19 +107,25 @@ pub fn default_socket(mountpoint: &Path) -> PathBuf {
     base.join(format!("{name}.sock"))
 }
 
-/// Whether this kernel resends requests a daemon read but never answered; `Err` says why not.
-pub fn kernel_can_resend() -> Result<(), String> {
+/// Whether this kernel resends requests a daemon read but never answered (and `off`, the
+/// operator's `--no-resend`, does not say to act as if it did not); `Err` says why not.
+pub fn kernel_can_resend(off: bool) -> Result<(), String> {
     let uname = rustix::system::uname();
     let release = uname.release().to_string_lossy().into_owned();
     let mut parts = release
         .split(|c: char| !c.is_ascii_digit())
         .filter_map(|p| p.parse::<u32>().ok());
     let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    if version >= RESEND_SINCE {
+    let consequence = "a crash of the daemon breaks the mount (no --supervise); a new daemon still takes it over gracefully (--takeover), the old one answering every request it read first";
+    if off {
+        Err(format!(
+            "FUSE request resend is off (--no-resend): {consequence}"
+        ))
+    } else if version >= RESEND_SINCE {
         Ok(())
     } else {
         Err(format!(
-            "Linux {release} cannot resend FUSE requests to a new daemon (Linux {}.{}+ can): a mount cannot be taken over or kept across a daemon crash on this kernel",
+            "Linux {release} cannot resend FUSE requests to a new daemon (Linux {}.{}+ can): {consequence}",
             RESEND_SINCE.0, RESEND_SINCE.1
         ))
     }
@@ -314,10 +320,13 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
     Ok(l)
 }
 
-/// Connects to the daemon (or holder) on `path` and asks for the mount at `mountpoint`.
+/// Connects to the daemon (or holder) on `path` and asks for the mount at `mountpoint`;
+/// `without_resend`: this side will not have the kernel resend what the donor read and did
+/// not answer, so the donor answers all it read first ([`Quiesce`]).
 pub fn request(
     path: &Path,
     mountpoint: &Path,
+    without_resend: bool,
 ) -> Result<(pb::FuseHandover, OwnedFd, UnixStream, u32), HandoverError> {
     let s = UnixStream::connect(path).map_err(|source| HandoverError::NoDonor {
         path: path.display().to_string(),
@@ -330,6 +339,7 @@ pub fn request(
         pid: std::process::id(),
         session: None,
         handed_over: false,
+        without_resend,
     };
     send(&s, &hello, None)?;
     let (h, fd): (pb::FuseHandover, _) = recv(&s)?;
@@ -531,6 +541,156 @@ impl Gate {
     }
 }
 
+/// How a daemon stops reading requests without leaving one unanswered, for a handover the
+/// kernel cannot resend to the successor (Linux < 6.9, or `--no-resend`).
+///
+/// Every request handler begins with [`Quiesce::enter`]: once [`Quiesce::stop`] was
+/// called, the reader thread handles the request it has read and then parks inside the
+/// handler, before it could read another. Requests answered from a task are counted until
+/// their reply is sent ([`Quiesce::track`]). When every reader thread is parked and no
+/// reply is in flight, this daemon holds no request: what the kernel sends meanwhile waits
+/// in its queue for the successor. Reversible: [`Quiesce::resume`] lets the threads read
+/// again (a refused handover).
+pub struct Quiesce {
+    threads: usize,
+    stopping: AtomicBool,
+    parked: AtomicUsize,
+    replies: AtomicUsize,
+    state: Mutex<()>,
+    changed: Condvar,
+}
+
+thread_local! {
+    /// This thread handles a request after which it parks.
+    static PARKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Held by a reader thread while it handles its last request before parking; parks the
+/// thread when dropped (until [`Quiesce::resume`]).
+pub struct Parking(Arc<Quiesce>);
+
+impl Drop for Parking {
+    fn drop(&mut self) {
+        let q = &self.0;
+        let mut g = lock(&q.state);
+        q.parked.fetch_add(1, Ordering::SeqCst);
+        q.changed.notify_all();
+        while q.stopping.load(Ordering::SeqCst) {
+            g = q.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        q.parked.fetch_sub(1, Ordering::SeqCst);
+        drop(g);
+        PARKING.with(|p| p.set(false));
+    }
+}
+
+/// A reply in flight, counted until dropped.
+struct InFlight(Arc<Quiesce>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.replies.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.0.stopping.load(Ordering::SeqCst)
+        {
+            let _g = lock(&self.0.state);
+            self.0.changed.notify_all();
+        }
+    }
+}
+
+impl Quiesce {
+    /// For a session read by `threads` reader threads.
+    pub fn new(threads: usize) -> Arc<Self> {
+        Arc::new(Quiesce {
+            threads: threads.max(1),
+            stopping: AtomicBool::new(false),
+            parked: AtomicUsize::new(0),
+            replies: AtomicUsize::new(0),
+            state: Mutex::new(()),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// First thing in every request handler: `Some` when this thread is to park after the
+    /// request; the handler then calls itself again (which gets `None`) and returns,
+    /// dropping what this returned.
+    pub fn enter(self: &Arc<Self>) -> Option<Parking> {
+        if !self.stopping.load(Ordering::Relaxed) || PARKING.with(|p| p.get()) {
+            return None;
+        }
+        PARKING.with(|p| p.set(true));
+        Some(Parking(self.clone()))
+    }
+
+    /// `reply`, counted as a reply in flight until it ends.
+    pub fn track<F: std::future::Future>(
+        self: &Arc<Self>,
+        reply: F,
+    ) -> impl std::future::Future<Output = F::Output> {
+        self.replies.fetch_add(1, Ordering::SeqCst);
+        let counted = InFlight(self.clone());
+        async move {
+            let _counted = counted;
+            reply.await
+        }
+    }
+
+    /// Each reader thread parks after the next request it reads.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// The reader threads read again.
+    pub fn resume(&self) {
+        let _g = lock(&self.state);
+        self.stopping.store(false, Ordering::SeqCst);
+        self.changed.notify_all();
+    }
+
+    /// Reader threads parked now.
+    pub fn parked(&self) -> usize {
+        self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Waits until every reader thread is parked and no reply is in flight, at most until
+    /// `end`; calls `nudge` on another thread meanwhile (a request for a thread still
+    /// waiting for one). Returns whether it got there.
+    pub fn wait_quiet(&self, end: Instant, nudge: impl Fn() + Send + 'static) -> bool {
+        let done = Arc::new(AtomicBool::new(false));
+        {
+            let done = done.clone();
+            // May stay blocked in the kernel once every thread is parked: its request
+            // waits for the successor; the process ends it on exit.
+            let _ = std::thread::Builder::new()
+                .name("granary-quiesce".into())
+                .spawn(move || {
+                    while !done.load(Ordering::SeqCst) && Instant::now() < end {
+                        nudge();
+                    }
+                });
+        }
+        let mut g = lock(&self.state);
+        let quiet = loop {
+            if self.parked() >= self.threads && self.replies.load(Ordering::SeqCst) == 0 {
+                break true;
+            }
+            let now = Instant::now();
+            if now >= end {
+                break false;
+            }
+            // Bounded: a reply that ends between the check and the wait is seen next turn.
+            let step = (end - now).min(Duration::from_millis(50));
+            g = self
+                .changed
+                .wait_timeout(g, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        done.store(true, Ordering::SeqCst);
+        quiet
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -613,6 +773,99 @@ mod tests {
             let e = listen(&link.join("h.sock")).unwrap_err();
             assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
         }
+    }
+
+    fn poll_until(f: impl Fn() -> bool) {
+        let end = Instant::now() + Duration::from_secs(5);
+        while !f() {
+            assert!(Instant::now() < end, "not within 5 s");
+            std::thread::yield_now();
+        }
+    }
+
+    /// Reader threads as fuser runs them: each takes the next request from a shared queue
+    /// and answers it, from a task for odd requests.
+    #[test]
+    fn quiesced_readers_answer_what_they_took_and_take_no_more_until_resumed() {
+        use std::sync::mpsc;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_time()
+            .build()
+            .unwrap();
+        let q = Quiesce::new(3);
+        let (requests, queue) = mpsc::channel::<u64>();
+        let queue = Arc::new(Mutex::new(queue));
+        let (answers, answered) = mpsc::channel::<u64>();
+        fn handle(
+            q: &Arc<Quiesce>,
+            rt: &tokio::runtime::Handle,
+            n: u64,
+            answers: &mpsc::Sender<u64>,
+        ) {
+            if let Some(_parking) = q.enter() {
+                return handle(q, rt, n, answers);
+            }
+            if n % 2 == 1 {
+                let answers = answers.clone();
+                rt.spawn(q.track(async move {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    answers.send(n).unwrap();
+                }));
+            } else {
+                answers.send(n).unwrap();
+            }
+        }
+        for _ in 0..3 {
+            let (q, queue, answers, rt) = (
+                q.clone(),
+                queue.clone(),
+                answers.clone(),
+                rt.handle().clone(),
+            );
+            std::thread::spawn(move || loop {
+                let n = lock(&queue).recv();
+                match n {
+                    Ok(n) => handle(&q, &rt, n, &answers),
+                    Err(_) => return,
+                }
+            });
+        }
+        for n in 0..10 {
+            requests.send(n).unwrap();
+        }
+        let mut got: Vec<u64> = (0..10)
+            .map(|_| answered.recv_timeout(Duration::from_secs(5)).unwrap())
+            .collect();
+        got.sort();
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+        // Stopped: the nudges are the requests each thread handles before it parks; the
+        // slow replies from tasks are waited for.
+        q.stop();
+        // One request per reader thread is all it takes.
+        let nudges = Arc::new(AtomicUsize::new(0));
+        let (r, n) = (Mutex::new(requests.clone()), nudges.clone());
+        let quiet = q.wait_quiet(Instant::now() + Duration::from_secs(10), move || {
+            let k = n.fetch_add(1, Ordering::SeqCst);
+            if k < 3 {
+                let _ = lock(&r).send(101 + 2 * k as u64);
+            } else {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        assert!(quiet);
+        assert_eq!(q.parked(), 3);
+        // Every request a thread took is answered, the slow ones from tasks included.
+        let mut late: Vec<u64> = std::iter::from_fn(|| answered.try_recv().ok()).collect();
+        late.sort();
+        assert_eq!(late, vec![101, 103, 105]);
+        // What comes now waits in the queue until the threads read again.
+        requests.send(1000).unwrap();
+        assert!(answered.recv_timeout(Duration::from_millis(300)).is_err());
+        q.resume();
+        assert_eq!(answered.recv_timeout(Duration::from_secs(5)).unwrap(), 1000);
+        poll_until(|| q.parked() == 0);
+        drop(requests);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

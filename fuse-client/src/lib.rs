@@ -17,6 +17,7 @@ mod write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -112,6 +113,9 @@ pub struct FuseConfig {
     /// This daemon's place in the mount's line of daemons (0: it mounts; set by a
     /// takeover, see [`handover`]).
     pub generation: u32,
+    /// Act as on a kernel that cannot resend requests to a new daemon (see
+    /// [`handover::kernel_can_resend`]): handovers quiesce the old daemon first.
+    pub no_resend: bool,
 }
 
 impl FuseConfig {
@@ -133,6 +137,7 @@ impl FuseConfig {
             op_timeout: DEFAULT_OP_TIMEOUT,
             max_memory: DEFAULT_MAX_MEMORY,
             read_only: false,
+            no_resend: false,
             write_mode: None,
             async_replicas: 1,
             generation: 0,
@@ -251,12 +256,16 @@ pub struct Takeover {
     pub unserved: Duration,
     /// Whether the kernel resent what the previous daemon read and did not answer.
     pub resent: bool,
+    /// The previous daemon answered every request it read before it handed over (nothing
+    /// to resend: a kernel without resend, or `--no-resend`).
+    pub quiesced: bool,
 }
 
 /// Takes the mount at `config.mountpoint` over from the daemon (or descriptor holder)
 /// listening on `socket`: receives its descriptor and open handles, serves the mount with
 /// them once that daemon has exited, and has the kernel send again what it had read and
-/// not answered.
+/// not answered. Where the kernel cannot resend, the donor answers all it read before it
+/// hands over (it quiesces) and this daemon serves at once.
 pub fn take_over(
     client: Arc<FileSystem>,
     config: &FuseConfig,
@@ -267,12 +276,15 @@ pub fn take_over(
         path: config.mountpoint.display().to_string(),
         source,
     };
-    handover::kernel_can_resend().map_err(|e| failed(handover::HandoverError::Kernel(e)))?;
+    let resend = handover::kernel_can_resend(config.no_resend);
+    if let Err(why) = &resend {
+        tracing::info!("{why}");
+    }
     // The mount point is not looked at: it is the mount taken over, which nothing may
     // serve yet (the donor checks that it names the same one).
     prepare(&client, config);
     let (h, fuse, stream, donor_pid) =
-        handover::request(socket, &config.mountpoint).map_err(failed)?;
+        handover::request(socket, &config.mountpoint, resend.is_err()).map_err(failed)?;
     let mut config = config.clone();
     config.generation = (h.generation + 1) & 0xfff;
     let fs = GranaryFs::new(client.clone(), &config, runtime.clone());
@@ -280,24 +292,44 @@ pub fn take_over(
     let (page_cache, donor) = (fs.page_cache(), fs.donor());
     let session =
         handover::attach(fs, &fuse, &h, &session_config(&config)).map_err(|e| failed(e.into()))?;
-    // The previous daemon exits once it has sent the mount; only then may the kernel send
-    // again what it read and did not answer (else it could read those once more).
-    if !handover::wait_donor_gone(&stream, donor_pid, Duration::from_secs(30)) {
-        tracing::warn!("the previous daemon did not exit within 30 s of handing the mount over");
-    }
-    // Before this daemon reads any request: a request of its own in progress would be
-    // sent again too, and answered twice.
-    let resent = match handover::resend(&fuse) {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::error!(error = %e, "the kernel did not resend the previous daemon's unanswered requests: those fail");
-            false
+    let gone = || {
+        if !handover::wait_donor_gone(&stream, donor_pid, Duration::from_secs(30)) {
+            tracing::warn!(
+                "the previous daemon did not exit within 30 s of handing the mount over"
+            );
         }
     };
-    let session = session.spawn().map_err(|e| failed(e.into()))?;
-    let unserved = match h.paused_at_ms {
+    let unserved = || match h.paused_at_ms {
         0 => Duration::ZERO,
         at => Duration::from_millis(handover::now_ms().saturating_sub(at)),
+    };
+    let (session, resent, unserved) = if h.quiesced {
+        // A quiesced donor holds no request and reads no more: this daemon serves at once,
+        // and then waits for it to end (its handover socket is this daemon's next).
+        let session = session.spawn().map_err(|e| failed(e.into()))?;
+        let unserved = unserved();
+        gone();
+        (session, false, unserved)
+    } else {
+        if resend.is_err() {
+            // A donor that does not quiesce (an older build, or a holder after a crash):
+            // what it read and did not answer is lost unless the kernel resends it.
+            tracing::warn!("the previous daemon did not answer all it had read before handing over: asking the kernel to resend it all the same");
+        }
+        // The previous daemon exits once it has sent the mount; only then may the kernel
+        // send again what it read and did not answer (else it could read those once more).
+        gone();
+        // Before this daemon reads any request: a request of its own in progress would be
+        // sent again too, and answered twice.
+        let resent = match handover::resend(&fuse) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "the kernel did not resend the previous daemon's unanswered requests: those fail");
+                false
+            }
+        };
+        let session = session.spawn().map_err(|e| failed(e.into()))?;
+        (session, resent, unserved())
     };
     client.metrics.fuse_takeovers.inc();
     client
@@ -309,6 +341,7 @@ pub fn take_over(
         donor_version: h.donor_version,
         unserved,
         resent,
+        quiesced: h.quiesced,
     };
     Ok((
         serving(
@@ -360,12 +393,14 @@ fn serving(
 /// Serves successors on `listener` (see [`handover`]) on a thread of its own; returns once
 /// the mount was handed over (the process must then exit at once, without unmounting).
 /// A successor is refused while files are open for writing through this mount for longer
-/// than `limit`.
+/// than `limit`. Without `resend` (the kernel cannot send a successor what this daemon read
+/// and did not answer), this daemon answers all it has read before it hands over.
 pub fn serve_handovers(
     listener: UnixListener,
     m: &Mounted,
     runtime: tokio::runtime::Handle,
     limit: Duration,
+    resend: bool,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<u32>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let donor = m.donor.clone();
@@ -376,13 +411,14 @@ pub fn serve_handovers(
         .spawn(move || {
             for conn in listener.incoming() {
                 let Ok(s) = conn else { continue };
-                match hand_over(&s, &donor, &fuse, &mountpoint, &runtime, limit) {
+                match hand_over(&s, &donor, &fuse, &mountpoint, &runtime, limit, resend) {
                     Ok(Some(pid)) => {
                         let _ = tx.send(pid);
                         // The connection stays open until this process has exited: the
                         // successor takes its end as the sign that no thread of this
                         // daemon reads requests any more (it then has the kernel send
-                        // again those read here and never answered).
+                        // again those read here and never answered; a quiesced daemon's
+                        // threads read no more already).
                         loop {
                             std::thread::park();
                         }
@@ -407,6 +443,7 @@ fn hand_over(
     mountpoint: &str,
     runtime: &tokio::runtime::Handle,
     limit: Duration,
+    resend: bool,
 ) -> std::io::Result<Option<u32>> {
     use granary_proto as pb;
     let refuse = |why: String| {
@@ -437,7 +474,9 @@ fn hand_over(
             hello.purpose
         ));
     }
-    tracing::info!(pid, "a successor asks for this mount");
+    // Without the kernel's resend, every request this daemon read is answered here first.
+    let quiesce = hello.without_resend || !resend;
+    tracing::info!(pid, quiesce, "a successor asks for this mount");
     let paused_at = handover::now_ms();
     // Files being written live in this process: they must be closed first.
     let end = Instant::now() + limit;
@@ -450,24 +489,51 @@ fn hand_over(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // No open, release or change passes from now on; those in progress finish.
-    donor.gate.close();
-    let drained = runtime
-        .block_on(async { tokio::time::timeout(limit, donor.gate.drained()).await })
-        .is_ok();
-    if !drained || donor.writing() > 0 {
-        donor.gate.open();
-        return refuse("requests in progress did not finish in time".into());
+    let reopen = || match quiesce {
+        true => donor.quiesce.resume(),
+        false => donor.gate.open(),
+    };
+    let quiet = if quiesce {
+        // Each reader thread parks after its next request (a lookup of a name nobody has
+        // brings one to a thread still waiting); what the kernel sends meanwhile waits for
+        // the successor.
+        donor.quiesce.stop();
+        let (mp, me, n) = (
+            mountpoint.to_string(),
+            std::process::id(),
+            AtomicU64::new(0),
+        );
+        donor.quiesce.wait_quiet(Instant::now() + limit, move || {
+            let k = n.fetch_add(1, Ordering::Relaxed);
+            let _ = std::fs::symlink_metadata(format!("{mp}/.granary-quiesce-{me}-{k}"));
+        })
+    } else {
+        // No open, release or change passes from now on; those in progress finish.
+        donor.gate.close();
+        runtime
+            .block_on(async { tokio::time::timeout(limit, donor.gate.drained()).await })
+            .is_ok()
+    };
+    if !quiet || donor.writing() > 0 {
+        reopen();
+        return refuse(match quiet {
+            false => "requests in progress did not finish in time".into(),
+            true => format!(
+                "{} files were opened for writing meanwhile; try again once they are closed",
+                donor.writing()
+            ),
+        });
     }
     let Some(mut h) = donor.hand_over(mountpoint) else {
-        donor.gate.open();
+        reopen();
         return refuse("the mount is not initialised yet".into());
     };
     h.paused_at_ms = paused_at;
+    h.quiesced = quiesce;
     if let Err(e) = handover::send(s, &h, Some(fuse.as_fd())) {
         // The successor is gone: this daemon takes back what it gave up and serves on.
         donor.take_back(&h);
-        donor.gate.open();
+        reopen();
         return Err(e);
     }
     tracing::info!(

@@ -455,6 +455,135 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
     drop(old);
 }
 
+/// On a kernel that cannot resend (Linux < 6.9; `--no-resend` acts so here, and the kernel
+/// is never asked to), the old daemon answers every request it read before it hands over:
+/// a request left unanswered would leave its program waiting forever.
+#[test]
+fn without_resend_the_old_daemon_answers_all_it_read_and_then_hands_the_mount_over() {
+    let Setup {
+        root,
+        mp,
+        data,
+        src,
+        manifest,
+        socket,
+    } = setup("quiesce");
+    let rp = root.path();
+    // No passthrough either: kernels without resend have none.
+    let opts = [
+        "--handover-socket",
+        &socket,
+        "--no-resend",
+        "--no-passthrough",
+    ];
+    let mut c = Cluster::start_opts(rp, 1, "1GiB", &src, &opts).unwrap();
+    let _unmount = UnmountOnDrop(mp.clone());
+    c.fuse
+        .proc
+        .wait_for_line("FUSE request resend is off", Duration::from_secs(10))
+        .unwrap();
+    sh(&format!("cat '{}'/s*/* > /dev/null", data.display())).unwrap();
+    let mut loader = Script::start("loader", LOADER, &[&manifest.display().to_string()]);
+    loader.expect("pass", Duration::from_secs(120));
+    // A second loader: more requests in flight at any moment of the handovers.
+    let mut loader2 = Script::start("loader 2", LOADER, &[&manifest.display().to_string()]);
+    loader2.expect("pass", Duration::from_secs(120));
+    let cold = data.join("big/cold.bin");
+    let mut daemon_read = Script::start("daemon reader", HOLD, &[&cold.display().to_string()]);
+    daemon_read.expect("half", Duration::from_secs(60));
+    let inodes: Vec<String> = [&cold, &data.join("s1"), &data.join("s1/f001.bin")]
+        .iter()
+        .map(|p| inode_of(p))
+        .collect();
+    // A file read from the store while the first takeover happens: its reads are answered
+    // from tasks, which the old daemon waits for.
+    let big = data.join("big/cached.bin").display().to_string();
+    let mut streaming = Script::start("streaming reader", HOLD, &[&big]);
+    streaming.expect("half", Duration::from_secs(60));
+    streaming.send("go");
+
+    // Two takeovers in a row, the second asking for --supervise (which cannot recover
+    // from a crash without resend, says so and serves unsupervised).
+    let m = mp.display().to_string();
+    let mut first = c.fuse;
+    let mut news: Vec<Proc> = Vec::new();
+    let mut metrics = String::new();
+    for (generation, extra) in [(1, None), (2, Some("--supervise"))] {
+        metrics = format!("127.0.0.1:{}", free_port());
+        let mut args = vec![
+            "fuse",
+            "--master",
+            &c.master.addr,
+            "--mount",
+            &m,
+            "--metrics-listen",
+            &metrics,
+        ];
+        args.extend(opts);
+        args.push("--takeover");
+        args.extend(extra);
+        let mut new = Proc::spawn(&format!("fuse-{generation}"), rp, &args).unwrap();
+        let old = news.last_mut().unwrap_or(&mut first.proc);
+        if extra.is_some() {
+            new.wait_for_line("--supervise is ignored", Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("{e:#}\nthe old daemon's log:\n{}", old.log_text()));
+        }
+        let line = new
+            .wait_for_line("granary took over the mount", Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e:#}\nthe old daemon's log:\n{}", old.log_text()));
+        assert!(line.contains(&format!("generation {generation}")), "{line}");
+        assert!(
+            line.contains("it answered every request it had read first"),
+            "{line}"
+        );
+        let status = poll("the old daemon to exit", Duration::from_secs(30), || {
+            old.child.try_wait().ok().flatten()
+        })
+        .unwrap();
+        assert!(status.success(), "the old daemon ended with {status}");
+        assert!(is_mounted(&mp), "the mount is gone after the takeover");
+        // Both loaders read on: whole passes, every byte checked.
+        for l in [&mut loader, &mut loader2] {
+            l.expect("pass", Duration::from_secs(120));
+        }
+        news.push(new);
+    }
+    assert_eq!(
+        [&cold, &data.join("s1"), &data.join("s1/f001.bin")]
+            .iter()
+            .map(|p| inode_of(p))
+            .collect::<Vec<_>>(),
+        inodes
+    );
+    daemon_read.send("go");
+    assert_eq!(
+        daemon_read.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cold.bin"))
+    );
+    assert_eq!(
+        streaming.expect("sha", Duration::from_secs(60)),
+        sha_of(&src.join("big/cached.bin"))
+    );
+    for l in [&mut loader, &mut loader2] {
+        l.send("stop");
+        let n: u64 = l.expect("ok", Duration::from_secs(120)).parse().unwrap();
+        assert!(n >= 900, "a loader read {n} files");
+    }
+    // The kernel was never asked to resend; the last daemon took over once.
+    assert_eq!(
+        metric_at(&metrics, "granary_client_fuse_resent_requests_total"),
+        0.0
+    );
+    assert_eq!(metric_at(&metrics, "granary_client_fuse_generation"), 2.0);
+    let last = news.last_mut().unwrap();
+    assert_eq!(last.stop("TERM", Duration::from_secs(30)).unwrap(), Some(0));
+    poll("the mount to go", Duration::from_secs(10), || {
+        (!is_mounted(&mp)).then_some(())
+    })
+    .unwrap();
+    drop(first);
+}
+
 #[test]
 fn a_supervised_daemon_killed_with_sigkill_costs_readers_a_pause_and_writers_a_clear_error() {
     let Setup {
