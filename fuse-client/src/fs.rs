@@ -20,9 +20,13 @@ use crate::handover::{Gate, Pass, Quiesce};
 use crate::pagecache::PageCache;
 use crate::FuseConfig;
 
+mod dirs;
 mod handles;
+mod open;
+use dirs::{DirHandle, Dirs};
 pub use handles::Donor;
 use handles::{tagged, FH_WRITER};
+use open::{small_via_lease, Passthrough};
 
 /// The mount's deadline on an operation's network work: on expiry the operation fails (EIO),
 /// is logged and counted, and the mount carries on; later operations start afresh.
@@ -75,19 +79,6 @@ impl Deadline {
     }
 }
 
-/// An open directory: its entries fetched so far, page by page as `readdir` gets to them
-/// (a directory of millions of names shows its first entries at once and never needs all
-/// of them in memory before the first reply).
-struct DirHandle {
-    /// ".", ".." and the entries listed so far, in order (offset i+1 follows entry i).
-    entries: Vec<(String, pb::FileStatus)>,
-    /// Where the next page starts ("" once every page is fetched).
-    next: String,
-    done: bool,
-}
-
-type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
-
 /// First in every request handler: once the mount is being handed over to a successor that
 /// cannot have the kernel resend (see [`Quiesce`]), this thread handles the request and
 /// then parks.
@@ -98,9 +89,6 @@ macro_rules! quiesced {
         }
     };
 }
-
-/// Entries fetched per page of a directory listing.
-const DIR_PAGE: u32 = 1000;
 
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
 const MAX_IO: u32 = 1024 * 1024;
@@ -1445,122 +1433,5 @@ impl GranaryFs {
                 }
             }
         });
-    }
-}
-
-impl DirHandle {
-    /// A listing of `dir` with "." and ".." and no page fetched yet.
-    fn new(dir: pb::FileStatus) -> Self {
-        let parent = pb::FileStatus {
-            inode: dir.parent.max(1),
-            kind: pb::FileKind::Directory as i32,
-            ..Default::default()
-        };
-        DirHandle {
-            entries: vec![(".".into(), dir), ("..".into(), parent)],
-            next: String::new(),
-            done: false,
-        }
-    }
-
-    /// Fetches the next page of the listing.
-    async fn fetch_page(
-        &mut self,
-        client: &FileSystem,
-        dir: u64,
-    ) -> Result<(), granary_client::ClientError> {
-        if self.done {
-            return Ok(());
-        }
-        let (entries, next) = client
-            .list_page(pb::path_or_id::Target::Inode(dir), &self.next, DIR_PAGE)
-            .await?;
-        self.entries
-            .extend(entries.into_iter().map(|e| (e.name.clone(), e)));
-        self.done = next.is_empty();
-        self.next = next;
-        Ok(())
-    }
-
-    /// Fetches pages until entry `offset` is known (or the listing ends).
-    async fn fetch_past(
-        &mut self,
-        client: &FileSystem,
-        dir: u64,
-        offset: u64,
-    ) -> Result<(), granary_client::ClientError> {
-        while !self.done && self.entries.len() as u64 <= offset {
-            self.fetch_page(client, dir).await?;
-        }
-        Ok(())
-    }
-}
-
-/// Whether an open of `s`, a file smaller than the passthrough minimum with no backing
-/// file parked or kept, takes a lease to open it in passthrough now (its block file is then
-/// parked for its next opens): a one-page file not being written here, opened out of name
-/// order, in a folder where such a lease did not just find its file uncached. A reader
-/// going through a folder in name order is served by pushes into the page cache and leases
-/// taken ahead instead.
-fn small_via_lease(client: &FileSystem, writes: &crate::write::Writes, s: &pb::FileStatus) -> bool {
-    s.length > 0
-        && s.length <= client.short_circuit.page_size()
-        && writes.size_of(s.inode).is_none()
-        && !client.open_lease_paused(s.parent)
-        && !client.small_open_in_name_order(s)
-}
-
-/// What an open needs to try passthrough.
-#[derive(Clone)]
-struct Passthrough {
-    on: Arc<AtomicBool>,
-    backings: Arc<Mutex<crate::backing::Backings>>,
-    fhs: Arc<Mutex<HashMap<u64, u64>>>,
-}
-
-impl Passthrough {
-    /// Opens `s` in passthrough mode when it is wholly cached on this node's worker; gives
-    /// the reply back (`Some`) when it is not, or the kernel refuses.
-    async fn try_open(
-        &self,
-        client: &Arc<FileSystem>,
-        s: &pb::FileStatus,
-        fh: u64,
-        reply: ReplyOpen,
-    ) -> Option<ReplyOpen> {
-        let fh = tagged(fh, s.version);
-        // A backing file parked since an earlier open.
-        let parked =
-            lock(&self.backings).open(&self.on, (s.inode, s.version), &reply, (fh, 0), || {
-                None::<(std::fs::File, Option<granary_client::local::Parkable>)>
-            });
-        if let Some(id) = parked {
-            lock(&self.fhs).insert(fh, s.inode);
-            client.count_passthrough_open(s, None);
-            reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
-            return None;
-        }
-        tracing::debug!(
-            inode = s.inode,
-            "no parked backing file: a lease for passthrough"
-        );
-        let Some(pf) = client.open_passthrough(s).await else {
-            return Some(reply);
-        };
-        let id = lock(&self.backings).open(
-            &self.on,
-            (s.inode, s.version),
-            &reply,
-            (fh, pf.handle),
-            || Some((&pf.file, pf.park.clone())),
-        );
-        let Some(id) = id else {
-            client.close_passthrough(pf.handle);
-            return Some(reply);
-        };
-        lock(&self.fhs).insert(fh, s.inode);
-        client.count_passthrough_open(s, Some(pf.worker_id));
-        reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
-        None
     }
 }
