@@ -246,8 +246,18 @@ fn load_caches_every_readable_byte_once_and_lists_the_files_it_could_not() {
         );
     }
 
-    // The report: schema, and the misses the load paid for (one per fetched page).
-    let report = json(&granary_ok(&["report", "--json", "--master", &addr]).unwrap());
+    // The report: schema, and the misses the load paid for (one per fetched page). Worker
+    // counters reach the master with heartbeats, so the report may trail the load's last
+    // fetches by one heartbeat.
+    let report = poll(
+        "the report to count every store byte",
+        Duration::from_secs(20),
+        || {
+            let r = json(&granary_ok(&["report", "--json", "--master", &addr]).ok()?);
+            (r["ufs_read_bytes"] == total - broken_bytes).then_some(r)
+        },
+    )
+    .unwrap();
     check_report_schema(&report);
     let samples = report["miss_penalty_ms"]["samples"].as_u64().unwrap();
     assert!(samples >= files.len() as u64 - 3, "{report}");
