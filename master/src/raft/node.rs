@@ -265,6 +265,7 @@ pub fn start(
         self_tx: tx.clone(),
         pending: HashMap::new(),
         reads: HashMap::new(),
+        read_batch: Vec::new(),
         deferred_reads: Vec::new(),
         confirmed_reads: Vec::new(),
         nonce: rand::random(),
@@ -313,8 +314,11 @@ struct Driver {
     /// Proposals awaiting apply, keyed by (process nonce, sequence) carried as entry context,
     /// so entries re-delivered after a restart never match a new proposal.
     pending: HashMap<(u64, u64), Reply>,
-    /// Read requests awaiting quorum confirmation, by request context.
-    reads: HashMap<Vec<u8>, ReadReply>,
+    /// Read requests awaiting quorum confirmation, by request context (one context per
+    /// batch: the reads that arrived in one turn of the loop).
+    reads: HashMap<Vec<u8>, Vec<ReadReply>>,
+    /// Reads that arrived in this turn of the loop, confirmed together (see `submit_reads`).
+    read_batch: Vec<ReadReply>,
     /// Reads held until a new leader has committed in its term.
     deferred_reads: Vec<ReadReply>,
     /// Confirmed reads waiting for the apply index to reach theirs.
@@ -365,6 +369,7 @@ impl Driver {
                 last_tick = Instant::now();
             }
             self.retry_deferred_reads();
+            self.submit_reads();
             if let Err(e) = self.on_ready() {
                 // Storage failed, or a committed entry cannot be applied: stop serving
                 // rather than risk acknowledging lost writes or diverging from the others.
@@ -383,7 +388,8 @@ impl Driver {
         for (_, reply) in self.pending.drain() {
             let _ = reply.send(Err(MasterError::ShuttingDown));
         }
-        for (_, reply) in self.reads.drain() {
+        let batched = std::mem::take(&mut self.read_batch);
+        for reply in self.reads.drain().flat_map(|(_, r)| r).chain(batched) {
             let _ = reply.send(Err(MasterError::ShuttingDown));
         }
         clean
@@ -612,9 +618,28 @@ impl Driver {
             self.deferred_reads.push(reply);
             return;
         }
+        self.read_batch.push(reply);
+    }
+
+    /// Asks the group to confirm leadership once for every read that arrived in this turn
+    /// of the loop: each was received before the confirmation is asked for, so the read
+    /// index it gets covers every write acknowledged before it arrived. One heartbeat round
+    /// serves a burst of reads instead of one round each.
+    fn submit_reads(&mut self) {
+        if self.read_batch.is_empty() {
+            return;
+        }
+        if self.node.raft.state != StateRole::Leader {
+            // Lost leadership to a message handled in this same turn.
+            let err = self.not_leader();
+            for reply in std::mem::take(&mut self.read_batch) {
+                let _ = reply.send(Err(err.clone()));
+            }
+            return;
+        }
         let (_, ctx) = self.next_key();
         self.node.read_index(ctx.clone());
-        self.reads.insert(ctx, reply);
+        self.reads.insert(ctx, std::mem::take(&mut self.read_batch));
     }
 
     fn retry_deferred_reads(&mut self) {
@@ -684,7 +709,7 @@ impl Driver {
                 for (_, reply) in self.pending.drain() {
                     let _ = reply.send(Err(err.clone()));
                 }
-                for (_, reply) in self.reads.drain() {
+                for reply in self.reads.drain().flat_map(|(_, r)| r) {
                     let _ = reply.send(Err(err.clone()));
                 }
                 for reply in self.deferred_reads.drain(..) {
@@ -705,8 +730,9 @@ impl Driver {
             self.install_snapshot(ready.snapshot())?;
         }
         for rs in ready.take_read_states() {
-            if let Some(reply) = self.reads.remove(&rs.request_ctx) {
-                self.confirmed_reads.push((rs.index, reply));
+            if let Some(replies) = self.reads.remove(&rs.request_ctx) {
+                self.confirmed_reads
+                    .extend(replies.into_iter().map(|reply| (rs.index, reply)));
             }
         }
         self.apply(ready.take_committed_entries())?;
@@ -856,6 +882,7 @@ impl Driver {
         let mut wo = rocksdb::WriteOptions::default();
         wo.set_sync(true);
         db.write_opt(batch, &wo)?;
+        self.sm.forget_cached();
         self.storage.snapshot_installed(&meta);
         self.last_snapshot = meta.index;
         // Configuration first, then the applied index: whoever sees the new applied index

@@ -3,6 +3,7 @@
 //! index in one atomic batch, so after a crash the state is exactly "all entries up to
 //! `applied`" and Raft re-delivers the rest.
 
+mod cache;
 pub mod invariants;
 pub mod jobs;
 pub mod pins;
@@ -57,6 +58,14 @@ fn inode_key(id: u64) -> Vec<u8> {
     tagged_key(b'i', id)
 }
 
+/// The inode id of an inode record's key (`i` + id), None for any other key.
+fn inode_id_of_key(key: &[u8]) -> Option<u64> {
+    match key {
+        [b'i', id @ ..] => id.try_into().ok().map(u64::from_be_bytes),
+        _ => None,
+    }
+}
+
 fn child_prefix(parent: u64) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
     k.push(b'c');
@@ -109,6 +118,8 @@ fn from_json<T: serde::de::DeserializeOwned>(v: &[u8]) -> Result<T, MasterError>
 #[derive(Clone)]
 pub struct StateMachine {
     db: Arc<DB>,
+    /// Inodes and folder entries read or written lately, decoded (see [`cache`]).
+    cache: Arc<cache::Cache>,
     /// Inodes changed by each applied entry, for namespace watchers (see [`Changes`]).
     changes: tokio::sync::broadcast::Sender<Changes>,
 }
@@ -131,6 +142,7 @@ impl StateMachine {
     pub fn open(db: Arc<DB>) -> Result<Self, MasterError> {
         let sm = Self {
             db,
+            cache: Arc::new(cache::Cache::new()),
             changes: tokio::sync::broadcast::channel(CHANGES_BUFFERED).0,
         };
         if sm.inode(ROOT_INODE)?.is_none() {
@@ -209,14 +221,44 @@ impl StateMachine {
     }
 
     pub fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
-        self.get(&inode_key(id))?.map(|v| from_json(&v)).transpose()
+        let generation = match self.cache.inode(id) {
+            Ok(inode) => return Ok(Some(inode)),
+            Err(generation) => generation,
+        };
+        let inode: Option<Inode> = self
+            .get(&inode_key(id))?
+            .map(|v| from_json(&v))
+            .transpose()?;
+        if let Some(i) = &inode {
+            self.cache.offer_inode(generation, i);
+        }
+        Ok(inode)
     }
 
     pub fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
-        match self.get(&child_key(parent, name))? {
-            Some(v) => self.inode(u64_of(&v)?),
+        match self.child_id(&child_key(parent, name))? {
+            Some(id) => self.inode(id),
             None => Ok(None),
         }
+    }
+
+    /// The inode id of the folder entry with record key `key`.
+    fn child_id(&self, key: &[u8]) -> Result<Option<u64>, MasterError> {
+        let generation = match self.cache.entry(key) {
+            Ok(id) => return Ok(Some(id)),
+            Err(generation) => generation,
+        };
+        let id = self.get(key)?.map(|v| u64_of(&v)).transpose()?;
+        if let Some(id) = id {
+            self.cache.offer_entry(generation, key, id);
+        }
+        Ok(id)
+    }
+
+    /// Forgets every decoded record kept: the store was replaced under this state machine
+    /// (a snapshot was installed). Call before anyone can read at the new applied index.
+    pub fn forget_cached(&self) {
+        self.cache.clear();
     }
 
     /// Children of `parent` in name order, starting after `after`, at most `limit`.
@@ -478,6 +520,8 @@ struct Txn<'a> {
     owner: Option<Owner>,
     /// The principal creating the file the command being applied creates.
     creator: Option<String>,
+    /// Inodes written with `put_inode`, decoded, for the cache at commit.
+    written: BTreeMap<u64, Inode>,
 }
 
 impl<'a> Txn<'a> {
@@ -487,6 +531,7 @@ impl<'a> Txn<'a> {
             pending: BTreeMap::new(),
             owner: None,
             creator: None,
+            written: BTreeMap::new(),
         }
     }
 
@@ -498,11 +543,20 @@ impl<'a> Txn<'a> {
     }
 
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.forget_written(&key);
         self.pending.insert(key, Some(value));
     }
 
     fn delete(&mut self, key: Vec<u8>) {
+        self.forget_written(&key);
         self.pending.insert(key, None);
+    }
+
+    /// A raw write of an inode record replaces what `put_inode` decoded for it.
+    fn forget_written(&mut self, key: &[u8]) {
+        if let Some(id) = inode_id_of_key(key) {
+            self.written.remove(&id);
+        }
     }
 
     fn put_u64(&mut self, key: &[u8], v: u64) {
@@ -536,31 +590,53 @@ impl<'a> Txn<'a> {
         out
     }
 
-    fn commit(self) -> Result<(), MasterError> {
+    fn commit(mut self) -> Result<(), MasterError> {
         let cf = self.sm.cf()?;
         let mut batch = WriteBatch::default();
+        let mut cached = cache::Written::default();
         for (k, v) in self.pending {
+            if let Some(id) = inode_id_of_key(&k) {
+                // Written by `put_inode` (decoded at hand), or raw: then forgotten.
+                let inode = v.as_ref().and_then(|_| self.written.remove(&id));
+                cached.inodes.push((id, inode));
+            } else if k.len() > 9 && k[0] == b'c' {
+                let id = v.as_deref().map(u64_of).transpose()?;
+                cached.entries.push((k.clone(), id));
+            }
             match v {
                 Some(v) => batch.put_cf(cf, k, v),
                 None => batch.delete_cf(cf, k),
             }
         }
-        Ok(self.sm.db.write(batch)?)
+        self.sm.db.write(batch)?;
+        self.sm.cache.committed(cached);
+        Ok(())
     }
 
     fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
-        self.get(&inode_key(id))?.map(|v| from_json(&v)).transpose()
+        let key = inode_key(id);
+        match self.pending.get(&key) {
+            Some(_) if self.written.contains_key(&id) => Ok(self.written.get(&id).cloned()),
+            Some(v) => v.as_deref().map(from_json).transpose(),
+            None => self.sm.inode(id),
+        }
     }
 
     fn put_inode(&mut self, inode: &Inode) -> Result<(), MasterError> {
         let v = to_json(inode)?;
         self.put(inode_key(inode.id), v);
+        self.written.insert(inode.id, inode.clone());
         Ok(())
     }
 
     fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
-        match self.get(&child_key(parent, name))? {
-            Some(v) => self.inode(u64_of(&v)?),
+        let key = child_key(parent, name);
+        let id = match self.pending.get(&key) {
+            Some(v) => v.as_deref().map(u64_of).transpose()?,
+            None => self.sm.child_id(&key)?,
+        };
+        match id {
+            Some(id) => self.inode(id),
             None => Ok(None),
         }
     }

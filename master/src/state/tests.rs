@@ -742,3 +742,42 @@ fn decommissioned_workers_are_remembered_and_reapplying_is_harmless() {
     let ids: Vec<u64> = sm.decommissioned().unwrap().into_iter().collect();
     assert_eq!(ids, [3]);
 }
+
+#[test]
+fn a_snapshot_installed_under_cached_records_replaces_them() {
+    let mkdir = |sm: &StateMachine, path: &str| {
+        let cmd = Command::Mkdir {
+            path: path.into(),
+            recursive: true,
+            mode: 0,
+            now_ms: 1,
+            owner: None,
+        };
+        sm.apply(1, &cmd).unwrap();
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = |name: &str| {
+        let db = crate::open_db(&dir.path().join(name)).unwrap();
+        StateMachine::open(Arc::new(db)).unwrap()
+    };
+    let (follower, leader) = (store("follower"), store("leader"));
+    mkdir(&follower, "/old");
+    mkdir(&leader, "/new/x");
+    // Read, so that the follower holds `/old` (inode 2, as `/new` is on the leader) decoded.
+    assert!(follower.resolve_loaded("/old").unwrap().is_some());
+
+    // The leader's state as a snapshot file, installed into the follower's store.
+    use crate::raft::snapshot;
+    let checkpoint = dir.path().join("checkpoint");
+    snapshot::checkpoint(&leader.db, &checkpoint).unwrap();
+    let file = dir.path().join("snapshot");
+    snapshot::write_from_checkpoint(&checkpoint, &dir.path().join("tmp"), &file).unwrap();
+    let mut batch = WriteBatch::default();
+    snapshot::load_into(&follower.db, &file, &mut batch).unwrap();
+    follower.db.write(batch).unwrap();
+    follower.forget_cached();
+
+    assert!(follower.resolve_loaded("/old").unwrap().is_none());
+    let x = follower.resolve_loaded("/new/x").unwrap().unwrap();
+    assert_eq!(follower.path_of(&x).unwrap(), "/new/x");
+}
