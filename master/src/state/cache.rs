@@ -104,6 +104,9 @@ fn entry_weight(k: &Vec<u8>, _: &u64) -> usize {
     std::mem::size_of::<(Vec<u8>, u64)>() + k.len()
 }
 
+/// A folder entry held: its record key and inode id.
+pub(super) type EntryItem = (Vec<u8>, u64);
+
 /// What one commit changed, for [`Cache::committed`].
 #[derive(Default)]
 pub(super) struct Written {
@@ -200,6 +203,14 @@ impl Cache {
         g.generation += 1;
         g.inodes.clear();
         g.entries.clear();
+    }
+
+    /// Every inode and entry held (for the invariant check: they must match the store).
+    pub fn held_items(&self) -> (Vec<(u64, Inode)>, Vec<EntryItem>) {
+        let g = self.lock();
+        let inodes = g.inodes.lru.iter().map(|(k, (v, _))| (*k, v.clone()));
+        let entries = g.entries.lru.iter().map(|(k, (v, _))| (k.clone(), *v));
+        (inodes.collect(), entries.collect())
     }
 
     /// Inodes and entries held, and their bytes.
