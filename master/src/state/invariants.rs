@@ -176,29 +176,34 @@ impl StateMachine {
                     format!("the inode count is {recorded}, but {count} inodes exist"),
                 );
             }
-            // What the state machine holds decoded is what the store holds.
-            let (inodes, entries) = self.cache.held_items();
-            for (id, cached) in inodes {
-                let key = inode_key(id);
-                let stored: Option<Inode> = self.get(&key)?.map(|v| from_json(&v)).transpose()?;
-                if stored.as_ref() != Some(&cached) {
-                    note(
-                        show_key(&key),
-                        "the decoded cache differs from the store".into(),
-                    );
-                }
-            }
-            for (key, cached) in entries {
-                let stored = self.get(&key)?.map(|v| u64_of(&v)).transpose()?;
-                if stored != Some(cached) {
-                    note(
-                        show_key(&key),
-                        "the decoded cache differs from the store".into(),
-                    );
-                }
-            }
+            self.check_cache(&mut note)?;
         }
         Ok(out)
+    }
+
+    /// What the state machine holds decoded is what the store holds.
+    fn check_cache(&self, note: &mut impl FnMut(String, String)) -> Result<(), MasterError> {
+        let (inodes, entries) = self.cache.held_items();
+        for (id, cached) in inodes {
+            let key = inode_key(id);
+            let stored: Option<Inode> = self.get(&key)?.map(|v| from_json(&v)).transpose()?;
+            if stored.as_ref() != Some(&cached) {
+                note(
+                    show_key(&key),
+                    "the decoded cache differs from the store".into(),
+                );
+            }
+        }
+        for (key, cached) in entries {
+            let stored = self.get(&key)?.map(|v| u64_of(&v)).transpose()?;
+            if stored != Some(cached) {
+                note(
+                    show_key(&key),
+                    "the decoded cache differs from the store".into(),
+                );
+            }
+        }
+        Ok(())
     }
 }
 
