@@ -221,6 +221,13 @@ impl StateMachine {
     }
 
     pub fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
+        self.inode_kept(id, true)
+    }
+
+    /// An inode, from the cache when it holds it; read from the store otherwise, and kept
+    /// if `keep` (not for scans: a listing of a big folder would push out every folder
+    /// that paths are resolved through, then be pushed out itself).
+    fn inode_kept(&self, id: u64, keep: bool) -> Result<Option<Inode>, MasterError> {
         let generation = match self.cache.inode(id) {
             Ok(inode) => return Ok(Some(inode)),
             Err(generation) => generation,
@@ -229,7 +236,7 @@ impl StateMachine {
             .get(&inode_key(id))?
             .map(|v| from_json(&v))
             .transpose()?;
-        if let Some(i) = &inode {
+        if let (Some(i), true) = (&inode, keep) {
             self.cache.offer_inode(generation, i);
         }
         Ok(inode)
@@ -287,7 +294,7 @@ impl StateMachine {
                 break;
             }
             let id = u64_of(v)?;
-            match self.inode(id)? {
+            match self.inode_kept(id, false)? {
                 Some(inode) => out.push(inode),
                 None => {
                     return Err(MasterError::inconsistent(format!(
