@@ -21,14 +21,6 @@ root, n = sys.argv[1], int(sys.argv[2])
 for i in range(n):
     open(os.path.join(root, f"f{i:07d}"), "wb").close()
 PY
-# timed COMMAND...: seconds it took; its output (one line: a count) on stdout after them.
-timed() {
-  local s e out
-  s=$(date +%s.%N)
-  out=$("$@")
-  e=$(date +%s.%N)
-  echo "$(python3 -c "print(f'{$e - $s:.2f}')") $out"
-}
 count() { ls "$1" | wc -l; }
 count_l() { ls -l "$1" | tail -n +2 | wc -l; }
 drop

@@ -20,6 +20,16 @@ wait_port() { for _ in $(seq 1 100); do (exec 3<>/dev/tcp/"${2:-127.0.0.1}"/"$1"
 # metric PORT NAME: the value of one Prometheus sample served on 127.0.0.1:PORT.
 metric_at() { curl -s "127.0.0.1:$1/metrics" | awk -v m="$2" '$1 == m { print $2 }'; }
 
+# timed COMMAND...: "SECONDS OUTPUT": how long COMMAND took, then what it printed (one
+# line, e.g. a count).
+timed() {
+  local s e out
+  s=$(date +%s.%N)
+  out=$("$@")
+  e=$(date +%s.%N)
+  echo "$(python3 -c "print(f'{$e - $s:.2f}')") $out"
+}
+
 # needs_root: exits unless this can drop the page cache (root).
 needs_root() { [ -w /proc/sys/vm/drop_caches ] || { echo "needs root (drops the page cache)"; exit 1; }; }
 

@@ -31,14 +31,6 @@ for d in range(folders):
     for f in range(per):
         open(os.path.join(p, f"f{f:06d}"), "wb").close()
 PY
-# timed COMMAND...: "seconds output" (the output is one line: a count).
-timed() {
-  local s e out
-  s=$(date +%s.%N)
-  out=$("$@")
-  e=$(date +%s.%N)
-  echo "$(python3 -c "print(f'{$e - $s:.2f}')") $out"
-}
 files_of() { find "$1" -type f | wc -l; }
 stat_all() { find "$1" -type f -printf '%s\n' | wc -l; }
 ls_l() { ls -l "$1" | tail -n +2 | wc -l; }
