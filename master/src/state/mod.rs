@@ -607,7 +607,8 @@ impl<'a> Txn<'a> {
                 let inode = v.as_ref().and_then(|_| self.written.remove(&id));
                 cached.inodes.push((id, inode));
             } else if k.len() > 9 && k[0] == b'c' {
-                let id = v.as_deref().map(u64_of).transpose()?;
+                // A value that is not an id is written as before, and not cached.
+                let id = v.as_deref().and_then(|v| u64_of(v).ok());
                 cached.entries.push((k.clone(), id));
             }
             match v {
