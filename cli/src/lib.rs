@@ -44,6 +44,9 @@ fn raise_open_files_limit() {
 pub fn main(cli: Cli) -> ExitCode {
     granary_common::logging::init();
     raise_open_files_limit();
+    if !serves(&cli.command) {
+        end_quietly_on_closed_output();
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("granary")
@@ -65,6 +68,28 @@ pub fn main(cli: Cli) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Whether the command runs a server (or a benchmark that serves): those keep Rust's
+/// ignored SIGPIPE, so a peer that goes away is an error on one connection, not the end of
+/// the process.
+fn serves(c: &Command) -> bool {
+    match c {
+        Command::Local(_) | Command::Fuse(_) | Command::Csi(_) | Command::Bench(_) => true,
+        Command::Master(a) => a.action.is_none(),
+        Command::Worker(a) => a.action.is_none(),
+        _ => false,
+    }
+}
+
+/// A command whose output goes to a reader that stops early (`granary fs ls / | head`)
+/// ends as `ls` does, by SIGPIPE, instead of panicking on the next write.
+#[allow(unsafe_code)]
+fn end_quietly_on_closed_output() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: called before the runtime or any other thread starts, and only restores the
+    // default disposition; no handler code runs in signal context.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }
 
 /// The error and its causes on one line.

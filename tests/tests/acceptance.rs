@@ -541,6 +541,35 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     let out = granary(&["fs", "ls", "/", "--master", "127.0.0.1:1"]);
     assert_one_sentence_error(&out, "unreachable master");
 
+    // A reader that stops early (`granary fs ls / | head`) ends the command as it ends
+    // `ls`: by SIGPIPE, with nothing on stderr (it panicked with a backtrace).
+    let args = ["fs", "ls", "/", "--master", m];
+    let mut cmd = std::process::Command::new(granary_bin());
+    secure_command(&mut cmd, &args);
+    let mut child = cmd
+        .args(args)
+        .env("GRANARY_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(13),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     assert_eq!(
         granary_ok(&["mount", "list", "--json", "--master", m]).unwrap(),
         mounts
