@@ -622,9 +622,11 @@ impl<'a> Txn<'a> {
     }
 
     fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
-        let key = inode_key(id);
-        match self.pending.get(&key) {
-            Some(_) if self.written.contains_key(&id) => Ok(self.written.get(&id).cloned()),
+        // `written` holds only inodes whose pending record is the one `put_inode` wrote.
+        if let Some(inode) = self.written.get(&id) {
+            return Ok(Some(inode.clone()));
+        }
+        match self.pending.get(&inode_key(id)) {
             Some(v) => v.as_deref().map(from_json).transpose(),
             None => self.sm.inode(id),
         }
