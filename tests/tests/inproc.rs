@@ -146,6 +146,57 @@ async fn a_load_finishes_on_the_workers_left_when_one_is_cut_off() -> Result<()>
     c.stop().await
 }
 
+/// A load walks its tree a page at a time and feeds the planner as it goes (the files it
+/// holds are bounded, whatever the tree): a folder of several listing pages, folders
+/// nested below it and an empty one are all loaded, the totals are exact, every byte is
+/// fetched once, and a second load of the same tree fetches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_of_folders_bigger_than_a_listing_page_caches_every_file_once() -> Result<()> {
+    let c = Cluster::start(Shape {
+        masters: 1,
+        workers: 2,
+        ..Shape::default()
+    })
+    .await?;
+    let mut expected = (0u64, 0u64);
+    let mut write = |path: std::path::PathBuf, len: usize| -> Result<()> {
+        std::fs::create_dir_all(path.parent().expect("a parent"))?;
+        std::fs::write(&path, vec![b'x'; len])?;
+        expected.0 += 1;
+        expected.1 += len as u64;
+        Ok(())
+    };
+    for i in 0..2_300 {
+        write(c.store.join(format!("big/{i:05}")), 1 + i % 700)?;
+    }
+    for d in ["a", "a/b", "a/b/c", "z"] {
+        for i in 0..3 {
+            write(c.store.join(format!("{d}/f{i}")), 5_000 + i)?;
+        }
+    }
+    std::fs::create_dir_all(c.store.join("empty"))?;
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let job = fs.master.start_job(pb::JobKind::Load, "/data", 1).await?;
+    let done = finished(&fs.master, job.id).await?;
+    assert_eq!(
+        (done.job_state(), done.failed_files),
+        (pb::JobState::Succeeded, 0),
+        "{done:?}"
+    );
+    assert_eq!((done.total_files, done.total_bytes), expected, "{done:?}");
+    assert_eq!((done.done_files, done.done_bytes), expected, "{done:?}");
+    assert_eq!(done.fetched_bytes, expected.1, "every byte fetched once");
+    let again = fs.master.start_job(pb::JobKind::Load, "/data", 1).await?;
+    let again = finished(&fs.master, again.id).await?;
+    assert_eq!(
+        (again.done_files, again.fetched_bytes),
+        (expected.0, 0),
+        "{again:?}"
+    );
+    c.stop().await
+}
+
 /// A TTL set through one leader is acted on by the next: the leader that recorded it is
 /// stopped at once, and the file still goes (from the store too) when it is due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@
 //! its progress through Raft every half second. What is recorded is what the next leader
 //! resumes from (see [`crate::state::jobs`]).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,11 +17,14 @@ use granary_proto::worker_service_client::WorkerServiceClient;
 use crate::core::MasterCore;
 use crate::error::MasterError;
 use crate::state::jobs::{FailedFile, Job, JobState};
-use crate::state::{ApplyOutput, Command, Inode, Kind};
+use crate::state::{ApplyOutput, Command, Inode};
 
+mod files;
 mod planner;
 #[cfg(test)]
 mod proptests;
+
+use files::Files;
 
 pub(crate) use planner::plan_blocks;
 use planner::{Limits, Planner};
@@ -30,8 +33,6 @@ use planner::{Limits, Planner};
 const TASK_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often progress is recorded (and cancellation noticed).
 const REPORT_EVERY: Duration = Duration::from_millis(500);
-/// Entries listed per directory page while enumerating.
-const LIST_PAGE: usize = 1000;
 
 /// Jobs this master is running (leader only).
 #[derive(Default)]
@@ -186,45 +187,6 @@ async fn propose_job(core: &MasterCore, cmd: Command) -> Result<Job, MasterError
     }
 }
 
-/// Every file at or below `root`, with its path (directories listed from the under-store
-/// where they were not yet).
-async fn enumerate(core: &MasterCore, root: Inode) -> Result<Vec<(Inode, String)>, MasterError> {
-    let root_path = core.ns.sm.path_of(&root)?;
-    if root.kind != Kind::Directory {
-        return Ok(vec![(root, root_path)]);
-    }
-    let mut files = Vec::new();
-    let mut dirs = VecDeque::from([(root, root_path, 0)]);
-    while let Some((dir, path, depth)) = dirs.pop_front() {
-        if depth > crate::state::walk::MAX_DEPTH {
-            return Err(MasterError::inconsistent(format!(
-                "{path} is more than {} folders deep: the namespace loops",
-                crate::state::walk::MAX_DEPTH
-            )));
-        }
-        let mut after: Option<String> = None;
-        loop {
-            let page = core
-                .ns
-                .list(dir.clone(), after.as_deref(), LIST_PAGE)
-                .await?;
-            let full = page.len() == LIST_PAGE;
-            after = page.last().map(|i| i.name.clone());
-            for child in page {
-                let p = granary_common::paths::join(&path, &child.name);
-                match child.kind {
-                    Kind::Directory => dirs.push_back((child, p, depth + 1)),
-                    _ => files.push((child, p)),
-                }
-            }
-            if !full {
-                break;
-            }
-        }
-    }
-    Ok(files)
-}
-
 /// The live workers, as clients see them (same order and weights).
 fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
     let decommissioned = core.ns.sm.decommissioned().unwrap_or_default();
@@ -248,12 +210,27 @@ fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
 }
 
 async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
-    let Some((job, planner)) = plan(core, job).await? else {
+    let Some((job, root, root_path)) = plan(core, job).await? else {
         return Ok(());
     };
-    let Some(job) = drive(core, job, planner).await? else {
+    let feed = Feed::start(core.clone(), job.id, root, root_path);
+    let planner = Planner::new(
+        job.replicas,
+        granary_common::DEFAULT_BLOCK_SIZE,
+        Limits::DEFAULT,
+    );
+    let Some((mut job, seen)) = drive(core, job, planner, feed).await? else {
         return Ok(()); // cancelled
     };
+    // Files made or removed between the count and the load: the totals say what was loaded.
+    if (job.total_files, job.total_bytes) != seen {
+        let cmd = Command::JobPlanned {
+            id: job.id,
+            total_files: seen.0,
+            total_bytes: seen.1,
+        };
+        job = propose_job(core, cmd).await?;
+    }
     let state = if job.failed_files == 0 {
         JobState::Succeeded
     } else {
@@ -277,9 +254,12 @@ async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
     Ok(())
 }
 
-/// Enumerates the job's files and records how many there are; None when the job failed
-/// at once (its path is gone).
-async fn plan(core: &Arc<MasterCore>, job: Job) -> Result<Option<(Job, Planner)>, MasterError> {
+/// Counts the job's files and records how many there are; the job with its root and the
+/// root's path, or None when the job failed at once (its path is gone).
+async fn plan(
+    core: &Arc<MasterCore>,
+    job: Job,
+) -> Result<Option<(Job, Inode, String)>, MasterError> {
     let id = job.id;
     core.ensure_leader()?;
     core.read_barrier().await?;
@@ -305,17 +285,24 @@ async fn plan(core: &Arc<MasterCore>, job: Job) -> Result<Option<(Job, Planner)>
         }
         Err(e) => return Err(e),
     };
-    let files = enumerate(core, root).await?;
-    let total_bytes = files
-        .iter()
-        .fold(0u64, |sum, (f, _)| sum.saturating_add(f.length));
+    let root_path = core.ns.sm.path_of(&root)?;
+    // A first walk counts (and lists what was never listed), holding no file: the
+    // progress has its totals before the first block is loaded.
+    let mut walk = Files::new(root.clone(), root_path.clone());
+    let (mut total_files, mut total_bytes) = (0u64, 0u64);
+    while let Some(page) = walk.next_page(core).await? {
+        total_files += page.len() as u64;
+        total_bytes = page
+            .iter()
+            .fold(total_bytes, |sum, (f, _)| sum.saturating_add(f.length));
+    }
     let job = if job.state == JobState::Planning
-        || job.total_files != files.len() as u64
+        || job.total_files != total_files
         || job.total_bytes != total_bytes
     {
         let cmd = Command::JobPlanned {
             id,
-            total_files: files.len() as u64,
+            total_files,
             total_bytes,
         };
         propose_job(core, cmd).await?
@@ -324,43 +311,120 @@ async fn plan(core: &Arc<MasterCore>, job: Job) -> Result<Option<(Job, Planner)>
     };
     tracing::info!(
         job = id,
-        files = files.len(),
+        files = total_files,
         bytes = total_bytes,
         "load job planned"
     );
-    let mut skip = core.ns.sm.job_done(id)?;
-    skip.extend(
-        core.ns
-            .sm
-            .job_failed(id, usize::MAX)?
-            .into_iter()
-            .map(|f| f.inode),
-    );
-    let planner = Planner::new(
-        files,
-        &skip,
-        job.replicas,
-        granary_common::DEFAULT_BLOCK_SIZE,
-        Limits::DEFAULT,
-    );
-    Ok(Some((job, planner)))
+    Ok(Some((job, root, root_path)))
+}
+
+/// What the walk feeding a runner sends.
+enum Fed {
+    /// Files to load (those an earlier runner of the job settled are left out).
+    Files(Vec<(Inode, String)>),
+    /// The walk is over: the files and bytes it saw, settled ones included.
+    End(u64, u64),
+}
+
+/// The walk of a job's files, run beside the runner a few pages ahead of it (so a slow
+/// store listing does not hold up the answers of tasks in flight); ended when dropped.
+struct Feed {
+    pages: tokio::sync::mpsc::Receiver<Result<Fed, MasterError>>,
+    walk: tokio::task::JoinHandle<()>,
+}
+
+impl Feed {
+    fn start(core: Arc<MasterCore>, id: u64, root: Inode, root_path: String) -> Feed {
+        let (tx, pages) = tokio::sync::mpsc::channel(2);
+        let walk = tokio::spawn(async move {
+            let mut files = Files::new(root, root_path);
+            let (mut seen, mut bytes) = (0u64, 0u64);
+            let fed = loop {
+                let page = match files.next_page(&core).await {
+                    Ok(Some(page)) => page,
+                    Ok(None) => break Ok(Fed::End(seen, bytes)),
+                    Err(e) => break Err(e),
+                };
+                seen += page.len() as u64;
+                bytes = page
+                    .iter()
+                    .fold(bytes, |sum, (f, _)| sum.saturating_add(f.length));
+                let mut todo = Vec::with_capacity(page.len());
+                for (f, path) in page {
+                    match core.ns.sm.job_settled(id, f.id) {
+                        Ok(true) => {}
+                        Ok(false) => todo.push((f, path)),
+                        Err(e) => {
+                            let _ = tx.send(Err(e)).await;
+                            return;
+                        }
+                    }
+                }
+                if tx.send(Ok(Fed::Files(todo))).await.is_err() {
+                    return; // the runner stopped
+                }
+            };
+            let _ = tx.send(fed).await;
+        });
+        Feed { pages, walk }
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.walk.abort();
+    }
+}
+
+/// Gives the planner what the walk sent; the walk's totals once it is over.
+fn take(
+    planner: &mut Planner,
+    fed: Option<Result<Fed, MasterError>>,
+    seen: &mut Option<(u64, u64)>,
+) -> Result<(), MasterError> {
+    match fed {
+        Some(Ok(Fed::Files(files))) => planner.add(files),
+        Some(Ok(Fed::End(files, bytes))) => {
+            planner.all_added();
+            *seen = Some((files, bytes));
+        }
+        Some(Err(e)) => return Err(e),
+        None => {
+            return Err(MasterError::Unavailable {
+                message: "the walk of the job's files stopped".into(),
+            })
+        }
+    }
+    Ok(())
 }
 
 /// Carries out the planner's decisions until every file is settled, recording progress
-/// as it goes; the job as recorded at the end, None when it was cancelled meanwhile.
+/// as it goes; the job as recorded at the end with the files and bytes the walk saw, None
+/// when it was cancelled meanwhile.
 async fn drive(
     core: &Arc<MasterCore>,
     mut job: Job,
     mut planner: Planner,
-) -> Result<Option<Job>, MasterError> {
+    mut feed: Feed,
+) -> Result<Option<(Job, (u64, u64))>, MasterError> {
     let id = job.id;
     let mut in_flight = FuturesUnordered::new();
     let mut last_report = Instant::now();
     let mut workers_at: Option<Instant> = None;
+    let mut seen = None;
     loop {
         if workers_at.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
             planner.set_workers(live_workers(core));
             workers_at = Some(Instant::now());
+        }
+        while planner.wants_files() {
+            match feed.pages.try_recv() {
+                Ok(fed) => take(&mut planner, Some(fed), &mut seen)?,
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                    take(&mut planner, None, &mut seen)?
+                }
+            }
         }
         for task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
             let address = task.worker.address;
@@ -381,6 +445,7 @@ async fn drive(
                     core.blocks.update(wid, &answered.loaded, &[]);
                 }
             }
+            fed = feed.pages.recv(), if planner.wants_files() => take(&mut planner, fed, &mut seen)?,
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
         if last_report.elapsed() >= REPORT_EVERY || planner.unreported() >= 4096 {
@@ -396,7 +461,8 @@ async fn drive(
         }
     }
     job = flush(core, &mut planner, id).await?.unwrap_or(job);
-    Ok((!job.state.finished()).then_some(job))
+    let seen = seen.unwrap_or((job.total_files, job.total_bytes));
+    Ok((!job.state.finished()).then_some((job, seen)))
 }
 
 /// Records the planner's progress, if there is any; returns the job as it now stands
@@ -444,6 +510,7 @@ async fn load_on(
 mod tests {
     use super::planner::{load_error, plan_blocks, worth_retrying};
     use super::*;
+    use crate::state::Kind;
 
     #[test]
     fn only_failures_that_may_pass_are_retried_and_unknown_codes_count_as_such() {

@@ -31,6 +31,10 @@ pub struct Limits {
     /// Block copies queued at once: further blocks are queued as the queue drains, so what
     /// a load holds in memory follows its files, never the lengths they claim.
     pub queue_target: usize,
+    /// Files held at once (being loaded, or waiting for their blocks to be queued): the
+    /// runner adds more as they settle, so a load of ten million files holds no more
+    /// than this many.
+    pub files_held: usize,
 }
 
 impl Limits {
@@ -40,6 +44,7 @@ impl Limits {
         tasks_per_worker: 2,
         attempts: 3,
         queue_target: 4096,
+        files_held: 8192,
     };
 }
 
@@ -108,6 +113,7 @@ type Failure = (bool, String);
 pub struct Planner {
     limits: Limits,
     replicas: usize,
+    default_block_size: u64,
     loading: HashMap<u64, Loading>,
     /// Files with blocks not queued yet, in order.
     to_queue: VecDeque<u64>,
@@ -124,23 +130,18 @@ pub struct Planner {
     per_worker: HashMap<u64, usize>,
     next_task: u64,
     report: Report,
+    /// Whether the runner has added every file of the job.
+    all_added: bool,
 }
 
 impl Planner {
-    /// A plan for `files` (each with its path), leaving out those in `skip` (recorded done
-    /// or failed by an earlier runner of the same job). Files that cannot be loaded are in
-    /// the first report as failed, with the reason.
-    pub fn new(
-        files: Vec<(Inode, String)>,
-        skip: &HashSet<u64>,
-        replicas: u32,
-        default_block_size: u64,
-        limits: Limits,
-    ) -> Planner {
-        let replicas = replicas.max(1) as usize;
-        let mut p = Planner {
+    /// A plan with no files yet: the runner adds them (see [`Planner::add`]) while
+    /// [`Planner::wants_files`], then says it added all (see [`Planner::all_added`]).
+    pub fn new(replicas: u32, default_block_size: u64, limits: Limits) -> Planner {
+        Planner {
             limits,
-            replicas,
+            replicas: replicas.max(1) as usize,
+            default_block_size,
             loading: HashMap::new(),
             to_queue: VecDeque::new(),
             queue: VecDeque::new(),
@@ -151,30 +152,55 @@ impl Planner {
             per_worker: HashMap::new(),
             next_task: 1,
             report: Report::default(),
-        };
+            all_added: false,
+        }
+    }
+
+    /// Whether the plan has room for more files (and the runner has not said it added
+    /// all of them).
+    pub fn wants_files(&self) -> bool {
+        !self.all_added && self.loading.len() < self.limits.files_held
+    }
+
+    /// Files held (added and not settled).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.loading.len()
+    }
+
+    /// Every file of the job has been added.
+    pub fn all_added(&mut self) {
+        self.all_added = true;
+    }
+
+    /// Adds `files` (each with its path) to the plan. A file being loaded already is not
+    /// added twice; files that cannot be loaded are in the next report as failed, with the
+    /// reason.
+    pub fn add(&mut self, files: Vec<(Inode, String)>) {
+        let replicas = self.replicas;
         for (inode, path) in files {
-            if skip.contains(&inode.id) || p.loading.contains_key(&inode.id) {
+            if self.loading.contains_key(&inode.id) {
                 continue;
             }
             if inode.length == 0 {
-                p.report.done.push(DoneFile {
+                self.report.done.push(DoneFile {
                     inode: inode.id,
                     length: 0,
                 });
                 continue;
             }
             if inode.mount_id.is_none() || !inode.complete {
-                p.report.failed.push(FailedFile {
+                self.report.failed.push(FailedFile {
                     inode: inode.id,
                     path,
                     reason: "not in an under-store (written through Granary and not persisted, or still being written)".into(),
                 });
                 continue;
             }
-            let (block_size, blocks) = match plan_blocks(&inode, default_block_size) {
+            let (block_size, blocks) = match plan_blocks(&inode, self.default_block_size) {
                 Ok(plan) => plan,
                 Err(reason) => {
-                    p.report.failed.push(FailedFile {
+                    self.report.failed.push(FailedFile {
                         inode: inode.id,
                         path,
                         reason,
@@ -182,8 +208,8 @@ impl Planner {
                     continue;
                 }
             };
-            p.to_queue.push_back(inode.id);
-            p.loading.insert(
+            self.to_queue.push_back(inode.id);
+            self.loading.insert(
                 inode.id,
                 Loading {
                     remaining: blocks as usize * replicas,
@@ -197,7 +223,6 @@ impl Planner {
                 },
             );
         }
-        p
     }
 
     /// The live workers (their order is what placement positions refer to).
@@ -208,9 +233,10 @@ impl Planner {
         self.workers = workers;
     }
 
-    /// Whether every file is done or failed and no task is in flight.
+    /// Whether every file was added and is done or failed, and no task is in flight.
     pub fn settled(&self) -> bool {
-        self.loading.is_empty()
+        self.all_added
+            && self.loading.is_empty()
             && self.queue.is_empty()
             && self.delayed.is_empty()
             && self.to_queue.is_empty()

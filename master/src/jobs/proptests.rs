@@ -7,7 +7,9 @@
 //! - a block's copies loaded or in flight are never more than the replicas asked for, and
 //!   never two on one worker (no block fetched twice);
 //! - the job settles; every file is reported exactly once, done only when each of its
-//!   blocks was loaded on `replicas` different workers, failed only with a reason.
+//!   blocks was loaded on `replicas` different workers, failed only with a reason;
+//! - files arrive from the walk a few at a time, and the planner never holds more than
+//!   `files_held` of them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -27,6 +29,7 @@ const LIMITS: Limits = Limits {
     tasks_per_worker: 2,
     attempts: 3,
     queue_target: 7,
+    files_held: 3,
 };
 
 #[derive(Debug, Clone)]
@@ -39,6 +42,8 @@ enum Op {
     Lost(usize),
     /// Time passes (milliseconds).
     Tick(u64),
+    /// The walk sends up to this many more files (while the planner wants them).
+    Feed(usize),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +72,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0usize..8, prop::collection::vec(outcome(), 4)).prop_map(|(t, o)| Op::Answer(t, o)),
         1 => (0usize..8).prop_map(Op::Lost),
         2 => (0u64..3000).prop_map(Op::Tick),
+        2 => (1usize..4).prop_map(Op::Feed),
     ]
 }
 
@@ -243,7 +249,7 @@ proptest! {
 
     #[test]
     fn a_load_settles_with_every_block_on_its_replicas_or_its_file_failed(
-        files in prop::collection::vec((0u64..60, prop::bool::weighted(0.9)), 1..8),
+        files in prop::collection::vec((0u64..60, prop::bool::weighted(0.9)), 1..12),
         replicas in 1u32..=3,
         skip in prop::collection::hash_set(10u64..18, 0..2),
         ops in prop::collection::vec(op(), 0..120),
@@ -255,7 +261,20 @@ proptest! {
             .collect();
         let expected: Vec<(Inode, String)> =
             files.iter().filter(|(f, _)| !skip.contains(&f.id)).cloned().collect();
-        let mut planner = Planner::new(files, &skip, replicas, 64 << 20, LIMITS);
+        // The walk leaves out what an earlier runner settled.
+        let mut walk: std::collections::VecDeque<(Inode, String)> = expected.iter().cloned().collect();
+        let mut planner = Planner::new(replicas, 64 << 20, LIMITS);
+        let mut feed = |planner: &mut Planner, n: usize| {
+            for _ in 0..n {
+                if !planner.wants_files() {
+                    break;
+                }
+                match walk.pop_front() {
+                    Some(f) => planner.add(vec![f]),
+                    None => planner.all_added(),
+                }
+            }
+        };
         let mut world = World::default();
         let mut now = Instant::now();
         let all = (1..=WORKERS).map(worker).collect::<Vec<_>>();
@@ -269,7 +288,9 @@ proptest! {
                 Op::Answer(pick, outcomes) => world.answer(&mut planner, *pick, Some(outcomes), now),
                 Op::Lost(pick) => world.answer(&mut planner, *pick, None, now),
                 Op::Tick(ms) => now += Duration::from_millis(*ms),
+                Op::Feed(n) => feed(&mut planner, *n),
             }
+            prop_assert!(planner.held() <= LIMITS.files_held, "{} files held", planner.held());
             world.send(&mut planner, now, r);
             world.collect(&mut planner);
         }
@@ -279,6 +300,8 @@ proptest! {
         while !planner.settled() {
             steps += 1;
             prop_assert!(steps < 10_000, "the job never settles");
+            feed(&mut planner, 1);
+            prop_assert!(planner.held() <= LIMITS.files_held, "{} files held", planner.held());
             world.send(&mut planner, now, r);
             if world.in_flight.is_empty() {
                 now += Duration::from_secs(70);

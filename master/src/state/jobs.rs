@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{from_json, to_json, u64_of, StateMachine, Txn};
+use super::{from_json, to_json, StateMachine, Txn};
 use crate::error::MasterError;
 
 const KEY_NEXT_JOB: &[u8] = b"Mnext_job";
@@ -119,16 +119,11 @@ impl StateMachine {
         Ok(out)
     }
 
-    /// The files job `id` has finished (inodes), while it runs.
-    pub fn job_done(&self, id: u64) -> Result<std::collections::HashSet<u64>, MasterError> {
-        let mut out = std::collections::HashSet::new();
-        let mut prefix = vec![b'j'];
-        prefix.extend_from_slice(&id.to_be_bytes());
-        self.scan(&prefix, |k, _| {
-            out.insert(u64_of(&k[9..])?);
-            Ok(true)
-        })?;
-        Ok(out)
+    /// Whether job `id` recorded file `inode` done or failed (a new runner of the job
+    /// leaves it out): two point reads, so a resumed job holds no set of its files.
+    pub fn job_settled(&self, id: u64, inode: u64) -> Result<bool, MasterError> {
+        Ok(self.get(&job_file_key(b'j', id, inode))?.is_some()
+            || self.get(&job_file_key(b'f', id, inode))?.is_some())
     }
 
     /// Up to `max` of the files job `id` could not cache, in inode order.
@@ -187,15 +182,7 @@ impl Txn<'_> {
     fn delete_job_files(&mut self, tag: u8, id: u64) -> Result<(), MasterError> {
         let mut prefix = vec![tag];
         prefix.extend_from_slice(&id.to_be_bytes());
-        let mut keys = Vec::new();
-        self.sm.scan(&prefix, |k, _| {
-            keys.push(k.to_vec());
-            Ok(true)
-        })?;
-        for k in keys {
-            self.delete(k);
-        }
-        Ok(())
+        self.delete_prefix(&prefix)
     }
 
     pub(super) fn create_job(
@@ -379,7 +366,8 @@ mod tests {
         };
         let j = job_of(sm.apply(5, &later));
         assert_eq!((j.done_files, j.done_bytes, j.failed_files), (2, 20, 0));
-        assert_eq!(sm.job_done(1).unwrap().len(), 2);
+        assert!(sm.job_settled(1, 10).unwrap() && sm.job_settled(1, 12).unwrap());
+        assert!(!sm.job_settled(1, 11).unwrap() && !sm.job_settled(2, 10).unwrap());
         let p = Command::JobProgress {
             id: 1,
             done: vec![],
@@ -396,9 +384,10 @@ mod tests {
         let j = job_of(sm.apply(7, &finish(JobState::Failed)));
         assert_eq!((j.state, j.finished_ms), (JobState::Failed, 9));
         assert!(
-            sm.job_done(1).unwrap().is_empty(),
+            !sm.job_settled(1, 10).unwrap() && !sm.job_settled(1, 12).unwrap(),
             "done markers are dropped"
         );
+        assert!(sm.job_settled(1, 11).unwrap(), "failures are kept");
         assert_eq!(sm.job_failed(1, 10).unwrap(), vec![failed(11)]);
         // A finished job stays as it ended; unknown jobs are refused.
         assert_eq!(
@@ -424,5 +413,42 @@ mod tests {
         assert!(sm.job(1).unwrap().is_none());
         assert!(sm.job_failed(1, 10).unwrap().is_empty());
         assert_eq!(sm.jobs().unwrap().len() as u64, JOBS_KEPT);
+    }
+
+    #[test]
+    fn a_prefix_deletion_removes_every_record_before_it_and_none_written_after() {
+        let (_dir, sm) = crate::state::tests::open();
+        let key = |tag, id, inode| job_file_key(tag, id, inode);
+        let mut txn = Txn::new(&sm);
+        for inode in 0..1000 {
+            txn.put(key(b'j', 3, inode), vec![1]);
+        }
+        txn.put(key(b'j', 4, 1), vec![1]);
+        txn.put(key(b'j', 2, u64::MAX), vec![1]);
+        txn.commit().unwrap();
+        let mut txn = Txn::new(&sm);
+        txn.put(key(b'j', 3, 5), vec![2]); // written before the deletion: goes with it
+        txn.delete_job_files(b'j', 3).unwrap();
+        txn.put(key(b'j', 3, 7), vec![3]); // written after: stays
+        assert_eq!(txn.get(&key(b'j', 3, 5)).unwrap(), None);
+        assert_eq!(txn.get(&key(b'j', 3, 6)).unwrap(), None);
+        assert_eq!(txn.get(&key(b'j', 3, 7)).unwrap(), Some(vec![3]));
+        txn.commit().unwrap();
+        let mut left = Vec::new();
+        sm.scan(b"j", |k, v| {
+            left.push((k.to_vec(), v.to_vec()));
+            Ok(true)
+        })
+        .unwrap();
+        assert_eq!(
+            left,
+            vec![
+                (key(b'j', 2, u64::MAX), vec![1]),
+                (key(b'j', 3, 7), vec![3]),
+                (key(b'j', 4, 1), vec![1]),
+            ]
+        );
+        let mut txn = Txn::new(&sm);
+        assert!(txn.delete_prefix(b"i").is_err() && txn.delete_prefix(b"").is_err());
     }
 }

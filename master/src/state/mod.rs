@@ -519,6 +519,18 @@ impl StateMachine {
     }
 }
 
+/// The first key after every key that starts with `prefix` (None: there is none).
+fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < u8::MAX {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
 /// A write transaction: reads see its own pending writes.
 struct Txn<'a> {
     sm: &'a StateMachine,
@@ -529,6 +541,9 @@ struct Txn<'a> {
     creator: Option<String>,
     /// Inodes written with `put_inode`, decoded, for the cache at commit.
     written: BTreeMap<u64, Inode>,
+    /// Key prefixes deleted whole (one range tombstone each, written before `pending`,
+    /// which holds only writes made after the deletion).
+    deleted_prefixes: Vec<Vec<u8>>,
 }
 
 impl<'a> Txn<'a> {
@@ -539,14 +554,39 @@ impl<'a> Txn<'a> {
             owner: None,
             creator: None,
             written: BTreeMap::new(),
+            deleted_prefixes: Vec::new(),
         }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
         match self.pending.get(key) {
             Some(v) => Ok(v.clone()),
+            None if self.deleted_prefixes.iter().any(|p| key.starts_with(p)) => Ok(None),
             None => self.sm.get(key),
         }
+    }
+
+    /// Deletes every record whose key starts with `prefix`, however many there are, as one
+    /// range tombstone: a job's million done markers are not read, listed and deleted one
+    /// by one inside an apply. Only for records the state cache does not hold (inodes and
+    /// folder entries are removed one by one, so the cache follows).
+    fn delete_prefix(&mut self, prefix: &[u8]) -> Result<(), MasterError> {
+        if prefix.is_empty() || matches!(prefix[0], b'i' | b'c') {
+            return Err(MasterError::corrupt(
+                "a prefix deletion of cached records was asked for",
+            ));
+        }
+        let gone: Vec<Vec<u8>> = self
+            .pending
+            .range(prefix.to_vec()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            self.pending.remove(&k);
+        }
+        self.deleted_prefixes.push(prefix.to_vec());
+        Ok(())
     }
 
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
@@ -600,6 +640,12 @@ impl<'a> Txn<'a> {
     fn commit(mut self) -> Result<(), MasterError> {
         let cf = self.sm.cf()?;
         let mut batch = WriteBatch::default();
+        for prefix in &self.deleted_prefixes {
+            match prefix_end(prefix) {
+                Some(end) => batch.delete_range_cf(cf, prefix.as_slice(), end.as_slice()),
+                None => return Err(MasterError::corrupt("a prefix of 0xff bytes")),
+            }
+        }
         let mut cached = cache::Written::default();
         for (k, v) in self.pending {
             if let Some(id) = inode_id_of_key(&k) {
