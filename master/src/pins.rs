@@ -1,20 +1,24 @@
-//! The leader's view of what is pinned: the pinned files (every file at or below a pin),
-//! recomputed from the replicated pins every few seconds, with a generation the workers
-//! compare in their heartbeats to learn a new set. Pinning a path also loads it (a load
-//! job with the pin's replicas); when a worker is lost, the pins are loaded again, which
-//! brings each pinned block back to its replica count on the workers left.
+//! The leader's view of what is pinned, and what it tells each worker. A worker is told
+//! the pinned files *it holds blocks of* (never the whole pinned namespace: a pinned corpus
+//! of ten million files would not fit a heartbeat, nor belong in the leader's heap): in
+//! full when what is pinned changed (a pin set or removed, or a rename that may have
+//! moved files into or out of a pinned folder), else as the files newly pinned among the
+//! blocks it just reported. A load task names the pinned files among its blocks, so a
+//! worker holds a pinned block from the moment it caches it. Pinning a path also loads it
+//! (a load job with the pin's replicas); when a worker is lost, the pins are loaded again,
+//! which brings each pinned block back to its replica count on the workers left.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::core::MasterCore;
 use crate::error::MasterError;
 use crate::state::jobs::JobState;
-use crate::state::{ApplyOutput, Command, Kind};
+use crate::state::walk::MAX_DEPTH;
+use crate::state::{ApplyOutput, Command, Kind, StateMachine};
 
-/// How often the pinned files are recomputed (new files in pinned folders are pinned
-/// within this long of being listed).
+/// How often the pins are read again while entries are applied.
 const REFRESH_EVERY: Duration = Duration::from_secs(3);
 
 #[derive(Default)]
@@ -26,14 +30,99 @@ pub struct PinSet {
 
 #[derive(Default)]
 struct Inner {
-    generation: u64,
-    inodes: Arc<HashSet<u64>>,
+    /// The inodes pinned (files, or folders: everything below them).
+    roots: Arc<HashSet<u64>>,
+    /// Counts changes of what is pinned: a worker told at an older epoch gets its set
+    /// computed again.
+    epoch: u64,
     refreshed: Option<Instant>,
-    /// The term the generation counts in (a new leader starts a new series).
+    /// The state's count of moves (renames) when the pins were read.
+    moves: u64,
+    /// The term the generations count in (a new leader starts a new series).
     term: u64,
-    /// The Raft index applied when the set was computed: every change of the namespace or
-    /// of the pins is an applied entry, so while it stands still the set does too.
+    /// The Raft index applied when the pins were read: every change of the namespace or
+    /// of the pins is an applied entry, so while it stands still they do too.
     applied: u64,
+    /// What each worker was told.
+    told: HashMap<u64, Told>,
+}
+
+/// The pinned files a worker was told of.
+struct Told {
+    epoch: u64,
+    generation: u64,
+    set: HashSet<u64>,
+}
+
+impl Told {
+    /// Brings what the worker was told up to date — its whole set computed again from the
+    /// files it holds (`held`) when what is pinned changed since (`epoch`), else the pinned
+    /// files among `added` (files it just reported blocks of) added — and answers a worker
+    /// holding `generation`: nothing when it is current, the additions when it holds the
+    /// set they follow and takes them (`deltas`), else its whole set.
+    fn answer(
+        &mut self,
+        epoch: u64,
+        generation: u64,
+        deltas: bool,
+        held: impl FnOnce() -> HashSet<u64>,
+        added: impl Iterator<Item = u64>,
+        mut pinned: impl FnMut(u64) -> bool,
+    ) -> PinsAnswer {
+        let before = self.generation;
+        let recomputed = self.epoch != epoch;
+        let mut new = Vec::new();
+        if recomputed {
+            let set: HashSet<u64> = held().into_iter().filter(|&i| pinned(i)).collect();
+            self.epoch = epoch;
+            if set != self.set {
+                self.set = set;
+                self.generation += 1;
+            }
+        } else {
+            for inode in added {
+                if !self.set.contains(&inode) && pinned(inode) {
+                    self.set.insert(inode);
+                    new.push(inode);
+                }
+            }
+            if !new.is_empty() {
+                self.generation += 1;
+            }
+        }
+        if generation == self.generation {
+            PinsAnswer {
+                generation,
+                ..PinsAnswer::default()
+            }
+        } else if deltas && !recomputed && generation == before {
+            PinsAnswer {
+                added: new,
+                generation: self.generation,
+                ..PinsAnswer::default()
+            }
+        } else {
+            let mut set: Vec<u64> = self.set.iter().copied().collect();
+            set.sort_unstable();
+            PinsAnswer {
+                full: true,
+                set,
+                generation: self.generation,
+                ..PinsAnswer::default()
+            }
+        }
+    }
+}
+
+/// The pin fields of a heartbeat answer.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PinsAnswer {
+    /// `set` is the worker's whole pinned set.
+    pub full: bool,
+    pub set: Vec<u64>,
+    /// Files to add to the worker's set (when not `full`).
+    pub added: Vec<u64>,
+    pub generation: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -43,22 +132,59 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
-impl PinSet {
-    /// What a worker at `generation` must be told: `Some((generation, set))` when its set
-    /// is out of date.
-    pub fn update_for(&self, generation: u64) -> Option<(u64, Arc<HashSet<u64>>)> {
-        let g = lock(&self.inner);
-        (g.refreshed.is_some() && g.generation != generation)
-            .then(|| (g.generation, g.inodes.clone()))
+/// Which inodes are pinned: an inode is when it or a folder above it is a pin root.
+/// Answers are remembered per inode on the way up, so checking every file of a folder
+/// reads the folder's ancestors once.
+struct Pinned<'a> {
+    sm: &'a StateMachine,
+    roots: &'a HashSet<u64>,
+    known: HashMap<u64, bool>,
+}
+
+impl<'a> Pinned<'a> {
+    fn new(sm: &'a StateMachine, roots: &'a HashSet<u64>) -> Self {
+        Pinned {
+            sm,
+            roots,
+            known: HashMap::new(),
+        }
     }
 
-    pub fn contains(&self, inode: u64) -> bool {
-        lock(&self.inner).inodes.contains(&inode)
+    fn check(&mut self, inode: u64) -> bool {
+        if self.roots.is_empty() {
+            return false;
+        }
+        let mut chain = Vec::new();
+        let mut id = inode;
+        let answer = loop {
+            if self.roots.contains(&id) {
+                break true;
+            }
+            if let Some(&known) = self.known.get(&id) {
+                break known;
+            }
+            chain.push(id);
+            if chain.len() > MAX_DEPTH {
+                break false; // a looping parent chain (a damaged state) pins nothing
+            }
+            match self.sm.inode(id) {
+                Ok(Some(node)) if node.parent != id && id != crate::state::ROOT_INODE => {
+                    id = node.parent
+                }
+                // The root, a removed inode, or a failed read: not pinned (a failed read
+                // is checked again when what is pinned next changes).
+                _ => break false,
+            }
+        };
+        for id in chain {
+            self.known.insert(id, answer);
+        }
+        answer
     }
 }
 
 impl MasterCore {
-    /// Recomputes the pinned files when due (leader only; every tick).
+    /// Reads the pins again when due (leader only; every tick).
     pub fn refresh_pins(&self) {
         if !self.raft.status.is_leader() {
             return;
@@ -68,7 +194,6 @@ impl MasterCore {
             .status
             .term
             .load(std::sync::atomic::Ordering::Relaxed);
-        // Read before the walk: a change applied during it makes the next refresh walk again.
         let applied = self
             .raft
             .status
@@ -76,8 +201,6 @@ impl MasterCore {
             .load(std::sync::atomic::Ordering::Relaxed);
         {
             let g = lock(&self.pins.inner);
-            // A walk reads every file under every pin (a pinned dataset of a million files:
-            // seconds of reads), so it is not repeated while nothing was applied.
             if g.term == term
                 && g.refreshed
                     .is_some_and(|t| t.elapsed() < REFRESH_EVERY || g.applied == applied)
@@ -85,34 +208,92 @@ impl MasterCore {
                 return;
             }
         }
-        let set = match self.pinned_files() {
-            Ok(s) => s,
+        let moves = self.ns.sm.moves();
+        let roots: HashSet<u64> = match self.ns.sm.pins() {
+            Ok(pins) => pins
+                .into_iter()
+                .filter(|(_, p)| p.replicas > 0)
+                .map(|(inode, _)| inode)
+                .collect(),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot compute the pinned files");
+                tracing::warn!(error = %e, "cannot read the pins");
                 return;
             }
         };
         let mut g = lock(&self.pins.inner);
         if g.term != term {
             g.term = term;
-            g.generation = term << 32;
+            g.told.clear();
+            g.epoch += 1;
         }
-        if g.refreshed.is_none() || *g.inodes != set {
-            g.generation += 1;
-            g.inodes = Arc::new(set);
+        // A pin set or removed, or a file moved (into or out of a pinned folder, maybe):
+        // every worker's set is computed again. Files listed or written into a pinned
+        // folder need no such round: they are pinned as a worker reports their blocks.
+        if *g.roots != roots || (!roots.is_empty() && g.moves != moves) {
+            g.roots = Arc::new(roots);
+            g.epoch += 1;
         }
+        g.moves = moves;
         g.refreshed = Some(Instant::now());
         g.applied = applied;
     }
 
-    /// Every file at or below a pin (as far as the namespace is listed).
-    fn pinned_files(&self) -> Result<HashSet<u64>, MasterError> {
-        let mut out = HashSet::new();
-        self.for_each_pinned_file(|_, _, f| {
-            out.insert(f.id);
-            true
-        })?;
-        Ok(out)
+    /// The pinned files among `inodes` (what a load task names, so that its worker holds
+    /// those blocks from the moment it caches them).
+    pub fn pinned_among(&self, inodes: impl IntoIterator<Item = u64>) -> Vec<u64> {
+        let roots = lock(&self.pins.inner).roots.clone();
+        let mut pinned = Pinned::new(&self.ns.sm, &roots);
+        let mut out: Vec<u64> = inodes.into_iter().filter(|&i| pinned.check(i)).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The pin fields of a heartbeat answer for `worker`, which holds the set of
+    /// `generation` and just reported `added` blocks; `deltas`: it takes additions (an
+    /// older worker takes only whole sets).
+    pub fn heartbeat_pins(
+        &self,
+        worker: u64,
+        generation: u64,
+        added: &[granary_proto::BlockId],
+        deltas: bool,
+    ) -> PinsAnswer {
+        let (roots, epoch, first, mut told) = {
+            let mut g = lock(&self.pins.inner);
+            if g.refreshed.is_none() {
+                return PinsAnswer {
+                    generation,
+                    ..PinsAnswer::default()
+                };
+            }
+            let first = g.term << 32;
+            let told = g.told.remove(&worker).unwrap_or(Told {
+                epoch: g.epoch.wrapping_sub(1),
+                generation: first,
+                set: HashSet::new(),
+            });
+            (g.roots.clone(), g.epoch, first, told)
+        };
+        let mut pinned = Pinned::new(&self.ns.sm, &roots);
+        let answer = told.answer(
+            epoch,
+            generation,
+            deltas,
+            // Computed from what the worker holds, never from the pinned namespace (and
+            // not at all while nothing is pinned).
+            || match roots.is_empty() {
+                true => HashSet::new(),
+                false => self.blocks.inodes_of(worker),
+            },
+            added.iter().map(|b| b.inode),
+            |i| pinned.check(i),
+        );
+        let mut g = lock(&self.pins.inner);
+        if g.term << 32 == first {
+            g.told.insert(worker, told);
+        }
+        answer
     }
 
     /// Calls `f(pin's inode, pin, file)` for every file at or below every pin; a pin's
@@ -286,10 +467,73 @@ impl MasterCore {
     }
 }
 
-/// The pin fields of a heartbeat answer for a worker at `generation`.
-pub fn heartbeat_pins(core: &MasterCore, generation: u64) -> (bool, Vec<u64>, u64) {
-    match core.pins.update_for(generation) {
-        Some((g, set)) => (true, set.iter().copied().collect(), g),
-        None => (false, Vec::new(), generation),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn told(generation: u64) -> Told {
+        Told {
+            epoch: 0,
+            generation,
+            set: HashSet::new(),
+        }
+    }
+
+    #[test]
+    fn a_worker_gets_its_whole_set_once_then_only_additions_and_the_whole_set_again_after_a_loss() {
+        let pinned = |i: u64| i.is_multiple_of(2);
+        let held = |v: &[u64]| {
+            let v = v.to_vec();
+            move || v.into_iter().collect::<HashSet<u64>>()
+        };
+        let first = 7 << 32;
+        let mut t = told(first);
+        // A worker new to this leader (an older leader's generation): its whole set, of
+        // the pinned files it holds.
+        let a = t.answer(1, 3, true, held(&[2, 3, 4]), [].into_iter(), pinned);
+        assert_eq!(
+            (a.full, a.set.clone(), a.generation),
+            (true, vec![2, 4], first + 1)
+        );
+        // Current: nothing; blocks of unpinned or known files: nothing.
+        let a = t.answer(1, first + 1, true, held(&[]), [3, 4].into_iter(), pinned);
+        assert_eq!(
+            a,
+            PinsAnswer {
+                generation: first + 1,
+                ..PinsAnswer::default()
+            }
+        );
+        // A pinned file newly reported: only it.
+        let a = t.answer(1, first + 1, true, held(&[]), [6, 7, 6].into_iter(), pinned);
+        assert_eq!(
+            (a.full, a.added.clone(), a.generation),
+            (false, vec![6], first + 2)
+        );
+        // The answer was lost (the worker is still a generation behind) and another file
+        // comes: the whole set, not an addition the worker could not place.
+        let a = t.answer(1, first + 1, true, held(&[]), [8].into_iter(), pinned);
+        assert_eq!(
+            (a.full, a.set.clone(), a.generation),
+            (true, vec![2, 4, 6, 8], first + 3)
+        );
+        // A worker that takes no additions gets the whole set whenever it changes.
+        let a = t.answer(1, first + 3, false, held(&[]), [10].into_iter(), pinned);
+        assert_eq!((a.full, a.set.len(), a.generation), (true, 5, first + 4));
+        // What is pinned changed (an unpin): computed again from what the worker holds.
+        let a = t.answer(2, first + 4, true, held(&[2, 5]), [].into_iter(), pinned);
+        assert_eq!(
+            (a.full, a.set.clone(), a.generation),
+            (true, vec![2], first + 5)
+        );
+        // Checked again with nothing changed: no message.
+        let a = t.answer(3, first + 5, true, held(&[2]), [].into_iter(), pinned);
+        assert_eq!(
+            a,
+            PinsAnswer {
+                generation: first + 5,
+                ..PinsAnswer::default()
+            }
+        );
     }
 }

@@ -197,6 +197,82 @@ async fn a_load_of_folders_bigger_than_a_listing_page_caches_every_file_once() -
     c.stop().await
 }
 
+/// A worker is told the pinned files it holds, not the whole pinned namespace: with one
+/// replica each pinned file is pinned on the one worker holding it. A file renamed into
+/// the pinned folder becomes pinned where it is cached; an unpin empties every set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_are_told_the_pinned_files_they_hold_and_follow_renames_and_unpins() -> Result<()> {
+    let c = Cluster::start(Shape {
+        masters: 1,
+        workers: 2,
+        ..Shape::default()
+    })
+    .await?;
+    for i in 0..10 {
+        std::fs::create_dir_all(c.store.join("hot"))?;
+        std::fs::create_dir_all(c.store.join("cold"))?;
+        std::fs::write(c.store.join(format!("hot/h{i}")), vec![1u8; 10_000 + i])?;
+        std::fs::write(c.store.join(format!("cold/c{i}")), vec![2u8; 10_000 + i])?;
+    }
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let cold = fs
+        .master
+        .start_job(pb::JobKind::Load, "/data/cold", 1)
+        .await?;
+    finished(&fs.master, cold.id).await?;
+    let pin = fs.master.set_pin("/data/hot", 1).await?;
+    assert_eq!(finished(&fs.master, pin.id).await?.done_files, 10);
+    let mut hot = std::collections::BTreeSet::new();
+    for i in 0..10 {
+        hot.insert(fs.stat(&format!("/data/hot/h{i}")).await?.inode);
+    }
+    let moved = fs.stat("/data/cold/c0").await?.inode;
+    let sets = || {
+        [0, 1].map(|i| {
+            let set = c.worker(i).expect("started").store.pinned();
+            set.into_iter().collect::<std::collections::BTreeSet<u64>>()
+        })
+    };
+    // Each hot file on exactly one worker, pinned there only.
+    let [a, b] = eventually(
+        "the pins to reach the workers",
+        Duration::from_secs(20),
+        || {
+            let [a, b] = sets();
+            let union: std::collections::BTreeSet<u64> = a.union(&b).copied().collect();
+            let ok = union == hot && a.len() + b.len() == 10;
+            async move { ok.then_some([a, b]) }
+        },
+    )
+    .await?;
+    assert!(a.is_disjoint(&b), "{a:?} {b:?}");
+    fs.master.rename("/data/cold/c0", "/data/hot/c0").await?;
+    eventually(
+        "the renamed file to be pinned",
+        Duration::from_secs(20),
+        || {
+            let [a, b] = sets();
+            async move {
+                (a.len() + b.len() == 11 && (a.contains(&moved) || b.contains(&moved)))
+                    .then_some(())
+            }
+        },
+    )
+    .await?;
+    fs.master.set_pin("/data/hot", 0).await?;
+    eventually(
+        "the unpin to reach the workers",
+        Duration::from_secs(20),
+        || {
+            let [a, b] = sets();
+            async move { (a.is_empty() && b.is_empty()).then_some(()) }
+        },
+    )
+    .await?;
+    c.stop().await
+}
+
 /// A TTL set through one leader is acted on by the next: the leader that recorded it is
 /// stopped at once, and the file still goes (from the store too) when it is due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1055,6 +1055,7 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             .load_blocks(pb::LoadBlocksRequest {
                 blocks: vec![desc.clone(), desc.clone()],
                 holders: vec![pb::BlockHolders::default()],
+                pinned_inodes: vec![],
             })
             .await
             .unwrap_err();
@@ -1064,6 +1065,7 @@ fn malformed_requests_get_precise_errors_and_change_nothing() {
             .load_blocks(pb::LoadBlocksRequest {
                 blocks: vec![desc; 257],
                 holders: vec![],
+                pinned_inodes: vec![],
             })
             .await
             .unwrap_err();

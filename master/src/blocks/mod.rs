@@ -51,6 +51,16 @@ impl BlockLocations {
         }
     }
 
+    /// The files `worker` holds a block of (any version), once each.
+    pub fn inodes_of(&self, worker: u64) -> HashSet<u64> {
+        let inner = self.lock();
+        inner
+            .by_worker
+            .get(&worker)
+            .map(|keys| keys.iter().map(|k| k.0).collect())
+            .unwrap_or_default()
+    }
+
     /// Replaces everything known about `worker` with a full report.
     pub fn replace_worker(&self, worker: u64, blocks: &[BlockId]) {
         let mut inner = self.lock();

@@ -426,7 +426,13 @@ async fn drive(
                 }
             }
         }
-        for task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
+        for mut task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
+            let files = task
+                .request
+                .blocks
+                .iter()
+                .filter_map(|d| d.id.map(|b| b.inode));
+            task.request.pinned_inodes = core.pinned_among(files);
             let address = task.worker.address;
             let net = core.net.clone();
             in_flight.push(async move { (task.id, load_on(&net, &address, task.request).await) });

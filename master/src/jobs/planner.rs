@@ -303,7 +303,11 @@ impl Planner {
             tasks.push(Task {
                 id,
                 worker,
-                request: pb::LoadBlocksRequest { blocks, holders },
+                request: pb::LoadBlocksRequest {
+                    blocks,
+                    holders,
+                    pinned_inodes: Vec::new(),
+                },
             });
         }
         tasks

@@ -1062,14 +1062,19 @@ impl MasterService for MasterRpc {
                     keep_version: 0,
                 }),
         );
-        let (pins_changed, pinned_inodes, pins_generation) =
-            crate::pins::heartbeat_pins(&self.core, r.pins_generation);
+        let pins = self.core.heartbeat_pins(
+            r.worker_id,
+            r.pins_generation,
+            &r.added_blocks,
+            r.pins_deltas,
+        );
         Ok(Response::new(pb::WorkerHeartbeatResponse {
             reregister: false,
             stale,
-            pins_changed,
-            pinned_inodes,
-            pins_generation,
+            pins_changed: pins.full,
+            pinned_inodes: pins.set,
+            pinned_added: pins.added,
+            pins_generation: pins.generation,
             grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
             workers: self.core.workers.known(self.core.heartbeat_interval * 3),
         }))

@@ -122,6 +122,9 @@ pub struct StateMachine {
     cache: Arc<cache::Cache>,
     /// Inodes changed by each applied entry, for namespace watchers (see [`Changes`]).
     changes: tokio::sync::broadcast::Sender<Changes>,
+    /// Renames applied, and snapshots installed, since this master started: what can move
+    /// files into or out of a pinned folder (see [`StateMachine::moves`]).
+    moves: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Applied entries a namespace watcher may fall behind by before it is told to start over.
@@ -144,6 +147,7 @@ impl StateMachine {
             db,
             cache: Arc::new(cache::Cache::new()),
             changes: tokio::sync::broadcast::channel(CHANGES_BUFFERED).0,
+            moves: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         };
         if sm.inode(ROOT_INODE)?.is_none() {
             let mut txn = Txn::new(&sm);
@@ -266,6 +270,15 @@ impl StateMachine {
     /// (a snapshot was installed). Call before anyone can read at the new applied index.
     pub fn forget_cached(&self) {
         self.cache.clear();
+        self.moves
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A count that changes whenever files may have moved between folders (a rename was
+    /// applied, a snapshot installed): the pins' holders compare it (local to this master;
+    /// not replicated).
+    pub fn moves(&self) -> u64 {
+        self.moves.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Children of `parent` in name order, starting after `after`, at most `limit`.
@@ -1302,6 +1315,10 @@ impl<'a> Txn<'a> {
     }
 
     fn rename(&mut self, src: &str, dst: &str, now_ms: i64) -> Result<ApplyOutput, MasterError> {
+        // Files may move into or out of a pinned folder (see `StateMachine::moves`).
+        self.sm
+            .moves
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let src = paths::normalize(src)?;
         let dst = paths::normalize(dst)?;
         if src == "/" || dst == "/" {

@@ -121,6 +121,7 @@ impl Heartbeat {
                         added_blocks: added,
                         removed_blocks: removed,
                         pins_generation,
+                        pins_deltas: true,
                     })
                     .await
                 {
@@ -135,6 +136,10 @@ impl Heartbeat {
                                 r.pinned_inodes.iter().copied().collect();
                             tracing::info!(files = set.len(), "pinned files updated");
                             self.store.set_pinned(&set);
+                            pins_generation = r.pins_generation;
+                        } else if !r.pinned_added.is_empty() {
+                            tracing::debug!(files = r.pinned_added.len(), "pinned files added");
+                            self.store.add_pinned(&r.pinned_added);
                             pins_generation = r.pins_generation;
                         }
                         let files: Vec<(u64, u64)> =

@@ -465,6 +465,21 @@ impl WorkerService for WorkerRpc {
                 .into())
             }
         };
+        // Pinned files of this task are held from the moment they are cached (only files
+        // the task loads: a task cannot pin anything else).
+        let files: std::collections::HashSet<u64> = blocks
+            .iter()
+            .filter_map(|d| d.id.as_ref().map(|b| b.inode))
+            .collect();
+        let pinned: Vec<u64> = task
+            .pinned_inodes
+            .iter()
+            .copied()
+            .filter(|i| files.contains(i))
+            .collect();
+        if !pinned.is_empty() {
+            self.fetcher.store.add_pinned(&pinned);
+        }
         let fetcher = self.fetcher.clone();
         let results = futures::stream::iter(blocks.into_iter().zip(holders))
             .map(|(desc, holders)| {

@@ -784,6 +784,19 @@ impl PageStore {
         }
     }
 
+    /// Adds `inodes` to the master's pinned set (pinned files a load task carries, or a
+    /// heartbeat's additions): their pages, and those cached later, are never evicted.
+    pub fn add_pinned(&self, inodes: &[u64]) {
+        let mut inner = self.lock();
+        for &inode in inodes {
+            if inner.master_pinned.insert(inode) {
+                for k in inner.inode_pages(inode) {
+                    inner.policy.remove(&k);
+                }
+            }
+        }
+    }
+
     /// Inodes whose pages are never evicted (by a write or by the master).
     pub fn pinned(&self) -> HashSet<u64> {
         let inner = self.lock();

@@ -349,6 +349,18 @@ impl TieredStore {
         }
     }
 
+    /// Inodes whose pages are never evicted, in any tier (see [`PageStore::pinned`]).
+    pub fn pinned(&self) -> HashSet<u64> {
+        self.tiers.iter().flat_map(|t| t.pinned()).collect()
+    }
+
+    /// See [`PageStore::add_pinned`].
+    pub fn add_pinned(&self, inodes: &[u64]) {
+        for t in &self.tiers {
+            t.add_pinned(inodes);
+        }
+    }
+
     /// A short-circuit lease from the tier holding page `first` of block `b` (see
     /// [`PageStore::lease`]); lease ids name their tier.
     pub fn lease(
