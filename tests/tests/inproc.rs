@@ -260,6 +260,22 @@ async fn workers_are_told_the_pinned_files_they_hold_and_follow_renames_and_unpi
         },
     )
     .await?;
+    // A load task pins only files it loads: one naming others pins nothing.
+    let w0 = c.worker(0).expect("started").addr.to_string();
+    let ch = c
+        .faults(Node::Client)
+        .net()
+        .channel(&w0, granary_common::net::ServerKind::Node)
+        .map_err(anyhow::Error::msg)?;
+    let before = sets();
+    granary_proto::worker_service_client::WorkerServiceClient::new(ch)
+        .load_blocks(pb::LoadBlocksRequest {
+            blocks: vec![],
+            holders: vec![],
+            pinned_inodes: vec![999_999, u64::MAX, 0],
+        })
+        .await?;
+    assert_eq!(sets(), before);
     fs.master.set_pin("/data/hot", 0).await?;
     eventually(
         "the unpin to reach the workers",

@@ -30,6 +30,8 @@ pub(super) struct Files {
     file: Option<(Inode, String)>,
     /// The folders being walked, innermost last.
     open: Vec<Open>,
+    /// Files and bytes returned so far.
+    seen: (u64, u64),
 }
 
 impl Files {
@@ -38,17 +40,38 @@ impl Files {
             Files {
                 file: None,
                 open: vec![Open::new(root, root_path)],
+                seen: (0, 0),
             }
         } else {
             Files {
                 file: Some((root, root_path)),
                 open: Vec::new(),
+                seen: (0, 0),
             }
         }
     }
 
+    /// The files and bytes the walk has returned so far.
+    pub(super) fn seen(&self) -> (u64, u64) {
+        self.seen
+    }
+
     /// The next files (at most a page, never none), or None when the walk is over.
     pub(super) async fn next_page(
+        &mut self,
+        core: &MasterCore,
+    ) -> Result<Option<Vec<(Inode, String)>>, MasterError> {
+        let page = self.next_files(core).await?;
+        if let Some(files) = &page {
+            self.seen.0 += files.len() as u64;
+            self.seen.1 = files
+                .iter()
+                .fold(self.seen.1, |sum, (f, _)| sum.saturating_add(f.length));
+        }
+        Ok(page)
+    }
+
+    async fn next_files(
         &mut self,
         core: &MasterCore,
     ) -> Result<Option<Vec<(Inode, String)>>, MasterError> {

@@ -289,13 +289,8 @@ async fn plan(
     // A first walk counts (and lists what was never listed), holding no file: the
     // progress has its totals before the first block is loaded.
     let mut walk = Files::new(root.clone(), root_path.clone());
-    let (mut total_files, mut total_bytes) = (0u64, 0u64);
-    while let Some(page) = walk.next_page(core).await? {
-        total_files += page.len() as u64;
-        total_bytes = page
-            .iter()
-            .fold(total_bytes, |sum, (f, _)| sum.saturating_add(f.length));
-    }
+    while walk.next_page(core).await?.is_some() {}
+    let (total_files, total_bytes) = walk.seen();
     let job = if job.state == JobState::Planning
         || job.total_files != total_files
         || job.total_bytes != total_bytes
@@ -323,7 +318,7 @@ enum Fed {
     /// Files to load (those an earlier runner of the job settled are left out).
     Files(Vec<(Inode, String)>),
     /// The walk is over: the files and bytes it saw, settled ones included.
-    End(u64, u64),
+    End((u64, u64)),
 }
 
 /// The walk of a job's files, run beside the runner a few pages ahead of it (so a slow
@@ -338,17 +333,12 @@ impl Feed {
         let (tx, pages) = tokio::sync::mpsc::channel(2);
         let walk = tokio::spawn(async move {
             let mut files = Files::new(root, root_path);
-            let (mut seen, mut bytes) = (0u64, 0u64);
             let fed = loop {
                 let page = match files.next_page(&core).await {
                     Ok(Some(page)) => page,
-                    Ok(None) => break Ok(Fed::End(seen, bytes)),
+                    Ok(None) => break Ok(Fed::End(files.seen())),
                     Err(e) => break Err(e),
                 };
-                seen += page.len() as u64;
-                bytes = page
-                    .iter()
-                    .fold(bytes, |sum, (f, _)| sum.saturating_add(f.length));
                 let mut todo = Vec::with_capacity(page.len());
                 for (f, path) in page {
                     match core.ns.sm.job_settled(id, f.id) {
@@ -384,9 +374,9 @@ fn take(
 ) -> Result<(), MasterError> {
     match fed {
         Some(Ok(Fed::Files(files))) => planner.add(files),
-        Some(Ok(Fed::End(files, bytes))) => {
+        Some(Ok(Fed::End(totals))) => {
             planner.all_added();
-            *seen = Some((files, bytes));
+            *seen = Some(totals);
         }
         Some(Err(e)) => return Err(e),
         None => {
