@@ -6,21 +6,14 @@ use std::sync::Mutex;
 
 use granary_proto::BlockId;
 
-type Key = (u64, u64, u32);
+mod table;
 
-fn key(b: &BlockId) -> Key {
-    (b.inode, b.version, b.index)
-}
-
-#[derive(Default)]
-struct Inner {
-    by_block: HashMap<Key, HashSet<u64>>,
-    by_worker: HashMap<u64, HashSet<Key>>,
-}
+use table::Table;
+pub use table::TooManyWorkers;
 
 #[derive(Default)]
 pub struct BlockLocations {
-    inner: Mutex<Inner>,
+    inner: Mutex<Table>,
     /// Files whose under-store object changed or vanished: inode → the version to keep
     /// (0: none), with when it was noted. Workers holding other versions are told to drop
     /// them on their next heartbeat.
@@ -35,7 +28,7 @@ pub struct BlockLocations {
 const STALE_RETENTION: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl BlockLocations {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         match self.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -44,82 +37,50 @@ impl BlockLocations {
 
     /// Forgets every location (a new leader rebuilds them from fresh worker reports).
     pub fn clear(&self) {
-        *self.lock() = Inner::default();
+        *self.lock() = Table::default();
         match self.stale.lock() {
             Ok(mut g) => g.clear(),
             Err(p) => p.into_inner().clear(),
         }
     }
 
-    /// The files `worker` holds a block of (any version), once each.
+    /// The files `worker` holds a block of (any version), once each. A scan of every
+    /// location: for rare events only (a change of the pin set).
     pub fn inodes_of(&self, worker: u64) -> HashSet<u64> {
-        let inner = self.lock();
-        inner
-            .by_worker
-            .get(&worker)
-            .map(|keys| keys.iter().map(|k| k.0).collect())
-            .unwrap_or_default()
+        self.lock().inodes_of(worker)
     }
 
-    /// Replaces everything known about `worker` with a full report.
-    pub fn replace_worker(&self, worker: u64, blocks: &[BlockId]) {
-        let mut inner = self.lock();
-        Self::drop_worker_locked(&mut inner, worker);
+    /// Replaces everything known about `worker` with a full report. Refused when more
+    /// workers hold blocks than the table can number (65,535).
+    pub fn replace_worker(&self, worker: u64, blocks: &[BlockId]) -> Result<(), TooManyWorkers> {
+        let mut table = self.lock();
+        table.drop_worker(worker);
+        table.enlist(worker)?;
         for b in blocks {
-            let k = key(b);
-            inner.by_block.entry(k).or_default().insert(worker);
-            inner.by_worker.entry(worker).or_default().insert(k);
+            table.add(worker, b)?;
         }
+        Ok(())
     }
 
     pub fn update(&self, worker: u64, added: &[BlockId], removed: &[BlockId]) {
-        let mut inner = self.lock();
+        let mut table = self.lock();
         for b in removed {
-            let k = key(b);
-            if let Some(set) = inner.by_block.get_mut(&k) {
-                set.remove(&worker);
-                if set.is_empty() {
-                    inner.by_block.remove(&k);
-                }
-            }
-            if let Some(set) = inner.by_worker.get_mut(&worker) {
-                set.remove(&k);
-            }
+            table.remove(worker, b);
         }
         for b in added {
-            let k = key(b);
-            inner.by_block.entry(k).or_default().insert(worker);
-            inner.by_worker.entry(worker).or_default().insert(k);
+            if table.add(worker, b).is_err() {
+                tracing::warn!(worker, "block locations full: a report is ignored");
+                return;
+            }
         }
     }
 
     pub fn drop_worker(&self, worker: u64) {
-        let mut inner = self.lock();
-        Self::drop_worker_locked(&mut inner, worker);
-    }
-
-    fn drop_worker_locked(inner: &mut Inner, worker: u64) {
-        if let Some(keys) = inner.by_worker.remove(&worker) {
-            for k in keys {
-                if let Some(set) = inner.by_block.get_mut(&k) {
-                    set.remove(&worker);
-                    if set.is_empty() {
-                        inner.by_block.remove(&k);
-                    }
-                }
-            }
-        }
+        self.lock().drop_worker(worker);
     }
 
     pub fn workers_of(&self, b: &BlockId) -> Vec<u64> {
-        let inner = self.lock();
-        let mut v: Vec<u64> = inner
-            .by_block
-            .get(&key(b))
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
-        v.sort_unstable();
-        v
+        self.lock().workers_of(b)
     }
 
     /// Notes that only `keep` (0: no version) of `inode` is current.
@@ -150,21 +111,20 @@ impl BlockLocations {
         if stale.is_empty() {
             return Vec::new();
         }
-        let inner = self.lock();
-        let Some(held) = inner.by_worker.get(&worker) else {
-            return Vec::new();
-        };
-        // One pass over what the worker holds (a scan of it per noted change made a
-        // re-listing that changed a big folder cost changes × blocks on every heartbeat).
-        let mut out: Vec<(u64, u64)> = held
+        // By noted change, not by what the worker holds (a scan of that per noted change
+        // made a re-listing that changed a big folder cost changes × blocks per heartbeat).
+        let table = self.lock();
+        let mut out: Vec<(u64, u64)> = stale
             .iter()
-            .filter_map(|k| {
-                let keep = *stale.get(&k.0)?;
-                (k.1 != keep).then_some((k.0, keep))
+            .filter(|(inode, keep)| {
+                table
+                    .holders(**inode)
+                    .iter()
+                    .any(|(w, v)| *w == worker && v != *keep)
             })
+            .map(|(i, k)| (*i, *k))
             .collect();
         out.sort_unstable();
-        out.dedup();
         out
     }
 
@@ -173,12 +133,10 @@ impl BlockLocations {
     pub fn free(&self, inodes: &HashSet<u64>) -> (usize, usize) {
         let mut per_worker: HashMap<u64, HashSet<u64>> = HashMap::new();
         {
-            let inner = self.lock();
-            for (w, keys) in &inner.by_worker {
-                for k in keys {
-                    if inodes.contains(&k.0) {
-                        per_worker.entry(*w).or_default().insert(k.0);
-                    }
+            let table = self.lock();
+            for inode in inodes {
+                for (w, _) in table.holders(*inode) {
+                    per_worker.entry(w).or_default().insert(*inode);
                 }
             }
         }
@@ -207,11 +165,7 @@ impl BlockLocations {
     }
 
     pub fn block_count(&self, worker: u64) -> u64 {
-        self.lock()
-            .by_worker
-            .get(&worker)
-            .map(|s| s.len() as u64)
-            .unwrap_or(0)
+        self.lock().block_count(worker)
     }
 }
 
@@ -230,7 +184,7 @@ mod tests {
     #[test]
     fn stale_versions_are_reported_to_the_workers_holding_them() {
         let m = BlockLocations::default();
-        m.replace_worker(1, &[b(0), b(1)]);
+        m.replace_worker(1, &[b(0), b(1)]).unwrap();
         m.replace_worker(
             2,
             &[BlockId {
@@ -238,7 +192,8 @@ mod tests {
                 version: 1,
                 index: 0,
             }],
-        );
+        )
+        .unwrap();
         // The version a worker holds is the one to keep: nothing to drop.
         m.note_stale(5, 9);
         assert!(m.stale_for(1).is_empty());
@@ -254,8 +209,8 @@ mod tests {
     #[test]
     fn report_update_drop() {
         let m = BlockLocations::default();
-        m.replace_worker(1, &[b(0), b(1)]);
-        m.replace_worker(2, &[b(1)]);
+        m.replace_worker(1, &[b(0), b(1)]).unwrap();
+        m.replace_worker(2, &[b(1)]).unwrap();
         assert_eq!(m.workers_of(&b(1)), vec![1, 2]);
         m.update(1, &[b(2)], &[b(1)]);
         assert_eq!(m.workers_of(&b(1)), vec![2]);
@@ -263,7 +218,7 @@ mod tests {
         m.drop_worker(2);
         assert!(m.workers_of(&b(1)).is_empty());
         assert_eq!(m.block_count(1), 2);
-        m.replace_worker(1, &[]);
+        m.replace_worker(1, &[]).unwrap();
         assert_eq!(m.block_count(1), 0);
     }
 }

@@ -1013,12 +1013,19 @@ impl MasterService for MasterRpc {
         self.core.ensure_leader()?;
         tracing::info!(worker = r.worker_id, address = %r.address, blocks = r.blocks.len(), "worker registered");
         self.core
+            .blocks
+            .replace_worker(r.worker_id, &r.blocks)
+            .map_err(|_| {
+                Status::resource_exhausted(
+                    "the master tracks the blocks of at most 65,535 workers; this one cannot register until another is gone",
+                )
+            })?;
+        self.core
             .workers
             .register(r.worker_id, r.address, r.host, r.stats.unwrap_or_default());
         self.core
             .workers
             .set_data_address(r.worker_id, r.data_address);
-        self.core.blocks.replace_worker(r.worker_id, &r.blocks);
         Ok(Response::new(pb::RegisterWorkerResponse {
             heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
             grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),

@@ -1,0 +1,409 @@
+//! The block-location table in a form small enough for tens of millions of cached blocks.
+//!
+//! One map entry per file (not per block, nor per block and holder), workers named by a
+//! 16-bit slot instead of their 64-bit id, and the common case — a file of one block held
+//! by one or two workers — stored inline in the entry (24 bytes, no allocation). Anything
+//! else (several blocks, versions or holders) is a list of `(version, index, slot)` rows.
+//! Nothing is indexed by worker: what a worker holds is found by a scan of the table, which
+//! only registration, loss and a change of the pin set need (each rare); heartbeats,
+//! lookups, stale notices and `free` go by inode.
+
+use std::collections::{HashMap, HashSet};
+
+use granary_proto::BlockId;
+
+/// A worker's number in the table, from 1 (0 marks an empty inline place).
+type Slot = u16;
+
+/// One block version held by one worker.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Row {
+    version: u64,
+    index: u32,
+    slot: Slot,
+}
+
+/// What the workers hold of one file.
+#[derive(Debug)]
+enum Held {
+    /// One block of one version on one or two workers (`slots[1]` 0 when only one).
+    One {
+        version: u64,
+        index: u32,
+        slots: [Slot; 2],
+    },
+    /// Anything else: one row per block version and holder, never empty. Boxed so that
+    /// the entry stays 24 bytes (a bare `Vec` would make every entry 32).
+    #[allow(clippy::box_collection)]
+    Many(Box<Vec<Row>>),
+}
+
+impl Held {
+    fn iter(&self) -> impl Iterator<Item = Row> + '_ {
+        let (version, index, slots, rows): (u64, u32, &[Slot], &[Row]) = match self {
+            Held::One {
+                version,
+                index,
+                slots,
+            } => (*version, *index, &slots[..], &[]),
+            Held::Many(rows) => (0, 0, &[], rows.as_slice()),
+        };
+        slots
+            .iter()
+            .filter(|s| **s != 0)
+            .map(move |&slot| Row {
+                version,
+                index,
+                slot,
+            })
+            .chain(rows.iter().copied())
+    }
+
+    fn holds(&self, version: u64, index: u32, slot: Slot) -> bool {
+        match self {
+            Held::One {
+                version: v,
+                index: i,
+                slots,
+            } => *v == version && *i == index && slots.contains(&slot),
+            Held::Many(rows) => rows.contains(&Row {
+                version,
+                index,
+                slot,
+            }),
+        }
+    }
+
+    /// Adds a row; false when it was there already.
+    fn add(&mut self, row: Row) -> bool {
+        if self.holds(row.version, row.index, row.slot) {
+            return false;
+        }
+        if let Held::One {
+            version,
+            index,
+            slots,
+        } = self
+        {
+            if *version == row.version && *index == row.index && slots[1] == 0 {
+                slots[1] = row.slot;
+                return true;
+            }
+        }
+        match self {
+            Held::Many(rows) => rows.push(row),
+            Held::One { .. } => {
+                let rows: Vec<Row> = self.iter().chain([row]).collect();
+                *self = Held::Many(Box::new(rows));
+            }
+        }
+        true
+    }
+
+    /// Keeps the rows `keep` accepts; returns how many went. The caller drops an entry left
+    /// empty ([`Held::is_empty`]).
+    fn retain(&mut self, keep: impl Fn(&Row) -> bool) -> u64 {
+        let gone = self.iter().filter(|r| !keep(r)).count() as u64;
+        if gone > 0 {
+            *self = Held::from_rows(self.iter().filter(|r| keep(r)).collect());
+        }
+        gone
+    }
+
+    /// The most compact form of `rows` (an empty list stays an empty `Many`).
+    fn from_rows(rows: Vec<Row>) -> Held {
+        let inline = match rows.as_slice() {
+            [a] => Some((a.version, a.index, [a.slot, 0])),
+            [a, b] if a.version == b.version && a.index == b.index => {
+                Some((a.version, a.index, [a.slot, b.slot]))
+            }
+            _ => None,
+        };
+        match inline {
+            Some((version, index, slots)) => Held::One {
+                version,
+                index,
+                slots,
+            },
+            None => Held::Many(Box::new(rows)),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Held::Many(rows) if rows.is_empty())
+    }
+}
+
+/// A worker known to the table.
+#[derive(Clone, Copy, Default)]
+struct SlotUse {
+    /// 0: the slot is free.
+    worker: u64,
+    /// Block versions the worker holds.
+    blocks: u64,
+}
+
+/// The table is full: more workers hold blocks than a slot can number.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TooManyWorkers;
+
+#[derive(Default)]
+pub(super) struct Table {
+    files: HashMap<u64, Held>,
+    /// Slot `s` is `slots[s - 1]`.
+    slots: Vec<SlotUse>,
+    slot_of: HashMap<u64, Slot>,
+    free: Vec<Slot>,
+}
+
+impl Table {
+    fn slot(&self, worker: u64) -> Option<Slot> {
+        self.slot_of.get(&worker).copied()
+    }
+
+    /// The worker's slot, numbering it if it has none.
+    pub fn enlist(&mut self, worker: u64) -> Result<(), TooManyWorkers> {
+        self.slot_for(worker).map(|_| ())
+    }
+
+    fn slot_for(&mut self, worker: u64) -> Result<Slot, TooManyWorkers> {
+        if let Some(s) = self.slot(worker) {
+            return Ok(s);
+        }
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                let s = Slot::try_from(self.slots.len() + 1).map_err(|_| TooManyWorkers)?;
+                self.slots.push(SlotUse::default());
+                s
+            }
+        };
+        self.slots[usize::from(s) - 1] = SlotUse { worker, blocks: 0 };
+        self.slot_of.insert(worker, s);
+        Ok(s)
+    }
+
+    pub fn add(&mut self, worker: u64, b: &BlockId) -> Result<(), TooManyWorkers> {
+        let slot = self.slot_for(worker)?;
+        let row = Row {
+            version: b.version,
+            index: b.index,
+            slot,
+        };
+        let added = match self.files.get_mut(&b.inode) {
+            Some(held) => held.add(row),
+            None => {
+                self.files.insert(b.inode, Held::from_rows(vec![row]));
+                true
+            }
+        };
+        if added {
+            self.slots[usize::from(slot) - 1].blocks += 1;
+        }
+        Ok(())
+    }
+
+    pub fn remove(&mut self, worker: u64, b: &BlockId) {
+        let Some(slot) = self.slot(worker) else {
+            return;
+        };
+        let Some(held) = self.files.get_mut(&b.inode) else {
+            return;
+        };
+        let gone =
+            held.retain(|r| !(r.slot == slot && r.version == b.version && r.index == b.index));
+        if held.is_empty() {
+            self.files.remove(&b.inode);
+        }
+        self.slots[usize::from(slot) - 1].blocks -= gone;
+    }
+
+    /// Forgets every block `worker` holds and frees its slot.
+    pub fn drop_worker(&mut self, worker: u64) {
+        let Some(slot) = self.slot_of.remove(&worker) else {
+            return;
+        };
+        if self.slots[usize::from(slot) - 1].blocks > 0 {
+            self.files.retain(|_, held| {
+                held.retain(|r| r.slot != slot);
+                !held.is_empty()
+            });
+        }
+        self.slots[usize::from(slot) - 1] = SlotUse::default();
+        self.free.push(slot);
+    }
+
+    /// The workers holding block `b`, by id, ascending.
+    pub fn workers_of(&self, b: &BlockId) -> Vec<u64> {
+        let Some(held) = self.files.get(&b.inode) else {
+            return Vec::new();
+        };
+        let mut out: Vec<u64> = held
+            .iter()
+            .filter(|r| r.version == b.version && r.index == b.index)
+            .map(|r| self.slots[usize::from(r.slot) - 1].worker)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// `(worker, version)` for every block of `inode` held anywhere.
+    pub fn holders(&self, inode: u64) -> Vec<(u64, u64)> {
+        let Some(held) = self.files.get(&inode) else {
+            return Vec::new();
+        };
+        held.iter()
+            .map(|r| (self.slots[usize::from(r.slot) - 1].worker, r.version))
+            .collect()
+    }
+
+    /// The files `worker` holds a block of (a scan of the whole table).
+    pub fn inodes_of(&self, worker: u64) -> HashSet<u64> {
+        let Some(slot) = self.slot(worker) else {
+            return HashSet::new();
+        };
+        if self.slots[usize::from(slot) - 1].blocks == 0 {
+            return HashSet::new();
+        }
+        self.files
+            .iter()
+            .filter(|(_, held)| held.iter().any(|r| r.slot == slot))
+            .map(|(inode, _)| *inode)
+            .collect()
+    }
+
+    pub fn block_count(&self, worker: u64) -> u64 {
+        self.slot(worker)
+            .map(|s| self.slots[usize::from(s) - 1].blocks)
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add(u64, BlockId),
+        Remove(u64, BlockId),
+        Drop(u64),
+    }
+
+    fn block() -> impl Strategy<Value = BlockId> {
+        (1u64..4, 1u64..3, 0u32..3).prop_map(|(inode, version, index)| BlockId {
+            inode,
+            version,
+            index,
+        })
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (1u64..6, block()).prop_map(|(w, b)| Op::Add(w, b)),
+            3 => (1u64..6, block()).prop_map(|(w, b)| Op::Remove(w, b)),
+            1 => (1u64..6).prop_map(Op::Drop),
+        ]
+    }
+
+    type Model = BTreeMap<(u64, u64, u32), BTreeSet<u64>>;
+
+    proptest! {
+        /// The compact table answers every question as a plain map of block → holders
+        /// would, whatever the order of reports, removals and worker losses.
+        #[test]
+        fn the_table_agrees_with_a_plain_map(ops in prop::collection::vec(op(), 0..80)) {
+            let mut t = Table::default();
+            let mut model = Model::new();
+            for op in &ops {
+                match op {
+                    Op::Add(w, b) => {
+                        t.add(*w, b).unwrap();
+                        model.entry((b.inode, b.version, b.index)).or_default().insert(*w);
+                    }
+                    Op::Remove(w, b) => {
+                        t.remove(*w, b);
+                        if let Some(set) = model.get_mut(&(b.inode, b.version, b.index)) {
+                            set.remove(w);
+                        }
+                    }
+                    Op::Drop(w) => {
+                        t.drop_worker(*w);
+                        for set in model.values_mut() {
+                            set.remove(w);
+                        }
+                    }
+                }
+                model.retain(|_, s| !s.is_empty());
+                for inode in 1..4 {
+                    let mut holders = t.holders(inode);
+                    holders.sort_unstable();
+                    let mut want: Vec<(u64, u64)> = model
+                        .iter()
+                        .filter(|(k, _)| k.0 == inode)
+                        .flat_map(|(k, s)| s.iter().map(move |w| (*w, k.1)))
+                        .collect();
+                    want.sort_unstable();
+                    prop_assert_eq!(holders, want);
+                    for version in 1..3 {
+                        for index in 0..3 {
+                            let b = BlockId { inode, version, index };
+                            let want: Vec<u64> = model
+                                .get(&(inode, version, index))
+                                .map(|s| s.iter().copied().collect())
+                                .unwrap_or_default();
+                            prop_assert_eq!(t.workers_of(&b), want);
+                        }
+                    }
+                }
+                for w in 1..6 {
+                    let held: Vec<_> = model.iter().filter(|(_, s)| s.contains(&w)).collect();
+                    prop_assert_eq!(t.block_count(w), held.len() as u64);
+                    let inodes: HashSet<u64> = held.iter().map(|(k, _)| k.0).collect();
+                    prop_assert_eq!(t.inodes_of(w), inodes);
+                }
+                prop_assert_eq!(t.files.len(), model.keys().map(|k| k.0).collect::<HashSet<_>>().len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_small_file_on_two_workers_takes_no_allocation() {
+        assert_eq!(std::mem::size_of::<Held>(), 24);
+        let mut t = Table::default();
+        let b = BlockId {
+            inode: 7,
+            version: 3,
+            index: 0,
+        };
+        t.add(10, &b).unwrap();
+        t.add(20, &b).unwrap();
+        assert!(matches!(t.files[&7], Held::One { .. }));
+        let c = BlockId { index: 1, ..b };
+        t.add(10, &c).unwrap();
+        assert!(matches!(t.files[&7], Held::Many(_)));
+        t.remove(10, &c);
+        assert!(matches!(t.files[&7], Held::One { .. }));
+    }
+
+    #[test]
+    fn slots_run_out_and_come_back() {
+        let mut t = Table::default();
+        let b = BlockId {
+            inode: 1,
+            version: 1,
+            index: 0,
+        };
+        for w in 1..=u64::from(Slot::MAX) {
+            t.enlist(w).unwrap();
+        }
+        assert_eq!(t.add(u64::MAX, &b), Err(TooManyWorkers));
+        t.drop_worker(5);
+        t.add(u64::MAX, &b).unwrap();
+        assert_eq!(t.workers_of(&b), vec![u64::MAX]);
+    }
+}
