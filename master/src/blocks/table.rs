@@ -3,7 +3,8 @@
 //! One map entry per file (not per block, nor per block and holder), workers named by a
 //! 16-bit slot instead of their 64-bit id, and the common case — a file of one block held
 //! by one or two workers — stored inline in the entry (24 bytes, no allocation). Anything
-//! else (several blocks, versions or holders) is a list of `(version, index, slot)` rows.
+//! else (several blocks, versions or holders) is a list of `(version, index, slot)` rows,
+//! and a hash set of them past 64 (a big file, or a hostile report).
 //! Nothing is indexed by worker: what a worker holds is found by a scan of the table, which
 //! only registration, loss and a change of the pin set need (each rare); heartbeats,
 //! lookups, stale notices and `free` go by inode.
@@ -16,15 +17,22 @@ use granary_proto::BlockId;
 type Slot = u16;
 
 /// One block version held by one worker.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct Row {
     version: u64,
     index: u32,
     slot: Slot,
 }
 
-/// What the workers hold of one file.
+/// Rows a file keeps in a list; more go in a hash set, so that no report — a file of
+/// millions of blocks, or a worker sending them in the worst order — costs a pass over
+/// the list per block.
+const LIST_MAX: usize = if cfg!(test) { 4 } else { 64 };
+
+/// What the workers hold of one file. The collections are boxed to keep the entry at 24
+/// bytes (a bare `Vec` would make every entry 32).
 #[derive(Debug)]
+#[allow(clippy::box_collection)]
 enum Held {
     /// One block of one version on one or two workers (`slots[1]` 0 when only one).
     One {
@@ -32,21 +40,23 @@ enum Held {
         index: u32,
         slots: [Slot; 2],
     },
-    /// Anything else: one row per block version and holder, never empty. Boxed so that
-    /// the entry stays 24 bytes (a bare `Vec` would make every entry 32).
-    #[allow(clippy::box_collection)]
-    Many(Box<Vec<Row>>),
+    /// Up to `LIST_MAX` rows, one per block version and holder (empty only transiently:
+    /// the table drops an empty entry).
+    List(Box<Vec<Row>>),
+    /// More.
+    Set(Box<HashSet<Row>>),
 }
 
 impl Held {
     fn iter(&self) -> impl Iterator<Item = Row> + '_ {
-        let (version, index, slots, rows): (u64, u32, &[Slot], &[Row]) = match self {
+        let (version, index, slots, rows, set): (u64, u32, &[Slot], &[Row], _) = match self {
             Held::One {
                 version,
                 index,
                 slots,
-            } => (*version, *index, &slots[..], &[]),
-            Held::Many(rows) => (0, 0, &[], rows.as_slice()),
+            } => (*version, *index, &slots[..], &[], None),
+            Held::List(rows) => (0, 0, &[], rows.as_slice(), None),
+            Held::Set(set) => (0, 0, &[], &[], Some(set.as_ref())),
         };
         slots
             .iter()
@@ -57,45 +67,65 @@ impl Held {
                 slot,
             })
             .chain(rows.iter().copied())
+            .chain(set.into_iter().flatten().copied())
     }
 
-    fn holds(&self, version: u64, index: u32, slot: Slot) -> bool {
+    fn holds(&self, row: &Row) -> bool {
         match self {
             Held::One {
-                version: v,
-                index: i,
-                slots,
-            } => *v == version && *i == index && slots.contains(&slot),
-            Held::Many(rows) => rows.contains(&Row {
                 version,
                 index,
-                slot,
-            }),
+                slots,
+            } => *version == row.version && *index == row.index && slots.contains(&row.slot),
+            Held::List(rows) => rows.contains(row),
+            Held::Set(set) => set.contains(row),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Held::One { slots, .. } => slots.iter().filter(|s| **s != 0).count(),
+            Held::List(rows) => rows.len(),
+            Held::Set(set) => set.len(),
         }
     }
 
     /// Adds a row; false when it was there already.
     fn add(&mut self, row: Row) -> bool {
-        if self.holds(row.version, row.index, row.slot) {
+        if self.holds(&row) {
             return false;
         }
-        if let Held::One {
-            version,
-            index,
-            slots,
-        } = self
-        {
-            if *version == row.version && *index == row.index && slots[1] == 0 {
+        match self {
+            Held::One {
+                version,
+                index,
+                slots,
+            } if *version == row.version && *index == row.index && slots[1] == 0 => {
                 slots[1] = row.slot;
-                return true;
             }
+            Held::List(rows) if rows.len() < LIST_MAX => rows.push(row),
+            Held::Set(set) => {
+                set.insert(row);
+            }
+            _ => *self = Held::from_rows(self.iter().chain([row]).collect()),
+        }
+        true
+    }
+
+    /// Removes a row; false when it was not there.
+    fn remove(&mut self, row: &Row) -> bool {
+        let gone = match self {
+            Held::Set(set) => set.remove(row),
+            _ => self.holds(row),
+        };
+        if !gone {
+            return false;
         }
         match self {
-            Held::Many(rows) => rows.push(row),
-            Held::One { .. } => {
-                let rows: Vec<Row> = self.iter().chain([row]).collect();
-                *self = Held::Many(Box::new(rows));
-            }
+            // A set turns back into a list well below the size that made it one, not at
+            // once (a file at the boundary would convert on every report).
+            Held::Set(set) if set.len() > LIST_MAX / 2 => {}
+            _ => *self = Held::from_rows(self.iter().filter(|r| r != row).collect()),
         }
         true
     }
@@ -110,27 +140,26 @@ impl Held {
         gone
     }
 
-    /// The most compact form of `rows` (an empty list stays an empty `Many`).
+    /// The most compact form of `rows` (none: an empty list).
     fn from_rows(rows: Vec<Row>) -> Held {
-        let inline = match rows.as_slice() {
-            [a] => Some((a.version, a.index, [a.slot, 0])),
-            [a, b] if a.version == b.version && a.index == b.index => {
-                Some((a.version, a.index, [a.slot, b.slot]))
-            }
-            _ => None,
-        };
-        match inline {
-            Some((version, index, slots)) => Held::One {
-                version,
-                index,
-                slots,
+        match rows.as_slice() {
+            [a] => Held::One {
+                version: a.version,
+                index: a.index,
+                slots: [a.slot, 0],
             },
-            None => Held::Many(Box::new(rows)),
+            [a, b] if a.version == b.version && a.index == b.index => Held::One {
+                version: a.version,
+                index: a.index,
+                slots: [a.slot, b.slot],
+            },
+            _ if rows.len() <= LIST_MAX => Held::List(Box::new(rows)),
+            _ => Held::Set(Box::new(rows.into_iter().collect())),
         }
     }
 
     fn is_empty(&self) -> bool {
-        matches!(self, Held::Many(rows) if rows.is_empty())
+        self.len() == 0
     }
 }
 
@@ -210,12 +239,17 @@ impl Table {
         let Some(held) = self.files.get_mut(&b.inode) else {
             return;
         };
-        let gone =
-            held.retain(|r| !(r.slot == slot && r.version == b.version && r.index == b.index));
+        let row = Row {
+            version: b.version,
+            index: b.index,
+            slot,
+        };
+        if held.remove(&row) {
+            self.slots[usize::from(slot) - 1].blocks -= 1;
+        }
         if held.is_empty() {
             self.files.remove(&b.inode);
         }
-        self.slots[usize::from(slot) - 1].blocks -= gone;
     }
 
     /// Forgets every block `worker` holds and frees its slot.
@@ -238,11 +272,26 @@ impl Table {
         let Some(held) = self.files.get(&b.inode) else {
             return Vec::new();
         };
-        let mut out: Vec<u64> = held
-            .iter()
-            .filter(|r| r.version == b.version && r.index == b.index)
-            .map(|r| self.slots[usize::from(r.slot) - 1].worker)
-            .collect();
+        let mut out: Vec<u64> = match held {
+            // A file of many rows: one probe per known worker, not a pass over the rows.
+            Held::Set(set) => self
+                .slot_of
+                .iter()
+                .filter(|(_, slot)| {
+                    set.contains(&Row {
+                        version: b.version,
+                        index: b.index,
+                        slot: **slot,
+                    })
+                })
+                .map(|(worker, _)| *worker)
+                .collect(),
+            _ => held
+                .iter()
+                .filter(|r| r.version == b.version && r.index == b.index)
+                .map(|r| self.slots[usize::from(r.slot) - 1].worker)
+                .collect(),
+        };
         out.sort_unstable();
         out
     }
@@ -385,9 +434,41 @@ mod tests {
         assert!(matches!(t.files[&7], Held::One { .. }));
         let c = BlockId { index: 1, ..b };
         t.add(10, &c).unwrap();
-        assert!(matches!(t.files[&7], Held::Many(_)));
+        assert!(matches!(t.files[&7], Held::List(_)));
         t.remove(10, &c);
         assert!(matches!(t.files[&7], Held::One { .. }));
+    }
+
+    /// A report of a file's blocks in the worst order (a list would be scanned once per
+    /// block: quadratic, minutes for this many) lands in a set, and shrinks back to a list.
+    #[test]
+    fn a_file_of_many_blocks_is_held_in_a_set() {
+        let mut t = Table::default();
+        let n = 200_000u32;
+        for index in (0..n).rev() {
+            let b = BlockId {
+                inode: 3,
+                version: 1,
+                index,
+            };
+            t.add(1, &b).unwrap();
+            t.add(2, &b).unwrap();
+        }
+        assert!(matches!(t.files[&3], Held::Set(_)));
+        assert_eq!(t.block_count(1), u64::from(n));
+        let b = |index| BlockId {
+            inode: 3,
+            version: 1,
+            index,
+        };
+        assert_eq!(t.workers_of(&b(n / 2)), vec![1, 2]);
+        for index in 1..n {
+            t.remove(2, &b(index));
+            t.remove(1, &b(index));
+        }
+        assert!(matches!(t.files[&3], Held::One { .. }));
+        assert_eq!(t.workers_of(&b(0)), vec![1, 2]);
+        assert_eq!((t.block_count(1), t.block_count(2)), (1, 1));
     }
 
     #[test]
