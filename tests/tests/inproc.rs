@@ -630,3 +630,68 @@ async fn a_slow_relisting_does_not_hold_up_requests_by_inode() -> Result<()> {
     .await?;
     c.stop().await
 }
+
+/// A loaded folder whose re-listing is due and slow (10 s) still answers lookups by name,
+/// statuses by path and listings at once, from what is known (stale-while-revalidate);
+/// the re-listing's outcome shows once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_relisting_does_not_hold_up_lookups_or_listings_of_its_folder() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::create_dir_all(c.store.join("dir"))?;
+    std::fs::write(c.store.join("dir/f"), "old")?;
+    c.mount_store_with(&[("sync_interval", "1s")]).await?;
+    let fs = c.client()?;
+    let path = |p: &str| pb::path_or_id::Target::Path(p.into());
+    assert_eq!(names(&fs.list(path("/data/dir")).await?), ["f"]);
+    let dir = fs.master.get_status(path("/data/dir")).await?.inode;
+    let slow = c.store_faults.add(StoreRule::new(
+        StoreOp::List,
+        StoreFault::Delay(Duration::from_secs(10)),
+    ));
+    std::fs::write(c.store.join("dir/g"), "new")?;
+    let master = &fs.master;
+    // Every request answers within 5 s, while the listing takes 10.
+    let quick = |what: &'static str| async move {
+        let bound = Duration::from_secs(5);
+        let by_path = tokio::time::timeout(bound, master.get_status(path("/data/dir/f")))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: a status by path waited for the re-listing"))?;
+        assert_eq!(by_path.length, 3);
+        let by_name = tokio::time::timeout(bound, master.lookup(dir, "f"))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: a lookup waited for the re-listing"))?;
+        assert_eq!(by_name.inode, by_path.inode);
+        let page = tokio::time::timeout(
+            bound,
+            master.list_page(path("/data/dir"), String::new(), 100, false),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: a listing waited for the re-listing"))?;
+        anyhow::Ok(names(&page.entries))
+    };
+    let faults = &c.store_faults;
+    let quick = &quick;
+    eventually(
+        "the slow re-listing to start",
+        Duration::from_secs(10),
+        || async move {
+            quick("before").await.expect("answered");
+            (faults.fired(slow) > 0).then_some(())
+        },
+    )
+    .await?;
+    assert_eq!(
+        quick("while listing").await?,
+        ["f"],
+        "answered from what is known"
+    );
+    c.store_faults.remove(slow);
+    eventually(
+        "the re-listing's outcome",
+        Duration::from_secs(30),
+        || async move { (quick("after").await.ok()? == ["f", "g"]).then_some(()) },
+    )
+    .await?;
+    c.stop().await
+}

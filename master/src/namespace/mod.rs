@@ -44,7 +44,29 @@ pub struct Namespace {
     /// Entries being checked against their store in the background (see
     /// [`Namespace::check_due`]).
     checking: Mutex<HashSet<u64>>,
+    /// Loaded folders being listed again in the background (see [`Namespace::relist`]).
+    relisting: Mutex<HashSet<u64>>,
+    /// Starts [`Namespace::relist`] of a folder on a task of its own; false when it cannot
+    /// (then the request that found the folder due lists it itself). Unset in tests of the
+    /// namespace alone.
+    relister: std::sync::OnceLock<Relister>,
     pub metrics: NsMetrics,
+}
+
+/// See [`Namespace::set_relister`].
+pub type Relister = Box<dyn Fn(u64) -> bool + Send + Sync>;
+
+/// How [`Namespace::sync`] treats a loaded folder whose re-listing is due.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Due {
+    /// A read: answered from what is known while the folder is listed again in the
+    /// background (stale-while-revalidate). `sync_interval=always` still waits.
+    Read,
+    /// Listed before the answer (a write judging what the store holds; the background
+    /// re-listing itself).
+    Wait,
+    /// Listed now, due or not (`granary fs sync`).
+    Force,
 }
 
 impl Namespace {
@@ -66,8 +88,50 @@ impl Namespace {
             missing: Mutex::new(HashMap::new()),
             last_prune: Mutex::new(Instant::now()),
             checking: Mutex::new(HashSet::new()),
+            relisting: Mutex::new(HashSet::new()),
+            relister: std::sync::OnceLock::new(),
             metrics: NsMetrics::default(),
         }
+    }
+
+    /// How due re-listings of loaded folders get a task of their own (the master sets it
+    /// once its core exists; see [`Relister`]).
+    pub fn set_relister(&self, relister: Relister) {
+        let _ = self.relister.set(relister);
+    }
+
+    /// Lists the loaded folder `dir` again if it is still due: what a relister's task runs.
+    /// Failures are recorded and retried with backoff like any re-listing's.
+    pub async fn relist(&self, dir: u64) {
+        struct Done<'a>(&'a Namespace, u64);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.relisting).remove(&self.1);
+            }
+        }
+        let _done = Done(self, dir);
+        let Ok(inode) = self.inode(dir) else {
+            return;
+        };
+        if let Err(e) = self.sync(inode, Due::Wait).await {
+            tracing::debug!(dir, error = %e, "background re-listing failed");
+        }
+    }
+
+    /// Hands the due re-listing of `dir` to a task of its own (or finds one running);
+    /// false when there is no relister.
+    fn relist_in_background(&self, dir: u64) -> bool {
+        let Some(relister) = self.relister.get() else {
+            return false;
+        };
+        if !lock(&self.relisting).insert(dir) {
+            return true; // already under way
+        }
+        if relister(dir) {
+            return true;
+        }
+        lock(&self.relisting).remove(&dir);
+        false
     }
 
     pub fn root(&self) -> Result<Inode, MasterError> {
@@ -133,7 +197,7 @@ impl Namespace {
             }
             return Ok(found);
         }
-        let dir = self.ensure_loaded(dir).await?;
+        let dir = self.sync(dir, Due::Read).await?;
         self.sm.child(dir.id, name)
     }
 
@@ -322,7 +386,7 @@ impl Namespace {
             || (dir.mount_id.is_some()
                 && self.sm.children(dir.id, None, LIST_AFTER_LOOKUPS)?.len() >= LIST_AFTER_LOOKUPS);
         let dir = if load {
-            self.ensure_loaded(dir).await?
+            self.sync(dir, Due::Read).await?
         } else {
             dir
         };
@@ -330,16 +394,18 @@ impl Namespace {
     }
 
     /// Makes sure a mounted directory's children are in the namespace, and re-lists a
-    /// loaded one when its mount's `sync_interval` says so. A failed re-listing keeps the
-    /// metadata already known (it is recorded, counted and retried with backoff); only a
-    /// directory never listed successfully reports the failure.
+    /// loaded one when its mount's `sync_interval` says so, before answering (what a write
+    /// judging the store's content needs; reads answer from what is known while a due
+    /// re-listing runs in the background). A failed re-listing keeps the metadata already
+    /// known (it is recorded, counted and retried with backoff); only a directory never
+    /// listed successfully reports the failure.
     pub async fn ensure_loaded(&self, dir: Inode) -> Result<Inode, MasterError> {
-        self.sync(dir, false).await
+        self.sync(dir, Due::Wait).await
     }
 
     /// Lists `dir` again now, whatever the mount's policy (`granary fs sync`).
     pub async fn force_sync(&self, dir: Inode) -> Result<Inode, MasterError> {
-        self.sync(dir, true).await
+        self.sync(dir, Due::Force).await
     }
 
     /// `granary fs sync`: lists `start` (a file: its directory) again now and, with
@@ -412,16 +478,26 @@ impl Namespace {
         }
     }
 
-    async fn sync(&self, dir: Inode, force: bool) -> Result<Inode, MasterError> {
+    async fn sync(&self, dir: Inode, due: Due) -> Result<Inode, MasterError> {
         let Some(mount_id) = dir.mount_id else {
             return Ok(dir);
         };
         if dir.kind != Kind::Directory {
             return Ok(dir);
         }
+        let force = due == Due::Force;
         let mount = find_mount(&self.sm, mount_id)?;
         let policy = mount.spec.sync_policy();
         if dir.children_loaded && !force && !self.due(&dir, policy) {
+            return Ok(dir);
+        }
+        // A loaded folder due again: a read answers what is known now and the listing runs
+        // on its own task — lookups never wait for a folder of a million objects to list.
+        if dir.children_loaded
+            && due == Due::Read
+            && matches!(policy, SyncPolicy::Every(_))
+            && self.relist_in_background(dir.id)
+        {
             return Ok(dir);
         }
         if !dir.children_loaded && !force {
