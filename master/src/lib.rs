@@ -330,16 +330,7 @@ pub async fn start(
         },
     });
 
-    // Due re-listings of loaded folders run on tasks of their own, holding the core only
-    // while they list (a stopped master's core is not kept alive by this hook).
-    let weak = Arc::downgrade(&core);
-    core.ns.set_relister(Box::new(move |dir| {
-        let Some(core) = weak.upgrade() else {
-            return false;
-        };
-        tokio::spawn(async move { core.ns.relist(dir).await });
-        true
-    }));
+    hook_relister(&core);
     let master_metrics = metrics::MasterMetrics::register(&registry);
     core.ns.metrics.register(&registry);
     if let Ok(mut r) = registry.lock() {
@@ -401,4 +392,17 @@ pub async fn start(
         core,
         done,
     })
+}
+
+/// Due re-listings of loaded folders run on tasks of their own, holding the core only while
+/// they list (a stopped master's core is not kept alive by this hook).
+fn hook_relister(core: &Arc<core::MasterCore>) {
+    let weak = Arc::downgrade(core);
+    core.ns.set_relister(Box::new(move |dir| {
+        let Some(core) = weak.upgrade() else {
+            return false;
+        };
+        tokio::spawn(async move { core.ns.relist(dir).await });
+        true
+    }));
 }

@@ -695,3 +695,69 @@ async fn a_slow_relisting_does_not_hold_up_lookups_or_listings_of_its_folder() -
     .await?;
     c.stop().await
 }
+
+/// A rename moves a cached file into a pinned folder without any new block report (a file
+/// outside mounts keeps its inode, version and blocks): the worker holding it is still
+/// told it is pinned, and told again when it moves out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_file_renamed_into_a_pinned_folder_is_pinned_where_it_is_held() -> Result<()> {
+    let c = Cluster::start(Shape {
+        masters: 1,
+        workers: 1,
+        ..Shape::default()
+    })
+    .await?;
+    let fs = c.client()?;
+    fs.master.mkdir("/scratch", false, 0o755).await?;
+    fs.master.mkdir("/keep", false, 0o755).await?;
+    let mut w = fs
+        .create_writer(
+            "/scratch/f",
+            0o644,
+            false,
+            granary_client::WriteMode::MustCache,
+            1,
+        )
+        .await?;
+    w.write(0, bytes::Bytes::from(vec![7u8; 100_000])).await?;
+    let status = w.close().await?;
+    let inode = status.inode;
+    let block = pb::BlockId {
+        inode,
+        version: status.version,
+        index: 0,
+    };
+    let pin = fs.master.set_pin("/keep", 1).await?;
+    finished(&fs.master, pin.id).await?;
+    let worker = c.worker(0).expect("started");
+    let pinned = || worker.store.pinned().contains(&inode);
+    // Reported (the heartbeat after the write) and not pinned.
+    let fs2 = &fs;
+    let block = &block;
+    eventually(
+        "the file's blocks to be reported",
+        Duration::from_secs(20),
+        || async move {
+            let fs = fs2;
+            let l = fs.master.block_locations(vec![block.clone()]).await.ok()?;
+            (l.len() == 1 && !l[0].workers.is_empty()).then_some(())
+        },
+    )
+    .await?;
+    assert!(!pinned());
+    fs.master.rename("/scratch/f", "/keep/f").await?;
+    eventually(
+        "the moved file to be pinned",
+        Duration::from_secs(20),
+        || async move { pinned().then_some(()) },
+    )
+    .await?;
+    fs.master.rename("/keep/f", "/scratch/g").await?;
+    eventually(
+        "the moved-out file to be unpinned",
+        Duration::from_secs(20),
+        || async move { (!pinned()).then_some(()) },
+    )
+    .await?;
+    c.stop().await
+}
