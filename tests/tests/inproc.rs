@@ -739,7 +739,7 @@ async fn a_cached_file_renamed_into_a_pinned_folder_is_pinned_where_it_is_held()
         Duration::from_secs(20),
         || async move {
             let fs = fs2;
-            let l = fs.master.block_locations(vec![block.clone()]).await.ok()?;
+            let l = fs.master.block_locations(vec![*block]).await.ok()?;
             (l.len() == 1 && !l[0].workers.is_empty()).then_some(())
         },
     )
