@@ -755,7 +755,12 @@ impl Filesystem for GranaryFs {
         let dl = self.deadline.clone();
         self.spawn(async move {
             let opened = async {
-                let dir = client.stat_inode(ino.0).await?;
+                // A folder's status the namespace watch vouches for needs no round trip
+                // (a `find` opens every folder right after listing its parent).
+                let dir = match client.watched_dir_status(ino.0) {
+                    Some(s) => s,
+                    None => client.stat_inode(ino.0).await?,
+                };
                 if dir.kind != pb::FileKind::Directory as i32 {
                     return Err(granary_client::ClientError::Posix(
                         libc::ENOTDIR,

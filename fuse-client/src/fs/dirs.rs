@@ -14,6 +14,20 @@ pub(super) struct DirHandle {
     /// Where the next page starts ("" once every page is fetched).
     pub(super) next: String,
     pub(super) done: bool,
+    /// The next page, asked for as soon as this one came: the master lists it while the
+    /// kernel takes the entries already here (a `find` waited for each page in turn).
+    ahead: Option<Ahead>,
+}
+
+type Page = Result<(Vec<pb::FileStatus>, String), granary_client::ClientError>;
+
+/// A page being fetched ahead; stopped when the directory is closed first.
+struct Ahead(tokio::task::JoinHandle<Page>);
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 pub(super) type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
@@ -30,32 +44,51 @@ impl DirHandle {
             entries: vec![(".".into(), dir), ("..".into(), parent)],
             next: String::new(),
             done: false,
+            ahead: None,
         }
     }
 
     /// Fetches the next page of the listing.
     pub(super) async fn fetch_page(
         &mut self,
-        client: &FileSystem,
+        client: &Arc<FileSystem>,
         dir: u64,
     ) -> Result<(), granary_client::ClientError> {
         if self.done {
             return Ok(());
         }
-        let (entries, next) = client
-            .list_page(pb::path_or_id::Target::Inode(dir), &self.next, DIR_PAGE)
-            .await?;
+        let page = match self.ahead.take() {
+            Some(mut ahead) => (&mut ahead.0).await.unwrap_or_else(|e| {
+                Err(granary_client::ClientError::Internal(format!(
+                    "fetching a listing page ahead: {e}"
+                )))
+            }),
+            None => {
+                client
+                    .list_page(pb::path_or_id::Target::Inode(dir), &self.next, DIR_PAGE)
+                    .await
+            }
+        };
+        let (entries, next) = page?;
         self.entries
             .extend(entries.into_iter().map(|e| (e.name.clone(), e)));
         self.done = next.is_empty();
         self.next = next;
+        if !self.done {
+            let (client, after) = (client.clone(), self.next.clone());
+            self.ahead = Some(Ahead(tokio::spawn(async move {
+                client
+                    .list_page(pb::path_or_id::Target::Inode(dir), &after, DIR_PAGE)
+                    .await
+            })));
+        }
         Ok(())
     }
 
     /// Fetches pages until entry `offset` is known (or the listing ends).
     pub(super) async fn fetch_past(
         &mut self,
-        client: &FileSystem,
+        client: &Arc<FileSystem>,
         dir: u64,
         offset: u64,
     ) -> Result<(), granary_client::ClientError> {

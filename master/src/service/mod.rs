@@ -630,6 +630,8 @@ impl MasterService for MasterRpc {
             reach == Reach::Full
                 || access::reach(&who, &granary_common::paths::join(&dir_path, &c.name)).is_ok()
         };
+        let ids: Vec<u64> = children.iter().map(|c| c.id).collect();
+        let pins = self.core.ns.sm.pins_among(&ids)?;
         let entries = children
             .iter()
             .filter(shown)
@@ -647,7 +649,7 @@ impl MasterService for MasterRpc {
                 } else {
                     cache_ms(&self.core, c, mount_spec(&self.core, c.mount_id).as_ref())
                 };
-                s.pinned_replicas = match self.core.ns.sm.pin_of(c.id)? {
+                s.pinned_replicas = match pins.get(&c.id) {
                     Some(pin) => pin.replicas,
                     None => dir_pin,
                 };

@@ -146,10 +146,20 @@ impl StateMachine {
     pub(super) fn scan(
         &self,
         prefix: &[u8],
+        f: impl FnMut(&[u8], &[u8]) -> Result<bool, MasterError>,
+    ) -> Result<(), MasterError> {
+        self.scan_from(prefix, prefix, f)
+    }
+
+    /// [`StateMachine::scan`] from the key `start` on (a key with the prefix).
+    pub(super) fn scan_from(
+        &self,
+        start: &[u8],
+        prefix: &[u8],
         mut f: impl FnMut(&[u8], &[u8]) -> Result<bool, MasterError>,
     ) -> Result<(), MasterError> {
         let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(prefix);
+        it.seek(start);
         while it.valid() {
             let (Some(k), Some(v)) = (it.key(), it.value()) else {
                 break;

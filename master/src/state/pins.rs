@@ -2,6 +2,8 @@
 //! directory (everything below it) is loaded onto `replicas` workers and never evicted
 //! there; the leader tells the workers which inodes are pinned.
 
+use std::collections::{HashMap, HashSet};
+
 use serde::{Deserialize, Serialize};
 
 use super::{from_json, to_json, u64_of, StateMachine, Txn};
@@ -31,6 +33,38 @@ impl StateMachine {
         self.get(&pin_key(inode))?
             .map(|v| from_json(&v))
             .transpose()
+    }
+
+    /// The pins among `ids` (a listing page's entries; usually none). Entries of one folder
+    /// mostly have close inode numbers (a listing makes them together), so when they do
+    /// this is one seek over the pin records between the smallest and the largest, instead
+    /// of a point read per entry (7 % of a warm `find`'s CPU); scattered ones are read one
+    /// by one.
+    pub fn pins_among(&self, ids: &[u64]) -> Result<HashMap<u64, Pin>, MasterError> {
+        let mut out = HashMap::new();
+        let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else {
+            return Ok(out);
+        };
+        if hi - lo > 64 * ids.len() as u64 {
+            for &id in ids {
+                if let Some(p) = self.pin_of(id)? {
+                    out.insert(id, p);
+                }
+            }
+            return Ok(out);
+        }
+        let wanted: HashSet<u64> = ids.iter().copied().collect();
+        self.scan_from(&pin_key(lo), b"P", |k, v| {
+            let id = u64_of(&k[1..])?;
+            if id > hi {
+                return Ok(false);
+            }
+            if wanted.contains(&id) {
+                out.insert(id, from_json(v)?);
+            }
+            Ok(true)
+        })?;
+        Ok(out)
     }
 
     /// The pin that covers `inode`: its own, or its nearest pinned ancestor's.

@@ -1,4 +1,4 @@
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use granary_common::ufs::UfsSpec;
 
@@ -780,4 +780,53 @@ fn a_snapshot_installed_under_cached_records_replaces_them() {
     assert!(follower.resolve_loaded("/old").unwrap().is_none());
     let x = follower.resolve_loaded("/new/x").unwrap().unwrap();
     assert_eq!(follower.path_of(&x).unwrap(), "/new/x");
+}
+
+#[test]
+fn the_pins_of_a_page_are_found_by_one_scan_or_one_by_one() {
+    let (_d, sm) = open();
+    let mut ids = Vec::new();
+    for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+        let ApplyOutput::Inode(d) = sm
+            .apply(
+                i as u64 + 1,
+                &Command::Mkdir {
+                    path: format!("/{name}"),
+                    recursive: false,
+                    mode: 0,
+                    now_ms: 1,
+                    owner: None,
+                },
+            )
+            .unwrap()
+        else {
+            panic!("not an inode");
+        };
+        ids.push(d.id);
+    }
+    for (index, (path, replicas)) in [("/b", 2), ("/d", 3)].into_iter().enumerate() {
+        sm.apply(
+            10 + index as u64,
+            &Command::SetPin {
+                path: path.into(),
+                replicas,
+            },
+        )
+        .unwrap();
+    }
+    let want: HashMap<u64, u32> = [(ids[1], 2), (ids[3], 3)].into();
+    let found = |ids: &[u64]| -> HashMap<u64, u32> {
+        sm.pins_among(ids)
+            .unwrap()
+            .into_iter()
+            .map(|(id, p)| (id, p.replicas))
+            .collect()
+    };
+    // Close ids: one scan, which must not pick up pins of ids not asked for.
+    assert_eq!(found(&ids), want);
+    assert_eq!(found(&ids[..2]), [(ids[1], 2)].into());
+    assert_eq!(found(&[ids[0], ids[2]]), HashMap::new());
+    // Scattered ids: one read each.
+    assert_eq!(found(&[ids[3], u64::MAX - 1]), [(ids[3], 3)].into());
+    assert!(found(&[]).is_empty());
 }
