@@ -12,7 +12,8 @@
 #   bench/namespace-scale.sh [FOLDERS] [FILES_PER_FOLDER]   (default 200 × 1,000; root)
 #
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags to
-# `granary local`. The files are empty: this measures metadata only.
+# `granary local`; FINDS=N repeats the warm find N times (each reported; the last counts).
+# The files are empty: this measures metadata only.
 set -euo pipefail
 folders="${1:-200}"
 per="${2:-1000}"
@@ -48,8 +49,12 @@ start
 for _ in $(seq 1 300); do mountpoint -q "$work/mnt" && break; sleep 0.1; done
 mountpoint -q "$work/mnt" || { cat "$work/local.log"; exit 1; }
 first=$(timed files_of "$work/mnt/tree")
-drop
-warm=$(timed stat_all "$work/mnt/tree")
+warms=""
+for _ in $(seq 1 "${FINDS:-1}"); do
+  drop
+  warm=$(timed stat_all "$work/mnt/tree")
+  warms="$warms ${warm% *}"
+done
 drop
 lsl=$(timed ls_l "$work/mnt/tree/d00000")
 for r in "$first" "$warm"; do
@@ -72,6 +77,7 @@ restart=$(python3 -c "print(f'{$e - $s:.2f}')")
 printf '%-52s %8s s\n' "raw find -printf %s (page cache dropped)" "${raw_find% *}" \
   "granary first find (every folder listed from the store)" "${first% *}" \
   "granary warm find -printf %s (page cache dropped)" "${warm% *}"
+[ "${FINDS:-1}" -gt 1 ] && echo "  each warm find (FINDS=${FINDS}):$warms s"
 python3 -c "print(f\"{'  warm / raw':52s} {${warm% *} / max(${raw_find% *}, 0.01):8.1f} x\")"
 printf '%-52s %8s s\n' "raw ls -l of one folder ($per entries)" "${raw_ls% *}" \
   "granary ls -l of the same folder" "${lsl% *}" \
