@@ -83,13 +83,39 @@ fn serves(c: &Command) -> bool {
 }
 
 /// A command whose output goes to a reader that stops early (`granary fs ls / | head`)
-/// ends as `ls` does, by SIGPIPE, instead of panicking on the next write.
+/// ends as `ls` does, by SIGPIPE, instead of panicking on the next write. A SIGPIPE from
+/// a connection does not end it: a server that closes one (a TLS port spoken to in
+/// plaintext) makes that write fail, and the command reports it in one line — the default
+/// disposition killed it silently there.
 #[allow(unsafe_code)]
 fn end_quietly_on_closed_output() {
     use nix::sys::signal::{signal, SigHandler, Signal};
-    // SAFETY: called before the runtime or any other thread starts, and only restores the
-    // default disposition; no handler code runs in signal context.
-    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+    // SAFETY: called before the runtime or any other thread starts; the handler only makes
+    // async-signal-safe calls (poll, sigaction, raise).
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::Handler(on_sigpipe)) };
+}
+
+/// Ends the process by SIGPIPE if its standard output or error is a pipe with no reader
+/// left; returns otherwise (the write that raised it fails with EPIPE).
+#[allow(unsafe_code)]
+extern "C" fn on_sigpipe(_: nix::libc::c_int) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use nix::sys::signal::{raise, signal, SigHandler, Signal};
+    for fd in [1, 2] {
+        // SAFETY: descriptors 1 and 2 stay open for the life of the process.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let mut fds = [PollFd::new(fd, PollFlags::POLLOUT)];
+        let broken = poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+            && fds[0]
+                .revents()
+                .is_some_and(|r| r.contains(PollFlags::POLLERR));
+        if broken {
+            // SAFETY: restores the default disposition from a handler (sigaction is
+            // async-signal-safe), then raises the signal to end as a killed `ls` does.
+            let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+            let _ = raise(Signal::SIGPIPE);
+        }
+    }
 }
 
 /// The error and its causes on one line.

@@ -761,3 +761,62 @@ async fn a_cached_file_renamed_into_a_pinned_folder_is_pinned_where_it_is_held()
     .await?;
     c.stop().await
 }
+
+/// A caller touching many due folders at once gets answers at once, but the leader lists
+/// at most 16 of them from the store at a time; the others stay due and are listed by a
+/// later access.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn touching_many_due_folders_starts_a_bounded_number_of_listings() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape::default()).await?;
+    for i in 0..24 {
+        std::fs::create_dir_all(c.store.join(format!("d{i}")))?;
+        std::fs::write(c.store.join(format!("d{i}/f")), "x")?;
+    }
+    c.mount_store_with(&[("sync_interval", "1s")]).await?;
+    let fs = c.client()?;
+    let path = |p: String| pb::path_or_id::Target::Path(p);
+    for i in 0..24 {
+        assert_eq!(names(&fs.list(path(format!("/data/d{i}"))).await?), ["f"]);
+    }
+    let slow = c.store_faults.add(StoreRule::new(
+        StoreOp::List,
+        StoreFault::Delay(Duration::from_secs(8)),
+    ));
+    let ns = &c.master(0).expect("started").core.ns;
+    let deferred = || ns.metrics.relists_deferred.get();
+    let before = deferred();
+    // Every folder due (1 s; the last one listed is the last to be due), then each of the
+    // others asked for once, quickly.
+    let (fs2, faults) = (&fs, &c.store_faults);
+    eventually(
+        "the folders to be due",
+        Duration::from_secs(10),
+        || async move {
+            let s = fs2
+                .master
+                .get_status(path("/data/d23/f".into()))
+                .await
+                .ok()?;
+            (s.length == 1 && faults.fired(slow) > 0).then_some(())
+        },
+    )
+    .await?;
+    for i in 0..23 {
+        let s = tokio::time::timeout(
+            Duration::from_secs(4),
+            fs.master.get_status(path(format!("/data/d{i}/f"))),
+        )
+        .await
+        .context("a status waited for a re-listing")??;
+        assert_eq!(s.length, 1);
+    }
+    assert!(
+        c.store_faults.fired(slow) <= 16,
+        "{} listings at once",
+        c.store_faults.fired(slow)
+    );
+    assert_eq!(deferred() - before, 24 - c.store_faults.fired(slow));
+    c.store_faults.remove(slow);
+    c.stop().await
+}

@@ -119,13 +119,23 @@ impl Namespace {
     }
 
     /// Hands the due re-listing of `dir` to a task of its own (or finds one running);
-    /// false when there is no relister.
+    /// false when there is no relister. At most [`RELISTS_AT_ONCE`] run at once: past that
+    /// the folder stays due and a later access starts its listing (a caller touching many
+    /// folders quickly cannot have the leader list them all from the store at once).
     fn relist_in_background(&self, dir: u64) -> bool {
         let Some(relister) = self.relister.get() else {
             return false;
         };
-        if !lock(&self.relisting).insert(dir) {
-            return true; // already under way
+        {
+            let mut running = lock(&self.relisting);
+            if running.contains(&dir) {
+                return true; // already under way
+            }
+            if running.len() >= RELISTS_AT_ONCE {
+                self.metrics.relists_deferred.inc();
+                return true;
+            }
+            running.insert(dir);
         }
         if relister(dir) {
             return true;
@@ -912,6 +922,10 @@ const MISSING_CAP: usize = 100_000;
 /// its callers, forever; object_store's own retries fit well within it).
 pub const UFS_DEADLINE: Duration = Duration::from_secs(120);
 
+/// Background re-listings of due folders running at once (see
+/// [`Namespace::relist_in_background`]).
+const RELISTS_AT_ONCE: usize = 16;
+
 /// First retry of a failed listing after this long, doubling up to [`SYNC_RETRY_MAX`].
 pub const SYNC_RETRY_MIN: Duration = Duration::from_millis(500);
 pub const SYNC_RETRY_MAX: Duration = Duration::from_secs(60);
@@ -939,6 +953,7 @@ pub struct NsMetrics {
     pub heads: Family<MountLabel, Counter>,
     pub prefix_lists: Family<MountLabel, Counter>,
     pub failing_dirs: Gauge<i64, AtomicI64>,
+    pub relists_deferred: Counter,
 }
 
 impl NsMetrics {
@@ -968,6 +983,11 @@ impl NsMetrics {
                 "granary_master_dirs_sync_failing",
                 "Directories whose last under-store listing failed (being retried)",
                 self.failing_dirs.clone(),
+            );
+            r.register(
+                "granary_master_relists_deferred",
+                "Due re-listings not started because as many were running already (the folder stays due; a later access starts it)",
+                self.relists_deferred.clone(),
             );
         }
     }
