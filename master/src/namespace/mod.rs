@@ -678,6 +678,10 @@ impl Namespace {
                 fingerprint: Some(fingerprint_of(o)),
             });
         }
+        // In name order (a folder store lists in directory order): inodes the listing
+        // makes then get numbers in the order listings read them back, so a page's records
+        // lie together (its pins in one scan, its inodes in one batched read).
+        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         Ok(entries)
     }
 
