@@ -1006,6 +1006,7 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
             ops,
             concurrency,
             ack_log,
+            reads_at_leader,
             json,
             master: addr,
         } => {
@@ -1015,6 +1016,7 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
                 ops,
                 concurrency,
                 ack_log,
+                reads_at_leader,
             };
             bench_metadata(load, json, &addr).await
         }
@@ -1028,6 +1030,7 @@ struct MetadataLoad {
     ops: Option<u64>,
     concurrency: usize,
     ack_log: Option<std::path::PathBuf>,
+    reads_at_leader: bool,
 }
 
 /// `granary bench metadata`: creates then stats through the master group.
@@ -1038,8 +1041,9 @@ async fn bench_metadata(load: MetadataLoad, json: bool, addr: &MasterAddr) -> an
         ops,
         concurrency,
         ack_log,
+        reads_at_leader,
     } = load;
-    let client = MasterClient::new(&addr.master)?;
+    let client = MasterClient::new(&addr.master)?.with_spread_reads(!reads_at_leader);
     client
         .mkdir(&dir, true, 0o755)
         .await

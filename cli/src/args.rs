@@ -678,6 +678,10 @@ pub enum BenchCommand {
         /// Append each acknowledged path to this file (one per line, flushed at once).
         #[arg(long)]
         ack_log: Option<PathBuf>,
+        /// Send every stat to the leader instead of spreading them over the masters (to
+        /// compare the two).
+        #[arg(long)]
+        reads_at_leader: bool,
         #[arg(long)]
         json: bool,
         #[command(flatten)]

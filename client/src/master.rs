@@ -16,6 +16,8 @@ use crate::error::ClientError;
 pub const DEFAULT_RETRY_WINDOW: Duration = Duration::from_secs(20);
 /// Deadline of one attempt at one master (a stopped master must not stall a caller longer).
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a master that did not answer a read is passed over by reads.
+const READER_REST: Duration = Duration::from_secs(5);
 /// Metadata key carrying the leader's address on a `NotLeader` status (set by the master).
 pub use granary_proto::LEADER_HINT_KEY;
 
@@ -52,6 +54,12 @@ fn endpoint(net: &Net, address: &str) -> Result<Endpoint, ClientError> {
 pub struct MasterClient {
     endpoints: Arc<RwLock<Vec<Endpoint>>>,
     current: Arc<AtomicUsize>,
+    /// The master the next namespace read goes to (see [`MasterClient::read`]).
+    next_read: Arc<AtomicUsize>,
+    /// Masters that did not answer a read lately, and until when they are passed over.
+    resting: Arc<std::sync::Mutex<Vec<(String, tokio::time::Instant)>>>,
+    /// Namespace reads go to every master in turn (true, the default), or to the leader.
+    pub spread_reads: bool,
     /// The configured masters, comma-separated (for messages).
     pub address: String,
     pub rpc_timeout: Duration,
@@ -86,6 +94,9 @@ impl MasterClient {
         Ok(Self {
             endpoints: Arc::new(RwLock::new(endpoints)),
             current: Arc::default(),
+            next_read: Arc::default(),
+            resting: Arc::default(),
+            spread_reads: true,
             address: list.join(","),
             rpc_timeout: ATTEMPT_TIMEOUT,
             retry_window: DEFAULT_RETRY_WINDOW,
@@ -101,6 +112,12 @@ impl MasterClient {
     /// Sets how long calls retry while no leader answers (0 = one attempt).
     pub fn with_retry_window(mut self, window: Duration) -> Self {
         self.retry_window = window;
+        self
+    }
+
+    /// Sends every namespace read to the leader (`false`) or spreads them over the group.
+    pub fn with_spread_reads(mut self, spread: bool) -> Self {
+        self.spread_reads = spread;
         self
     }
 
@@ -226,6 +243,68 @@ impl MasterClient {
         }
     }
 
+    /// The master the next namespace read goes to, round robin over the group, passing
+    /// over those resting (none: a single master, or reads kept at the leader).
+    fn next_reader(&self) -> Option<(String, MasterServiceClient<Channel>)> {
+        if !self.spread_reads {
+            return None;
+        }
+        let eps = match self.endpoints.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if eps.len() < 2 {
+            return None;
+        }
+        let now = tokio::time::Instant::now();
+        let mut resting = match self.resting.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        resting.retain(|(_, until)| *until > now);
+        for _ in 0..eps.len() {
+            let e = &eps[self.next_read.fetch_add(1, Ordering::Relaxed) % eps.len()];
+            if !resting.iter().any(|(a, _)| *a == e.address) {
+                return Some((e.address.clone(), e.client.clone()));
+            }
+        }
+        None
+    }
+
+    /// Runs a namespace read (status, lookup, listing page) at the next master in turn:
+    /// every master answers them linearizably (a follower once the leader has confirmed
+    /// its commit index), so reads spread over the group. One a master cannot answer (a
+    /// follower sends a folder due to be listed to the leader) or a master that does not
+    /// answer passes the read to [`MasterClient::call`], which goes to the leader; a
+    /// master that did not answer at all is passed over for a while.
+    async fn read<T, F, Fut>(&self, mut call: F) -> Result<T, ClientError>
+    where
+        F: FnMut(MasterServiceClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        if let Some((address, client)) = self.next_reader() {
+            let silent = match tokio::time::timeout(self.rpc_timeout, call(client)).await {
+                Ok(Ok(resp)) => return Ok(resp.into_inner()),
+                Ok(Err(status)) => {
+                    // A follower sending the read on names the leader.
+                    let redirected = status.metadata().get(LEADER_HINT_KEY).is_some();
+                    match ClientError::from_status(status) {
+                        ClientError::Unavailable(_) => !redirected,
+                        e => return Err(e),
+                    }
+                }
+                Err(_) => true,
+            };
+            if silent {
+                let until = tokio::time::Instant::now() + READER_REST;
+                if let Ok(mut r) = self.resting.lock() {
+                    r.push((address, until));
+                }
+            }
+        }
+        self.call(&mut call).await
+    }
+
     async fn call<T, F, Fut>(&self, call: F) -> Result<T, ClientError>
     where
         F: FnMut(MasterServiceClient<Channel>) -> Fut,
@@ -254,7 +333,7 @@ impl MasterClient {
         validate: bool,
     ) -> Result<pb::FileStatus, ClientError> {
         let r = self
-            .call(|mut c| {
+            .read(|mut c| {
                 let req = self.request(pb::GetStatusRequest {
                     target: Some(pb::PathOrId {
                         target: Some(target.clone()),
@@ -299,7 +378,7 @@ impl MasterClient {
 
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<pb::FileStatus, ClientError> {
         let r = self
-            .call(|mut c| {
+            .read(|mut c| {
                 let req = self.request(pb::LookupRequest {
                     parent,
                     name: name.to_string(),
@@ -339,7 +418,7 @@ impl MasterClient {
                 .map(|r| r.into_inner())
                 .map_err(ClientError::from_status);
         }
-        self.call(make).await
+        self.read(make).await
     }
 
     pub async fn mkdir(

@@ -90,6 +90,8 @@ const POLICY: &[(&str, &[Role], usize)] = &[
     ("/granary.v1.RaftService/Send", MASTER, BULK),
     ("/granary.v1.RaftService/InstallSnapshot", MASTER, BULK),
     ("/granary.v1.RaftService/MemberStatus", MASTER_OR_ADMIN, CONTROL),
+    // The leader's grant key, for followers that sign grants with it.
+    ("/granary.v1.RaftService/GrantKey", MASTER, CONTROL),
     // Workers serve clients and each other.
     ("/granary.v1.WorkerService/ReadBlock", ANY, CONTROL),
     ("/granary.v1.WorkerService/GetCacheInfo", ANY, CONTROL),
@@ -405,6 +407,7 @@ mod tests {
             "/granary.v1.RaftService/Send",
             "/granary.v1.RaftService/InstallSnapshot",
             "/granary.v1.RaftService/MemberStatus",
+            "/granary.v1.RaftService/GrantKey",
             "/granary.v1.WorkerService/LoadBlocks",
         ] {
             let e = authorize_method(m, &worker()).unwrap_err();
@@ -429,6 +432,9 @@ mod tests {
         let admin = Principal::new("ops", &[Role::Admin], None);
         assert!(authorize_method("/granary.v1.RaftService/Send", &user).is_err());
         assert!(authorize_method("/granary.v1.RaftService/Send", &admin).is_err());
+        // The grant key signs what workers cache: masters only, not even admins.
+        assert!(authorize_method("/granary.v1.RaftService/GrantKey", &user).is_err());
+        assert!(authorize_method("/granary.v1.RaftService/GrantKey", &admin).is_err());
         authorize_method("/granary.v1.RaftService/MemberStatus", &admin).unwrap();
         // The plaintext caller may do everything.
         for (m, ..) in POLICY {

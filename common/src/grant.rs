@@ -4,7 +4,9 @@
 //! The leader makes a random key when it starts ([`GrantKey::random`]) and hands it to the
 //! workers in every registration and heartbeat answer (node-only RPCs, over mutual TLS); a
 //! worker keeps the last few keys it was given ([`GrantKeys`]), so grants signed before a
-//! failover stay good until they expire. The key is never written to disk.
+//! failover stay good until they expire. The key is never written to disk. Followers that
+//! answer namespace reads sign with the leader's key, which they ask the leader for over
+//! the masters' mutual TLS (`RaftService/GrantKey`, master certificates only).
 //!
 //! A grant is an HMAC-SHA256 over (key id, inode, expiry, write, principal name,
 //! under-store location, version, block size, file length, fingerprint). Binding the

@@ -23,7 +23,7 @@ pub struct MasterCore {
     pub pins: crate::pins::PinSet,
     pub ttl: crate::ttl::TtlRunner,
     /// Signs read grants (TLS clusters only: without principals there is no one to grant).
-    pub grants: Option<granary_common::grant::GrantKey>,
+    pub grants: Option<std::sync::Arc<crate::grants::Grants>>,
     /// How this master reaches workers and the other masters.
     pub net: granary_common::net::Net,
 }
@@ -67,6 +67,14 @@ impl MasterCore {
     /// committed before the read is applied here (ReadIndex).
     pub async fn read_barrier(&self) -> Result<(), MasterError> {
         self.raft.read_barrier().await
+    }
+
+    /// A linearizable read any master may answer (the namespace reads: statuses, lookups,
+    /// listings): on a follower, the leader confirms its commit index and this master
+    /// waits until it has applied that far. What only the leader can answer (a folder to
+    /// list from its store, worker state) still fails with `NotLeader` further on.
+    pub async fn read_here(&self) -> Result<(), MasterError> {
+        self.raft.read_barrier_here().await
     }
 
     /// Proposes a client mutation under its request id (0 = none).

@@ -12,6 +12,7 @@ pub mod blocks;
 pub mod core;
 pub mod error;
 pub mod free;
+pub mod grants;
 pub mod jobs;
 pub mod metrics;
 pub mod mounts;
@@ -322,10 +323,7 @@ pub async fn start(
         ttl: ttl::TtlRunner::default(),
         net: config.net.clone(),
         grants: match config.net.tls() {
-            Some(_) => Some(
-                granary_common::grant::GrantKey::random()
-                    .map_err(|message| MasterError::Unavailable { message })?,
-            ),
+            Some(_) => Some(Arc::new(grants::Grants::new()?)),
             None => None,
         },
     });
@@ -346,6 +344,7 @@ pub async fn start(
     };
 
     housekeeping(core.clone(), master_metrics, shutdown.clone());
+    grants::keep_leader_key(&core, shutdown.clone());
 
     // Request messages limited per method (granary_common::authz: control methods small).
     let rpc = Arc::new(service::MasterRpc::new(core.clone(), shutdown.clone()));
@@ -358,6 +357,7 @@ pub async fn start(
         raft: raft_handle.clone(),
         snapshots,
         address,
+        grants: core.grants.clone(),
     });
     let raft_svc = granary_common::grpc::per_method_limits(|limit| {
         granary_proto::raft_service_server::RaftServiceServer::from_arc(raft_rpc.clone())

@@ -503,3 +503,104 @@ fn readiness_follows_the_quorum() {
     assert!(body.contains("no leader known"), "{code}: {body}");
     assert_eq!(http_get(&addrs[0], "/healthz").unwrap().0, 200);
 }
+
+/// Every master answers namespace reads (issue 31). A follower's answer includes every
+/// write acknowledged before it (ReadIndex through the leader): a folder made through the
+/// group is found at once by a client that knows only a follower. A mounted folder is
+/// answered by the follower while its last listing (recorded through Raft, an unchanged
+/// re-listing too) is within the mount's `sync_interval`; past it the follower sends the
+/// read to the leader, which lists the store, and the client sees the store's new object
+/// either way. The counters say who answered.
+#[test]
+fn followers_answer_reads_and_see_every_acknowledged_write() {
+    let root = workdir();
+    let g = MasterGroup::start(root.path(), 3, 1000).unwrap();
+    let leader = g.wait_leader(Duration::from_secs(30)).unwrap();
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    let (all, at_follower) = (g.addrs(), g.addr(follower));
+    let metrics = metrics_addr(&g, follower);
+    let answered = || metric_at(&metrics, "granary_master_follower_reads_total");
+    let redirected = || metric_at(&metrics, "granary_master_follower_redirects_total");
+    mkdir_p(&all, "/lin");
+    let before = answered();
+    for i in 0..10 {
+        let path = format!("/lin/d{i}");
+        granary_ok(&["fs", "mkdir", &path, "--master", &all]).unwrap();
+        let out = granary(&["fs", "stat", &path, "--master", &at_follower]);
+        assert!(
+            out.status.success(),
+            "stat {path} at follower {follower} right after it was made: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            g.logs()
+        );
+    }
+    assert!(
+        answered() >= before + 10.0,
+        "the follower did not answer the stats"
+    );
+
+    // A store folder, listed through the group (the leader lists it).
+    let _w = Worker::start(root.path(), "w1", &all, "64MiB").unwrap();
+    wait_live_workers(&all, 1).unwrap();
+    let store = root.path().join("store");
+    std::fs::create_dir_all(store.join("dir")).unwrap();
+    std::fs::write(store.join("dir/a"), "a").unwrap();
+    let uri = store.to_string_lossy().to_string();
+    granary_ok(&[
+        "mount",
+        "add",
+        "/data",
+        &uri,
+        "--option",
+        "sync_interval=5s",
+        "--master",
+        &all,
+    ])
+    .unwrap();
+    let ls = |at: &str| granary_ok(&["fs", "ls", "/data/dir", "--master", at]).unwrap();
+    assert_eq!(ls(&all), "a\n");
+    // Fresh: the follower answers (once it has applied the listing).
+    let (a0, r0) = (answered(), redirected());
+    assert_eq!(ls(&at_follower), "a\n");
+    assert!(
+        answered() > a0,
+        "the follower did not answer a fresh folder"
+    );
+    assert_eq!(
+        redirected(),
+        r0,
+        "the follower sent a fresh folder's read on"
+    );
+    // The follower signs the grants of what it answers with the leader's key (workers
+    // accept no other): a file read through a worker with it gets its bytes.
+    let a2 = answered();
+    let cat = granary_ok(&["fs", "cat", "/data/dir/a", "--master", &at_follower]).unwrap();
+    assert_eq!(cat, "a");
+    assert!(
+        answered() > a2,
+        "the follower did not answer the file's status"
+    );
+    // Past the interval, with a new object in the store: the leader answers (and lists
+    // it again), so the new object shows wherever the client asks.
+    std::fs::write(store.join("dir/b"), "b").unwrap();
+    let listed = poll("the new object listed", Duration::from_secs(30), || {
+        let out = ls(&at_follower);
+        (out == "a\nb\n").then_some(out)
+    });
+    assert!(listed.is_ok(), "{listed:?}\n{}", g.logs());
+    assert!(
+        redirected() > r0,
+        "no read of the due folder went to the leader"
+    );
+    // An unchanged re-listing is recorded too: the follower answers again afterwards.
+    let a1 = answered();
+    poll(
+        "the follower answers the re-listed folder",
+        Duration::from_secs(30),
+        || {
+            assert_eq!(ls(&at_follower), "a\nb\n");
+            (answered() > a1).then_some(())
+        },
+    )
+    .unwrap();
+}

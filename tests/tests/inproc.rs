@@ -567,24 +567,36 @@ async fn a_file_asked_for_by_inode_sees_its_object_replaced_in_the_store() -> Re
     c.stop().await
 }
 
-/// A folder's re-listing never holds up requests by inode (a mount's opens): while the
-/// store takes 10 s to list the folder, a file of it asked for by inode is answered at once
-/// from what is known, and the re-listing's outcome shows when it ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_relisting_does_not_hold_up_requests_by_inode() -> Result<()> {
+/// A cluster whose store holds `dir/f` ("old"), mounted with a 1 s sync interval, the
+/// folder listed once; from now on the store takes 10 s to list (the rule returned).
+async fn a_folder_about_to_list_slowly() -> Result<(
+    Cluster,
+    std::sync::Arc<granary_client::FileSystem>,
+    granary_common::ufs::faults::StoreRuleId,
+)> {
     use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
     let c = Cluster::start(Shape::default()).await?;
     std::fs::create_dir_all(c.store.join("dir"))?;
     std::fs::write(c.store.join("dir/f"), "old")?;
     c.mount_store_with(&[("sync_interval", "1s")]).await?;
     let fs = c.client()?;
-    let path = |p: &str| pb::path_or_id::Target::Path(p.into());
-    assert_eq!(names(&fs.list(path("/data/dir")).await?), ["f"]);
-    let inode = fs.master.get_status(path("/data/dir/f")).await?.inode;
+    let dir = pb::path_or_id::Target::Path("/data/dir".into());
+    assert_eq!(names(&fs.list(dir).await?), ["f"]);
     let slow = c.store_faults.add(StoreRule::new(
         StoreOp::List,
         StoreFault::Delay(Duration::from_secs(10)),
     ));
+    Ok((c, fs, slow))
+}
+
+/// A folder's re-listing never holds up requests by inode (a mount's opens): while the
+/// store takes 10 s to list the folder, a file of it asked for by inode is answered at once
+/// from what is known, and the re-listing's outcome shows when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_relisting_does_not_hold_up_requests_by_inode() -> Result<()> {
+    let (c, fs, slow) = a_folder_about_to_list_slowly().await?;
+    let path = |p: &str| pb::path_or_id::Target::Path(p.into());
+    let inode = fs.master.get_status(path("/data/dir/f")).await?.inode;
     std::fs::write(c.store.join("dir/f"), "new bytes")?;
     let master = &fs.master;
     let by_inode = || async move {
@@ -636,19 +648,9 @@ async fn a_slow_relisting_does_not_hold_up_requests_by_inode() -> Result<()> {
 /// the re-listing's outcome shows once it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_relisting_does_not_hold_up_lookups_or_listings_of_its_folder() -> Result<()> {
-    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
-    let c = Cluster::start(Shape::default()).await?;
-    std::fs::create_dir_all(c.store.join("dir"))?;
-    std::fs::write(c.store.join("dir/f"), "old")?;
-    c.mount_store_with(&[("sync_interval", "1s")]).await?;
-    let fs = c.client()?;
+    let (c, fs, slow) = a_folder_about_to_list_slowly().await?;
     let path = |p: &str| pb::path_or_id::Target::Path(p.into());
-    assert_eq!(names(&fs.list(path("/data/dir")).await?), ["f"]);
     let dir = fs.master.get_status(path("/data/dir")).await?.inode;
-    let slow = c.store_faults.add(StoreRule::new(
-        StoreOp::List,
-        StoreFault::Delay(Duration::from_secs(10)),
-    ));
     std::fs::write(c.store.join("dir/g"), "new")?;
     let master = &fs.master;
     // Every request answers within 5 s, while the listing takes 10.

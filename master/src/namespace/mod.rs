@@ -7,6 +7,7 @@
 //! it; a loaded one keeps its metadata, and the failure is recorded, counted and retried
 //! with backoff.
 
+mod follower;
 mod writes;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -172,6 +173,15 @@ impl Namespace {
     /// directories above it; `ls` lists them when asked.
     async fn child_of(&self, dir: Inode, name: &str) -> Result<Option<Inode>, MasterError> {
         if let (Some(mount_id), false) = (dir.mount_id, dir.children_loaded) {
+            if !self.leads() {
+                // A follower answers a name known here that needs no check of its own.
+                let known = self.sm.child(dir.id, name)?;
+                let never = find_mount(&self.sm, mount_id)?.spec.sync_policy() == SyncPolicy::Never;
+                return match known {
+                    Some(c) if c.kind != Kind::File || never => Ok(Some(c)),
+                    _ => Err(self.to_leader()),
+                };
+            }
             if let Some(c) = self.sm.child(dir.id, name)? {
                 // A file found by an earlier lookup: its directory is never re-listed, so
                 // it is checked by itself when the mount's sync interval says so.
@@ -498,6 +508,14 @@ impl Namespace {
         let force = due == Due::Force;
         let mount = find_mount(&self.sm, mount_id)?;
         let policy = mount.spec.sync_policy();
+        if !self.leads() {
+            // Only the leader lists (see `follower`).
+            return if due == Due::Read && self.fresh_enough(&dir, policy) {
+                Ok(dir)
+            } else {
+                Err(self.to_leader())
+            };
+        }
         if dir.children_loaded && !force && !self.due(&dir, policy) {
             return Ok(dir);
         }
@@ -549,8 +567,9 @@ impl Namespace {
             }
         };
         if dir.children_loaded && unchanged(&known, &entries) {
-            // Nothing to replicate: the usual outcome of a periodic re-listing.
+            // Nothing changed: the usual outcome of a periodic re-listing.
             self.record_success(dir.id);
+            self.record_unchanged_listing(dir.id, mount_id).await;
             return Ok(dir);
         }
         // Only what changed is replicated, in batches small enough for one Raft entry each
@@ -698,6 +717,9 @@ impl Namespace {
         let mount = find_mount(&self.sm, mount_id)?;
         if !mount.spec.validate_on_open() {
             return Ok(file);
+        }
+        if !self.leads() {
+            return Err(self.to_leader());
         }
         self.check_object(&mount, file).await
     }
@@ -958,6 +980,8 @@ pub struct NsMetrics {
     pub prefix_lists: Family<MountLabel, Counter>,
     pub failing_dirs: Gauge<i64, AtomicI64>,
     pub relists_deferred: Counter,
+    pub follower_reads: Counter,
+    pub follower_redirects: Counter,
 }
 
 impl NsMetrics {
@@ -992,6 +1016,16 @@ impl NsMetrics {
                 "granary_master_relists_deferred",
                 "Due re-listings not started because as many were running already (the folder stays due; a later access starts it)",
                 self.relists_deferred.clone(),
+            );
+            r.register(
+                "granary_master_follower_reads",
+                "Namespace reads (statuses, lookups, listing pages) this master answered as a follower",
+                self.follower_reads.clone(),
+            );
+            r.register(
+                "granary_master_follower_redirects",
+                "Namespace reads this master, a follower, sent to the leader (a folder to list, or its listing older than the sync interval)",
+                self.follower_redirects.clone(),
             );
         }
     }

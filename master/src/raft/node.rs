@@ -30,6 +30,8 @@ use crate::state::{ApplyOutput, Command, Proposal, StateMachine};
 /// Raft tick period; election timeout is 10 ticks (randomised up to 20), heartbeats every 2.
 pub const TICK: Duration = Duration::from_millis(100);
 const ELECTION_TICKS: usize = 10;
+/// How long a follower waits for the leader to confirm a read it forwarded.
+const FORWARDED_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 type Reply = oneshot::Sender<Result<ApplyOutput, MasterError>>;
 type ReadReply = oneshot::Sender<Result<(), MasterError>>;
@@ -45,6 +47,8 @@ pub enum Msg {
     },
     ReadIndex {
         reply: ReadReply,
+        /// A follower may answer too (after the leader confirms its commit index).
+        anywhere: bool,
     },
     Raft(Box<Message>),
     Feedback(Feedback),
@@ -131,8 +135,20 @@ impl RaftHandle {
     /// Waits until this master has applied everything committed before the call, as
     /// confirmed by a quorum (ReadIndex). Only the leader answers.
     pub async fn read_barrier(&self) -> Result<(), MasterError> {
+        self.barrier(false).await
+    }
+
+    /// As [`RaftHandle::read_barrier`], on any member that knows the leader: a follower
+    /// asks the leader for its commit index (ReadIndex, forwarded; the leader confirms it
+    /// with a quorum) and waits until it has applied that far itself, so what it then
+    /// reads includes every write acknowledged before the call.
+    pub async fn read_barrier_here(&self) -> Result<(), MasterError> {
+        self.barrier(true).await
+    }
+
+    async fn barrier(&self, anywhere: bool) -> Result<(), MasterError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Msg::ReadIndex { reply })?;
+        self.send(Msg::ReadIndex { reply, anywhere })?;
         self.wait(rx).await?
     }
 
@@ -265,7 +281,9 @@ pub fn start(
         self_tx: tx.clone(),
         pending: HashMap::new(),
         reads: HashMap::new(),
+        forwarded: HashMap::new(),
         read_batch: Vec::new(),
+        follower_batch: Vec::new(),
         deferred_reads: Vec::new(),
         confirmed_reads: Vec::new(),
         nonce: rand::random(),
@@ -317,8 +335,14 @@ struct Driver {
     /// Read requests awaiting quorum confirmation, by request context (one context per
     /// batch: the reads that arrived in one turn of the loop).
     reads: HashMap<Vec<u8>, Vec<ReadReply>>,
+    /// Contexts of the reads this follower forwarded to the leader, with when: the leader
+    /// drops them silently in some states (before it committed in its term, or when it
+    /// has just lost leadership), so they expire (see `expire_forwarded_reads`).
+    forwarded: HashMap<Vec<u8>, Instant>,
     /// Reads that arrived in this turn of the loop, confirmed together (see `submit_reads`).
     read_batch: Vec<ReadReply>,
+    /// Reads a follower may answer that arrived in this turn of the loop.
+    follower_batch: Vec<ReadReply>,
     /// Reads held until a new leader has committed in its term.
     deferred_reads: Vec<ReadReply>,
     /// Confirmed reads waiting for the apply index to reach theirs.
@@ -370,6 +394,7 @@ impl Driver {
             }
             self.retry_deferred_reads();
             self.submit_reads();
+            self.expire_forwarded_reads();
             if let Err(e) = self.on_ready() {
                 // Storage failed, or a committed entry cannot be applied: stop serving
                 // rather than risk acknowledging lost writes or diverging from the others.
@@ -388,7 +413,8 @@ impl Driver {
         for (_, reply) in self.pending.drain() {
             let _ = reply.send(Err(MasterError::ShuttingDown));
         }
-        let batched = std::mem::take(&mut self.read_batch);
+        let mut batched = std::mem::take(&mut self.read_batch);
+        batched.append(&mut self.follower_batch);
         for reply in self.reads.drain().flat_map(|(_, r)| r).chain(batched) {
             let _ = reply.send(Err(MasterError::ShuttingDown));
         }
@@ -399,7 +425,7 @@ impl Driver {
         match m {
             Msg::Propose { data, reply } => self.propose(data, reply),
             Msg::ConfChange { cc, reply } => self.propose_conf_change(cc, reply),
-            Msg::ReadIndex { reply } => self.read_index(reply),
+            Msg::ReadIndex { reply, anywhere } => self.read_index(reply, anywhere),
             Msg::Raft(m) => self.step(*m),
             Msg::Feedback(Feedback::Unreachable(to)) => self.node.report_unreachable(to),
             Msg::Feedback(Feedback::Snapshot { to, ok }) => self.node.report_snapshot(
@@ -607,9 +633,16 @@ impl Driver {
         }
     }
 
-    fn read_index(&mut self, reply: ReadReply) {
+    fn read_index(&mut self, reply: ReadReply, anywhere: bool) {
         if self.node.raft.state != StateRole::Leader {
-            let _ = reply.send(Err(self.not_leader()));
+            if anywhere
+                && self.node.raft.state == StateRole::Follower
+                && self.node.raft.leader_id != 0
+            {
+                self.follower_batch.push(reply);
+            } else {
+                let _ = reply.send(Err(self.not_leader()));
+            }
             return;
         }
         if !self.node.raft.commit_to_current_term() {
@@ -626,20 +659,70 @@ impl Driver {
     /// index it gets covers every write acknowledged before it arrived. One heartbeat round
     /// serves a burst of reads instead of one round each.
     fn submit_reads(&mut self) {
-        if self.read_batch.is_empty() {
+        if self.read_batch.is_empty() && self.follower_batch.is_empty() {
             return;
         }
-        if self.node.raft.state != StateRole::Leader {
-            // Lost leadership to a message handled in this same turn.
-            let err = self.not_leader();
-            for reply in std::mem::take(&mut self.read_batch) {
+        let role = self.node.raft.state;
+        if role == StateRole::Leader {
+            let mut batch = std::mem::take(&mut self.read_batch);
+            // Became leader in this same turn: held until it commits in its term.
+            if !self.node.raft.commit_to_current_term() {
+                self.deferred_reads.append(&mut self.follower_batch);
+            }
+            batch.append(&mut self.follower_batch);
+            if batch.is_empty() {
+                return;
+            }
+            let (_, ctx) = self.next_key();
+            self.node.read_index(ctx.clone());
+            self.reads.insert(ctx, batch);
+            return;
+        }
+        // Lost leadership to a message handled in this same turn.
+        let err = self.not_leader();
+        for reply in std::mem::take(&mut self.read_batch) {
+            let _ = reply.send(Err(err.clone()));
+        }
+        if self.follower_batch.is_empty() {
+            return;
+        }
+        if role != StateRole::Follower || self.node.raft.leader_id == 0 {
+            for reply in std::mem::take(&mut self.follower_batch) {
                 let _ = reply.send(Err(err.clone()));
             }
             return;
         }
+        // raft-rs forwards the request to the leader; its answer comes back as a read
+        // state of this node, as the leader's own do.
         let (_, ctx) = self.next_key();
         self.node.read_index(ctx.clone());
-        self.reads.insert(ctx, std::mem::take(&mut self.read_batch));
+        self.forwarded.insert(ctx.clone(), Instant::now());
+        self.reads
+            .insert(ctx, std::mem::take(&mut self.follower_batch));
+    }
+
+    /// Fails the forwarded reads the leader has not answered in time (it drops some
+    /// silently); their callers retry, at another master if need be.
+    fn expire_forwarded_reads(&mut self) {
+        if self.forwarded.is_empty() {
+            return;
+        }
+        let late: Vec<Vec<u8>> = self
+            .forwarded
+            .iter()
+            .filter(|(_, at)| at.elapsed() >= FORWARDED_READ_TIMEOUT)
+            .map(|(ctx, _)| ctx.clone())
+            .collect();
+        for ctx in late {
+            self.forwarded.remove(&ctx);
+            for reply in self.reads.remove(&ctx).unwrap_or_default() {
+                let _ = reply.send(Err(MasterError::Unavailable {
+                    message: format!(
+                        "the leader did not confirm a read within {FORWARDED_READ_TIMEOUT:?}; retry"
+                    ),
+                }));
+            }
+        }
     }
 
     fn retry_deferred_reads(&mut self) {
@@ -647,7 +730,7 @@ impl Driver {
             return;
         }
         for reply in std::mem::take(&mut self.deferred_reads) {
-            self.read_index(reply);
+            self.read_index(reply, false);
         }
     }
 
@@ -730,6 +813,7 @@ impl Driver {
             self.install_snapshot(ready.snapshot())?;
         }
         for rs in ready.take_read_states() {
+            self.forwarded.remove(&rs.request_ctx);
             if let Some(replies) = self.reads.remove(&rs.request_ctx) {
                 self.confirmed_reads
                     .extend(replies.into_iter().map(|reply| (rs.index, reply)));

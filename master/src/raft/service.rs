@@ -17,6 +17,8 @@ pub struct RaftRpc {
     pub raft: RaftHandle,
     pub snapshots: SnapshotDir,
     pub address: String,
+    /// This master's grant keys (TLS clusters).
+    pub grants: Option<std::sync::Arc<crate::grants::Grants>>,
 }
 
 /// This member's own view, as `MasterInfo`.
@@ -152,6 +154,37 @@ impl RaftService for RaftRpc {
         _req: Request<pb::MemberStatusRequest>,
     ) -> Result<Response<pb::MasterInfo>, Status> {
         Ok(Response::new(member_info(&self.raft.status, &self.address)))
+    }
+
+    async fn grant_key(
+        &self,
+        req: Request<pb::GrantKeyRequest>,
+    ) -> Result<Response<pb::GrantKeyReply>, Status> {
+        // A master certificate, speaking for the member it names (the method is masters'
+        // only; this also refuses a master claiming another's id).
+        let who = principal(&req)?;
+        let from = req.into_inner().from;
+        check_master_sender(&who, from)?;
+        if !self.raft.status.voters().contains(&from) {
+            return Err(Status::permission_denied(format!(
+                "master {from} is not a member of this group"
+            )));
+        }
+        let Some(grants) = &self.grants else {
+            return Err(Status::failed_precondition(
+                "this group signs no grants (it runs without TLS)",
+            ));
+        };
+        // Read the term first: a follower keeps the key for the term it asked in only if
+        // this master still led in it.
+        let term = self.raft.status.term.load(Relaxed);
+        if !self.raft.status.is_leader() {
+            return Err(Status::from(self.raft.not_leader()));
+        }
+        Ok(Response::new(pb::GrantKeyReply {
+            key: Some(grants.own().to_proto()),
+            term,
+        }))
     }
 }
 

@@ -23,6 +23,8 @@ struct Rules {
     max_delay_ms: u64,
     /// Nodes cut off from everyone.
     isolated: HashSet<u64>,
+    /// Nodes whose incoming messages all take this many milliseconds more.
+    slow_to: HashMap<u64, u64>,
 }
 
 type Due = Reverse<(Instant, u64, u64, Vec<u8>)>;
@@ -105,9 +107,9 @@ impl Transport for MemTransport {
         use protobuf::Message as _;
         for m in msgs {
             let to = m.to;
-            let (drop_rate, max_delay) = {
+            let (drop_rate, max_delay, slow) = {
                 let r = self.net.rules.lock().unwrap();
-                (r.drop_rate, r.max_delay_ms)
+                (r.drop_rate, r.max_delay_ms, r.slow_to.get(&to).copied())
             };
             let snapshot = m.get_msg_type() == MessageType::MsgSnapshot;
             if self.net.blocked(self.from, to) || self.rng.gen_bool(drop_rate) {
@@ -142,7 +144,7 @@ impl Transport for MemTransport {
                 0
             } else {
                 self.rng.gen_range(0..=max_delay)
-            };
+            } + slow.unwrap_or(0);
             let seq = self.net.seq.fetch_add(1, Relaxed);
             self.net.queue.lock().unwrap().push(Reverse((
                 Instant::now() + Duration::from_millis(delay),
@@ -544,4 +546,53 @@ async fn a_joining_member_gets_a_snapshot_that_includes_it() {
     g.wait_converged(Duration::from_secs(30));
     assert!(g.names(4, "/j").contains("after"));
     g.assert_one_leader_per_term();
+}
+
+/// A follower answers a read once the leader has confirmed its commit index and the
+/// follower has applied that far (ReadIndex, forwarded): every write acknowledged before
+/// the read is seen, even by a follower that hears of writes 300 ms after the others. Cut
+/// off from the leader, it fails the read soon rather than answer from what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_read_sees_every_write_acknowledged_before_it() {
+    let g = Group::start(3, 1000, seed());
+    let leader = g.wait_leader(Duration::from_secs(30));
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    let handle = &g.nodes[&follower].handle;
+    assert!(
+        matches!(
+            handle.read_barrier().await,
+            Err(MasterError::NotLeader { .. })
+        ),
+        "the leader-only barrier answered on a follower"
+    );
+    g.net.set_rules(|r| {
+        r.slow_to.insert(follower, 300);
+    });
+    for i in 0..5 {
+        let name = format!("r{i}");
+        assert!(g.mkdir(&format!("/{name}"), Duration::from_secs(10)).await);
+        handle.read_barrier_here().await.unwrap();
+        assert!(
+            g.names(follower, "/").contains(&name),
+            "a read on follower {follower} missed {name}, acknowledged before it"
+        );
+    }
+    g.net.set_rules(|r| {
+        r.slow_to.clear();
+        r.isolated.insert(follower);
+    });
+    let started = Instant::now();
+    let cut_off = handle.read_barrier_here().await;
+    assert!(
+        matches!(
+            cut_off,
+            Err(MasterError::Unavailable { .. } | MasterError::NotLeader { .. })
+        ),
+        "{cut_off:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }

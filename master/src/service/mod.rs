@@ -170,12 +170,15 @@ fn cache_ms(core: &MasterCore, inode: &Inode, spec: Option<&granary_common::ufs:
         SyncPolicy::Always => 0,
         // The folder's last listing; for a file looked up by name in a folder never
         // listed, its own last check (it is checked by itself when due).
+        // A follower (or a new leader) knows the folder's last listing as recorded with it.
         SyncPolicy::Every(d) => core
             .ns
             .sync_info(inode.parent)
             .and_then(|s| s.synced_at)
             .or_else(|| core.ns.sync_info(inode.id).and_then(|s| s.synced_at))
-            .map_or(0, |t| d.saturating_sub(t.elapsed()).as_millis() as u64),
+            .map(|t| t.elapsed())
+            .or_else(|| core.ns.listed_ago(inode.parent))
+            .map_or(0, |ago| d.saturating_sub(ago).as_millis() as u64),
     }
 }
 
@@ -191,13 +194,23 @@ fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
 /// Signs `who` a grant for a file's blocks (a `write` grant for a file being created) when
 /// the master signs grants (TLS clusters). The grant binds what the status says decides
 /// the blocks' bytes (version, block size, length, fingerprint), so workers cache only
-/// blocks as the master describes them.
-fn grant(core: &MasterCore, who: &Principal, s: &mut pb::FileStatus, write: bool) {
-    if let (Some(key), true) = (&core.grants, s.kind == pb::FileKind::File as i32) {
+/// blocks as the master describes them. A follower that does not hold the leader's key
+/// yet (see `crate::grants`) sends the read to the leader.
+fn grant(
+    core: &MasterCore,
+    who: &Principal,
+    s: &mut pb::FileStatus,
+    write: bool,
+) -> Result<(), MasterError> {
+    if let (Some(keys), true) = (&core.grants, s.kind == pb::FileKind::File as i32) {
         let expires = granary_common::now_ms().max(0) as u64
             + granary_common::grant::GRANT_LIFETIME.as_millis() as u64;
-        s.grant = Some(key.sign(&who.name, s, write, expires));
+        match keys.sign(&core.raft.status, &who.name, s, write, expires) {
+            Some(g) => s.grant = Some(g),
+            None => return Err(core.ns.to_leader()),
+        }
     }
+    Ok(())
 }
 
 /// A request id as the state machine remembers it: per principal, so that another caller
@@ -265,7 +278,7 @@ fn status_for_at(
     path: String,
 ) -> Result<pb::FileStatus, MasterError> {
     let mut s = status_at(core, inode, path)?;
-    grant(core, who, &mut s, false);
+    grant(core, who, &mut s, false)?;
     Ok(s)
 }
 
@@ -293,6 +306,13 @@ impl Drop for Checked {
 }
 
 impl MasterRpc {
+    /// Counts a namespace read answered here while following (see `namespace::follower`).
+    fn answered(&self) {
+        if !self.core.ns.leads() {
+            self.core.ns.metrics.follower_reads.inc();
+        }
+    }
+
     /// The inode a caller named by id. A caller confined to a subtree gets one refusal for
     /// an inode outside it and for a missing one ([`access::denied_id`]): it learns neither
     /// the path nor whether the inode exists. With the inode comes its path when the check
@@ -419,10 +439,14 @@ impl MasterRpc {
                     None => self.core.ns.sm.path_of(&inode)?,
                 };
                 let reach = access::reach(who, &path)?;
+                if !stale {
+                    self.core.ns.answerable_here(&inode)?;
+                }
                 // Checked against its store when due, in the background: the answer is what
                 // is known now, and the next request sees what the check found — an open
-                // never waits for a folder's re-listing (stale-while-revalidate).
-                let due = if stale {
+                // never waits for a folder's re-listing (stale-while-revalidate). Only the
+                // leader checks.
+                let due = if stale || !self.core.ns.leads() {
                     None
                 } else {
                     self.core.ns.check_due(&inode)
@@ -545,7 +569,7 @@ impl MasterService for MasterRpc {
         let who = principal(&req)?;
         let r = req.into_inner();
         if !r.allow_stale {
-            self.core.read_barrier().await?;
+            self.core.read_here().await?;
         }
         let (mut inode, mut path, _) = self.target(&who, r.target, r.allow_stale).await?;
         if r.validate && !r.allow_stale {
@@ -556,6 +580,7 @@ impl MasterService for MasterRpc {
                 access::reach(&who, &path)?;
             }
         }
+        self.answered();
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_for_at(&self.core, &who, &inode, path)?),
         }))
@@ -568,7 +593,7 @@ impl MasterService for MasterRpc {
         let who = principal(&req)?;
         let caller = Caller::of(&req);
         let r = req.into_inner();
-        self.core.read_barrier().await?;
+        self.core.read_here().await?;
         let (parent, walked) = self.named_inode(&who, r.parent)?;
         // The parent's path is walked once; the entry's is the parent's and its name.
         let parent_path = match walked {
@@ -582,6 +607,7 @@ impl MasterService for MasterRpc {
             access::posix(caller, &parent, access::EXEC, "look up entries of")?;
         }
         let inode = self.core.ns.lookup(r.parent, &r.name).await?;
+        self.answered();
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_for_at(&self.core, &who, &inode, path)?),
         }))
@@ -595,7 +621,7 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         if !r.allow_stale {
-            self.core.read_barrier().await?;
+            self.core.read_here().await?;
         }
         let (dir, dir_path, reach) = self.target(&who, r.target, r.allow_stale).await?;
         let limit = match r.page_size as usize {
@@ -653,10 +679,11 @@ impl MasterService for MasterRpc {
                     Some(pin) => pin.replicas,
                     None => dir_pin,
                 };
-                grant(&self.core, &who, &mut s, false);
+                grant(&self.core, &who, &mut s, false)?;
                 Ok(s)
             })
             .collect::<Result<Vec<_>, MasterError>>()?;
+        self.answered();
         Ok(Response::new(pb::ListStatusResponse {
             entries,
             next_page_token,
@@ -747,7 +774,7 @@ impl MasterService for MasterRpc {
         match out {
             ApplyOutput::Inode(i) => {
                 let mut s = status_of(&self.core, &i)?;
-                grant(&self.core, &who, &mut s, true);
+                grant(&self.core, &who, &mut s, true)?;
                 Ok(Response::new(pb::GetStatusResponse { status: Some(s) }))
             }
             _ => Err(Status::internal("unexpected apply result")),
@@ -1030,7 +1057,7 @@ impl MasterService for MasterRpc {
             .set_data_address(r.worker_id, r.data_address);
         Ok(Response::new(pb::RegisterWorkerResponse {
             heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
-            grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
+            grant_key: self.core.grants.as_ref().map(|k| k.own().to_proto()),
             workers: self.core.workers.known(self.core.heartbeat_interval * 3),
         }))
     }
@@ -1084,7 +1111,7 @@ impl MasterService for MasterRpc {
             pinned_inodes: pins.set,
             pinned_added: pins.added,
             pins_generation: pins.generation,
-            grant_key: self.core.grants.as_ref().map(|k| k.to_proto()),
+            grant_key: self.core.grants.as_ref().map(|k| k.own().to_proto()),
             workers: self.core.workers.known(self.core.heartbeat_interval * 3),
         }))
     }

@@ -3,6 +3,7 @@
 //! index in one atomic batch, so after a crash the state is exactly "all entries up to
 //! `applied`" and Raft re-delivers the rest.
 
+mod batch;
 mod cache;
 pub mod invariants;
 pub mod jobs;
@@ -313,38 +314,6 @@ impl StateMachine {
         self.inodes_of_entries(parent, &ids)
     }
 
-    /// The inodes `ids` (a folder's entries, in order): those in the cache from it, the
-    /// others in one batched read in key order (a point read each was most of a listing's
-    /// cost), none of them kept (see [`StateMachine::inode_kept`]).
-    fn inodes_of_entries(&self, parent: u64, ids: &[u64]) -> Result<Vec<Inode>, MasterError> {
-        let mut out: Vec<Option<Inode>> = ids.iter().map(|&id| self.cache.inode(id).ok()).collect();
-        let mut missing: Vec<(Vec<u8>, usize)> = out
-            .iter()
-            .enumerate()
-            .filter(|(_, i)| i.is_none())
-            .map(|(at, _)| (inode_key(ids[at]), at))
-            .collect();
-        missing.sort_unstable();
-        let got = self
-            .db
-            .batched_multi_get_cf(self.cf()?, missing.iter().map(|(k, _)| k), true);
-        for ((_, at), value) in missing.iter().zip(got) {
-            if let Some(v) = value? {
-                out[*at] = Some(from_json(v.as_ref())?);
-            }
-        }
-        out.into_iter()
-            .zip(ids)
-            .map(|(inode, id)| {
-                inode.ok_or_else(|| {
-                    MasterError::inconsistent(format!(
-                        "directory {parent} lists inode {id}, which does not exist"
-                    ))
-                })
-            })
-            .collect()
-    }
-
     /// Absolute path of an inode, built by walking parents.
     pub fn path_of(&self, inode: &Inode) -> Result<String, MasterError> {
         let mut names = Vec::new();
@@ -578,6 +547,8 @@ struct Txn<'a> {
     creator: Option<String>,
     /// Inodes written with `put_inode`, decoded, for the cache at commit.
     written: BTreeMap<u64, Inode>,
+    /// Inodes written with `put_inode_quietly`: not announced to watchers.
+    quiet: Vec<u64>,
     /// Key prefixes deleted whole (one range tombstone each, written before `pending`,
     /// which holds only writes made after the deletion).
     deleted_prefixes: Vec<Vec<u8>>,
@@ -591,6 +562,7 @@ impl<'a> Txn<'a> {
             owner: None,
             creator: None,
             written: BTreeMap::new(),
+            quiet: Vec::new(),
             deleted_prefixes: Vec::new(),
         }
     }
@@ -667,7 +639,11 @@ impl<'a> Txn<'a> {
                 Some(b'c') => k.len() > 9,
                 _ => false,
             })
-            .filter_map(|k| k[1..9].try_into().ok().map(u64::from_be_bytes))
+            .filter_map(|k| {
+                let id = u64::from_be_bytes(k[1..9].try_into().ok()?);
+                let quiet = k[0] == b'i' && self.quiet.contains(&id);
+                (!quiet).then_some(id)
+            })
             .collect();
         out.sort_unstable();
         out.dedup();
@@ -720,6 +696,13 @@ impl<'a> Txn<'a> {
         self.put(inode_key(inode.id), v);
         self.written.insert(inode.id, inode.clone());
         Ok(())
+    }
+
+    /// [`Txn::put_inode`] of a change no watcher needs to hear of (its entries' statuses
+    /// and names are as they were).
+    fn put_inode_quietly(&mut self, inode: &Inode) -> Result<(), MasterError> {
+        self.quiet.push(inode.id);
+        self.put_inode(inode)
     }
 
     fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
@@ -1242,6 +1225,7 @@ impl<'a> Txn<'a> {
             created: true,
             owner: self.owner,
             creator: self.creator.clone(),
+            listed_ms: 0,
         };
         self.link(&inode)?;
         Ok(ApplyOutput::Inode(inode))

@@ -46,16 +46,11 @@ impl StateMachine {
             return Ok(out);
         };
         if hi - lo > 64 * ids.len() as u64 {
-            let mut keys: Vec<(Vec<u8>, u64)> = ids.iter().map(|&id| (pin_key(id), id)).collect();
-            keys.sort_unstable();
-            let got = self
-                .db
-                .batched_multi_get_cf(self.cf()?, keys.iter().map(|(k, _)| k), true);
-            for ((_, id), value) in keys.iter().zip(got) {
-                if let Some(v) = value? {
-                    out.insert(*id, from_json(v.as_ref())?);
-                }
-            }
+            let keys = ids.iter().map(|&id| (pin_key(id), id)).collect();
+            self.get_many(keys, |id, v| {
+                out.insert(id, from_json(v)?);
+                Ok(())
+            })?;
             return Ok(out);
         }
         let wanted: HashSet<u64> = ids.iter().copied().collect();

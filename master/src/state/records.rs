@@ -101,6 +101,15 @@ pub struct Inode {
     /// it is complete): only it, or an admin, may complete it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub creator: Option<String>,
+    /// For folders in a mount: when the leader last listed it from the store (the
+    /// proposer's clock), recorded with the listing, so followers know how fresh what they
+    /// hold is (see `namespace::follower`). 0: not recorded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub listed_ms: i64,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
 }
 
 fn yes() -> bool {
@@ -161,6 +170,7 @@ impl Inode {
             created: false,
             owner: None,
             creator: None,
+            listed_ms: 0,
         }
     }
 

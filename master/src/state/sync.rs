@@ -24,6 +24,7 @@ impl Txn<'_> {
             self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
         }
         d.children_loaded = true;
+        d.listed_ms = now_ms;
         self.put_inode(&d)?;
         Ok(ApplyOutput::Inode(d))
     }
@@ -78,6 +79,7 @@ impl Txn<'_> {
             created: false,
             owner: None,
             creator: None,
+            listed_ms: 0,
         };
         self.link(&inode)?;
         Ok(inode)
@@ -166,12 +168,8 @@ impl Txn<'_> {
                 self.add_ufs_child(&d, mount_id, e, now_ms, block_size)?;
             }
         }
-        // A directory listed for the first time (it may hold entries found by lookups).
         let mut d = d;
-        if !d.children_loaded {
-            d.children_loaded = true;
-            self.put_inode(&d)?;
-        }
+        self.listed(&mut d, now_ms)?;
         Ok(ApplyOutput::Inode(d))
     }
 
@@ -219,11 +217,23 @@ impl Txn<'_> {
                 }
             }
         }
-        if batch.last && !d.children_loaded {
-            d.children_loaded = true;
-            self.put_inode(&d)?;
+        if batch.last {
+            self.listed(&mut d, now_ms)?;
         }
         Ok(ApplyOutput::Inode(d))
+    }
+
+    /// Marks folder `d` listed at `now_ms`: loaded (a folder listed for the first time may
+    /// hold entries found by lookups), and when. The time alone changes nothing anyone
+    /// sees, so it is not announced to watchers.
+    fn listed(&mut self, d: &mut Inode, now_ms: i64) -> Result<(), MasterError> {
+        d.listed_ms = now_ms;
+        if d.children_loaded {
+            self.put_inode_quietly(d)
+        } else {
+            d.children_loaded = true;
+            self.put_inode(d)
+        }
     }
 
     pub(super) fn refresh_file(
