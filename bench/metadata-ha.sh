@@ -8,7 +8,7 @@
 #
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints creates/s and stats/s
 # at 1, 16 and 64 concurrent callers (stats spread over the three masters, as clients do,
-# and with 64 callers also all at the leader), and the longest pause in acknowledged
+# and with 1 and 64 callers also all at the leader), and the longest pause in acknowledged
 # creates when the leader is killed with SIGKILL.
 set -euo pipefail
 secs="${1:-10}"
@@ -59,6 +59,7 @@ run() { # concurrency dir [extra args] -> json
 }
 field() { python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['$2']))" "$1"; }
 c1=$(run 1 /b1)
+c1l=$(run 1 /b1l --reads-at-leader)
 c16=$(run 16 /b16)
 c64=$(run 64 /b64)
 c64l=$(run 64 /b64l --reads-at-leader)
@@ -78,7 +79,7 @@ echo "fsync/s (limit):          $fsync_per_s  (≈ $((fsync_per_s / 2)) sequenti
 echo "creates/s, 1 caller:      $(field "$c1" creates_per_s)  ($(python3 -c "print(f'{$(field "$c1" creates_per_s) / ($fsync_per_s / 2):.2f}')")x of fsync/2)"
 echo "creates/s, 16 callers:    $(field "$c16" creates_per_s)"
 echo "creates/s, 64 callers:    $(field "$c64" creates_per_s)"
-echo "stats/s, 1 caller:        $(field "$c1" stats_per_s)"
+echo "stats/s, 1 caller:        $(field "$c1" stats_per_s)  (all at the leader: $(field "$c1l" stats_per_s))"
 echo "stats/s, 16 callers:      $(field "$c16" stats_per_s)"
 echo "stats/s, 64 callers:      $(field "$c64" stats_per_s)  (all at the leader: $(field "$c64l" stats_per_s))"
 echo "failover (leader kill -9): longest pause between acknowledged creates $(field "$fo" max_create_gap_ms) ms; $(field "$fo" create_errors) creates failed"

@@ -16,6 +16,9 @@ use crate::error::ClientError;
 pub const DEFAULT_RETRY_WINDOW: Duration = Duration::from_secs(20);
 /// Deadline of one attempt at one master (a stopped master must not stall a caller longer).
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// `leader` keeps every namespace read of this process at the leader (`spread`, the
+/// default, spreads them: see [`MasterClient::read`]).
+pub const READS_ENV: &str = "GRANARY_MASTER_READS";
 /// How long a master that did not answer a read is passed over by reads.
 const READER_REST: Duration = Duration::from_secs(5);
 /// Metadata key carrying the leader's address on a `NotLeader` status (set by the master).
@@ -24,6 +27,18 @@ pub use granary_proto::LEADER_HINT_KEY;
 struct Endpoint {
     address: String,
     client: MasterServiceClient<Channel>,
+    /// Namespace reads this client has in flight at this master (see
+    /// [`MasterClient::read`]).
+    reading: Arc<AtomicUsize>,
+}
+
+/// One read in flight at a master, counted until dropped.
+struct Reading(Arc<AtomicUsize>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 tokio::task_local! {
@@ -43,6 +58,7 @@ fn endpoint(net: &Net, address: &str) -> Result<Endpoint, ClientError> {
         .channel(address, ServerKind::Master)
         .map_err(ClientError::InvalidArgument)?;
     Ok(Endpoint {
+        reading: Arc::default(),
         address: address.to_string(),
         client: MasterServiceClient::new(channel)
             .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
@@ -54,7 +70,7 @@ fn endpoint(net: &Net, address: &str) -> Result<Endpoint, ClientError> {
 pub struct MasterClient {
     endpoints: Arc<RwLock<Vec<Endpoint>>>,
     current: Arc<AtomicUsize>,
-    /// The master the next namespace read goes to (see [`MasterClient::read`]).
+    /// Where ties between masters start (see [`MasterClient::next_reader`]).
     next_read: Arc<AtomicUsize>,
     /// Masters that did not answer a read lately, and until when they are passed over.
     resting: Arc<std::sync::Mutex<Vec<(String, tokio::time::Instant)>>>,
@@ -96,7 +112,7 @@ impl MasterClient {
             current: Arc::default(),
             next_read: Arc::default(),
             resting: Arc::default(),
-            spread_reads: true,
+            spread_reads: std::env::var(READS_ENV).map_or(true, |v| v.trim() != "leader"),
             address: list.join(","),
             rpc_timeout: ATTEMPT_TIMEOUT,
             retry_window: DEFAULT_RETRY_WINDOW,
@@ -243,9 +259,13 @@ impl MasterClient {
         }
     }
 
-    /// The master the next namespace read goes to, round robin over the group, passing
-    /// over those resting (none: a single master, or reads kept at the leader).
-    fn next_reader(&self) -> Option<(String, MasterServiceClient<Channel>)> {
+    /// The master the next namespace read goes to: the one with the fewest reads of this
+    /// client in flight, the master calls go to (the leader, as far as this client knows)
+    /// among equals, then the others in turn; passing over those resting. A lone caller
+    /// thus reads at the leader (a follower's answer costs one more round trip, to the
+    /// leader for its commit index), and concurrent callers spread over the group as the
+    /// leader gets busier. None: a single master, or reads kept at the leader.
+    fn next_reader(&self) -> Option<(String, MasterServiceClient<Channel>, Reading)> {
         if !self.spread_reads {
             return None;
         }
@@ -262,18 +282,25 @@ impl MasterClient {
             Err(p) => p.into_inner(),
         };
         resting.retain(|(_, until)| *until > now);
-        for _ in 0..eps.len() {
-            let e = &eps[self.next_read.fetch_add(1, Ordering::Relaxed) % eps.len()];
-            if !resting.iter().any(|(a, _)| *a == e.address) {
-                return Some((e.address.clone(), e.client.clone()));
-            }
-        }
-        None
+        let n = eps.len();
+        let (lead, turn) = (
+            self.current.load(Ordering::Relaxed) % n,
+            self.next_read.fetch_add(1, Ordering::Relaxed),
+        );
+        let e = std::iter::once(lead)
+            .chain((0..n).map(|i| (turn + i) % n))
+            .map(|i| &eps[i])
+            .filter(|e| !resting.iter().any(|(a, _)| *a == e.address))
+            .min_by_key(|e| e.reading.load(Ordering::Relaxed))?;
+        e.reading.fetch_add(1, Ordering::Relaxed);
+        let guard = Reading(e.reading.clone());
+        Some((e.address.clone(), e.client.clone(), guard))
     }
 
-    /// Runs a namespace read (status, lookup, listing page) at the next master in turn:
-    /// every master answers them linearizably (a follower once the leader has confirmed
-    /// its commit index), so reads spread over the group. One a master cannot answer (a
+    /// Runs a namespace read (status, lookup, listing page) at the master
+    /// [`MasterClient::next_reader`] picks: every master answers them linearizably (a
+    /// follower once the leader has confirmed its commit index), so reads spread over the
+    /// group. One a master cannot answer (a
     /// follower sends a folder due to be listed to the leader) or a master that does not
     /// answer passes the read to [`MasterClient::call`], which goes to the leader; a
     /// master that did not answer at all is passed over for a while.
@@ -282,8 +309,10 @@ impl MasterClient {
         F: FnMut(MasterServiceClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        if let Some((address, client)) = self.next_reader() {
-            let silent = match tokio::time::timeout(self.rpc_timeout, call(client)).await {
+        if let Some((address, client, reading)) = self.next_reader() {
+            let attempt = tokio::time::timeout(self.rpc_timeout, call(client)).await;
+            drop(reading);
+            let silent = match attempt {
                 Ok(Ok(resp)) => return Ok(resp.into_inner()),
                 Ok(Err(status)) => {
                     // A follower sending the read on names the leader.
@@ -782,5 +811,47 @@ impl MasterClient {
         })
         .await
         .map(|r| r.locations)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lone reader reads at the master calls go to; concurrent reads go where fewest of
+    /// this client's reads are in flight; a resting master is passed over; reads kept at
+    /// the leader pick none.
+    #[tokio::test]
+    async fn reads_go_where_fewest_are_in_flight_the_leader_among_equals() {
+        let c =
+            MasterClient::with_net(Tcp::net(None), "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3").unwrap();
+        c.follow("127.0.0.1:2");
+        let one = c.next_reader().unwrap();
+        assert_eq!(one.0, "127.0.0.1:2");
+        drop(one);
+        assert_eq!(
+            c.next_reader().unwrap().0,
+            "127.0.0.1:2",
+            "a lone reader moved"
+        );
+        let mut held = vec![c.next_reader().unwrap()];
+        held.push(c.next_reader().unwrap());
+        held.push(c.next_reader().unwrap());
+        let mut got: Vec<String> = held.iter().map(|(a, ..)| a.clone()).collect();
+        got.sort();
+        assert_eq!(got, ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]);
+        held.push(c.next_reader().unwrap());
+        assert_eq!(held[3].0, "127.0.0.1:2", "the leader among equals");
+        drop(held);
+        c.resting.lock().unwrap().push((
+            "127.0.0.1:2".into(),
+            tokio::time::Instant::now() + READER_REST,
+        ));
+        assert_ne!(
+            c.next_reader().unwrap().0,
+            "127.0.0.1:2",
+            "a resting master was picked"
+        );
+        assert!(c.clone().with_spread_reads(false).next_reader().is_none());
     }
 }
