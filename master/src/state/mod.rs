@@ -9,6 +9,7 @@ pub mod invariants;
 pub mod jobs;
 pub mod pins;
 pub mod records;
+mod requests;
 mod sync;
 pub mod ttl;
 pub mod walk;
@@ -126,6 +127,10 @@ pub struct StateMachine {
     /// Renames applied, and snapshots installed, since this master started: what can move
     /// files into or out of a pinned folder (see [`StateMachine::moves`]).
     moves: Arc<std::sync::atomic::AtomicU64>,
+    /// A lower bound of the ages of the request outcomes kept (see
+    /// [`StateMachine::prune_requests`]); `i64::MIN`: not known (at start, after a
+    /// snapshot), `i64::MAX`: none kept.
+    oldest_request: Arc<std::sync::atomic::AtomicI64>,
 }
 
 /// Applied entries a namespace watcher may fall behind by before it is told to start over.
@@ -149,6 +154,7 @@ impl StateMachine {
             cache: Arc::new(cache::Cache::new()),
             changes: tokio::sync::broadcast::channel(CHANGES_BUFFERED).0,
             moves: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            oldest_request: Arc::new(std::sync::atomic::AtomicI64::new(i64::MIN)),
         };
         if sm.inode(ROOT_INODE)?.is_none() {
             let mut txn = Txn::new(&sm);
@@ -271,6 +277,8 @@ impl StateMachine {
     /// (a snapshot was installed). Call before anyone can read at the new applied index.
     pub fn forget_cached(&self) {
         self.cache.clear();
+        self.oldest_request
+            .store(i64::MIN, std::sync::atomic::Ordering::Relaxed);
         self.moves
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -435,23 +443,7 @@ impl StateMachine {
         };
         txn.put(request_key(p.request_id), to_json(&outcome)?);
         txn.put(request_age_key(p.at_ms, p.request_id), Vec::new());
-        // Forget outcomes older than the retention (deterministic: uses the entry's clock).
-        let horizon = request_age_key(p.at_ms.saturating_sub(REQUEST_RETENTION_MS), 0);
-        let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(b"Q");
-        let mut pruned = 0;
-        while it.valid() && pruned < REQUEST_PRUNE_BATCH {
-            let Some(k) = it.key() else { break };
-            if k.first() != Some(&b'Q') || k >= horizon.as_slice() || k.len() != 17 {
-                break;
-            }
-            let id = u64::from_be_bytes(k[9..].try_into().unwrap_or_default());
-            txn.delete(k.to_vec());
-            txn.delete(request_key(id));
-            pruned += 1;
-            it.next();
-        }
-        it.status()?;
+        self.prune_requests(&mut txn, p.at_ms)?;
         txn.put_u64(KEY_APPLIED, index);
         txn.commit()?;
         self.announce(index, changed);

@@ -496,6 +496,50 @@ fn remembered_outcomes_expire_after_the_retention() {
     assert!(sm.get(&request_key(12)).unwrap().is_some());
 }
 
+/// Skipping the scan for outcomes past their retention (while the oldest kept is known to
+/// be within it) forgets exactly what a scan on every request forgets: one state machine
+/// applies requests with clocks that jump forward, sometimes past the retention, and
+/// sometimes back (leaders' clocks differ); the other forgets what it knows before each
+/// request (so it scans every time). Both remember the same outcomes after every step.
+#[test]
+fn skipping_the_retention_scan_forgets_what_a_scan_would() {
+    use rand::{Rng, SeedableRng};
+    let ((_a, sm), (_b, scans)) = (open(), open());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut at_ms = 1_000_i64;
+    let remembered = |sm: &StateMachine| {
+        let mut it = sm.db.raw_iterator_cf(sm.cf().unwrap());
+        it.seek(b"q");
+        let mut ids = Vec::new();
+        while let Some(k) = it.key().filter(|k| k[0] == b'q') {
+            ids.push(k.to_vec());
+            it.next();
+        }
+        ids
+    };
+    for i in 1..=400u64 {
+        at_ms += match rng.gen_range(0..20) {
+            0 => REQUEST_RETENTION_MS / 2,
+            1 => -rng.gen_range(0..60_000),
+            _ => rng.gen_range(0..20_000),
+        };
+        let p = Proposal {
+            request_id: i,
+            at_ms,
+            cmd: mkdir_cmd(&format!("/d{i}")),
+        };
+        sm.apply_request(i, &p).unwrap();
+        scans.forget_cached();
+        scans.apply_request(i, &p).unwrap();
+        assert_eq!(
+            remembered(&sm),
+            remembered(&scans),
+            "after request {i} at {at_ms}"
+        );
+    }
+    assert!(remembered(&sm).len() < 400, "nothing was forgotten");
+}
+
 #[test]
 fn entries_from_before_request_ids_still_decode() {
     let bare = serde_json::to_vec(&mkdir_cmd("/a")).unwrap();
