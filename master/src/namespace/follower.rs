@@ -88,7 +88,7 @@ impl Namespace {
         let fresh = if parent.children_loaded {
             parent.mount_id.is_none() || self.fresh_enough(&parent, policy)
         } else {
-            inode.kind == Kind::Directory || policy == SyncPolicy::Never
+            needs_no_check(inode, policy)
         };
         if fresh {
             Ok(())
@@ -96,6 +96,13 @@ impl Namespace {
             Err(self.to_leader())
         }
     }
+}
+
+/// Whether an entry found by name in a folder never listed may be answered without a
+/// check of its own: folders always (the leader answers them as known too), files only
+/// under `sync_interval=never` (the leader checks each when it is due).
+pub(super) fn needs_no_check(entry: &Inode, policy: SyncPolicy) -> bool {
+    entry.kind != Kind::File || policy == SyncPolicy::Never
 }
 
 /// Time since `listed_ms` (the leader's clock when it proposed the listing; masters'

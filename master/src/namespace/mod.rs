@@ -175,10 +175,9 @@ impl Namespace {
         if let (Some(mount_id), false) = (dir.mount_id, dir.children_loaded) {
             if !self.leads() {
                 // A follower answers a name known here that needs no check of its own.
-                let known = self.sm.child(dir.id, name)?;
-                let never = find_mount(&self.sm, mount_id)?.spec.sync_policy() == SyncPolicy::Never;
-                return match known {
-                    Some(c) if c.kind != Kind::File || never => Ok(Some(c)),
+                let policy = find_mount(&self.sm, mount_id)?.spec.sync_policy();
+                return match self.sm.child(dir.id, name)? {
+                    Some(c) if follower::needs_no_check(&c, policy) => Ok(Some(c)),
                     _ => Err(self.to_leader()),
                 };
             }
