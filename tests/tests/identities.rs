@@ -69,6 +69,64 @@ fn leader_and_term(g: &MasterGroup) -> (u64, u64) {
     (e["id"].as_u64().unwrap(), e["term"].as_u64().unwrap())
 }
 
+/// `RaftService/GrantKey` as `identity`, asking for master `from`.
+fn grant_key(addr: &str, identity: &Path, from: u64) -> Result<pb::GrantKeyReply, tonic::Status> {
+    rt().block_on(async {
+        let mut c = RaftServiceClient::new(channel_as(addr, identity, tls::MASTER_SERVER_NAME));
+        c.grant_key(pb::GrantKeyRequest { from })
+            .await
+            .map(|r| r.into_inner())
+    })
+}
+
+/// The leader's grant key signs what workers cache: only a member of the group, with its
+/// own master certificate, gets it, and only from the leader. Users, admins, workers, a
+/// master claiming another's id, a master certificate of an id outside the group and huge
+/// ids are refused; the group keeps its leader and commits.
+#[test]
+fn only_a_member_master_gets_the_leaders_grant_key() {
+    if !tls_suite() {
+        return;
+    }
+    let tmp = workdir("granary-ids-grantkey-");
+    let g = MasterGroup::start(tmp.path(), 3, 1000).unwrap();
+    let (leader, term) = leader_and_term(&g);
+    let follower = g.running_ids().into_iter().find(|&i| i != leader).unwrap();
+    let (laddr, faddr) = (g.addr(leader), g.addr(follower));
+    let t = TestTls::get();
+    for who in ["user", "admin", "node"] {
+        let e = grant_key(&laddr, &t.identity(who), follower).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{who}: {e:?}");
+        assert!(
+            e.message().contains("GrantKey needs the master role"),
+            "{who}: {e:?}"
+        );
+    }
+    // A member's certificate speaks for its own id only.
+    let e = grant_key(&laddr, &t.master(follower), leader).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    for id in [9, u64::MAX] {
+        let e = grant_key(&laddr, &t.master(follower), id).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{id}: {e:?}");
+    }
+    // A master certificate of an id that is not a member.
+    let e = grant_key(&laddr, &t.master(9), 9).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("not a member"), "{e:?}");
+    // A follower has no key of its own to give: it names the leader.
+    let e = grant_key(&faddr, &t.master(leader), leader).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    // A member asking the leader gets a usable key, in the leader's term; twice, the same.
+    let first = grant_key(&laddr, &t.master(follower), follower).unwrap();
+    let again = grant_key(&laddr, &t.master(follower), follower).unwrap();
+    assert_eq!(first.term, term);
+    let key = first.key.expect("a key");
+    assert!(key.id != 0 && key.key.len() == 32, "{key:?}");
+    assert_eq!(again.key, Some(key));
+    assert_eq!(leader_and_term(&g), (leader, term), "{}", g.logs());
+    granary_ok(&["fs", "mkdir", "/after", "--master", &g.addrs()]).unwrap();
+}
+
 #[test]
 fn only_a_masters_own_certificate_speaks_raft_and_the_group_stays_healthy() {
     if !tls_suite() {
