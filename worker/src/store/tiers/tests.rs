@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 
@@ -160,11 +160,16 @@ fn op() -> impl Strategy<Value = Op> {
 /// and reopen: no tier ever exceeds its quota, every cached page reads back as written, a
 /// pinned page never leaves, and while everything ever written fits in the tiers together
 /// nothing has left the cache (evictions only move pages down).
-fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
+///
+/// The check reads every cached page, and each read may promote it: `order` seeds the order
+/// of those reads, so a failure replays exactly (reads in hash-map order once made one fail
+/// about once in 5,000 runs, never twice the same).
+fn run(policy: PolicyKind, ops: Vec<Op>, order: u64) -> Result<(), TestCaseError> {
     let d = tempfile::tempdir().unwrap();
     let pages = [2, 3, 4];
     let mut s = open(d.path(), pages, policy);
-    let mut model: HashMap<PageKey, Vec<u8>> = HashMap::new();
+    let mut model: BTreeMap<PageKey, Vec<u8>> = BTreeMap::new();
+    let mut x = order | 1;
     let mut pinned: HashSet<u64> = HashSet::new();
     // Pinned pages can crowd a tier so that a move has nowhere to go: the "nothing leaves a
     // cache it fits in" check holds only for runs without pins.
@@ -177,6 +182,7 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
             .collect();
         // An inode dropped or unpinned by this op: its pages may go.
         let mut released_inode = None;
+        let mut released_all = false;
         match op {
             Op::Fill(i, p, len, byte) => {
                 let k = key(i, p);
@@ -212,7 +218,10 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Reopen => {
                 drop(s);
                 s = open(d.path(), pages, policy);
+                // Pins are not kept across a restart (the master sends them again): the
+                // reads below may move what was pinned.
                 pinned.clear();
+                released_all = true;
             }
         }
         for (t, n) in s.tiers.iter().zip(pages) {
@@ -228,21 +237,36 @@ fn run(policy: PolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 .sum();
             prop_assert_eq!(t.used(), used, "tier {} accounting", t.tier);
         }
-        for (k, v) in &model {
+        let mut keys: Vec<&PageKey> = model.keys().collect();
+        for i in (1..keys.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            keys.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        for k in keys {
+            let v = &model[k];
             if s.contains(k) {
                 let got = s.get(k);
                 prop_assert_eq!(got.as_deref(), Some(v.as_slice()), "page {:?}", k);
             }
         }
         for k in pinned_before {
-            if released_inode != Some(k.0 .0) {
+            if released_inode != Some(k.0 .0) && !released_all {
                 prop_assert!(s.contains(&k), "pinned page {:?} left the cache", k);
             }
         }
-        if model.len() as u64 <= pages.iter().sum::<u64>() && !ever_pinned {
+        let fit = pages.iter().sum::<u64>();
+        if model.len() as u64 <= fit && !ever_pinned {
             for k in model.keys() {
                 prop_assert!(s.contains(k), "page {:?} left a cache it fits in", k);
             }
+        } else if model.len() as u64 > fit {
+            // More pages than surely fit: those that left were evicted by right. Forget
+            // them, so that once stale drops bring the count back down, the check above
+            // asks only for pages that were still cached (it once asked for pages evicted
+            // long before, and failed a correct cache).
+            model.retain(|k, _| s.contains(k));
         }
     }
     Ok(())
@@ -252,13 +276,13 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn lru_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60)) {
-        run(PolicyKind::Lru, ops)?;
+    fn lru_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60), order: u64) {
+        run(PolicyKind::Lru, ops, order)?;
     }
 
     #[test]
-    fn lfu_admission_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60)) {
-        run(PolicyKind::LfuAdmission, ops)?;
+    fn lfu_admission_tiers_match_the_model(ops in prop::collection::vec(op(), 1..60), order: u64) {
+        run(PolicyKind::LfuAdmission, ops, order)?;
     }
 }
 
