@@ -90,7 +90,6 @@ async fn rig_with(signed: bool) -> Rig {
         1,
         Ufs {
             store,
-            pager: None,
             prefix: StorePath::default(),
             part_size: 2 * PS,
             part_concurrency: 2,
