@@ -7,13 +7,17 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use object_store::list::PaginatedListStore;
 use object_store::path::Path as StorePath;
 use object_store::ObjectStore;
 use thiserror::Error;
 use url::Url;
 
 pub mod faults;
+mod list;
 mod local;
+use list::open_object_store;
+pub use list::{ListFailure, LIST_MAX_PAGES, LIST_PAGE_KEYS};
 pub use local::{ConfinedLocal, Symlinks};
 
 /// A function from a store to the store used in its place.
@@ -42,6 +46,7 @@ pub const GRANARY_OPTION_KEYS: &[&str] = &[
     "dir_mode",
     "file_mode",
     "gid",
+    "list_page_keys",
     "part_concurrency",
     "part_size",
     "read_only",
@@ -340,14 +345,29 @@ impl From<&granary_proto::Fingerprint> for Expected {
 }
 
 /// An opened under-store: the store and the path prefix of the mount inside it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Ufs {
     pub store: Arc<dyn ObjectStore>,
+    /// The same store's one-request-per-page listing (S3, GCS, Azure): a folder is listed
+    /// page by page, each page under its own deadline (see [`Ufs::list_folder`]). `None`
+    /// for stores listed in one call (folders, memory) and for stores wrapped by tests,
+    /// whose faults must see every listing.
+    pub pager: Option<Arc<dyn PaginatedListStore>>,
     pub prefix: StorePath,
     /// Bytes one ranged GET of a cold read asks for (`part_size`).
     pub part_size: u64,
     /// Ranged GETs one sequential cold reader keeps in flight (`part_concurrency`).
     pub part_concurrency: usize,
+}
+
+impl std::fmt::Debug for Ufs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ufs")
+            .field("store", &self.store)
+            .field("paged", &self.pager.is_some())
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Ufs {
@@ -555,6 +575,20 @@ impl UfsSpec {
                 });
             }
         }
+        if let Some(v) = self.options.get("list_page_keys") {
+            let ok = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=LIST_PAGE_KEYS).contains(n));
+            if ok.is_none() {
+                return Err(UfsError::InvalidOption {
+                    key: "list_page_keys".into(),
+                    value: v.clone(),
+                    reason: "expected a whole number from 1 to 1000".into(),
+                });
+            }
+        }
         if let Some(v) = self.options.get("part_concurrency") {
             let ok = v
                 .trim()
@@ -664,6 +698,15 @@ impl UfsSpec {
             .unwrap_or(DEFAULT_PART_SIZE)
     }
 
+    /// `list_page_keys` ([`LIST_PAGE_KEYS`] when unset).
+    pub fn list_page_keys(&self) -> usize {
+        self.options
+            .get("list_page_keys")
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|n| (1..=LIST_PAGE_KEYS).contains(n))
+            .unwrap_or(LIST_PAGE_KEYS)
+    }
+
     /// `part_concurrency` ([`DEFAULT_PART_CONCURRENCY`] when unset).
     pub fn part_concurrency(&self) -> usize {
         self.options
@@ -736,20 +779,20 @@ impl UfsSpec {
                 })?;
             return Ok(Ufs {
                 store: Arc::new(store),
+                pager: None,
                 prefix: StorePath::default(),
                 part_size: self.part_size(),
                 part_concurrency: self.part_concurrency(),
             });
         }
-        let (store, prefix) =
-            object_store::parse_url_opts(&url, self.store_options()).map_err(|source| {
-                UfsError::Open {
-                    uri: self.uri.clone(),
-                    source,
-                }
+        let (store, pager, prefix) =
+            open_object_store(&url, self.store_options()).map_err(|source| UfsError::Open {
+                uri: self.uri.clone(),
+                source,
             })?;
         Ok(Ufs {
-            store: Arc::from(store),
+            store,
+            pager,
             prefix,
             part_size: self.part_size(),
             part_concurrency: self.part_concurrency(),
@@ -778,11 +821,7 @@ impl UfsSpec {
             return Ok(ufs);
         }
         let kind = self.kind()?.name();
-        let listing = tokio::time::timeout(
-            PROBE_TIMEOUT,
-            ufs.store.list_with_delimiter(Some(&ufs.prefix)),
-        )
-        .await;
+        let listing = tokio::time::timeout(PROBE_TIMEOUT, ufs.list_one_page()).await;
         let message = match listing {
             Ok(Ok(_)) => return Ok(ufs),
             Ok(Err(e)) => {
@@ -1183,6 +1222,7 @@ mod tests {
     fn store_paths_keep_names_as_listed() {
         let ufs = Ufs {
             store: Arc::new(object_store::memory::InMemory::new()),
+            pager: None,
             prefix: StorePath::from("data"),
             part_size: DEFAULT_PART_SIZE,
             part_concurrency: DEFAULT_PART_CONCURRENCY,
@@ -1308,6 +1348,14 @@ mod tests {
             16
         );
         assert!(spec("part_concurrency", "0").is_err());
+        assert_eq!(spec("list_page_keys", "7").unwrap().list_page_keys(), 7);
+        assert_eq!(
+            spec("list_page_keys", "1000").unwrap().list_page_keys(),
+            1000
+        );
+        for bad in ["0", "1001", "many", "-1"] {
+            assert!(spec("list_page_keys", bad).is_err(), "{bad}");
+        }
         assert!(spec("part_concurrency", "65").is_err());
     }
 

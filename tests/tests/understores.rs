@@ -118,9 +118,23 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     wait_live_workers(&addr, 1).unwrap();
     let local = src.to_string_lossy().to_string();
     let mounts: Vec<(&str, String, Vec<String>)> = vec![
-        ("/stores/s3", s3.uri(), s3.options.clone()),
-        ("/stores/gcs", gcs.uri(), gcs.options.clone()),
-        ("/stores/azure", az.uri(), az.options.clone()),
+        // Listed 7 entries per request: every folder of the tree takes pages (folders
+        // on several of them), joined into one listing.
+        (
+            "/stores/s3",
+            s3.uri(),
+            with_opts(&s3, &["list_page_keys=7"]),
+        ),
+        (
+            "/stores/gcs",
+            gcs.uri(),
+            with_opts(&gcs, &["list_page_keys=7"]),
+        ),
+        (
+            "/stores/azure",
+            az.uri(),
+            with_opts(&az, &["list_page_keys=7"]),
+        ),
         ("/stores/local", local.clone(), vec![]),
     ];
     for (path, uri, opts) in &mounts {
@@ -189,6 +203,26 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
                 "{kind}: range {off}+{len}"
             );
         }
+    }
+    // Listed 7 entries per request, the object stores' folders took more requests than
+    // listings; a folder store lists in one. fake-gcs-server ignores the page size (it
+    // answers every listing whole, with no next page), so GCS is held to no fewer.
+    let scraped = scrape(&master.metrics).unwrap();
+    for kind in ["s3", "gcs", "azure", "local"] {
+        let of = |name: &str| {
+            let labels = format!("{{mount=\"/stores/{kind}\"}}");
+            metric(&scraped, &format!("granary_master_{name}_total{labels}")).unwrap_or(0.0)
+        };
+        let (listings, requests) = (of("ufs_listings"), of("ufs_list_requests"));
+        let paged = match kind {
+            "local" => requests == listings,
+            "gcs" => requests >= listings,
+            _ => requests > listings,
+        };
+        assert!(
+            listings > 0.0 && paged,
+            "{kind}: {listings} listings took {requests} requests"
+        );
     }
     // Per-mount under-store metrics: every mount's reads are counted and timed.
     let mounts_json: serde_json::Value =

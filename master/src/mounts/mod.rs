@@ -287,6 +287,8 @@ impl UfsCache {
         let mut ufs = spec.open()?;
         if let Some(wrap) = &self.policy.wrap {
             ufs.store = (wrap.0)(ufs.store);
+            // Listings go through the wrapped store too.
+            ufs.pager = None;
         }
         map.insert(
             mount.id,

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use granary_common::paths;
-use granary_common::ufs::SyncPolicy;
+use granary_common::ufs::{ListFailure, SyncPolicy};
 use object_store::{ObjectStore as _, ObjectStoreExt as _};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -635,34 +635,62 @@ impl Namespace {
     async fn list_ufs(&self, mount: &Mount, dir: &Inode) -> Result<Vec<UfsEntry>, MasterError> {
         let ufs = self.ufs.get(mount)?;
         let location = ufs.path_of(&dir.ufs_path);
-        let listing =
-            tokio::time::timeout(UFS_DEADLINE, ufs.store.list_with_delimiter(Some(&location)))
-                .await
-                .map_err(|_| MasterError::Unavailable {
-                    message: format!(
-                        "listing {} in the under-store {} did not finish within {UFS_DEADLINE:?}",
-                        dir.ufs_path, mount.spec.uri
+        let at = if dir.ufs_path.is_empty() {
+            "/"
+        } else {
+            &dir.ufs_path
+        };
+        // A handle (the family's guard must not be held across the listing).
+        let requests = self
+            .metrics
+            .list_requests
+            .get_or_create(&MountLabel {
+                mount: mount.path.clone(),
+            })
+            .clone();
+        let listing = ufs
+            .list_folder(&location, mount.spec.list_page_keys(), UFS_DEADLINE)
+            .await
+            .map(|(listing, pages)| {
+                requests.inc_by(pages as u64);
+                listing
+            })
+            .map_err(|failure| {
+                let uri = &mount.spec.uri;
+                let (text, denied, pages) = match &failure {
+                    ListFailure::Store { pages, error } => (
+                        format!("listing {at} in the under-store {uri} failed: {error}"),
+                        granary_common::ufs::is_access_denied(error),
+                        *pages,
                     ),
-                })?
-                .map_err(|e| {
-                    let at = if dir.ufs_path.is_empty() {
-                        "/"
-                    } else {
-                        &dir.ufs_path
-                    };
-                    let message = self.ufs.scrub(
-                        mount,
-                        &format!(
-                            "listing {at} in the under-store {} failed: {e}",
-                            mount.spec.uri
+                    ListFailure::TimedOut { pages: 0 } => (
+                        format!("listing {at} in the under-store {uri} did not finish within {UFS_DEADLINE:?}"),
+                        false,
+                        0,
+                    ),
+                    ListFailure::TimedOut { pages } => (
+                        format!(
+                            "listing {at} in the under-store {uri}: page {} did not come within {UFS_DEADLINE:?}",
+                            pages + 1
                         ),
-                    );
-                    if granary_common::ufs::is_access_denied(&e) {
-                        MasterError::PermissionDenied { message }
-                    } else {
-                        MasterError::Unavailable { message }
-                    }
-                })?;
+                        false,
+                        *pages,
+                    ),
+                    ListFailure::Endless { pages } => (
+                        format!("listing {at} in the under-store {uri} did not end after {pages} pages"),
+                        false,
+                        pages.saturating_sub(1),
+                    ),
+                };
+                // The pages that came and the request that failed.
+                requests.inc_by(pages as u64 + 1);
+                let message = self.ufs.scrub(mount, &text);
+                if denied {
+                    MasterError::PermissionDenied { message }
+                } else {
+                    MasterError::Unavailable { message }
+                }
+            })?;
         let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
         // Names taken so far, looked up by hash: a scan of `entries` per object made a
         // listing quadratic (a 10,000-object folder: 50 million string comparisons).
@@ -977,6 +1005,7 @@ pub struct NsMetrics {
     pub listing_failures: Family<MountLabel, Counter>,
     pub heads: Family<MountLabel, Counter>,
     pub prefix_lists: Family<MountLabel, Counter>,
+    pub list_requests: Family<MountLabel, Counter>,
     pub failing_dirs: Gauge<i64, AtomicI64>,
     pub relists_deferred: Counter,
     pub follower_reads: Counter,
@@ -1005,6 +1034,11 @@ impl NsMetrics {
                 "granary_master_ufs_prefix_lists",
                 "One-page prefixed listings that look up a directory by name, per mount",
                 self.prefix_lists.clone(),
+            );
+            r.register(
+                "granary_master_ufs_list_requests",
+                "Listing requests sent to under-stores for folder listings (one per page of up to list_page_keys entries), per mount",
+                self.list_requests.clone(),
             );
             r.register(
                 "granary_master_dirs_sync_failing",

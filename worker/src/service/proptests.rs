@@ -90,6 +90,7 @@ async fn rig_with(signed: bool) -> Rig {
         1,
         Ufs {
             store,
+            pager: None,
             prefix: StorePath::default(),
             part_size: 2 * PS,
             part_concurrency: 2,

@@ -59,6 +59,7 @@ async fn rig_with(
         1,
         Ufs {
             store: store.clone(),
+            pager: None,
             prefix: StorePath::default(),
             part_size: part_pages * PS,
             part_concurrency: concurrency,
@@ -344,6 +345,7 @@ async fn a_body_that_breaks_off_mid_page_is_resumed_at_the_byte_where_it_stopped
                 inner: r.store.clone(),
                 cut: Mutex::new(Some(cut)),
             }),
+            pager: None,
             prefix: StorePath::default(),
             part_size: 8 * PS,
             part_concurrency: 1,
@@ -389,6 +391,7 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
         1,
         Ufs {
             store: local.clone(),
+            pager: None,
             prefix: StorePath::default(),
             part_size: 8 * PS,
             part_concurrency: 1,

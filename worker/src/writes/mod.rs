@@ -929,6 +929,7 @@ mod tests {
             1,
             granary_common::ufs::Ufs {
                 store: Arc::new(object_store::memory::InMemory::new()),
+                pager: None,
                 prefix: object_store::path::Path::default(),
                 part_size: PS,
                 part_concurrency: 1,
