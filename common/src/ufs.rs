@@ -349,7 +349,7 @@ impl From<&granary_proto::Fingerprint> for Expected {
 pub struct Ufs {
     pub store: Arc<dyn ObjectStore>,
     /// The same store's one-request-per-page listing (S3, GCS, Azure): a folder is listed
-    /// page by page, each page under its own deadline (see [`Ufs::list_folder`]). `None`
+    /// page by page, each page under its own deadline (see [`Ufs::folder_pages`]). `None`
     /// for stores listed in one call (folders, memory) and for stores wrapped by tests,
     /// whose faults must see every listing.
     pub pager: Option<Arc<dyn PaginatedListStore>>,

@@ -67,6 +67,106 @@ fn with_opts(store: &TestStore, extra: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// A folder of several pages (7 keys a request) changed in the store and listed again
+/// (`fs sync`): the listing is merged into the namespace a page at a time. Names put
+/// folders out of name order (`a/` lists after `a-b` and `a.txt`); a file becomes a folder
+/// of the same name, files go and come, and what did not change keeps its inode number.
+fn a_relisting_merges_page_by_page(s3: &TestStore, dir: &Path, at: &str, addr: &str) {
+    let object = |key: &str| s3.object_file(&format!("relist/{key}")).unwrap();
+    let write = |key: &str| random_file(&object(key), 100).unwrap();
+    let mut keys: Vec<String> = ["a", "a-b", "a.txt", "x", "c/d.bin"]
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    keys.extend((0..20).map(|i| format!("b{i:02}")));
+    keys.extend((0..5).map(|i| format!("gone-{i}")));
+    for k in &keys {
+        write(k);
+    }
+    let names = |p: &Path| -> Vec<(String, bool)> {
+        let mut v: Vec<(String, bool)> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.file_type().unwrap().is_dir(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let store_dir = s3.object_file("relist").unwrap();
+    // The mount's root was listed before the folder was made: listed again now.
+    granary_ok(&["fs", "sync", at, "--master", addr]).unwrap();
+    assert_eq!(names(&dir.join("relist")), names(&store_dir));
+    let inodes = |names: &[&str]| -> Vec<String> {
+        names
+            .iter()
+            .map(|n| {
+                sh(&format!(
+                    "stat -c %i '{}'",
+                    dir.join("relist").join(n).display()
+                ))
+                .unwrap()
+            })
+            .collect()
+    };
+    let kept = ["a-b", "a.txt", "b07", "b19", "c"];
+    let before = inodes(&kept);
+    // The store changes: a file becomes a folder of the same name (twice), files go and come.
+    for k in ["a", "x"] {
+        std::fs::remove_file(object(k)).unwrap();
+        write(&format!("{k}/inside.bin"));
+    }
+    for i in 0..5 {
+        std::fs::remove_file(object(&format!("gone-{i}"))).unwrap();
+    }
+    for i in 0..10 {
+        write(&format!("n{i}"));
+    }
+    granary_ok(&["fs", "sync", &format!("{at}/relist"), "--master", addr]).unwrap();
+    let want = names(&store_dir);
+    poll(
+        "the mount to show the folder as listed again",
+        Duration::from_secs(30),
+        || (names(&dir.join("relist")) == want).then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}: {:?} against {want:?}", names(&dir.join("relist"))));
+    assert_eq!(inodes(&kept), before, "unchanged entries were made again");
+    for k in ["a/inside.bin", "x/inside.bin", "n9"] {
+        assert_eq!(
+            sha_of(&dir.join("relist").join(k)),
+            sha_of(&object(k)),
+            "{k}"
+        );
+    }
+    // Known now: the folder `a`, which a listing passes after `a-b` and `a.txt`; changes
+    // on both sides of it keep it.
+    let kept = ["a", "a.txt", "b07", "x"];
+    let before = inodes(&kept);
+    // Seven keys before `a/` (a page's worth): the first page ends at `a.txt`.
+    std::fs::remove_file(object("a-b")).unwrap();
+    for k in ["a-0", "a-1", "a-2", "a-3", "a-4", "a-5", "a~"] {
+        write(k);
+    }
+    granary_ok(&["fs", "sync", &format!("{at}/relist"), "--master", addr]).unwrap();
+    let want = names(&store_dir);
+    poll("the second change to show", Duration::from_secs(30), || {
+        (names(&dir.join("relist")) == want).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e:#}: {:?} against {want:?}", names(&dir.join("relist"))));
+    assert_eq!(inodes(&kept), before, "unchanged entries were made again");
+    // Gone from the store: gone from the namespace at the next listing.
+    std::fs::remove_dir_all(&store_dir).unwrap();
+    granary_ok(&["fs", "sync", at, "--master", addr]).unwrap();
+    poll("the folder to go", Duration::from_secs(30), || {
+        (!dir.join("relist").exists()).then_some(())
+    })
+    .unwrap();
+}
+
 fn mount_args<'a>(
     path: &'a str,
     uri: &'a str,
@@ -204,6 +304,7 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
             );
         }
     }
+    a_relisting_merges_page_by_page(&s3, &mnt.join("s3"), "/stores/s3", &addr);
     // Listed 7 entries per request, the object stores' folders took more requests than
     // listings; a folder store lists in one. fake-gcs-server ignores the page size (it
     // answers every listing whole, with no next page), so GCS is held to no fewer.

@@ -34,67 +34,91 @@ pub enum ListFailure {
     Endless { pages: usize },
 }
 
+/// One folder's listing, a page at a time (see [`Ufs::folder_pages`]).
+pub struct FolderPages<'a> {
+    ufs: &'a Ufs,
+    location: StorePath,
+    page_keys: usize,
+    deadline: std::time::Duration,
+    token: Option<String>,
+    requests: usize,
+    done: bool,
+}
+
+impl FolderPages<'_> {
+    /// The next page and whether it is the last; `None` once the last came. A store that
+    /// does not page answers the whole folder as its one page.
+    pub async fn next(&mut self) -> Result<Option<(ListResult, bool)>, ListFailure> {
+        if self.done {
+            return Ok(None);
+        }
+        let pages = self.requests;
+        if pages >= LIST_MAX_PAGES {
+            return Err(ListFailure::Endless { pages });
+        }
+        self.requests += 1;
+        let Some(pager) = &self.ufs.pager else {
+            let listing = self.ufs.store.list_with_delimiter(Some(&self.location));
+            self.done = true;
+            return match tokio::time::timeout(self.deadline, listing).await {
+                Ok(Ok(l)) => Ok(Some((l, true))),
+                Ok(Err(error)) => Err(ListFailure::Store { pages, error }),
+                Err(_) => Err(ListFailure::TimedOut { pages }),
+            };
+        };
+        // A paged listing takes its prefix as given: a folder's ends with the delimiter.
+        let prefix = Some(self.location.as_ref())
+            .filter(|p| !p.is_empty())
+            .map(|p| format!("{p}/"));
+        let opts = PaginatedListOptions {
+            delimiter: Some("/".into()),
+            max_keys: Some(self.page_keys.clamp(1, LIST_PAGE_KEYS)),
+            page_token: self.token.clone(),
+            ..Default::default()
+        };
+        let page =
+            tokio::time::timeout(self.deadline, pager.list_paginated(prefix.as_deref(), opts))
+                .await
+                .map_err(|_| ListFailure::TimedOut { pages })?
+                .map_err(|error| ListFailure::Store { pages, error })?;
+        match page.page_token.filter(|t| !t.is_empty()) {
+            None => self.done = true,
+            Some(next) if self.token.as_ref() == Some(&next) => {
+                return Err(ListFailure::Endless { pages: pages + 1 })
+            }
+            next => self.token = next,
+        }
+        Ok(Some((page.result, self.done)))
+    }
+
+    /// Requests sent so far (pages asked for, the failed one included).
+    pub fn requests(&self) -> usize {
+        self.requests
+    }
+}
+
 impl Ufs {
-    /// Lists one folder (`location`; its objects and the folders below it, one level).
-    /// A store that pages is listed a page per request, and `deadline` bounds each request,
-    /// not the whole listing: a flat folder of millions of objects lists as long as every
-    /// page comes in time, and a store that stops answering is noticed within one
-    /// deadline. A store that does not page is listed in one call under `deadline`.
-    /// `page_keys`: entries asked for per page (`list_page_keys`). Returns the listing and
-    /// the requests it took.
-    pub async fn list_folder(
+    /// Lists one folder (`location`; its objects and the folders below it, one level), a
+    /// page at a time. A store that pages is listed a page per request, and `deadline`
+    /// bounds each request, not the whole listing: a flat folder of millions of objects
+    /// lists as long as every page comes in time, and a store that stops answering is
+    /// noticed within one deadline. A store that does not page is listed in one call
+    /// under `deadline`. `page_keys`: entries asked for per page (`list_page_keys`).
+    pub fn folder_pages(
         &self,
         location: &StorePath,
         page_keys: usize,
         deadline: std::time::Duration,
-    ) -> Result<(ListResult, usize), ListFailure> {
-        let Some(pager) = &self.pager else {
-            let listing = self.store.list_with_delimiter(Some(location));
-            return match tokio::time::timeout(deadline, listing).await {
-                Ok(Ok(l)) => Ok((l, 1)),
-                Ok(Err(error)) => Err(ListFailure::Store { pages: 0, error }),
-                Err(_) => Err(ListFailure::TimedOut { pages: 0 }),
-            };
-        };
-        // A paged listing takes its prefix as given: a folder's ends with the delimiter.
-        let prefix = Some(location.as_ref())
-            .filter(|p| !p.is_empty())
-            .map(|p| format!("{p}/"));
-        let mut prefixes = std::collections::BTreeSet::new();
-        let mut objects = Vec::new();
-        let mut token: Option<String> = None;
-        for pages in 0..LIST_MAX_PAGES {
-            let opts = PaginatedListOptions {
-                delimiter: Some("/".into()),
-                max_keys: Some(page_keys.clamp(1, LIST_PAGE_KEYS)),
-                page_token: token.clone(),
-                ..Default::default()
-            };
-            let page =
-                tokio::time::timeout(deadline, pager.list_paginated(prefix.as_deref(), opts))
-                    .await
-                    .map_err(|_| ListFailure::TimedOut { pages })?
-                    .map_err(|error| ListFailure::Store { pages, error })?;
-            prefixes.extend(page.result.common_prefixes);
-            objects.extend(page.result.objects);
-            match page.page_token.filter(|t| !t.is_empty()) {
-                None => {
-                    let listing = ListResult {
-                        common_prefixes: prefixes.into_iter().collect(),
-                        objects,
-                        extensions: Default::default(),
-                    };
-                    return Ok((listing, pages + 1));
-                }
-                Some(next) if token.as_ref() == Some(&next) => {
-                    return Err(ListFailure::Endless { pages: pages + 1 })
-                }
-                next => token = next,
-            }
+    ) -> FolderPages<'_> {
+        FolderPages {
+            ufs: self,
+            location: location.clone(),
+            page_keys,
+            deadline,
+            token: None,
+            requests: 0,
+            done: false,
         }
-        Err(ListFailure::Endless {
-            pages: LIST_MAX_PAGES,
-        })
     }
 
     /// Whether the mount's folder can be listed: one page of it at most (a mount of a
@@ -246,32 +270,36 @@ mod tests {
             hang_at,
             asked: Default::default(),
         };
-        // 2,500 objects: three requests, every object once, the folder once.
+        // 2,500 objects: three requests, every object once, the last page said so.
         let (ufs, store) = paged(pages(2_500, false, None));
-        let (l, requests) = ufs
-            .list_folder(&dir, LIST_PAGE_KEYS, std::time::Duration::from_secs(5))
-            .await
-            .unwrap();
-        assert_eq!((*store.asked.lock().unwrap(), requests), (3, 3));
-        assert_eq!(l.objects.len(), 2_500);
-        let names: std::collections::BTreeSet<_> =
-            l.objects.iter().map(|o| o.location.to_string()).collect();
+        let mut l = ufs.folder_pages(&dir, LIST_PAGE_KEYS, std::time::Duration::from_secs(5));
+        let (mut names, mut lasts) = (std::collections::BTreeSet::new(), Vec::new());
+        while let Some((page, last)) = l.next().await.unwrap() {
+            names.extend(page.objects.iter().map(|o| o.location.to_string()));
+            assert_eq!(page.common_prefixes, vec![StorePath::from("data/dir/sub")]);
+            lasts.push(last);
+        }
+        assert_eq!((*store.asked.lock().unwrap(), l.requests()), (3, 3));
+        assert_eq!(lasts, [false, false, true]);
         assert_eq!(names.len(), 2_500);
-        assert_eq!(l.common_prefixes, vec![StorePath::from("data/dir/sub")]);
         // Page 2 never comes: the listing fails after one deadline, saying how far it got.
         let (ufs, _) = paged(pages(2_500, false, Some(1)));
-        let failed = ufs
-            .list_folder(&dir, 700, std::time::Duration::from_millis(200))
-            .await;
+        let mut l = ufs.folder_pages(&dir, 700, std::time::Duration::from_millis(200));
+        assert!(l.next().await.unwrap().is_some());
+        let failed = l.next().await;
         assert!(
             matches!(failed, Err(ListFailure::TimedOut { pages: 1 })),
             "{failed:?}"
         );
         // A store that names the same next page forever is not followed.
         let (ufs, store) = paged(pages(2_500, true, None));
-        let failed = ufs
-            .list_folder(&dir, LIST_PAGE_KEYS, std::time::Duration::from_secs(5))
-            .await;
+        let mut l = ufs.folder_pages(&dir, LIST_PAGE_KEYS, std::time::Duration::from_secs(5));
+        let failed = loop {
+            match l.next().await {
+                Ok(Some(_)) => {}
+                other => break other,
+            }
+        };
         assert!(
             matches!(failed, Err(ListFailure::Endless { pages: 2 })),
             "{failed:?}"

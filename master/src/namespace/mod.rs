@@ -8,15 +8,17 @@
 //! with backoff.
 
 mod follower;
+mod listing;
+mod merge;
 mod writes;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use granary_common::paths;
-use granary_common::ufs::{ListFailure, SyncPolicy};
+use granary_common::ufs::SyncPolicy;
 use object_store::{ObjectStore as _, ObjectStoreExt as _};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -542,16 +544,15 @@ impl Namespace {
         let label = MountLabel {
             mount: mount.path.clone(),
         };
-        // What is known before the listing starts: the apply leaves alone any entry changed
-        // since (a lookup's HEAD is newer than this listing), and workers are told which
-        // cached versions went stale.
-        let known = self.sm.children(dir.id, None, usize::MAX)?;
-        let seen: BTreeMap<String, u64> =
-            known.iter().map(|c| (c.name.clone(), c.version)).collect();
         self.metrics.listings.get_or_create(&label).inc();
-        let listing = self.list_ufs(&mount, &dir).await;
-        let entries = match listing {
-            Ok(entries) => entries,
+        match self.merge_listing(&mount, &dir, mount_id).await {
+            Ok(true) => {}
+            // Nothing changed: the usual outcome of a periodic re-listing.
+            Ok(false) => {
+                self.record_success(dir.id);
+                self.record_unchanged_listing(dir.id, mount_id).await;
+                return Ok(dir);
+            }
             Err(e) => {
                 self.metrics.listing_failures.get_or_create(&label).inc();
                 let failures = self.record_failure(dir.id, &e);
@@ -564,171 +565,9 @@ impl Namespace {
                 );
                 return if dir.children_loaded { Ok(dir) } else { Err(e) };
             }
-        };
-        if dir.children_loaded && unchanged(&known, &entries) {
-            // Nothing changed: the usual outcome of a periodic re-listing.
-            self.record_success(dir.id);
-            self.record_unchanged_listing(dir.id, mount_id).await;
-            return Ok(dir);
         }
-        // Only what changed is replicated, in batches small enough for one Raft entry each
-        // (a directory of a million objects must not become one 100 MB log entry).
-        let (upserts, removed) = diff(&known, &entries);
-        let before: HashMap<String, (u64, u64)> = known
-            .into_iter()
-            .filter(|c| c.kind == Kind::File)
-            .map(|c| (c.name.clone(), (c.id, c.version)))
-            .collect();
-        let chunks = upserts
-            .len()
-            .div_ceil(SYNC_BATCH)
-            .max(removed.len().div_ceil(SYNC_BATCH))
-            .max(1);
-        let mut ups = upserts.into_iter();
-        let mut rems = removed.into_iter();
-        for i in 0..chunks {
-            let part: Vec<UfsEntry> = ups.by_ref().take(SYNC_BATCH).collect();
-            let gone: Vec<String> = rems.by_ref().take(SYNC_BATCH).collect();
-            let part_seen: BTreeMap<String, u64> = part
-                .iter()
-                .map(|e| e.name.as_str())
-                .chain(gone.iter().map(String::as_str))
-                .filter_map(|n| seen.get(n).map(|v| (n.to_string(), *v)))
-                .collect();
-            let cmd = Command::SyncDir {
-                dir: dir.id,
-                mount_id,
-                entries: part,
-                now_ms: granary_common::now_ms(),
-                block_size: self.block_size,
-                seen: Some(part_seen),
-                batch: Some(crate::state::SyncBatch {
-                    removed: gone,
-                    last: i + 1 == chunks,
-                }),
-            };
-            if let Err(e) = self.raft.propose(&cmd).await {
-                if dir.children_loaded {
-                    // Could not record it (e.g. leadership moved): keep what is known.
-                    self.record_failure(dir.id, &e);
-                    return Ok(dir);
-                }
-                return Err(e);
-            }
-        }
-        let out = crate::state::ApplyOutput::Inode(self.inode(dir.id)?);
         self.record_success(dir.id);
-        for (name, (inode, version)) in before {
-            match self.sm.child(dir.id, &name)? {
-                Some(c) if c.id == inode && c.version == version => {}
-                Some(c) if c.id == inode => self.blocks.note_stale(inode, c.version),
-                _ => self.blocks.note_stale(inode, 0),
-            }
-        }
-        match out {
-            crate::state::ApplyOutput::Inode(i) => Ok(i),
-            _ => self.inode(dir.id),
-        }
-    }
-
-    /// One listing of `dir` from the under-store, as entries for `LoadDir`/`SyncDir`.
-    async fn list_ufs(&self, mount: &Mount, dir: &Inode) -> Result<Vec<UfsEntry>, MasterError> {
-        let ufs = self.ufs.get(mount)?;
-        let location = ufs.path_of(&dir.ufs_path);
-        let at = if dir.ufs_path.is_empty() {
-            "/"
-        } else {
-            &dir.ufs_path
-        };
-        // A handle (the family's guard must not be held across the listing).
-        let requests = self
-            .metrics
-            .list_requests
-            .get_or_create(&MountLabel {
-                mount: mount.path.clone(),
-            })
-            .clone();
-        let listing = ufs
-            .list_folder(&location, mount.spec.list_page_keys(), UFS_DEADLINE)
-            .await
-            .map(|(listing, pages)| {
-                requests.inc_by(pages as u64);
-                listing
-            })
-            .map_err(|failure| {
-                let uri = &mount.spec.uri;
-                let (text, denied, pages) = match &failure {
-                    ListFailure::Store { pages, error } => (
-                        format!("listing {at} in the under-store {uri} failed: {error}"),
-                        granary_common::ufs::is_access_denied(error),
-                        *pages,
-                    ),
-                    ListFailure::TimedOut { pages: 0 } => (
-                        format!("listing {at} in the under-store {uri} did not finish within {UFS_DEADLINE:?}"),
-                        false,
-                        0,
-                    ),
-                    ListFailure::TimedOut { pages } => (
-                        format!(
-                            "listing {at} in the under-store {uri}: page {} did not come within {UFS_DEADLINE:?}",
-                            pages + 1
-                        ),
-                        false,
-                        *pages,
-                    ),
-                    ListFailure::Endless { pages } => (
-                        format!("listing {at} in the under-store {uri} did not end after {pages} pages"),
-                        false,
-                        pages.saturating_sub(1),
-                    ),
-                };
-                // The pages that came and the request that failed.
-                requests.inc_by(pages as u64 + 1);
-                let message = self.ufs.scrub(mount, &text);
-                if denied {
-                    MasterError::PermissionDenied { message }
-                } else {
-                    MasterError::Unavailable { message }
-                }
-            })?;
-        let mut entries = Vec::with_capacity(listing.objects.len() + listing.common_prefixes.len());
-        // Names taken so far, looked up by hash: a scan of `entries` per object made a
-        // listing quadratic (a 10,000-object folder: 50 million string comparisons).
-        let mut taken: HashSet<&str> = HashSet::with_capacity(entries.capacity());
-        for p in &listing.common_prefixes {
-            if let Some(name) = p.filename().filter(|n| paths::validate_name(n).is_ok()) {
-                taken.insert(name);
-                entries.push(UfsEntry {
-                    name: name.to_string(),
-                    kind: Kind::Directory,
-                    fingerprint: None,
-                });
-            }
-        }
-        for o in &listing.objects {
-            // Names Granary cannot show (e.g. containing `/` escapes) are skipped, so they do
-            // not make every re-listing look changed.
-            let Some(name) = o
-                .location
-                .filename()
-                .filter(|n| paths::validate_name(n).is_ok())
-            else {
-                continue;
-            };
-            if !taken.insert(name) {
-                continue; // a directory of the same name wins
-            }
-            entries.push(UfsEntry {
-                name: name.to_string(),
-                kind: Kind::File,
-                fingerprint: Some(fingerprint_of(o)),
-            });
-        }
-        // In name order (a folder store lists in directory order): inodes the listing
-        // makes then get numbers in the order listings read them back, so a page's records
-        // lie together (its pins in one scan, its inodes in one batched read).
-        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-        Ok(entries)
+        self.inode(dir.id)
     }
 
     /// validate-on-open: compares a file's fingerprint with the object's (one HEAD) and
@@ -1082,50 +921,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Entries per `SyncDir` batch.
 const SYNC_BATCH: usize = 2000;
-
-/// What a fresh listing changes: entries to add or update, names to remove.
-fn diff(known: &[Inode], listed: &[UfsEntry]) -> (Vec<UfsEntry>, Vec<String>) {
-    let by_name: HashMap<&str, &Inode> = known.iter().map(|c| (c.name.as_str(), c)).collect();
-    let upserts = listed
-        .iter()
-        .filter(|e| {
-            by_name.get(e.name.as_str()).is_none_or(|c| {
-                c.kind != e.kind
-                    || match (&c.fingerprint, &e.fingerprint) {
-                        (Some(a), Some(b)) => !a.same_object(b),
-                        (None, None) => false,
-                        _ => true,
-                    }
-            })
-        })
-        .cloned()
-        .collect();
-    let names: HashSet<&str> = listed.iter().map(|e| e.name.as_str()).collect();
-    let removed = known
-        .iter()
-        .filter(|c| !names.contains(c.name.as_str()))
-        .map(|c| c.name.clone())
-        .collect();
-    (upserts, removed)
-}
-
-/// Does a fresh listing say exactly what is known (same names, kinds, and objects)?
-fn unchanged(known: &[Inode], listed: &[UfsEntry]) -> bool {
-    if known.len() != listed.len() {
-        return false;
-    }
-    let by_name: HashMap<&str, &Inode> = known.iter().map(|c| (c.name.as_str(), c)).collect();
-    listed.iter().all(|e| {
-        by_name.get(e.name.as_str()).is_some_and(|c| {
-            c.kind == e.kind
-                && match (&c.fingerprint, &e.fingerprint) {
-                    (Some(a), Some(b)) => a.same_object(b),
-                    (None, None) => true,
-                    _ => false,
-                }
-        })
-    })
-}
 
 type DirLocks = Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>;
 
