@@ -66,17 +66,35 @@ impl FaultProxy {
 
     /// Requests the proxy refused so far.
     pub fn injected(&self) -> Result<u64> {
+        let v: serde_json::Value = serde_json::from_str(&self.ask("/__faults")?)?;
+        v["injected"].as_u64().context("no injected count")
+    }
+
+    /// What the proxy counted: `injected`, `forwarded`, `lists` (listing requests) and
+    /// `waiting` (listing requests held now).
+    pub fn counts(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::from_str(&self.ask("/__faults")?)?)
+    }
+
+    /// Listing requests after the next `n` wait until [`FaultProxy::release`].
+    pub fn hold_lists_after(&self, n: u32) -> Result<()> {
+        self.ask(&format!("/__hold/{n}")).map(drop)
+    }
+
+    pub fn release(&self) -> Result<()> {
+        self.ask("/__release").map(drop)
+    }
+
+    /// The body of the proxy's answer to a control request.
+    fn ask(&self, path: &str) -> Result<String> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
-        s.write_all(b"GET /__faults HTTP/1.0\r\nHost: proxy\r\n\r\n")?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: proxy\r\n\r\n")?;
         let mut text = String::new();
         s.read_to_string(&mut text)?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|x| x.1)
-            .context("no body in the proxy's answer")?;
-        let v: serde_json::Value = serde_json::from_str(body)?;
-        v["injected"].as_u64().context("no injected count")
+        text.split_once("\r\n\r\n")
+            .map(|x| x.1.to_string())
+            .context("no body in the proxy's answer")
     }
 }
 

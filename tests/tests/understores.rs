@@ -167,6 +167,92 @@ fn a_relisting_merges_page_by_page(s3: &TestStore, dir: &Path, at: &str, addr: &
     .unwrap();
 }
 
+/// Reads a folder with `os.scandir`: "first NAME" once the first entry came, then, after a
+/// line on its input, "all COUNT".
+const SCAN: &str = r#"
+import os, sys
+it = os.scandir(sys.argv[1])
+first = next(it).name
+print("first", first, flush=True)
+sys.stdin.readline()
+print("all", 1 + sum(1 for _ in it), flush=True)
+"#;
+
+/// A folder never listed streams to its reader: with the store's listing held at its 13th
+/// request (100 keys each), `os.scandir` through the mount gets its first entries, and
+/// the whole folder once the store answers again.
+fn a_first_listing_streams(root: &Path, s3: &TestStore, fs_root: &Path, addr: &str) {
+    use std::io::{BufRead, Write};
+    let n = 3000;
+    for i in 0..n {
+        random_file(&s3.object_file(&format!("stream/f{i:07}")).unwrap(), 0).unwrap();
+    }
+    let proxy = FaultProxy::start(root, &s3.url(), 1_000_000).unwrap();
+    let mut opts: Vec<String> = s3
+        .options
+        .iter()
+        .map(|o| match o.starts_with("endpoint=") {
+            true => format!("endpoint={}", proxy.url()),
+            false => o.clone(),
+        })
+        .collect();
+    opts.push("list_page_keys=100".into());
+    granary_ok(&mount_args("/streamed", &s3.uri(), &opts, addr)).unwrap();
+    let top = fs_root.join("streamed");
+    assert!(top.join("stream").is_dir());
+    let lists = |c: &serde_json::Value| c["lists"].as_u64().unwrap();
+    let before = lists(&proxy.counts().unwrap());
+    // 12 pages (1,200 names) may come, the whole folder takes 30.
+    proxy.hold_lists_after(12).unwrap();
+    let mut scan = std::process::Command::new("python3")
+        .args(["-c", SCAN])
+        .arg(top.join("stream"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = scan.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let first = rx.recv_timeout(Duration::from_secs(60));
+    // The listing goes on to the held request, and no further.
+    let held = poll(
+        "the listing to reach the held request",
+        Duration::from_secs(60),
+        || {
+            let c = proxy.counts().unwrap();
+            (c["waiting"].as_u64() == Some(1)).then_some(c)
+        },
+    );
+    proxy.release().unwrap();
+    let first = first.expect("no entry came while the listing was held");
+    assert_eq!(first, "first f0000000");
+    let held = held.unwrap();
+    assert_eq!(lists(&held) - before, 13, "{held}");
+    writeln!(scan.stdin.as_mut().unwrap()).unwrap();
+    assert_eq!(
+        rx.recv_timeout(Duration::from_secs(120)).unwrap(),
+        format!("all {n}")
+    );
+    assert!(scan.wait().unwrap().success());
+    let mut names: Vec<String> = std::fs::read_dir(top.join("stream"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        (0..n).map(|i| format!("f{i:07}")).collect::<Vec<_>>()
+    );
+    granary_ok(&["mount", "remove", "/streamed", "--master", addr]).unwrap();
+    std::fs::remove_dir_all(s3.object_file("stream").unwrap()).unwrap();
+    granary_ok(&["fs", "sync", "/stores/s3", "--master", addr]).unwrap();
+}
+
 fn mount_args<'a>(
     path: &'a str,
     uri: &'a str,
@@ -305,6 +391,7 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
         }
     }
     a_relisting_merges_page_by_page(&s3, &mnt.join("s3"), "/stores/s3", &addr);
+    a_first_listing_streams(root, &s3, &fuse.mountpoint, &addr);
     // Listed 7 entries per request, the object stores' folders took more requests than
     // listings; a folder store lists in one. fake-gcs-server ignores the page size (it
     // answers every listing whole, with no next page), so GCS is held to no fewer.

@@ -5,15 +5,110 @@
 //! does not page, such as a local folder, answers the whole folder as its one page). A
 //! listing that fails part-way keeps what the pages that came said and leaves alone what
 //! is known past them; the failure is recorded and retried like any other.
+//!
+//! A folder never listed streams to its readers: the first page asked for starts its
+//! listing on a task of its own, and each page of children is answered as soon as the
+//! listing has decided every name up to its last (see [`Merge::decided_below`]) — the
+//! first entries of a folder of a million objects reach `ls` after one request to the
+//! store, not after all of them.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::sync::watch;
 
 use granary_common::ufs::ListFailure;
 
 use super::merge::{Changes, Known, Merge, MergeError};
 use super::*;
 
+/// How far a listing has come: every name below `decided_below` is as the listing says.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Progress {
+    decided_below: Option<String>,
+    done: bool,
+}
+
+/// Listings readers wait on, by folder.
+pub(super) type ProgressMap = Mutex<HashMap<u64, watch::Sender<Progress>>>;
+
+/// How long a reader waits for a listing's progress before it checks that one still runs.
+const PROGRESS_CHECK: Duration = Duration::from_secs(1);
+
 impl Namespace {
+    /// One page of children (`after`, `limit` as [`Namespace::list`]) of the folder `dir`,
+    /// never listed, answered while its listing runs (started here when none does): as
+    /// soon as the listing has decided every name up to the page's last. `None` when
+    /// this cannot be (not the leader, no task to list on, the listing ended or never
+    /// started): the caller lists as before.
+    pub(super) async fn list_while_listing(
+        &self,
+        dir: &Inode,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Option<Vec<Inode>>, MasterError> {
+        if dir.mount_id.is_none() || dir.kind != Kind::Directory || !self.leads() {
+            return Ok(None);
+        }
+        let mut rx = lock(&self.progress)
+            .entry(dir.id)
+            .or_insert_with(|| watch::channel(Progress::default()).0)
+            .subscribe();
+        if !matches!(
+            self.list_in_background(dir.id),
+            Background::Started | Background::Running
+        ) {
+            return Ok(None);
+        }
+        loop {
+            let p = rx.borrow_and_update().clone();
+            if p.done {
+                return Ok(None);
+            }
+            let page = self.sm.children(dir.id, after, limit)?;
+            let decided = |last: &Inode| {
+                p.decided_below
+                    .as_deref()
+                    .is_some_and(|below| last.name.as_str() < below)
+            };
+            if page.len() == limit && page.last().is_some_and(decided) {
+                return Ok(Some(page));
+            }
+            match tokio::time::timeout(PROGRESS_CHECK, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Ok(None),
+                // Still listing? (A task that found nothing to list sends nothing.)
+                Err(_) => {
+                    let running = lock(&self.relisting).contains(&dir.id)
+                        || lock(&self.loading).contains_key(&dir.id);
+                    if !running {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tells readers waiting on a listing of `dir` how far it has come.
+    fn listing_progress(&self, dir: u64, decided_below: Option<String>) {
+        if let Some(tx) = lock(&self.progress).get(&dir) {
+            tx.send_replace(Progress {
+                decided_below,
+                done: false,
+            });
+        }
+    }
+
+    /// A listing of `dir` ended (done or failed): readers waiting on it list as before.
+    pub(super) fn listing_over(&self, dir: u64) {
+        if let Some(tx) = lock(&self.progress).remove(&dir) {
+            tx.send_replace(Progress {
+                decided_below: None,
+                done: true,
+            });
+        }
+    }
+
     /// Lists `dir` and merges the listing into the namespace. Returns whether anything
     /// was proposed (nothing: the folder was loaded and the listing said what is known).
     pub(super) async fn merge_listing(
@@ -68,6 +163,9 @@ impl Namespace {
                     break Err(e);
                 }
                 proposed = true;
+            }
+            if !last {
+                self.listing_progress(dir.id, merge.decided_below());
             }
         };
         requests.inc_by(pages.requests() as u64);

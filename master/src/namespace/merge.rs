@@ -215,6 +215,20 @@ impl Merge {
         Ok(changes(listed, known_now))
     }
 
+    /// Names below which every child is decided by the pages merged so far (`None`: none
+    /// yet): the last key passed, cut before its first byte below `/` — a name that such a
+    /// byte extends may still be a folder, whose key comes later.
+    pub fn decided_below(&self) -> Option<String> {
+        let p = self.passed.as_ref()?;
+        let mut below = p.name.clone();
+        if p.dir {
+            below.push('/');
+        }
+        let cut = below.bytes().position(|b| b < b'/').unwrap_or(below.len());
+        below.truncate(cut);
+        Some(below)
+    }
+
     /// The page's entries (and files held from before) decided with this page, in key
     /// order; files whose folder twin may still come are held.
     fn listed(&mut self, entries: Vec<UfsEntry>, upto: &Upto) -> Vec<UfsEntry> {

@@ -49,6 +49,8 @@ pub struct Namespace {
     checking: Mutex<HashSet<u64>>,
     /// Loaded folders being listed again in the background (see [`Namespace::relist`]).
     relisting: Mutex<HashSet<u64>>,
+    /// How far the listings that readers wait on have come (see `listing.rs`).
+    progress: listing::ProgressMap,
     /// Starts [`Namespace::relist`] of a folder on a task of its own; false when it cannot
     /// (then the request that found the folder due lists it itself). Unset in tests of the
     /// namespace alone.
@@ -58,6 +60,17 @@ pub struct Namespace {
 
 /// See [`Namespace::set_relister`].
 pub type Relister = Box<dyn Fn(u64) -> bool + Send + Sync>;
+
+/// What [`Namespace::list_in_background`] did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Background {
+    Started,
+    /// A listing of the folder runs already.
+    Running,
+    /// As many listings run as may: none started.
+    Full,
+    NoRelister,
+}
 
 /// How [`Namespace::sync`] treats a loaded folder whose re-listing is due.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -92,6 +105,7 @@ impl Namespace {
             last_prune: Mutex::new(Instant::now()),
             checking: Mutex::new(HashSet::new()),
             relisting: Mutex::new(HashSet::new()),
+            progress: Default::default(),
             relister: std::sync::OnceLock::new(),
             metrics: NsMetrics::default(),
         }
@@ -103,8 +117,9 @@ impl Namespace {
         let _ = self.relister.set(relister);
     }
 
-    /// Lists the loaded folder `dir` again if it is still due: what a relister's task runs.
-    /// Failures are recorded and retried with backoff like any re-listing's.
+    /// Lists the folder `dir` if it is still due (a loaded one) or was never listed: what a
+    /// relister's task runs. Failures are recorded and retried with backoff like any
+    /// listing's.
     pub async fn relist(&self, dir: u64) {
         struct Done<'a>(&'a Namespace, u64);
         impl Drop for Done<'_> {
@@ -126,25 +141,36 @@ impl Namespace {
     /// the folder stays due and a later access starts its listing (a caller touching many
     /// folders quickly cannot have the leader list them all from the store at once).
     fn relist_in_background(&self, dir: u64) -> bool {
+        match self.list_in_background(dir) {
+            Background::Started | Background::Running => true,
+            Background::Full => {
+                self.metrics.relists_deferred.inc();
+                true
+            }
+            Background::NoRelister => false,
+        }
+    }
+
+    /// Starts a listing of `dir` on a task of its own (see [`Namespace::relist`]).
+    fn list_in_background(&self, dir: u64) -> Background {
         let Some(relister) = self.relister.get() else {
-            return false;
+            return Background::NoRelister;
         };
         {
             let mut running = lock(&self.relisting);
             if running.contains(&dir) {
-                return true; // already under way
+                return Background::Running;
             }
             if running.len() >= RELISTS_AT_ONCE {
-                self.metrics.relists_deferred.inc();
-                return true;
+                return Background::Full;
             }
             running.insert(dir);
         }
         if relister(dir) {
-            return true;
+            return Background::Started;
         }
         lock(&self.relisting).remove(&dir);
-        false
+        Background::NoRelister
     }
 
     pub fn root(&self) -> Result<Inode, MasterError> {
@@ -406,6 +432,12 @@ impl Namespace {
             || dir.children_loaded
             || (dir.mount_id.is_some()
                 && self.sm.children(dir.id, None, LIST_AFTER_LOOKUPS)?.len() >= LIST_AFTER_LOOKUPS);
+        // A folder never listed streams: pages are answered as its listing decides them.
+        if load && !dir.children_loaded {
+            if let Some(page) = self.list_while_listing(&dir, after, limit).await? {
+                return Ok(page);
+            }
+        }
         let dir = if load {
             self.sync(dir, Due::Read).await?
         } else {
@@ -545,7 +577,9 @@ impl Namespace {
             mount: mount.path.clone(),
         };
         self.metrics.listings.get_or_create(&label).inc();
-        match self.merge_listing(&mount, &dir, mount_id).await {
+        let merged = self.merge_listing(&mount, &dir, mount_id).await;
+        self.listing_over(dir.id);
+        match merged {
             Ok(true) => {}
             // Nothing changed: the usual outcome of a periodic re-listing.
             Ok(false) => {

@@ -1,9 +1,9 @@
 //! The page-by-page merge against a model of the namespace's apply: whatever the folder,
 //! the listing and where its pages end, applying each page's changes as `SyncDir` batches
 //! apply them leaves exactly what the whole listing says (a folder winning over a file of
-//! the same name, names Granary cannot show left out); an unchanged listing changes
-//! nothing; a listing stopped part-way leaves every known child past its last page as it
-//! was.
+//! the same name, names Granary cannot show left out), and every name below what a page
+//! said it decided is final with that page; an unchanged listing changes nothing; a
+//! listing stopped part-way leaves every known child past its last page as it was.
 
 use std::collections::BTreeMap;
 
@@ -120,9 +120,16 @@ fn pages(listing: &[(String, Kind, u8)], sizes: &[usize]) -> Vec<Vec<UfsEntry>> 
 }
 
 /// Runs the merge over `pages` (the last one ends the listing unless `stop_after`), each
-/// page's changes applied to the model before the next page.
-fn run(m: &mut Model, pages: Vec<Vec<UfsEntry>>, known_page: usize, stop: Option<usize>) -> Merge {
+/// page's changes applied to the model before the next page. Also returns, after each page
+/// but the last, what the merge said it decided and the model then.
+fn run(
+    m: &mut Model,
+    pages: Vec<Vec<UfsEntry>>,
+    known_page: usize,
+    stop: Option<usize>,
+) -> (Merge, Vec<(String, Model)>) {
     let mut merge = Merge::reading(known_page);
+    let mut decided = Vec::new();
     let n = pages.len();
     for (i, p) in pages.into_iter().enumerate() {
         if stop.is_some_and(|s| i >= s) {
@@ -135,8 +142,19 @@ fn run(m: &mut Model, pages: Vec<Vec<UfsEntry>>, known_page: usize, stop: Option
             })
             .unwrap();
         apply(m, &c);
+        if let Some(t) = merge.decided_below().filter(|_| i + 1 < n) {
+            decided.push((t, m.clone()));
+        }
     }
-    merge
+    (merge, decided)
+}
+
+/// The entries of a model named below `t`.
+fn below(m: &Model, t: &str) -> Model {
+    m.iter()
+        .filter(|(n, _)| n.as_str() < t)
+        .map(|(n, v)| (n.clone(), *v))
+        .collect()
 }
 
 /// A store lists a key once.
@@ -166,8 +184,12 @@ proptest! {
         known_page in 1usize..4,
     ) {
         let want = expected(&listing);
-        run(&mut m, pages(&listing, &sizes), known_page, None);
-        prop_assert_eq!(m, want);
+        let (_, decided) = run(&mut m, pages(&listing, &sizes), known_page, None);
+        prop_assert_eq!(m, want.clone());
+        // Every name below what a page decided was final with that page.
+        for (t, then) in decided {
+            prop_assert_eq!(below(&then, &t), below(&want, &t), "below {:?}", t);
+        }
     }
 
     #[test]
@@ -200,7 +222,7 @@ proptest! {
         if stop >= pages.len() {
             return Ok(()); // the whole listing came
         }
-        let merge = run(&mut after, pages, known_page, Some(stop));
+        let (merge, _) = run(&mut after, pages, known_page, Some(stop));
         let Some(passed) = merge.passed.clone() else { return Ok(()) };
         for (name, (kind, object)) in &m {
             if Key::of(name, *kind) > passed {
