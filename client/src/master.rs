@@ -16,6 +16,9 @@ use crate::error::ClientError;
 pub const DEFAULT_RETRY_WINDOW: Duration = Duration::from_secs(20);
 /// Deadline of one attempt at one master (a stopped master must not stall a caller longer).
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long `SyncMetadata` (`granary fs sync`) may take: listings of big folders.
+pub const SYNC_TIMEOUT: Duration = Duration::from_secs(3600);
 /// `leader` keeps every namespace read of this process at the leader (`spread`, the
 /// default, spreads them: see [`MasterClient::read`]).
 pub const READS_ENV: &str = "GRANARY_MASTER_READS";
@@ -377,14 +380,20 @@ impl MasterClient {
             .ok_or_else(|| ClientError::Internal("master returned no status".into()))
     }
 
-    /// Lists mounted directories from their under-stores now.
+    /// Lists mounted directories from their under-stores now. Waits up to
+    /// [`SYNC_TIMEOUT`]: a folder of millions of objects lists for minutes, and a call cut
+    /// short would cancel its listing (and a retry start it again).
     pub async fn sync_metadata(
         &self,
         path: &str,
         recursive: bool,
     ) -> Result<pb::SyncMetadataResponse, ClientError> {
-        self.call(|mut c| {
-            let req = self.request(pb::SyncMetadataRequest {
+        let long = MasterClient {
+            rpc_timeout: self.rpc_timeout.max(SYNC_TIMEOUT),
+            ..self.clone()
+        };
+        long.call(|mut c| {
+            let req = long.request(pb::SyncMetadataRequest {
                 path: path.to_string(),
                 recursive,
             });
