@@ -355,6 +355,17 @@ impl TestStore {
         }
     }
 
+    /// The store's mount options with requests sent to `url` instead (a proxy in front).
+    pub fn options_through(&self, url: &str) -> Vec<String> {
+        self.options
+            .iter()
+            .map(|o| match o.starts_with("endpoint=") {
+                true => format!("endpoint={url}"),
+                false => o.clone(),
+            })
+            .collect()
+    }
+
     /// `granary mount add AT <this store> --option …` with the store's own options and
     /// `extra` ones (`key=value`).
     pub fn mount(&self, master: &str, at: &str, extra: &[&str]) -> Result<()> {

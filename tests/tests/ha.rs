@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use granary_tests::stores::{FaultProxy, TestStore};
 use granary_tests::*;
 use rand::{Rng, SeedableRng};
 
@@ -603,4 +604,62 @@ fn followers_answer_reads_and_see_every_acknowledged_write() {
         },
     )
     .unwrap();
+}
+
+/// A folder's first listing is merged a page at a time; its leader is killed with the
+/// store's listing held at its 13th page (100 keys each, 3,000 objects). The `fs sync`
+/// that started it goes on at the next leader, which lists the folder again (the pages
+/// the first one applied are known by then), and every member ends with exactly the
+/// store's names.
+#[test]
+fn a_leader_killed_mid_listing_leaves_a_folder_the_next_leader_lists_exactly() {
+    let tmp = workdir();
+    let root = tmp.path();
+    let s3 = TestStore::s3(root, "flat", "ha-access", "ha-secret-key-1").unwrap();
+    let n = 3000;
+    for i in 0..n {
+        random_file(&s3.object_file(&format!("big/f{i:07}")).unwrap(), 0).unwrap();
+    }
+    let want: BTreeSet<String> = (0..n).map(|i| format!("f{i:07}")).collect();
+    let proxy = FaultProxy::start(root, &s3.url(), 1_000_000).unwrap();
+    let mut g = MasterGroup::start(root, 3, 0).unwrap();
+    let first = g.wait_leader(Duration::from_secs(30)).unwrap();
+    let addrs = g.addrs();
+    let mut args = vec!["mount".to_string(), "add".into(), "/data".into(), s3.uri()];
+    for o in s3.options_through(&proxy.url()) {
+        args.extend(["--option".into(), o]);
+    }
+    args.extend(
+        [
+            "--option",
+            "list_page_keys=100",
+            "--option",
+            "sync_interval=never",
+        ]
+        .map(String::from),
+    );
+    args.extend(["--master".to_string(), addrs.clone()]);
+    granary_ok(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+
+    proxy.hold_lists_after(12).unwrap();
+    let a = addrs.clone();
+    let sync = std::thread::spawn(move || granary(&["fs", "sync", "/data/big", "--master", &a]));
+    poll(
+        "the listing to reach the held page",
+        Duration::from_secs(60),
+        || (proxy.counts().unwrap()["waiting"].as_u64() == Some(1)).then_some(()),
+    )
+    .unwrap();
+    g.kill9(first).unwrap();
+    proxy.release().unwrap();
+    let second = g.wait_leader(Duration::from_secs(30)).unwrap();
+    assert_ne!(first, second);
+    let out = sync.join().unwrap();
+    assert!(
+        out.status.success(),
+        "fs sync across the failover: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        g.logs()
+    );
+    assert_eq!(assert_members_hold(&g, "/data/big", &want), want);
 }

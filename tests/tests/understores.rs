@@ -188,14 +188,7 @@ fn a_first_listing_streams(root: &Path, s3: &TestStore, fs_root: &Path, addr: &s
         random_file(&s3.object_file(&format!("stream/f{i:07}")).unwrap(), 0).unwrap();
     }
     let proxy = FaultProxy::start(root, &s3.url(), 1_000_000).unwrap();
-    let mut opts: Vec<String> = s3
-        .options
-        .iter()
-        .map(|o| match o.starts_with("endpoint=") {
-            true => format!("endpoint={}", proxy.url()),
-            false => o.clone(),
-        })
-        .collect();
+    let mut opts = s3.options_through(&proxy.url());
     opts.push("list_page_keys=100".into());
     granary_ok(&mount_args("/streamed", &s3.uri(), &opts, addr)).unwrap();
     let top = fs_root.join("streamed");
@@ -455,17 +448,7 @@ fn every_kind_of_under_store_reads_correctly_through_one_namespace() {
     // A throttling store: every third object request is refused with 503 SlowDown or 429.
     // Requests are retried with backoff and every byte still arrives right; no read fails.
     let proxy = FaultProxy::start(root, &s3.url(), 3).unwrap();
-    let throttled_opts: Vec<String> = s3
-        .options
-        .iter()
-        .map(|o| {
-            if o.starts_with("endpoint=") {
-                format!("endpoint={}", proxy.url())
-            } else {
-                o.clone()
-            }
-        })
-        .collect();
+    let throttled_opts = s3.options_through(&proxy.url());
     granary_ok(&mount_args("/throttled", &s3.uri(), &throttled_opts, &addr)).unwrap();
     let errors_before = w.metric("granary_worker_ufs_errors_total");
     assert_eq!(
