@@ -698,6 +698,55 @@ async fn a_slow_relisting_does_not_hold_up_lookups_or_listings_of_its_folder() -
     c.stop().await
 }
 
+/// A folder whose listing takes longer than its sync interval is not listed again as soon
+/// as the interval has passed after it (the store would list it all the time): the next
+/// listing waits as long as the last one took. Listings take 4 s here, the interval is 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_slower_to_list_than_its_interval_waits_as_long_as_its_listing_took() -> Result<()>
+{
+    let (c, fs, slow) = a_folder_about_to_list_slowly().await?;
+    c.store_faults.remove(slow);
+    let slow = c
+        .store_faults
+        .add(granary_common::ufs::faults::StoreRule::new(
+            granary_common::ufs::faults::StoreOp::List,
+            granary_common::ufs::faults::StoreFault::Delay(Duration::from_secs(4)),
+        ));
+    std::fs::write(c.store.join("dir/g"), "new")?;
+    let dir = || pb::path_or_id::Target::Path("/data/dir".into());
+    let fs = &fs;
+    eventually(
+        "the slow re-listing's outcome",
+        Duration::from_secs(30),
+        || async move { (names(&fs.list(dir()).await.ok()?) == ["f", "g"]).then_some(()) },
+    )
+    .await?;
+    let listed = c.store_faults.fired(slow);
+    // Read for 2 s, twice the interval and half the listing's time: no listing starts.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        fs.list(dir()).await?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        c.store_faults.fired(slow),
+        listed,
+        "listed again before as long as its last listing took had passed"
+    );
+    // It is listed again once that has passed.
+    let faults = &c.store_faults;
+    eventually(
+        "the next re-listing",
+        Duration::from_secs(30),
+        || async move {
+            fs.list(dir()).await.ok()?;
+            (faults.fired(slow) > listed).then_some(())
+        },
+    )
+    .await?;
+    c.stop().await
+}
+
 /// A rename moves a cached file into a pinned folder without any new block report (a file
 /// outside mounts keeps its inode, version and blocks): the worker holding it is still
 /// told it is pinned, and told again when it moves out.

@@ -218,7 +218,7 @@ impl Namespace {
                 }
                 return match self.check_object(&mount, c.clone()).await {
                     Ok(fresh) => {
-                        self.record_success(c.id);
+                        self.record_success(c.id, Duration::ZERO);
                         Ok(Some(fresh))
                     }
                     Err(MasterError::NotFound { .. }) => Ok(None),
@@ -239,7 +239,7 @@ impl Namespace {
                     message: format!("looking up {name} did not finish within {UFS_DEADLINE:?}"),
                 })??;
             match &found {
-                Some(c) => self.record_success(c.id),
+                Some(c) => self.record_success(c.id, Duration::ZERO),
                 None => self.note_missing(dir.id, name),
             }
             return Ok(found);
@@ -526,8 +526,11 @@ impl Namespace {
         match policy {
             SyncPolicy::Never => false,
             SyncPolicy::Always => true,
-            // Unknown (e.g. this master just became leader): list again to be safe.
-            SyncPolicy::Every(d) => s.and_then(|s| s.synced_at).is_none_or(|t| t.elapsed() >= d),
+            // Unknown (e.g. this master just became leader): list again to be safe. Not
+            // sooner than the last listing took (see `DirSync::took`).
+            SyncPolicy::Every(d) => s
+                .and_then(|s| s.synced_at.map(|t| (t, d.max(s.took))))
+                .is_none_or(|(t, d)| t.elapsed() >= d),
         }
     }
 
@@ -577,13 +580,14 @@ impl Namespace {
             mount: mount.path.clone(),
         };
         self.metrics.listings.get_or_create(&label).inc();
+        let started = Instant::now();
         let merged = self.merge_listing(&mount, &dir, mount_id).await;
         self.listing_over(dir.id);
         match merged {
             Ok(true) => {}
             // Nothing changed: the usual outcome of a periodic re-listing.
             Ok(false) => {
-                self.record_success(dir.id);
+                self.record_success(dir.id, started.elapsed());
                 self.record_unchanged_listing(dir.id, mount_id).await;
                 return Ok(dir);
             }
@@ -600,7 +604,7 @@ impl Namespace {
                 return if dir.children_loaded { Ok(dir) } else { Err(e) };
             }
         }
-        self.record_success(dir.id);
+        self.record_success(dir.id, started.elapsed());
         self.inode(dir.id)
     }
 
@@ -722,7 +726,7 @@ impl Namespace {
         s.failures
     }
 
-    fn record_success(&self, dir: u64) {
+    fn record_success(&self, dir: u64, took: Duration) {
         let mut state = lock(&self.sync_state);
         let s = state.entry(dir).or_default();
         let was_failing = s.failures > 0;
@@ -735,6 +739,7 @@ impl Namespace {
         }
         *s = DirSync {
             synced_at: Some(Instant::now()),
+            took,
             ..Default::default()
         };
         if was_failing {
@@ -860,6 +865,9 @@ pub const SYNC_RETRY_MAX: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Default)]
 pub struct DirSync {
     pub synced_at: Option<Instant>,
+    /// How long the last successful listing took: the next one is not due sooner (a folder
+    /// slower to list than its interval would be listed all the time).
+    pub took: Duration,
     pub failures: u32,
     pub last_error: Option<String>,
     pub retry_at: Option<Instant>,
