@@ -47,7 +47,11 @@ impl Namespace {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Option<Vec<Inode>>, MasterError> {
-        if dir.mount_id.is_none() || dir.kind != Kind::Directory || !self.leads() {
+        if dir.mount_id.is_none()
+            || dir.kind != Kind::Directory
+            || !self.leads()
+            || self.backing_off(dir.id).is_some()
+        {
             return Ok(None);
         }
         let mut rx = lock(&self.progress)
@@ -58,6 +62,11 @@ impl Namespace {
             self.list_in_background(dir.id),
             Background::Started | Background::Running
         ) {
+            // Listed by this request itself (as before): nobody else waits on this entry.
+            let mut map = lock(&self.progress);
+            if map.get(&dir.id).is_some_and(|tx| tx.receiver_count() <= 1) {
+                map.remove(&dir.id);
+            }
             return Ok(None);
         }
         loop {

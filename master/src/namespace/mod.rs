@@ -125,6 +125,8 @@ impl Namespace {
         impl Drop for Done<'_> {
             fn drop(&mut self) {
                 lock(&self.0.relisting).remove(&self.1);
+                // Readers waiting on it (it may have found nothing to list).
+                self.0.listing_over(self.1);
             }
         }
         let _done = Done(self, dir);
