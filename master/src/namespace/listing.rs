@@ -74,14 +74,16 @@ impl Namespace {
             if p.done {
                 return Ok(None);
             }
-            let page = self.sm.children(dir.id, after, limit)?;
-            let decided = |last: &Inode| {
-                p.decided_below
-                    .as_deref()
-                    .is_some_and(|below| last.name.as_str() < below)
-            };
-            if page.len() == limit && page.last().is_some_and(decided) {
-                return Ok(Some(page));
+            // Read the page only once the listing has decided something past `after`.
+            if let Some(below) = p
+                .decided_below
+                .as_deref()
+                .filter(|b| after.is_none_or(|a| a < *b))
+            {
+                let page = self.sm.children(dir.id, after, limit)?;
+                if page.len() == limit && page.last().is_some_and(|l| l.name.as_str() < below) {
+                    return Ok(Some(page));
+                }
             }
             match tokio::time::timeout(PROGRESS_CHECK, rx.changed()).await {
                 Ok(Ok(())) => {}

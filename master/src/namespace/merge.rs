@@ -312,19 +312,17 @@ impl Merge {
                 }
                 self.read.extend(got);
             }
-            let next = self.read.front().map(known_key);
-            match (self.held_dirs.last(), next) {
-                (Some(d), Some(n)) if known_key(d) < n => return Ok(self.held_dirs.pop()),
-                (_, Some(_)) => {
-                    let n = self.read.pop_front().expect("a front");
-                    if n.kind == Kind::Directory {
-                        self.held_dirs.push(n);
-                        continue;
-                    }
-                    return Ok(Some(n));
-                }
-                (Some(_), None) => return Ok(self.held_dirs.pop()),
-                (None, None) => return Ok(None),
+            // A held folder goes first when its key comes before the next name's.
+            let dir_first = match (self.held_dirs.last(), self.read.front()) {
+                (Some(d), Some(n)) => known_key(d) < known_key(n),
+                (held, _) => held.is_some(),
+            };
+            if dir_first {
+                return Ok(self.held_dirs.pop());
+            }
+            match self.read.pop_front() {
+                Some(n) if n.kind == Kind::Directory => self.held_dirs.push(n),
+                next => return Ok(next),
             }
         }
     }

@@ -316,3 +316,25 @@ fn a_folder_named_again_on_a_later_page_is_passed_over() {
         .unwrap();
     assert_eq!(c.upserts, vec![entry("e", Kind::File, 1)]);
 }
+
+#[test]
+fn a_store_naming_a_key_twice_or_going_back_changes_nothing_it_should_not() {
+    // The same object twice on one page: one entry.
+    let mut m = Model::new();
+    let mut merge = Merge::default();
+    let none = &mut |_: Option<&str>, _| Ok::<_, ()>(Vec::new());
+    let twice = vec![
+        entry("x", Kind::File, 1),
+        entry("x", Kind::File, 1),
+        entry("y", Kind::File, 2),
+    ];
+    apply(&mut m, &merge.page(twice, false, none).unwrap());
+    // (`y` waits for the page that says whether a folder `y/` follows.)
+    assert_eq!(m, Model::from([("x".to_string(), (Kind::File, 1))]));
+    // A store looping back to a page it gave (tokens A, B, A …) is refused at once, before
+    // anything past it is decided.
+    assert!(matches!(
+        merge.page(vec![entry("x", Kind::File, 1)], false, none),
+        Err(MergeError::OutOfOrder(_))
+    ));
+}
