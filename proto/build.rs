@@ -1,5 +1,6 @@
-//! Generates the tonic/prost code from `proto/granary/v1/*.proto` (and the CSI spec's part
-//! that `granary csi` serves, `proto/csi/v1/csi.proto`) with a vendored protoc,
+//! Generates the tonic/prost code from `proto/granary/v1/*.proto`, the masters' stored state
+//! (`proto/granary/state/v1/state.proto`) and the CSI spec's part
+//! that `granary csi` serves (`proto/csi/v1/csi.proto`), with a vendored protoc,
 //! so building Granary needs no protoc install.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -13,6 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/granary/v1/raft.proto",
         "proto/granary/v1/fuse.proto",
         "proto/csi/v1/csi.proto",
+        "proto/granary/state/v1/state.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");
@@ -21,6 +23,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .build_client(true)
         .bytes(".")
+        // Stored records encode their maps in key order: the same record, the same bytes.
+        .btree_map(".granary.state.v1")
         .compile_protos(&files, &["proto"])?;
     Ok(())
 }

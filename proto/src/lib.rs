@@ -10,6 +10,14 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// The masters' replicated state as stored (RocksDB records, Raft entries): not a wire
+/// contract, but versioned like one (see `proto/granary/state/v1/state.proto`).
+pub mod state {
+    pub mod v1 {
+        tonic::include_proto!("granary.state.v1");
+    }
+}
+
 /// The Container Storage Interface's Identity and Node services (the spec's package
 /// `csi.v1`), served by `granary csi` to the kubelet.
 pub mod csi {

@@ -120,13 +120,7 @@ impl RaftHandle {
         cmd: &Command,
         request_id: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let proposal = Proposal {
-            request_id,
-            at_ms: granary_common::now_ms(),
-            cmd: cmd.clone(),
-        };
-        let data = serde_json::to_vec(&proposal)
-            .map_err(|e| MasterError::corrupt(format!("encoding command: {e}")))?;
+        let data = Proposal::encode_of(request_id, granary_common::now_ms(), cmd);
         let (reply, rx) = oneshot::channel();
         self.send(Msg::Propose { data, reply })?;
         self.wait(rx).await?
@@ -967,6 +961,8 @@ impl Driver {
         wo.set_sync(true);
         db.write_opt(batch, &wo)?;
         self.sm.forget_cached();
+        // A snapshot from a leader of a release before format 1 holds JSON records.
+        self.sm.upgrade_format()?;
         self.storage.snapshot_installed(&meta);
         self.last_snapshot = meta.index;
         // Configuration first, then the applied index: whoever sees the new applied index

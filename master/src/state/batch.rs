@@ -1,6 +1,6 @@
 //! Batched reads of the state: a listing page's records in one RocksDB read.
 
-use super::{from_json, inode_key, Inode, StateMachine};
+use super::{decode_record, inode_key, Inode, StateMachine};
 use crate::error::MasterError;
 
 impl StateMachine {
@@ -20,7 +20,7 @@ impl StateMachine {
             .map(|(at, _)| (inode_key(ids[at]), at))
             .collect();
         self.get_many(missing, |at, v| {
-            out[at] = Some(from_json(v)?);
+            out[at] = Some(decode_record(v)?);
             Ok(())
         })?;
         out.into_iter()

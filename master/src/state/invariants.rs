@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use super::{from_json, inode_key, u64_of, Inode, Kind, Mount, StateMachine, ROOT_INODE};
+use super::{decode_record, inode_key, u64_of, Inode, Kind, Mount, StateMachine, ROOT_INODE};
 use crate::error::MasterError;
 
 /// One broken rule: the key (printable) and the rule it breaks.
@@ -159,7 +159,7 @@ impl StateMachine {
         if full {
             let mut count = 0u64;
             self.scan(b"i", |_, v| {
-                let i: Inode = from_json(v)?;
+                let i: Inode = decode_record(v)?;
                 count += 1;
                 if i.id != ROOT_INODE && !linked.contains(&i.id) {
                     note(
@@ -186,7 +186,7 @@ impl StateMachine {
         let (inodes, entries) = self.cache.held_items();
         for (id, cached) in inodes {
             let key = inode_key(id);
-            let stored: Option<Inode> = self.get(&key)?.map(|v| from_json(&v)).transpose()?;
+            let stored: Option<Inode> = self.get(&key)?.map(|v| decode_record(&v)).transpose()?;
             if stored.as_ref() != Some(&cached) {
                 note(
                     show_key(&key),

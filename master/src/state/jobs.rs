@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{from_json, to_json, StateMachine, Txn};
+use super::{decode_record, encode_record, StateMachine, Txn};
 use crate::error::MasterError;
 
 const KEY_NEXT_JOB: &[u8] = b"Mnext_job";
@@ -106,14 +106,16 @@ fn job_file_key(tag: u8, id: u64, inode: u64) -> Vec<u8> {
 
 impl StateMachine {
     pub fn job(&self, id: u64) -> Result<Option<Job>, MasterError> {
-        self.get(&job_key(id))?.map(|v| from_json(&v)).transpose()
+        self.get(&job_key(id))?
+            .map(|v| decode_record(&v))
+            .transpose()
     }
 
     /// Every job kept, oldest first.
     pub fn jobs(&self) -> Result<Vec<Job>, MasterError> {
         let mut out = Vec::new();
         self.scan(b"J", |_, v| {
-            out.push(from_json(v)?);
+            out.push(decode_record(v)?);
             Ok(true)
         })?;
         Ok(out)
@@ -135,7 +137,7 @@ impl StateMachine {
             if out.len() >= max {
                 return Ok(false);
             }
-            out.push(from_json(v)?);
+            out.push(decode_record(v)?);
             Ok(true)
         })?;
         Ok(out)
@@ -177,13 +179,13 @@ impl StateMachine {
 impl Txn<'_> {
     fn job(&self, id: u64) -> Result<Job, MasterError> {
         match self.get(&job_key(id))? {
-            Some(v) => from_json(&v),
+            Some(v) => decode_record(&v),
             None => Err(MasterError::NoSuchJob { id }),
         }
     }
 
     fn put_job(&mut self, job: &Job) -> Result<(), MasterError> {
-        let v = to_json(job)?;
+        let v = encode_record(job)?;
         self.put(job_key(job.id), v);
         Ok(())
     }
@@ -282,7 +284,7 @@ impl Txn<'_> {
             if self.get(&job_file_key(b'j', id, f.inode))?.is_some() || self.get(&fkey)?.is_some() {
                 continue;
             }
-            self.put(fkey, to_json(f)?);
+            self.put(fkey, encode_record(f)?);
             job.failed_files = job.failed_files.saturating_add(1);
         }
         self.put_job(&job)?;

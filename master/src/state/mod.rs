@@ -5,6 +5,7 @@
 
 mod batch;
 mod cache;
+pub mod format;
 pub mod invariants;
 pub mod jobs;
 pub mod pins;
@@ -23,6 +24,7 @@ use granary_proto as pb;
 use rocksdb::{WriteBatch, DB};
 
 use crate::error::MasterError;
+pub use format::{Record, FORMAT_VERSION};
 pub use records::*;
 
 pub const CF_STATE: &str = "state";
@@ -108,12 +110,12 @@ fn u64_of(v: &[u8]) -> Result<u64, MasterError> {
     Ok(u64::from_be_bytes(arr))
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> Result<Vec<u8>, MasterError> {
-    serde_json::to_vec(v).map_err(|e| MasterError::corrupt(format!("encoding record: {e}")))
+fn encode_record<T: Record>(v: &T) -> Result<Vec<u8>, MasterError> {
+    Ok(v.encode())
 }
 
-fn from_json<T: serde::de::DeserializeOwned>(v: &[u8]) -> Result<T, MasterError> {
-    serde_json::from_slice(v).map_err(|e| MasterError::corrupt(format!("decoding record: {e}")))
+fn decode_record<T: Record>(v: &[u8]) -> Result<T, MasterError> {
+    T::decode(v)
 }
 
 /// Read access to the state, and `apply`.
@@ -156,6 +158,7 @@ impl StateMachine {
             moves: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             oldest_request: Arc::new(std::sync::atomic::AtomicI64::new(i64::MIN)),
         };
+        sm.upgrade_format()?;
         if sm.inode(ROOT_INODE)?.is_none() {
             let mut txn = Txn::new(&sm);
             txn.put_inode(&Inode::directory(
@@ -245,7 +248,7 @@ impl StateMachine {
         };
         let inode: Option<Inode> = self
             .get(&inode_key(id))?
-            .map(|v| from_json(&v))
+            .map(|v| decode_record(&v))
             .transpose()?;
         if let (Some(i), true) = (&inode, keep) {
             self.cache.offer_inode(generation, i);
@@ -355,7 +358,7 @@ impl StateMachine {
             if k.first() != Some(&b'm') {
                 break;
             }
-            out.push(from_json(v)?);
+            out.push(decode_record(v)?);
             it.next();
         }
         it.status()?;
@@ -363,7 +366,9 @@ impl StateMachine {
     }
 
     pub fn mount(&self, id: u64) -> Result<Option<Mount>, MasterError> {
-        self.get(&mount_key(id))?.map(|v| from_json(&v)).transpose()
+        self.get(&mount_key(id))?
+            .map(|v| decode_record(&v))
+            .transpose()
     }
 
     /// Walks `path` through entries already in the state (no under-store loading).
@@ -411,7 +416,7 @@ impl StateMachine {
             return Ok(None);
         }
         match self.get(&request_key(request_id))? {
-            Some(v) => Ok(Some(from_json::<RequestOutcome>(&v)?.result)),
+            Some(v) => Ok(Some(decode_record::<RequestOutcome>(&v)?.result)),
             None => Ok(None),
         }
     }
@@ -423,7 +428,7 @@ impl StateMachine {
             return self.apply(index, &p.cmd);
         }
         if let Some(v) = self.get(&request_key(p.request_id))? {
-            let outcome: RequestOutcome = from_json(&v)?;
+            let outcome: RequestOutcome = decode_record(&v)?;
             self.mark_applied(index)?;
             return outcome.result;
         }
@@ -441,7 +446,7 @@ impl StateMachine {
             at_ms: p.at_ms,
             result: result.clone(),
         };
-        txn.put(request_key(p.request_id), to_json(&outcome)?);
+        txn.put(request_key(p.request_id), encode_record(&outcome)?);
         txn.put(request_age_key(p.at_ms, p.request_id), Vec::new());
         self.prune_requests(&mut txn, p.at_ms)?;
         txn.put_u64(KEY_APPLIED, index);
@@ -678,13 +683,13 @@ impl<'a> Txn<'a> {
             return Ok(Some(inode.clone()));
         }
         match self.pending.get(&inode_key(id)) {
-            Some(v) => v.as_deref().map(from_json).transpose(),
+            Some(v) => v.as_deref().map(decode_record).transpose(),
             None => self.sm.inode(id),
         }
     }
 
     fn put_inode(&mut self, inode: &Inode) -> Result<(), MasterError> {
-        let v = to_json(inode)?;
+        let v = encode_record(inode)?;
         self.put(inode_key(inode.id), v);
         self.written.insert(inode.id, inode.clone());
         Ok(())
@@ -1069,7 +1074,7 @@ impl<'a> Txn<'a> {
             inode: target.id,
             spec: spec.clone(),
         };
-        let v = to_json(&mount)?;
+        let v = encode_record(&mount)?;
         self.put(mount_key(id), v);
         Ok(ApplyOutput::Mount(mount))
     }

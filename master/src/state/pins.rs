@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::{from_json, to_json, u64_of, StateMachine, Txn};
+use super::{decode_record, encode_record, u64_of, StateMachine, Txn};
 use crate::error::MasterError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,7 +23,7 @@ impl StateMachine {
     pub fn pins(&self) -> Result<Vec<(u64, Pin)>, MasterError> {
         let mut out = Vec::new();
         self.scan(b"P", |k, v| {
-            out.push((u64_of(&k[1..])?, from_json(v)?));
+            out.push((u64_of(&k[1..])?, decode_record(v)?));
             Ok(true)
         })?;
         Ok(out)
@@ -31,7 +31,7 @@ impl StateMachine {
 
     pub fn pin_of(&self, inode: u64) -> Result<Option<Pin>, MasterError> {
         self.get(&pin_key(inode))?
-            .map(|v| from_json(&v))
+            .map(|v| decode_record(&v))
             .transpose()
     }
 
@@ -48,7 +48,7 @@ impl StateMachine {
         if hi - lo > 64 * ids.len() as u64 {
             let keys = ids.iter().map(|&id| (pin_key(id), id)).collect();
             self.get_many(keys, |id, v| {
-                out.insert(id, from_json(v)?);
+                out.insert(id, decode_record(v)?);
                 Ok(())
             })?;
             return Ok(out);
@@ -60,7 +60,7 @@ impl StateMachine {
                 return Ok(false);
             }
             if wanted.contains(&id) {
-                out.insert(id, from_json(v)?);
+                out.insert(id, decode_record(v)?);
             }
             Ok(true)
         })?;
@@ -96,7 +96,7 @@ impl Txn<'_> {
         if replicas == 0 {
             self.delete(pin_key(inode.id));
         } else {
-            self.put(pin_key(inode.id), to_json(&Pin { replicas })?);
+            self.put(pin_key(inode.id), encode_record(&Pin { replicas })?);
         }
         Ok(inode)
     }

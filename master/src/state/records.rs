@@ -1,7 +1,7 @@
-//! Records of the replicated state machine, as stored in RocksDB (column family `state`).
-//!
-//! Records are JSON with `#[serde(default)]` on every added field, so a newer master reads
-//! an older store. Commands are the only way the state changes; each carries everything its
+//! Records of the replicated state machine, as stored in RocksDB (column family `state`)
+//! in the binary format of [`super::format`]. Their serde forms are the JSON of the
+//! releases before that format: read once, to upgrade an older store, and from the Raft
+//! entries such a release proposes. Commands are the only way the state changes; each carries everything its
 //! apply needs (including the proposer's clock), so apply is deterministic on every replica.
 
 use granary_common::ufs::UfsSpec;
@@ -417,19 +417,6 @@ pub struct Proposal {
     #[serde(default)]
     pub at_ms: i64,
     pub cmd: Command,
-}
-
-impl Proposal {
-    /// Decodes an entry; entries written before request ids existed hold a bare command.
-    pub fn decode(data: &[u8]) -> Result<Self, serde_json::Error> {
-        serde_json::from_slice::<Self>(data).or_else(|_| {
-            serde_json::from_slice::<Command>(data).map(|cmd| Self {
-                request_id: 0,
-                at_ms: 0,
-                cmd,
-            })
-        })
-    }
 }
 
 /// The remembered outcome of a request id.

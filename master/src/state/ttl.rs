@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{from_json, to_json, u64_of, StateMachine, Txn};
+use super::{decode_record, encode_record, u64_of, StateMachine, Txn};
 use crate::error::MasterError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,7 +40,7 @@ impl StateMachine {
     pub fn ttls(&self) -> Result<Vec<(u64, Ttl)>, MasterError> {
         let mut out = Vec::new();
         self.scan(b"T", |k, v| {
-            out.push((u64_of(&k[1..])?, from_json(v)?));
+            out.push((u64_of(&k[1..])?, decode_record(v)?));
             Ok(true)
         })?;
         Ok(out)
@@ -48,7 +48,7 @@ impl StateMachine {
 
     pub fn ttl_of(&self, inode: u64) -> Result<Option<Ttl>, MasterError> {
         self.get(&ttl_key(inode))?
-            .map(|v| from_json(&v))
+            .map(|v| decode_record(&v))
             .transpose()
     }
 }
@@ -62,7 +62,7 @@ impl Txn<'_> {
     ) -> Result<super::Inode, MasterError> {
         let inode = self.resolve(path)?;
         match ttl {
-            Some(t) => self.put(ttl_key(inode.id), to_json(&t)?),
+            Some(t) => self.put(ttl_key(inode.id), encode_record(&t)?),
             None => self.delete(ttl_key(inode.id)),
         }
         Ok(inode)
@@ -72,7 +72,7 @@ impl Txn<'_> {
     /// replaced meanwhile stays).
     pub(super) fn end_ttl(&mut self, inode: u64, was: &Ttl) -> Result<(), MasterError> {
         if let Some(v) = self.get(&ttl_key(inode))? {
-            let cur: Ttl = from_json(&v)?;
+            let cur: Ttl = decode_record(&v)?;
             if cur == *was {
                 self.delete(ttl_key(inode));
             }
