@@ -663,3 +663,60 @@ fn a_leader_killed_mid_listing_leaves_a_folder_the_next_leader_lists_exactly() {
     );
     assert_eq!(assert_members_hold(&g, "/data/big", &want), want);
 }
+
+/// A master of this release starts on the data dir of the release before (records and
+/// Raft entries as JSON, made by `tests/fixtures/make-state-fixture.sh`): it rewrites the
+/// records once, in the binary format, and serves the same namespace, pins, TTLs and jobs.
+#[test]
+fn a_master_reads_the_data_dir_of_the_release_before() {
+    let dir = workdir();
+    let root = dir.path();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/state-json.tar.gz");
+    sh(&format!("tar -C {} -xzf {}", root.display(), fixture.display())).unwrap();
+    let data = root.join("master");
+    let rewrote = "rewrote the state's JSON records in the binary format";
+
+    let mut m = Master::start_on(root, &data, free_port()).unwrap();
+    assert_eq!(count_in_log(&m.proc.log, rewrote), 1, "{}", m.proc.log_text());
+    let ls = |m: &Master, path: &str| {
+        granary_ok(&["fs", "ls", "--master", &m.addr, "-R", "-l", path]).unwrap()
+    };
+    // Kind, size and pin of every entry the old master had listed.
+    let listing = |m: &Master| -> BTreeSet<String> {
+        ls(m, "/data")
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split('\t').map(str::trim).collect();
+                format!("{} {} {} {}", f[0], f[1], f[3], f[4])
+            })
+            .collect()
+    };
+    let mut want = BTreeSet::new();
+    for (d, pin) in [("train/a", "pinned:1"), ("train/b", "-"), ("val", "-")] {
+        want.insert(format!("dir 0 {pin} /data/{d}"));
+        for i in 1..=3 {
+            let len = i * 1000 + d.len();
+            want.insert(format!("file {len} {pin} /data/{d}/s{i}.bin"));
+        }
+    }
+    want.insert("dir 0 - /data/train".into());
+    assert_eq!(listing(&m), want);
+    let top = granary_ok(&["fs", "ls", "--master", &m.addr, "/"]).unwrap();
+    assert_eq!(top.lines().collect::<Vec<_>>(), ["data", "scratch"]);
+    let stat = granary_ok(&["fs", "stat", "--master", &m.addr, "/data/val"]).unwrap();
+    assert!(stat.contains("ttl:         free at"), "{stat}");
+    let jobs = granary_ok(&["job", "list", "--master", &m.addr]).unwrap();
+    for want in ["3/3        0  /data/train/a", "6/6        0  /data/train"] {
+        assert!(jobs.contains(want) && jobs.contains("succeeded"), "{jobs}");
+    }
+
+    // What it writes now, and what it rewrote, read back after a restart; nothing is
+    // rewritten twice.
+    granary_ok(&["fs", "mkdir", "--master", &m.addr, "/scratch/after"]).unwrap();
+    m.proc.stop("TERM", Duration::from_secs(20)).unwrap();
+    let m = Master::start_on(root, &data, free_port()).unwrap();
+    assert_eq!(count_in_log(&m.proc.log, rewrote), 1);
+    assert_eq!(listing(&m), want);
+    let scratch = granary_ok(&["fs", "ls", "--master", &m.addr, "/scratch"]).unwrap();
+    assert_eq!(scratch.trim(), "after");
+}
