@@ -765,10 +765,7 @@ pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
             "leader_id": info.leader_id,
             "inodes": info.inode_count,
             "mounts": info.mount_count,
-            "masters": info.masters.iter().map(|m| json!({
-                "id": m.id, "address": m.address, "role": m.role, "term": m.term,
-                "commit_index": m.commit_index, "applied_index": m.applied_index,
-            })).collect::<Vec<_>>(),
+            "masters": info.masters.iter().map(master_json).collect::<Vec<_>>(),
             "workers": info.workers.iter().map(|w| {
                 let s = w.stats.clone().unwrap_or_default();
                 json!({
@@ -896,6 +893,7 @@ fn master_json(m: &pb::MasterInfo) -> serde_json::Value {
     json!({
         "id": m.id, "address": m.address, "role": m.role, "term": m.term,
         "commit_index": m.commit_index, "applied_index": m.applied_index,
+        "state_format": m.state_format, "entry_format": m.entry_format,
     })
 }
 
@@ -905,13 +903,23 @@ fn print_masters(masters: &[pb::MasterInfo], as_json: bool) -> anyhow::Result<()
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    // FORMAT: the newest state format the master reads / the one its entries are in
+    // ("json" before format 1; see docs/operations.md, "Upgrading the masters").
+    let format = |v: u32| match v {
+        0 => "json".to_string(),
+        v => v.to_string(),
+    };
     println!(
-        "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}",
+        "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}  FORMAT",
         "ID", "ADDRESS", "ROLE", "TERM", "COMMIT", "APPLIED"
     );
     for m in masters {
+        let formats = match m.role.as_str() {
+            "unreachable" => "-".to_string(),
+            _ => format!("{}/{}", format(m.state_format), format(m.entry_format)),
+        };
         println!(
-            "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}",
+            "{:<4} {:<24} {:<13} {:>8} {:>12} {:>12}  {formats}",
             m.id, m.address, m.role, m.term, m.commit_index, m.applied_index
         );
     }

@@ -240,6 +240,47 @@ impl MasterCore {
         }
     }
 
+    /// The leader's move to this release's Raft entry format (see `state::format`): once
+    /// every member says it reads it, the group records so and entries are proposed in it
+    /// from then on. Until then (a group being upgraded one master at a time) they stay
+    /// JSON, which every release reads. One check at a time, at most one per 5 s.
+    pub fn adopt_entry_format(self: &std::sync::Arc<Self>) {
+        let format = &self.raft.entry_format;
+        let newest = crate::state::FORMAT_VERSION;
+        if !self.raft.status.is_leader() || format.version() >= newest || !format.start_check() {
+            return;
+        }
+        let core = self.clone();
+        tokio::spawn(async move {
+            let members = crate::raft::service::group_status(&core.raft, &core.address, &core.net);
+            let older: Vec<u64> = members
+                .await
+                .iter()
+                .filter(|m| m.state_format < u32::from(newest))
+                .map(|m| m.id)
+                .collect();
+            if older.is_empty() {
+                let cmd = Command::UseFormat {
+                    version: newest.into(),
+                };
+                match core.raft.propose(&cmd).await {
+                    Ok(_) => tracing::info!(
+                        format = newest,
+                        "every master reads this release's Raft entry format: proposing in it"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "cannot record the Raft entry format"),
+                }
+            } else {
+                tracing::debug!(
+                    ?older,
+                    "masters of an older release (or unreachable): Raft entries stay JSON"
+                );
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            core.raft.entry_format.check_done();
+        });
+    }
+
     /// Periodic housekeeping: declare silent workers lost and forget their blocks.
     pub fn sweep(self: &std::sync::Arc<Self>) {
         let mut lost = false;

@@ -248,6 +248,12 @@ fn a_wiped_follower_catches_up_through_a_snapshot() {
         "wiped master {f} caught up without installing a snapshot\n{}",
         g.logs()
     );
+    // Every member reads this release's entry format, so the group proposes in it, and the
+    // wiped member learnt so from what it caught up with.
+    for id in [1, 2, 3] {
+        let me = g.self_entry(id).unwrap();
+        assert_eq!(json_u64(&me, "entry_format"), 1, "{me}");
+    }
     let leader = g.wait_leader(Duration::from_secs(10)).unwrap();
     let on_leader = g.stale_ls(leader, "/s").unwrap();
     assert_eq!(
@@ -672,12 +678,35 @@ fn a_master_reads_the_data_dir_of_the_release_before() {
     let dir = workdir();
     let root = dir.path();
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/state-json.tar.gz");
-    sh(&format!("tar -C {} -xzf {}", root.display(), fixture.display())).unwrap();
+    sh(&format!(
+        "tar -C {} -xzf {}",
+        root.display(),
+        fixture.display()
+    ))
+    .unwrap();
     let data = root.join("master");
     let rewrote = "rewrote the state's JSON records in the binary format";
 
     let mut m = Master::start_on(root, &data, free_port()).unwrap();
-    assert_eq!(count_in_log(&m.proc.log, rewrote), 1, "{}", m.proc.log_text());
+    assert_eq!(
+        count_in_log(&m.proc.log, rewrote),
+        1,
+        "{}",
+        m.proc.log_text()
+    );
+    // Alone in its group, it moves its Raft entries to the binary format at once.
+    let formats = |m: &Master| {
+        let out = granary_ok(&["master", "list", "--json", "--master", &m.addr]).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (
+            json_u64(&v[0], "state_format"),
+            json_u64(&v[0], "entry_format"),
+        )
+    };
+    poll("entries in format 1", Duration::from_secs(20), || {
+        (formats(&m) == (1, 1)).then_some(())
+    })
+    .unwrap();
     let ls = |m: &Master, path: &str| {
         granary_ok(&["fs", "ls", "--master", &m.addr, "-R", "-l", path]).unwrap()
     };
@@ -716,6 +745,7 @@ fn a_master_reads_the_data_dir_of_the_release_before() {
     m.proc.stop("TERM", Duration::from_secs(20)).unwrap();
     let m = Master::start_on(root, &data, free_port()).unwrap();
     assert_eq!(count_in_log(&m.proc.log, rewrote), 1);
+    assert_eq!(formats(&m), (1, 1));
     assert_eq!(listing(&m), want);
     let scratch = granary_ok(&["fs", "ls", "--master", &m.addr, "/scratch"]).unwrap();
     assert_eq!(scratch.trim(), "after");

@@ -101,6 +101,8 @@ pub struct RaftHandle {
     tx: mpsc::Sender<Msg>,
     pub status: Arc<RaftStatus>,
     pub peers: Peers,
+    /// The format proposals are written in (the state machine's).
+    pub entry_format: crate::state::format::EntryFormat,
 }
 
 /// How long a caller waits for its command to apply before giving up (the command may
@@ -120,7 +122,9 @@ impl RaftHandle {
         cmd: &Command,
         request_id: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let data = Proposal::encode_of(request_id, granary_common::now_ms(), cmd);
+        let data = self
+            .entry_format
+            .encode(request_id, granary_common::now_ms(), cmd)?;
         let (reply, rx) = oneshot::channel();
         self.send(Msg::Propose { data, reply })?;
         self.wait(rx).await?
@@ -229,6 +233,7 @@ pub fn start(
     let id = config.id;
     let applied = sm.applied_index()?;
     storage.validate(applied)?;
+    let entry_format = sm.entry_format();
     let raft_config = raft::Config {
         id,
         election_tick: ELECTION_TICKS,
@@ -312,7 +317,13 @@ pub fn start(
         .map_err(|e| MasterError::Storage {
             message: format!("spawning the raft thread: {e}"),
         })?;
-    Ok((RaftHandle { tx, status, peers }, join))
+    let handle = RaftHandle {
+        tx,
+        status,
+        peers,
+        entry_format,
+    };
+    Ok((handle, join))
 }
 
 struct Driver {

@@ -10,7 +10,7 @@ use raft::eraftpb::{Message, MessageType};
 use tokio::io::AsyncWriteExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::{RaftHandle, RaftStatus};
+use super::node::RaftHandle;
 use super::snapshot::{self, SnapshotDir};
 
 pub struct RaftRpc {
@@ -22,7 +22,8 @@ pub struct RaftRpc {
 }
 
 /// This member's own view, as `MasterInfo`.
-pub fn member_info(status: &RaftStatus, address: &str) -> pb::MasterInfo {
+pub fn member_info(raft: &RaftHandle, address: &str) -> pb::MasterInfo {
+    let status = &raft.status;
     pb::MasterInfo {
         id: status.id,
         address: address.to_string(),
@@ -30,6 +31,8 @@ pub fn member_info(status: &RaftStatus, address: &str) -> pb::MasterInfo {
         term: status.term.load(Relaxed),
         commit_index: status.commit.load(Relaxed),
         applied_index: status.applied.load(Relaxed),
+        state_format: crate::state::FORMAT_VERSION.into(),
+        entry_format: raft.entry_format.version().into(),
     }
 }
 
@@ -153,7 +156,7 @@ impl RaftService for RaftRpc {
         &self,
         _req: Request<pb::MemberStatusRequest>,
     ) -> Result<Response<pb::MasterInfo>, Status> {
-        Ok(Response::new(member_info(&self.raft.status, &self.address)))
+        Ok(Response::new(member_info(&self.raft, &self.address)))
     }
 
     async fn grant_key(
@@ -199,7 +202,7 @@ pub async fn group_status(
     let mut asks = Vec::new();
     for id in voters {
         if id == raft.status.id {
-            out.push(member_info(&raft.status, self_address));
+            out.push(member_info(raft, self_address));
             continue;
         }
         let addr = super::transport::peer_address(&raft.peers, id).unwrap_or_default();

@@ -15,6 +15,9 @@
 //! the fields a record must have. A record that fails is reported as corrupt with the
 //! record's kind, never read as something else.
 
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
+
 use granary_proto::prost::Message;
 use granary_proto::state::v1 as pb;
 use rocksdb::WriteBatch;
@@ -35,8 +38,65 @@ pub const FORMAT_VERSION: u8 = 1;
 /// The record saying which format the store is in (absent: JSON, before format 1).
 pub(super) const KEY_FORMAT: &[u8] = b"Mformat";
 
+/// The record of the format Raft entries are proposed in (absent: 0, JSON).
+pub(super) const KEY_ENTRY_FORMAT: &[u8] = b"Mentry_format";
+
 /// Records rewritten per write while a JSON store is upgraded.
 const UPGRADE_BATCH: usize = 10_000;
+
+/// The format this master proposes Raft entries in, shared by its state machine and its
+/// Raft handle: JSON (0) until the group records that every voter reads format 1
+/// ([`Command::UseFormat`], proposed by the leader once every member says so). An older
+/// master in the group would stop at the first entry it cannot read; the rolling upgrade
+/// of a group never meets one.
+#[derive(Clone, Debug, Default)]
+pub struct EntryFormat(Arc<EntryFormatState>);
+
+#[derive(Debug, Default)]
+struct EntryFormatState {
+    version: AtomicU8,
+    /// A leader's check of the members' formats is under way.
+    checking: AtomicBool,
+}
+
+impl EntryFormat {
+    pub fn version(&self) -> u8 {
+        self.0.version.load(Ordering::Acquire)
+    }
+
+    /// A Raft entry's data for this proposal, in the format in use.
+    pub fn encode(
+        &self,
+        request_id: u64,
+        at_ms: i64,
+        cmd: &Command,
+    ) -> Result<Vec<u8>, MasterError> {
+        if self.version() >= FORMAT_VERSION {
+            return Ok(Proposal::encode_of(request_id, at_ms, cmd));
+        }
+        #[derive(serde::Serialize)]
+        struct Json<'a> {
+            request_id: u64,
+            at_ms: i64,
+            cmd: &'a Command,
+        }
+        let p = Json {
+            request_id,
+            at_ms,
+            cmd,
+        };
+        serde_json::to_vec(&p).map_err(|e| MasterError::corrupt(format!("encoding a command: {e}")))
+    }
+
+    /// Starts a check of the members' formats unless one is under way (false then).
+    pub fn start_check(&self) -> bool {
+        !self.0.checking.swap(true, Ordering::AcqRel)
+    }
+
+    pub fn check_done(&self) {
+        self.0.checking.store(false, Ordering::Release);
+    }
+}
 
 /// A record of the `state` column family.
 pub trait Record: Sized {
@@ -744,6 +804,7 @@ fn others_to(c: &Command) -> Option<pb::command::Command> {
             failed: failed.iter().map(Into::into).collect(),
             fetched_bytes: *fetched_bytes,
         }),
+        Command::UseFormat { version } => P::UseFormat(pb::UseFormat { version: *version }),
         Command::FinishJob {
             id,
             state,
@@ -895,6 +956,7 @@ fn others_from(c: pb::command::Command) -> Result<Command, Bad> {
                 .collect::<Result<_, _>>()?,
             fetched_bytes: c.fetched_bytes,
         },
+        P::UseFormat(c) => Command::UseFormat { version: c.version },
         P::FinishJob(c) => Command::FinishJob {
             id: c.id,
             state: job_state_from(c.state)?,
@@ -993,6 +1055,11 @@ impl StateMachine {
     /// records per write, then marked. Stopped part-way, it goes on where it stopped.
     /// Returns how many records were rewritten; a store of a newer format is refused.
     pub fn upgrade_format(&self) -> Result<u64, MasterError> {
+        let entries = self.get_u64(KEY_ENTRY_FORMAT)?;
+        self.entry_format
+            .0
+            .version
+            .store(entries.min(u8::MAX.into()) as u8, Ordering::Release);
         match self.get(KEY_FORMAT)?.as_deref() {
             Some([FORMAT_VERSION]) => return Ok(0),
             Some(v) => {
@@ -1031,6 +1098,36 @@ impl StateMachine {
             );
         }
         Ok(rewritten)
+    }
+}
+
+impl StateMachine {
+    /// The format this master proposes Raft entries in.
+    pub fn entry_format(&self) -> EntryFormat {
+        self.entry_format.clone()
+    }
+}
+
+impl super::Txn<'_> {
+    /// [`Command::UseFormat`]: a format this master cannot read is refused (a leader
+    /// proposes one only when every member says it reads it).
+    pub(super) fn use_format(&mut self, version: u32) -> Result<ApplyOutput, MasterError> {
+        if version > u32::from(FORMAT_VERSION) {
+            return Err(MasterError::invalid(format!(
+                "Raft entry format {version} is newer than this master's ({FORMAT_VERSION})"
+            )));
+        }
+        if u64::from(version) > self.get_u64(KEY_ENTRY_FORMAT)? {
+            self.put_u64(KEY_ENTRY_FORMAT, version.into());
+            // Only a failure of this master's storage can stop the commit, and it stops
+            // the master.
+            self.sm
+                .entry_format
+                .0
+                .version
+                .store(version as u8, Ordering::Release);
+        }
+        Ok(ApplyOutput::None)
     }
 }
 

@@ -133,6 +133,8 @@ pub struct StateMachine {
     /// [`StateMachine::prune_requests`]); `i64::MIN`: not known (at start, after a
     /// snapshot), `i64::MAX`: none kept.
     oldest_request: Arc<std::sync::atomic::AtomicI64>,
+    /// The format Raft entries are proposed in (see [`format::EntryFormat`]).
+    entry_format: format::EntryFormat,
 }
 
 /// Applied entries a namespace watcher may fall behind by before it is told to start over.
@@ -157,6 +159,7 @@ impl StateMachine {
             changes: tokio::sync::broadcast::channel(CHANGES_BUFFERED).0,
             moves: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             oldest_request: Arc::new(std::sync::atomic::AtomicI64::new(i64::MIN)),
+            entry_format: format::EntryFormat::default(),
         };
         sm.upgrade_format()?;
         if sm.inode(ROOT_INODE)?.is_none() {
@@ -924,6 +927,7 @@ impl<'a> Txn<'a> {
                 self.delete(decommissioned_key(*worker_id));
                 Ok(ApplyOutput::None)
             }
+            Command::UseFormat { version } => self.use_format(*version),
             Command::LoadDir {
                 dir,
                 mount_id,

@@ -380,6 +380,11 @@ pub enum Command {
         #[serde(default)]
         fetched_bytes: u64,
     },
+    /// Every voter reads Raft entries of format `version`: leaders propose them in it from
+    /// now on (see `state::format`). A lower version than the one in use changes nothing.
+    UseFormat {
+        version: u32,
+    },
     /// The job ended (succeeded, failed, cancelled); nothing changes if it already had.
     FinishJob {
         id: u64,

@@ -216,6 +216,7 @@ fn commands() -> Vec<Command> {
             failed: vec![failed()],
             fetched_bytes: 4,
         },
+        Command::UseFormat { version: 1 },
         Command::FinishJob {
             id: 1,
             state: JobState::Failed,
@@ -245,6 +246,7 @@ fn commands() -> Vec<Command> {
             | Command::CreateJob { .. }
             | Command::JobPlanned { .. }
             | Command::JobProgress { .. }
+            | Command::UseFormat { .. }
             | Command::FinishJob { .. } => {}
         }
     }
@@ -477,4 +479,38 @@ mod erased {
             serde_json::to_vec(self).unwrap()
         }
     }
+}
+
+#[test]
+fn entries_stay_json_until_the_group_records_the_format_every_member_reads() {
+    let (_dir, sm) = open();
+    let format = sm.entry_format();
+    let cmd = Command::RemoveMount { path: "/m".into() };
+    // A new group proposes JSON, which a master of the release before reads.
+    assert_eq!(format.version(), 0);
+    let json = format.encode(3, 4, &cmd).unwrap();
+    assert_eq!(json[0], b'{');
+    let legacy: Proposal = serde_json::from_slice(&json).unwrap();
+    assert_eq!((legacy.request_id, legacy.at_ms, &legacy.cmd), (3, 4, &cmd));
+
+    // A format this master cannot read is refused and changes nothing.
+    let newer = Command::UseFormat {
+        version: u32::from(FORMAT_VERSION) + 1,
+    };
+    let e = sm.apply(1, &newer).unwrap_err();
+    assert!(e.to_string().contains("newer than this master's"), "{e}");
+    assert_eq!(
+        (format.version(), sm.get(KEY_ENTRY_FORMAT).unwrap()),
+        (0, None)
+    );
+
+    sm.apply(2, &Command::UseFormat { version: 1 }).unwrap();
+    assert_eq!(format.version(), FORMAT_VERSION);
+    let binary = format.encode(3, 4, &cmd).unwrap();
+    assert_eq!(binary, Proposal::encode_of(3, 4, &cmd));
+    // An older format recorded later does not move it back; a restart keeps it.
+    sm.apply(3, &Command::UseFormat { version: 0 }).unwrap();
+    assert_eq!(format.version(), FORMAT_VERSION);
+    let reopened = StateMachine::open(sm.db.clone()).unwrap();
+    assert_eq!(reopened.entry_format().version(), FORMAT_VERSION);
 }
