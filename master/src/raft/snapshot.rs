@@ -6,6 +6,9 @@
 //! `[u32 key len][key][u32 value len][value]` records followed by a footer: the magic
 //! `GRSNAPv1`, the record count and the CRC32C of everything before the footer.
 //!
+//! Records are written in the group's format: as JSON while its Raft entries are (see
+//! `state::format`), so that a master of an older release can install them.
+//!
 //! Files are named `snap-<index>-<term>.bin` in the master's `snapshots/` directory; the
 //! transport streams them to followers that need them, which verify and install them in one
 //! atomic RocksDB write.
@@ -117,13 +120,19 @@ pub fn write_from_checkpoint(
         let mut w = BufWriter::with_capacity(1 << 20, file);
         let mut crc = 0u32;
         let mut count = 0u64;
+        // A group that may hold masters of a release before format 1 gets what they read.
+        let json = crate::state::format::snapshot_in_json(&db, cf)?;
         let mut it = db.raw_iterator_cf(cf);
         it.seek_to_first();
         while it.valid() {
             let (Some(k), Some(v)) = (it.key(), it.value()) else {
                 break;
             };
-            for part in [k, v] {
+            let Some(v) = crate::state::format::snapshot_value(k, v, json)? else {
+                it.next();
+                continue;
+            };
+            for part in [k, &*v] {
                 let len = (part.len() as u32).to_le_bytes();
                 crc = crc32c::crc32c_append(crc, &len);
                 crc = crc32c::crc32c_append(crc, part);

@@ -1,7 +1,11 @@
 use std::collections::BTreeMap;
 
 use super::*;
+use crate::state::jobs::{DoneFile, JobState};
 use crate::state::tests::open;
+use crate::state::ttl::TtlAction;
+use crate::state::{Fingerprint, Kind, Owner, Persist, SyncBatch, UfsEntry};
+use granary_common::ufs::UfsSpec;
 
 fn fp(n: u64) -> Fingerprint {
     Fingerprint {
@@ -513,4 +517,77 @@ fn entries_stay_json_until_the_group_records_the_format_every_member_reads() {
     assert_eq!(format.version(), FORMAT_VERSION);
     let reopened = StateMachine::open(sm.db.clone()).unwrap();
     assert_eq!(reopened.entry_format().version(), FORMAT_VERSION);
+}
+
+#[test]
+fn a_snapshot_is_json_while_the_entries_are_and_a_master_of_this_release_upgrades_it() {
+    let (_dir, sm) = open();
+    let mkdir = |path: &str| Command::Mkdir {
+        path: path.into(),
+        recursive: false,
+        mode: 0o750,
+        now_ms: 9,
+        owner: Some(Owner { uid: 5, gid: 6 }),
+    };
+    sm.apply(1, &mkdir("/a")).unwrap();
+    sm.apply(
+        2,
+        &Command::SetPin {
+            path: "/a".into(),
+            replicas: 2,
+        },
+    )
+    .unwrap();
+    let records = |sm: &StateMachine, json: bool| -> Vec<(Vec<u8>, Vec<u8>)> {
+        let cf = sm.cf().unwrap();
+        assert_eq!(snapshot_in_json(&sm.db, cf).unwrap(), json);
+        let mut out = Vec::new();
+        let mut it = sm.db.raw_iterator_cf(cf);
+        it.seek_to_first();
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            if let Some(v) = snapshot_value(k, v, json).unwrap() {
+                out.push((k.to_vec(), v.into_owned()));
+            }
+            it.next();
+        }
+        out
+    };
+    // Entries still JSON: so is the snapshot, all of it, as a release before wrote it.
+    let snap = records(&sm, true);
+    assert!(!snap.iter().any(|(k, _)| k == KEY_FORMAT));
+    let a = snap
+        .iter()
+        .find(|(k, _)| k[0] == b'i' && k[1..] == 2u64.to_be_bytes());
+    let a: Inode = serde_json::from_slice(&a.unwrap().1).unwrap();
+    assert_eq!((a.name.as_str(), a.mode), ("a", 0o750));
+    let pin = snap.iter().find(|(k, _)| k[0] == b'P').unwrap();
+    assert_eq!(serde_json::from_slice::<Pin>(&pin.1).unwrap().replicas, 2);
+
+    // Installed on a master of this release: upgraded, the same state.
+    let (_other, installed) = open();
+    let cf = installed.cf().unwrap();
+    installed
+        .db
+        .delete_range_cf(cf, [0u8].as_slice(), [0xffu8; 64].as_slice())
+        .unwrap();
+    for (k, v) in &snap {
+        installed.db.put_cf(cf, k, v).unwrap();
+    }
+    assert!(
+        installed.upgrade_format().unwrap() >= 3,
+        "root, /a and the pin"
+    );
+    assert_eq!(installed.inode(2).unwrap(), sm.inode(2).unwrap());
+    assert_eq!(installed.pin_of(2).unwrap(), sm.pin_of(2).unwrap());
+
+    // Once the group records format 1, snapshots are the store as it is.
+    sm.apply(3, &Command::UseFormat { version: 1 }).unwrap();
+    let snap = records(&sm, false);
+    assert!(snap
+        .iter()
+        .any(|(k, v)| k == KEY_FORMAT && v == &[FORMAT_VERSION]));
+    let cf = sm.cf().unwrap();
+    for (k, v) in &snap {
+        assert_eq!(sm.db.get_cf(cf, k).unwrap().as_ref(), Some(v));
+    }
 }
