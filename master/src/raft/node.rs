@@ -971,9 +971,7 @@ impl Driver {
         let mut wo = rocksdb::WriteOptions::default();
         wo.set_sync(true);
         db.write_opt(batch, &wo)?;
-        self.sm.forget_cached();
-        // A snapshot from a leader of a release before format 1 holds JSON records.
-        self.sm.upgrade_format()?;
+        self.sm.snapshot_installed()?;
         self.storage.snapshot_installed(&meta);
         self.last_snapshot = meta.index;
         // Configuration first, then the applied index: whoever sees the new applied index

@@ -250,6 +250,15 @@ impl StateMachine {
 }
 
 impl StateMachine {
+    /// After a snapshot replaced the store: forgets what was decoded from the old one and
+    /// brings the new one to this release's format (a leader of an older release, or a
+    /// group not switched yet, sends JSON). Call before anyone reads at the new index.
+    pub fn snapshot_installed(&self) -> Result<(), MasterError> {
+        self.forget_cached();
+        self.upgrade_format()?;
+        Ok(())
+    }
+
     /// The format this master proposes Raft entries in.
     pub fn entry_format(&self) -> EntryFormat {
         self.entry_format.clone()

@@ -819,7 +819,7 @@ fn a_snapshot_installed_under_cached_records_replaces_them() {
     let mut batch = WriteBatch::default();
     snapshot::load_into(&follower.db, &file, &mut batch).unwrap();
     follower.db.write(batch).unwrap();
-    follower.forget_cached();
+    follower.snapshot_installed().unwrap();
 
     assert!(follower.resolve_loaded("/old").unwrap().is_none());
     let x = follower.resolve_loaded("/new/x").unwrap().unwrap();
