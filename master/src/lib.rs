@@ -171,7 +171,7 @@ fn report_broken_state(sm: &state::StateMachine) -> Result<(), MasterError> {
 }
 
 /// The leader's periodic work (every half second until `shutdown`): worker expiry,
-/// metrics, failed listings, jobs, pins and TTLs.
+/// metrics, failed listings, jobs, pins, TTLs and the Raft entry format.
 fn housekeeping(
     core: Arc<core::MasterCore>,
     master_metrics: metrics::MasterMetrics,
@@ -190,6 +190,7 @@ fn housekeeping(
                     core.refresh_pins();
                     core.reload_pins_once_per_term();
                     core.expire_ttls();
+                    core.adopt_entry_format();
                 }
             }
         }
