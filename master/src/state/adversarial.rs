@@ -12,6 +12,7 @@
 //! Seeded: a failure prints the seed; `PROPTEST_CASES` and proptest's `PROPTEST_RNG_SEED`
 //! replay or widen a run.
 
+use super::keys;
 use std::collections::BTreeMap;
 
 use granary_common::authz::allowed_roles;
@@ -320,7 +321,7 @@ fn dump(sm: &StateMachine) -> BTreeMap<Vec<u8>, Vec<u8>> {
     it.seek_to_first();
     while it.valid() {
         let (k, v) = (it.key().unwrap(), it.value().unwrap());
-        if k != KEY_APPLIED {
+        if k != keys::APPLIED {
             out.insert(k.to_vec(), v.to_vec());
         }
         it.next();

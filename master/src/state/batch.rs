@@ -1,6 +1,6 @@
 //! Batched reads of the state: a listing page's records in one RocksDB read.
 
-use super::{decode_record, inode_key, Inode, StateMachine};
+use super::{decode_record, keys, Inode, StateMachine};
 use crate::error::MasterError;
 
 impl StateMachine {
@@ -17,7 +17,7 @@ impl StateMachine {
             .iter()
             .enumerate()
             .filter(|(_, i)| i.is_none())
-            .map(|(at, _)| (inode_key(ids[at]), at))
+            .map(|(at, _)| (keys::inode(ids[at]), at))
             .collect();
         self.get_many(missing, |at, v| {
             out[at] = Some(decode_record(v)?);

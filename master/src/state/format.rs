@@ -25,17 +25,11 @@ use rocksdb::WriteBatch;
 use super::jobs::{FailedFile, Job};
 use super::pins::Pin;
 use super::ttl::Ttl;
-use super::{ApplyOutput, Command, Inode, Mount, Proposal, RequestOutcome, StateMachine};
+use super::{keys, ApplyOutput, Command, Inode, Mount, Proposal, RequestOutcome, StateMachine};
 use crate::error::MasterError;
 
 /// The format this version writes.
 pub const FORMAT_VERSION: u8 = 1;
-
-/// The record saying which format the store is in (absent: JSON, before format 1).
-pub(super) const KEY_FORMAT: &[u8] = b"Mformat";
-
-/// The record of the format Raft entries are proposed in (absent: 0, JSON).
-pub(super) const KEY_ENTRY_FORMAT: &[u8] = b"Mentry_format";
 
 /// Records rewritten per write while a JSON store is upgraded.
 const UPGRADE_BATCH: usize = 10_000;
@@ -135,7 +129,7 @@ record!(RequestOutcome, pb::RequestOutcome, "request outcome");
 /// Whether a snapshot of this store is written as JSON: while its Raft entries are (a
 /// member may run a release before format 1).
 pub fn snapshot_in_json(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily) -> Result<bool, MasterError> {
-    let entries = match db.get_cf(cf, KEY_ENTRY_FORMAT)? {
+    let entries = match db.get_cf(cf, keys::ENTRY_FORMAT)? {
         Some(v) => super::u64_of(&v)?,
         None => 0,
     };
@@ -158,16 +152,19 @@ pub fn snapshot_value<'a>(
     if !json {
         return Ok(Some(Cow::Borrowed(value)));
     }
-    Ok(Some(Cow::Owned(match key.first() {
-        _ if key == KEY_FORMAT => return Ok(None),
-        Some(b'i') => to_json::<Inode>(value)?,
-        Some(b'm') => to_json::<Mount>(value)?,
-        Some(b'q') => to_json::<RequestOutcome>(value)?,
-        Some(b'J') => to_json::<Job>(value)?,
-        Some(b'f') => to_json::<FailedFile>(value)?,
-        Some(b'P') => to_json::<Pin>(value)?,
-        Some(b'T') => to_json::<Ttl>(value)?,
-        _ => return Ok(Some(Cow::Borrowed(value))),
+    if key == keys::FORMAT {
+        return Ok(None);
+    }
+    use keys::Message as M;
+    Ok(Some(Cow::Owned(match keys::message_of(key) {
+        Some(M::Inode) => to_json::<Inode>(value)?,
+        Some(M::Mount) => to_json::<Mount>(value)?,
+        Some(M::RequestOutcome) => to_json::<RequestOutcome>(value)?,
+        Some(M::Job) => to_json::<Job>(value)?,
+        Some(M::FailedFile) => to_json::<FailedFile>(value)?,
+        Some(M::Pin) => to_json::<Pin>(value)?,
+        Some(M::Ttl) => to_json::<Ttl>(value)?,
+        None => return Ok(Some(Cow::Borrowed(value))),
     })))
 }
 
@@ -185,15 +182,16 @@ fn upgraded(key: &[u8], value: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
         // writes): an upgrade stopped part-way leaves these, and they are done.
         return Ok(None);
     }
-    Ok(Some(match key.first() {
-        Some(b'i') => json::<Inode>(value)?,
-        Some(b'm') => json::<Mount>(value)?,
-        Some(b'q') => json::<RequestOutcome>(value)?,
-        Some(b'J') => json::<Job>(value)?,
-        Some(b'f') => json::<FailedFile>(value)?,
-        Some(b'P') => json::<Pin>(value)?,
-        Some(b'T') => json::<Ttl>(value)?,
-        _ => return Ok(None),
+    use keys::Message as M;
+    Ok(Some(match keys::message_of(key) {
+        Some(M::Inode) => json::<Inode>(value)?,
+        Some(M::Mount) => json::<Mount>(value)?,
+        Some(M::RequestOutcome) => json::<RequestOutcome>(value)?,
+        Some(M::Job) => json::<Job>(value)?,
+        Some(M::FailedFile) => json::<FailedFile>(value)?,
+        Some(M::Pin) => json::<Pin>(value)?,
+        Some(M::Ttl) => json::<Ttl>(value)?,
+        None => return Ok(None),
     }))
 }
 
@@ -203,12 +201,12 @@ impl StateMachine {
     /// records per write, then marked. Stopped part-way, it goes on where it stopped.
     /// Returns how many records were rewritten; a store of a newer format is refused.
     pub fn upgrade_format(&self) -> Result<u64, MasterError> {
-        let entries = self.get_u64(KEY_ENTRY_FORMAT)?;
+        let entries = self.get_u64(keys::ENTRY_FORMAT)?;
         self.entry_format
             .0
             .version
             .store(entries.min(u8::MAX.into()) as u8, Ordering::Release);
-        match self.get(KEY_FORMAT)?.as_deref() {
+        match self.get(keys::FORMAT)?.as_deref() {
             Some([FORMAT_VERSION]) => return Ok(0),
             Some(v) => {
                 return Err(MasterError::corrupt(format!(
@@ -233,7 +231,7 @@ impl StateMachine {
             it.next();
         }
         it.status()?;
-        batch.put_cf(cf, KEY_FORMAT, [FORMAT_VERSION]);
+        batch.put_cf(cf, keys::FORMAT, [FORMAT_VERSION]);
         let mut wo = rocksdb::WriteOptions::default();
         wo.set_sync(true);
         self.db.write_opt(batch, &wo)?;
@@ -274,8 +272,8 @@ impl super::Txn<'_> {
                 "Raft entry format {version} is newer than this master's ({FORMAT_VERSION})"
             )));
         }
-        if u64::from(version) > self.get_u64(KEY_ENTRY_FORMAT)? {
-            self.put_u64(KEY_ENTRY_FORMAT, version.into());
+        if u64::from(version) > self.get_u64(keys::ENTRY_FORMAT)? {
+            self.put_u64(keys::ENTRY_FORMAT, version.into());
             // Only a failure of this master's storage can stop the commit, and it stops
             // the master.
             self.sm

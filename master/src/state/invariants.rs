@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use super::{decode_record, inode_key, u64_of, Inode, Kind, Mount, StateMachine, ROOT_INODE};
+use super::{decode_record, keys, u64_of, Inode, Kind, Mount, StateMachine, ROOT_INODE};
 use crate::error::MasterError;
 
 /// One broken rule: the key (printable) and the rule it breaks.
@@ -58,17 +58,17 @@ impl StateMachine {
         match self.inode(ROOT_INODE)? {
             Some(r) if r.kind == Kind::Directory => {}
             Some(_) => note(
-                show_key(&inode_key(ROOT_INODE)),
+                show_key(&keys::inode(ROOT_INODE)),
                 "the root is not a directory".into(),
             ),
             None => note(
-                show_key(&inode_key(ROOT_INODE)),
+                show_key(&keys::inode(ROOT_INODE)),
                 "the root inode is missing".into(),
             ),
         }
         // Mounts: an inode that is this mount's mount point, at the recorded path.
         for m in self.mounts()? {
-            let key = show_key(&super::mount_key(m.id));
+            let key = show_key(&keys::mount(m.id));
             match self.inode(m.inode)? {
                 None => note(
                     key,
@@ -93,7 +93,7 @@ impl StateMachine {
         }
         check_mount_overlaps(&self.mounts()?, &mut note);
         // Pins and TTLs name existing inodes.
-        for (tag, what) in [(b'P', "pin"), (b'T', "TTL")] {
+        for (tag, what) in [(keys::PIN, "pin"), (keys::TTL, "TTL")] {
             let mut named = Vec::new();
             self.scan(&[tag], |k, _| {
                 named.push((k.to_vec(), u64_of(&k[1..])?));
@@ -158,12 +158,12 @@ impl StateMachine {
         })?;
         if full {
             let mut count = 0u64;
-            self.scan(b"i", |_, v| {
+            self.scan(&[keys::INODE], |_, v| {
                 let i: Inode = decode_record(v)?;
                 count += 1;
                 if i.id != ROOT_INODE && !linked.contains(&i.id) {
                     note(
-                        show_key(&inode_key(i.id)),
+                        show_key(&keys::inode(i.id)),
                         format!("inode {} ({}) is in no directory", i.id, i.name),
                     );
                 }
@@ -185,7 +185,7 @@ impl StateMachine {
     fn check_cache(&self, note: &mut impl FnMut(String, String)) -> Result<(), MasterError> {
         let (inodes, entries) = self.cache.held_items();
         for (id, cached) in inodes {
-            let key = inode_key(id);
+            let key = keys::inode(id);
             let stored: Option<Inode> = self.get(&key)?.map(|v| decode_record(&v)).transpose()?;
             if stored.as_ref() != Some(&cached) {
                 note(
@@ -215,7 +215,7 @@ fn check_mount_overlaps(mounts: &[Mount], note: &mut impl FnMut(String, String))
                 || granary_common::paths::is_within(&b.path, &a.path)
             {
                 note(
-                    show_key(&super::mount_key(b.id)),
+                    show_key(&keys::mount(b.id)),
                     format!("mount {} overlaps mount {}", b.path, a.path),
                 );
             }

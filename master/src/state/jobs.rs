@@ -6,12 +6,12 @@
 //! Keys: `J` + id → [`Job`]; `j` + id + inode → length (a file whose every block is cached,
 //! dropped when the job ends); `f` + id + inode → [`FailedFile`].
 
+use super::keys;
 use serde::{Deserialize, Serialize};
 
 use super::{decode_record, encode_record, StateMachine, Txn};
 use crate::error::MasterError;
 
-const KEY_NEXT_JOB: &[u8] = b"Mnext_job";
 /// Finished jobs older than this many job ids are forgotten (with their failed lists).
 pub const JOBS_KEPT: u64 = 200;
 
@@ -92,21 +92,9 @@ pub struct DoneFile {
     pub length: u64,
 }
 
-fn job_key(id: u64) -> Vec<u8> {
-    super::tagged_key(b'J', id)
-}
-
-fn job_file_key(tag: u8, id: u64, inode: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(17);
-    k.push(tag);
-    k.extend_from_slice(&id.to_be_bytes());
-    k.extend_from_slice(&inode.to_be_bytes());
-    k
-}
-
 impl StateMachine {
     pub fn job(&self, id: u64) -> Result<Option<Job>, MasterError> {
-        self.get(&job_key(id))?
+        self.get(&keys::job(id))?
             .map(|v| decode_record(&v))
             .transpose()
     }
@@ -114,7 +102,7 @@ impl StateMachine {
     /// Every job kept, oldest first.
     pub fn jobs(&self) -> Result<Vec<Job>, MasterError> {
         let mut out = Vec::new();
-        self.scan(b"J", |_, v| {
+        self.scan(&[keys::JOB], |_, v| {
             out.push(decode_record(v)?);
             Ok(true)
         })?;
@@ -124,14 +112,18 @@ impl StateMachine {
     /// Whether job `id` recorded file `inode` done or failed (a new runner of the job
     /// leaves it out): two point reads, so a resumed job holds no set of its files.
     pub fn job_settled(&self, id: u64, inode: u64) -> Result<bool, MasterError> {
-        Ok(self.get(&job_file_key(b'j', id, inode))?.is_some()
-            || self.get(&job_file_key(b'f', id, inode))?.is_some())
+        Ok(self
+            .get(&keys::job_file(keys::JOB_DONE, id, inode))?
+            .is_some()
+            || self
+                .get(&keys::job_file(keys::JOB_FAILED, id, inode))?
+                .is_some())
     }
 
     /// Up to `max` of the files job `id` could not cache, in inode order.
     pub fn job_failed(&self, id: u64, max: usize) -> Result<Vec<FailedFile>, MasterError> {
         let mut out = Vec::new();
-        let mut prefix = vec![b'f'];
+        let mut prefix = vec![keys::JOB_FAILED];
         prefix.extend_from_slice(&id.to_be_bytes());
         self.scan(&prefix, |_, v| {
             if out.len() >= max {
@@ -178,7 +170,7 @@ impl StateMachine {
 
 impl Txn<'_> {
     fn job(&self, id: u64) -> Result<Job, MasterError> {
-        match self.get(&job_key(id))? {
+        match self.get(&keys::job(id))? {
             Some(v) => decode_record(&v),
             None => Err(MasterError::NoSuchJob { id }),
         }
@@ -186,7 +178,7 @@ impl Txn<'_> {
 
     fn put_job(&mut self, job: &Job) -> Result<(), MasterError> {
         let v = encode_record(job)?;
-        self.put(job_key(job.id), v);
+        self.put(keys::job(job.id), v);
         Ok(())
     }
 
@@ -204,16 +196,16 @@ impl Txn<'_> {
         replicas: u32,
         now_ms: i64,
     ) -> Result<Job, MasterError> {
-        let id = self.get_u64(KEY_NEXT_JOB)?.max(1);
-        self.put_u64(KEY_NEXT_JOB, id + 1);
+        let id = self.get_u64(keys::NEXT_JOB)?.max(1);
+        self.put_u64(keys::NEXT_JOB, id + 1);
         // Forget the job that falls out of the kept window, if it finished.
         if id > JOBS_KEPT {
             let old = id - JOBS_KEPT;
             if let Ok(j) = self.job(old) {
                 if j.state.finished() {
-                    self.delete(job_key(old));
-                    self.delete_job_files(b'f', old)?;
-                    self.delete_job_files(b'j', old)?;
+                    self.delete(keys::job(old));
+                    self.delete_job_files(keys::JOB_FAILED, old)?;
+                    self.delete_job_files(keys::JOB_DONE, old)?;
                 }
             }
         }
@@ -266,11 +258,11 @@ impl Txn<'_> {
         }
         job.fetched_bytes = job.fetched_bytes.saturating_add(fetched_bytes);
         for d in done {
-            let key = job_file_key(b'j', id, d.inode);
+            let key = keys::job_file(keys::JOB_DONE, id, d.inode);
             if self.get(&key)?.is_some() {
                 continue;
             }
-            let fkey = job_file_key(b'f', id, d.inode);
+            let fkey = keys::job_file(keys::JOB_FAILED, id, d.inode);
             if self.get(&fkey)?.is_some() {
                 self.delete(fkey);
                 job.failed_files = job.failed_files.saturating_sub(1);
@@ -280,8 +272,12 @@ impl Txn<'_> {
             job.done_bytes = job.done_bytes.saturating_add(d.length);
         }
         for f in failed {
-            let fkey = job_file_key(b'f', id, f.inode);
-            if self.get(&job_file_key(b'j', id, f.inode))?.is_some() || self.get(&fkey)?.is_some() {
+            let fkey = keys::job_file(keys::JOB_FAILED, id, f.inode);
+            if self
+                .get(&keys::job_file(keys::JOB_DONE, id, f.inode))?
+                .is_some()
+                || self.get(&fkey)?.is_some()
+            {
                 continue;
             }
             self.put(fkey, encode_record(f)?);
@@ -312,7 +308,7 @@ impl Txn<'_> {
         job.state = state;
         job.finished_ms = now_ms;
         job.error = error.to_string();
-        self.delete_job_files(b'j', id)?;
+        self.delete_job_files(keys::JOB_DONE, id)?;
         self.put_job(&job)?;
         Ok(job)
     }
@@ -430,21 +426,21 @@ mod tests {
     #[test]
     fn a_prefix_deletion_removes_every_record_before_it_and_none_written_after() {
         let (_dir, sm) = crate::state::tests::open();
-        let key = |tag, id, inode| job_file_key(tag, id, inode);
+        let key = |tag, id, inode| keys::job_file(tag, id, inode);
         let mut txn = Txn::new(&sm);
         for inode in 0..1000 {
-            txn.put(key(b'j', 3, inode), vec![1]);
+            txn.put(key(keys::JOB_DONE, 3, inode), vec![1]);
         }
-        txn.put(key(b'j', 4, 1), vec![1]);
-        txn.put(key(b'j', 2, u64::MAX), vec![1]);
+        txn.put(key(keys::JOB_DONE, 4, 1), vec![1]);
+        txn.put(key(keys::JOB_DONE, 2, u64::MAX), vec![1]);
         txn.commit().unwrap();
         let mut txn = Txn::new(&sm);
-        txn.put(key(b'j', 3, 5), vec![2]); // written before the deletion: goes with it
-        txn.delete_job_files(b'j', 3).unwrap();
-        txn.put(key(b'j', 3, 7), vec![3]); // written after: stays
-        assert_eq!(txn.get(&key(b'j', 3, 5)).unwrap(), None);
-        assert_eq!(txn.get(&key(b'j', 3, 6)).unwrap(), None);
-        assert_eq!(txn.get(&key(b'j', 3, 7)).unwrap(), Some(vec![3]));
+        txn.put(key(keys::JOB_DONE, 3, 5), vec![2]); // written before the deletion: goes with it
+        txn.delete_job_files(keys::JOB_DONE, 3).unwrap();
+        txn.put(key(keys::JOB_DONE, 3, 7), vec![3]); // written after: stays
+        assert_eq!(txn.get(&key(keys::JOB_DONE, 3, 5)).unwrap(), None);
+        assert_eq!(txn.get(&key(keys::JOB_DONE, 3, 6)).unwrap(), None);
+        assert_eq!(txn.get(&key(keys::JOB_DONE, 3, 7)).unwrap(), Some(vec![3]));
         txn.commit().unwrap();
         let mut left = Vec::new();
         sm.scan(b"j", |k, v| {
@@ -455,12 +451,12 @@ mod tests {
         assert_eq!(
             left,
             vec![
-                (key(b'j', 2, u64::MAX), vec![1]),
-                (key(b'j', 3, 7), vec![3]),
-                (key(b'j', 4, 1), vec![1]),
+                (key(keys::JOB_DONE, 2, u64::MAX), vec![1]),
+                (key(keys::JOB_DONE, 3, 7), vec![3]),
+                (key(keys::JOB_DONE, 4, 1), vec![1]),
             ]
         );
         let mut txn = Txn::new(&sm);
-        assert!(txn.delete_prefix(b"i").is_err() && txn.delete_prefix(b"").is_err());
+        assert!(txn.delete_prefix(&[keys::INODE]).is_err() && txn.delete_prefix(b"").is_err());
     }
 }

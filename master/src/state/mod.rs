@@ -8,6 +8,7 @@ mod cache;
 pub mod format;
 pub mod invariants;
 pub mod jobs;
+pub mod keys;
 pub mod pins;
 pub mod records;
 mod requests;
@@ -29,79 +30,13 @@ pub use records::*;
 
 pub const CF_STATE: &str = "state";
 
-const KEY_APPLIED: &[u8] = b"Mapplied";
-const KEY_NEXT_INODE: &[u8] = b"Mnext_inode";
-const KEY_NEXT_MOUNT: &[u8] = b"Mnext_mount";
-const KEY_INODE_COUNT: &[u8] = b"Minodes";
-
 /// How long the outcome of a request id is remembered for retries.
 pub const REQUEST_RETENTION_MS: i64 = 15 * 60 * 1000;
 /// At most this many expired outcomes are dropped per applied request (keeps applies cheap).
 const REQUEST_PRUNE_BATCH: usize = 16;
 
-fn request_key(id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'q');
-    k.extend_from_slice(&id.to_be_bytes());
-    k
-}
-
-/// Age index of remembered outcomes: `Q` + at_ms + id.
-fn request_age_key(at_ms: i64, id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(17);
-    k.push(b'Q');
-    k.extend_from_slice(&(at_ms.max(0) as u64).to_be_bytes());
-    k.extend_from_slice(&id.to_be_bytes());
-    k
-}
-
 pub const DEFAULT_DIR_MODE: u32 = 0o755;
 pub const DEFAULT_FILE_MODE: u32 = 0o644;
-
-fn inode_key(id: u64) -> Vec<u8> {
-    tagged_key(b'i', id)
-}
-
-/// The inode id of an inode record's key (`i` + id), None for any other key.
-fn inode_id_of_key(key: &[u8]) -> Option<u64> {
-    match key {
-        [b'i', id @ ..] => id.try_into().ok().map(u64::from_be_bytes),
-        _ => None,
-    }
-}
-
-fn child_prefix(parent: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'c');
-    k.extend_from_slice(&parent.to_be_bytes());
-    k
-}
-
-fn child_key(parent: u64, name: &str) -> Vec<u8> {
-    let mut k = child_prefix(parent);
-    k.extend_from_slice(name.as_bytes());
-    k
-}
-
-fn mount_key(id: u64) -> Vec<u8> {
-    tagged_key(b'm', id)
-}
-
-fn member_key(id: u64) -> Vec<u8> {
-    tagged_key(b'A', id)
-}
-
-fn decommissioned_key(id: u64) -> Vec<u8> {
-    tagged_key(b'D', id)
-}
-
-/// `tag` + `id` (big-endian): the key of a record kept per id (jobs, pins, TTLs).
-fn tagged_key(tag: u8, id: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(tag);
-    k.extend_from_slice(&id.to_be_bytes());
-    k
-}
 
 fn u64_of(v: &[u8]) -> Result<u64, MasterError> {
     let arr: [u8; 8] = v
@@ -171,8 +106,8 @@ impl StateMachine {
                 DEFAULT_DIR_MODE,
                 0,
             ))?;
-            txn.put_u64(KEY_NEXT_INODE, ROOT_INODE + 1);
-            txn.put_u64(KEY_INODE_COUNT, 1);
+            txn.put_u64(keys::NEXT_INODE, ROOT_INODE + 1);
+            txn.put_u64(keys::INODE_COUNT, 1);
             txn.commit()?;
         }
         Ok(sm)
@@ -230,11 +165,11 @@ impl StateMachine {
     }
 
     pub fn applied_index(&self) -> Result<u64, MasterError> {
-        self.get_u64(KEY_APPLIED)
+        self.get_u64(keys::APPLIED)
     }
 
     pub fn inode_count(&self) -> Result<u64, MasterError> {
-        self.get_u64(KEY_INODE_COUNT)
+        self.get_u64(keys::INODE_COUNT)
     }
 
     pub fn inode(&self, id: u64) -> Result<Option<Inode>, MasterError> {
@@ -250,7 +185,7 @@ impl StateMachine {
             Err(generation) => generation,
         };
         let inode: Option<Inode> = self
-            .get(&inode_key(id))?
+            .get(&keys::inode(id))?
             .map(|v| decode_record(&v))
             .transpose()?;
         if let (Some(i), true) = (&inode, keep) {
@@ -260,7 +195,7 @@ impl StateMachine {
     }
 
     pub fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
-        match self.child_id(&child_key(parent, name))? {
+        match self.child_id(&keys::child(parent, name))? {
             Some(id) => self.inode(id),
             None => Ok(None),
         }
@@ -303,11 +238,11 @@ impl StateMachine {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Inode>, MasterError> {
-        let prefix = child_prefix(parent);
+        let prefix = keys::children(parent);
         let mut it = self.db.raw_iterator_cf(self.cf()?);
         match after {
             Some(name) => {
-                let mut k = child_key(parent, name);
+                let mut k = keys::child(parent, name);
                 k.push(0);
                 it.seek(&k);
             }
@@ -352,7 +287,7 @@ impl StateMachine {
 
     pub fn mounts(&self) -> Result<Vec<Mount>, MasterError> {
         let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(b"m");
+        it.seek([keys::MOUNT]);
         let mut out = Vec::new();
         while it.valid() {
             let (Some(k), Some(v)) = (it.key(), it.value()) else {
@@ -369,7 +304,7 @@ impl StateMachine {
     }
 
     pub fn mount(&self, id: u64) -> Result<Option<Mount>, MasterError> {
-        self.get(&mount_key(id))?
+        self.get(&keys::mount(id))?
             .map(|v| decode_record(&v))
             .transpose()
     }
@@ -403,7 +338,7 @@ impl StateMachine {
             Err(_) => Txn::new(self), // discard partial changes
         };
         let changed = self.watched(&txn);
-        txn.put_u64(KEY_APPLIED, index);
+        txn.put_u64(keys::APPLIED, index);
         txn.commit()?;
         self.announce(index, changed);
         result
@@ -418,7 +353,7 @@ impl StateMachine {
         if request_id == 0 {
             return Ok(None);
         }
-        match self.get(&request_key(request_id))? {
+        match self.get(&keys::request(request_id))? {
             Some(v) => Ok(Some(decode_record::<RequestOutcome>(&v)?.result)),
             None => Ok(None),
         }
@@ -430,7 +365,7 @@ impl StateMachine {
         if p.request_id == 0 {
             return self.apply(index, &p.cmd);
         }
-        if let Some(v) = self.get(&request_key(p.request_id))? {
+        if let Some(v) = self.get(&keys::request(p.request_id))? {
             let outcome: RequestOutcome = decode_record(&v)?;
             self.mark_applied(index)?;
             return outcome.result;
@@ -449,10 +384,10 @@ impl StateMachine {
             at_ms: p.at_ms,
             result: result.clone(),
         };
-        txn.put(request_key(p.request_id), encode_record(&outcome)?);
-        txn.put(request_age_key(p.at_ms, p.request_id), Vec::new());
+        txn.put(keys::request(p.request_id), encode_record(&outcome)?);
+        txn.put(keys::request_age(p.at_ms, p.request_id), Vec::new());
         self.prune_requests(&mut txn, p.at_ms)?;
-        txn.put_u64(KEY_APPLIED, index);
+        txn.put_u64(keys::APPLIED, index);
         txn.commit()?;
         self.announce(index, changed);
         result
@@ -461,7 +396,7 @@ impl StateMachine {
     /// Marks `index` applied without a command (empty entries, conf changes).
     pub fn mark_applied(&self, index: u64) -> Result<(), MasterError> {
         let mut txn = Txn::new(self);
-        txn.put_u64(KEY_APPLIED, index);
+        txn.put_u64(keys::APPLIED, index);
         txn.commit()
     }
 
@@ -469,7 +404,7 @@ impl StateMachine {
     /// member that catches up from a snapshot learns them too.
     pub fn member_addresses(&self) -> Result<Vec<(u64, String)>, MasterError> {
         let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(member_key(0));
+        it.seek(keys::member(0));
         let mut out = Vec::new();
         while it.valid() {
             let (Some(k), Some(v)) = (it.key(), it.value()) else {
@@ -488,7 +423,7 @@ impl StateMachine {
     /// Workers decommissioned (`DecommissionWorker`).
     pub fn decommissioned(&self) -> Result<std::collections::BTreeSet<u64>, MasterError> {
         let mut it = self.db.raw_iterator_cf(self.cf()?);
-        it.seek(decommissioned_key(0));
+        it.seek(keys::decommissioned(0));
         let mut out = std::collections::BTreeSet::new();
         while it.valid() {
             let Some(k) = it.key() else {
@@ -511,14 +446,14 @@ impl StateMachine {
         address: &str,
         batch: &mut WriteBatch,
     ) -> Result<(), MasterError> {
-        batch.put_cf(self.cf()?, member_key(id), address.as_bytes());
+        batch.put_cf(self.cf()?, keys::member(id), address.as_bytes());
         Ok(())
     }
 
     /// Marks `index` applied together with the writes already in `batch` (one atomic,
     /// synced write), e.g. a configuration change of the Raft log.
     pub fn mark_applied_with(&self, index: u64, mut batch: WriteBatch) -> Result<(), MasterError> {
-        batch.put_cf(self.cf()?, KEY_APPLIED, index.to_be_bytes());
+        batch.put_cf(self.cf()?, keys::APPLIED, index.to_be_bytes());
         let mut wo = rocksdb::WriteOptions::default();
         wo.set_sync(true);
         Ok(self.db.write_opt(batch, &wo)?)
@@ -610,7 +545,7 @@ impl<'a> Txn<'a> {
 
     /// A raw write of an inode record replaces what `put_inode` decoded for it.
     fn forget_written(&mut self, key: &[u8]) {
-        if let Some(id) = inode_id_of_key(key) {
+        if let Some(id) = keys::inode_id_of(key) {
             self.written.remove(&id);
         }
     }
@@ -635,13 +570,13 @@ impl<'a> Txn<'a> {
             .pending
             .keys()
             .filter(|k| match k.first() {
-                Some(b'i' | b'P' | b'T') => k.len() == 9,
-                Some(b'c') => k.len() > 9,
+                Some(&(keys::INODE | keys::PIN | keys::TTL)) => k.len() == 9,
+                Some(&keys::CHILD) => k.len() > 9,
                 _ => false,
             })
             .filter_map(|k| {
                 let id = u64::from_be_bytes(k[1..9].try_into().ok()?);
-                let quiet = k[0] == b'i' && self.quiet.contains(&id);
+                let quiet = k[0] == keys::INODE && self.quiet.contains(&id);
                 (!quiet).then_some(id)
             })
             .collect();
@@ -661,7 +596,7 @@ impl<'a> Txn<'a> {
         }
         let mut cached = cache::Written::default();
         for (k, v) in self.pending {
-            if let Some(id) = inode_id_of_key(&k) {
+            if let Some(id) = keys::inode_id_of(&k) {
                 // Written by `put_inode` (decoded at hand), or raw: then forgotten.
                 let inode = v.as_ref().and_then(|_| self.written.remove(&id));
                 cached.inodes.push((id, inode));
@@ -685,7 +620,7 @@ impl<'a> Txn<'a> {
         if let Some(inode) = self.written.get(&id) {
             return Ok(Some(inode.clone()));
         }
-        match self.pending.get(&inode_key(id)) {
+        match self.pending.get(&keys::inode(id)) {
             Some(v) => v.as_deref().map(decode_record).transpose(),
             None => self.sm.inode(id),
         }
@@ -693,7 +628,7 @@ impl<'a> Txn<'a> {
 
     fn put_inode(&mut self, inode: &Inode) -> Result<(), MasterError> {
         let v = encode_record(inode)?;
-        self.put(inode_key(inode.id), v);
+        self.put(keys::inode(inode.id), v);
         self.written.insert(inode.id, inode.clone());
         Ok(())
     }
@@ -706,7 +641,7 @@ impl<'a> Txn<'a> {
     }
 
     fn child(&self, parent: u64, name: &str) -> Result<Option<Inode>, MasterError> {
-        let key = child_key(parent, name);
+        let key = keys::child(parent, name);
         let id = match self.pending.get(&key) {
             Some(v) => v.as_deref().map(u64_of).transpose()?,
             None => self.sm.child_id(&key)?,
@@ -719,7 +654,7 @@ impl<'a> Txn<'a> {
 
     /// Child ids of `parent`, merging the store with pending writes.
     fn child_ids(&self, parent: u64) -> Result<Vec<u64>, MasterError> {
-        let prefix = child_prefix(parent);
+        let prefix = keys::children(parent);
         let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
         let mut it = self.sm.db.raw_iterator_cf(self.sm.cf()?);
         it.seek(&prefix);
@@ -744,17 +679,17 @@ impl<'a> Txn<'a> {
     }
 
     fn alloc_inode(&mut self) -> Result<u64, MasterError> {
-        let id = self.get_u64(KEY_NEXT_INODE)?.max(ROOT_INODE + 1);
-        self.put_u64(KEY_NEXT_INODE, id + 1);
-        let count = self.get_u64(KEY_INODE_COUNT)?;
-        self.put_u64(KEY_INODE_COUNT, count + 1);
+        let id = self.get_u64(keys::NEXT_INODE)?.max(ROOT_INODE + 1);
+        self.put_u64(keys::NEXT_INODE, id + 1);
+        let count = self.get_u64(keys::INODE_COUNT)?;
+        self.put_u64(keys::INODE_COUNT, count + 1);
         Ok(id)
     }
 
     fn link(&mut self, inode: &Inode) -> Result<(), MasterError> {
         self.put_inode(inode)?;
         self.put(
-            child_key(inode.parent, &inode.name),
+            keys::child(inode.parent, &inode.name),
             inode.id.to_be_bytes().to_vec(),
         );
         Ok(())
@@ -847,10 +782,10 @@ impl<'a> Txn<'a> {
                 stack.push(child);
             }
             if let Some(node) = self.inode(id)? {
-                self.delete(child_key(node.parent, &node.name));
+                self.delete(keys::child(node.parent, &node.name));
             }
             if id != inode.id || unlink {
-                self.delete(inode_key(id));
+                self.delete(keys::inode(id));
                 self.drop_pin(id);
                 self.drop_ttl(id);
                 removed += 1;
@@ -861,14 +796,23 @@ impl<'a> Txn<'a> {
             self.put_inode(inode)?;
             if inode.id != ROOT_INODE {
                 self.put(
-                    child_key(inode.parent, &inode.name),
+                    keys::child(inode.parent, &inode.name),
                     inode.id.to_be_bytes().to_vec(),
                 );
             }
         }
-        let count = self.get_u64(KEY_INODE_COUNT)?;
-        self.put_u64(KEY_INODE_COUNT, count.saturating_sub(removed));
+        let count = self.get_u64(keys::INODE_COUNT)?;
+        self.put_u64(keys::INODE_COUNT, count.saturating_sub(removed));
         Ok(())
+    }
+
+    /// Marks worker `id` decommissioned (no new blocks go to it), or not.
+    fn decommission(&mut self, id: u64, decommissioned: bool) -> Result<ApplyOutput, MasterError> {
+        match decommissioned {
+            true => self.put(keys::decommissioned(id), Vec::new()),
+            false => self.delete(keys::decommissioned(id)),
+        }
+        Ok(ApplyOutput::None)
     }
 
     fn apply(&mut self, cmd: &Command) -> Result<ApplyOutput, MasterError> {
@@ -919,14 +863,8 @@ impl<'a> Txn<'a> {
             } => Ok(ApplyOutput::Job(
                 self.finish_job(*id, *state, error, *now_ms)?,
             )),
-            Command::DecommissionWorker { worker_id } => {
-                self.put(decommissioned_key(*worker_id), Vec::new());
-                Ok(ApplyOutput::None)
-            }
-            Command::RecommissionWorker { worker_id } => {
-                self.delete(decommissioned_key(*worker_id));
-                Ok(ApplyOutput::None)
-            }
+            Command::DecommissionWorker { worker_id } => self.decommission(*worker_id, true),
+            Command::RecommissionWorker { worker_id } => self.decommission(*worker_id, false),
             Command::UseFormat { version } => self.use_format(*version),
             Command::LoadDir {
                 dir,
@@ -1064,8 +1002,8 @@ impl<'a> Txn<'a> {
                 "cannot mount on {path}: the directory is not empty"
             )));
         }
-        let id = self.get_u64(KEY_NEXT_MOUNT)?.max(1);
-        self.put_u64(KEY_NEXT_MOUNT, id + 1);
+        let id = self.get_u64(keys::NEXT_MOUNT)?.max(1);
+        self.put_u64(keys::NEXT_MOUNT, id + 1);
         target.mount_id = Some(id);
         target.ufs_path = String::new();
         target.is_mount_point = true;
@@ -1079,7 +1017,7 @@ impl<'a> Txn<'a> {
             spec: spec.clone(),
         };
         let v = encode_record(&mount)?;
-        self.put(mount_key(id), v);
+        self.put(keys::mount(id), v);
         Ok(ApplyOutput::Mount(mount))
     }
 
@@ -1097,7 +1035,7 @@ impl<'a> Txn<'a> {
         let inode = match self.inode(mount.inode)? {
             Some(i) if i.is_mount_point && i.mount_id == Some(mount.id) => i,
             _ => {
-                self.delete(mount_key(mount.id));
+                self.delete(keys::mount(mount.id));
                 return Ok(ApplyOutput::Mount(mount));
             }
         };
@@ -1110,7 +1048,7 @@ impl<'a> Txn<'a> {
         } else {
             self.remove_subtree(&inode, true)?;
         }
-        self.delete(mount_key(mount.id));
+        self.delete(keys::mount(mount.id));
         Ok(ApplyOutput::Mount(mount))
     }
 
@@ -1376,7 +1314,7 @@ impl<'a> Txn<'a> {
             }
             self.remove_subtree(&existing, true)?;
         }
-        self.delete(child_key(inode.parent, &inode.name));
+        self.delete(keys::child(inode.parent, &inode.name));
         inode.parent = parent.id;
         inode.name = last.to_string();
         inode.mtime_ms = now_ms;

@@ -2,6 +2,7 @@
 //! directory (everything below it) is loaded onto `replicas` workers and never evicted
 //! there; the leader tells the workers which inodes are pinned.
 
+use super::keys;
 use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
@@ -14,15 +15,11 @@ pub struct Pin {
     pub replicas: u32,
 }
 
-fn pin_key(inode: u64) -> Vec<u8> {
-    super::tagged_key(b'P', inode)
-}
-
 impl StateMachine {
     /// Every pin: (inode, pin).
     pub fn pins(&self) -> Result<Vec<(u64, Pin)>, MasterError> {
         let mut out = Vec::new();
-        self.scan(b"P", |k, v| {
+        self.scan(&[keys::PIN], |k, v| {
             out.push((u64_of(&k[1..])?, decode_record(v)?));
             Ok(true)
         })?;
@@ -30,7 +27,7 @@ impl StateMachine {
     }
 
     pub fn pin_of(&self, inode: u64) -> Result<Option<Pin>, MasterError> {
-        self.get(&pin_key(inode))?
+        self.get(&keys::pin(inode))?
             .map(|v| decode_record(&v))
             .transpose()
     }
@@ -46,7 +43,7 @@ impl StateMachine {
             return Ok(out);
         };
         if hi - lo > 64 * ids.len() as u64 {
-            let keys = ids.iter().map(|&id| (pin_key(id), id)).collect();
+            let keys = ids.iter().map(|&id| (keys::pin(id), id)).collect();
             self.get_many(keys, |id, v| {
                 out.insert(id, decode_record(v)?);
                 Ok(())
@@ -54,7 +51,7 @@ impl StateMachine {
             return Ok(out);
         }
         let wanted: HashSet<u64> = ids.iter().copied().collect();
-        self.scan_from(&pin_key(lo), b"P", |k, v| {
+        self.scan_from(&keys::pin(lo), &[keys::PIN], |k, v| {
             let id = u64_of(&k[1..])?;
             if id > hi {
                 return Ok(false);
@@ -94,15 +91,15 @@ impl Txn<'_> {
     ) -> Result<super::Inode, MasterError> {
         let inode = self.resolve(path)?;
         if replicas == 0 {
-            self.delete(pin_key(inode.id));
+            self.delete(keys::pin(inode.id));
         } else {
-            self.put(pin_key(inode.id), encode_record(&Pin { replicas })?);
+            self.put(keys::pin(inode.id), encode_record(&Pin { replicas })?);
         }
         Ok(inode)
     }
 
     /// A deleted inode takes its pin with it.
     pub(super) fn drop_pin(&mut self, inode: u64) {
-        self.delete(pin_key(inode));
+        self.delete(keys::pin(inode));
     }
 }

@@ -1,8 +1,6 @@
 //! The retention of remembered request outcomes (see [`StateMachine::apply_request`]).
 
-use super::{
-    request_age_key, request_key, StateMachine, Txn, REQUEST_PRUNE_BATCH, REQUEST_RETENTION_MS,
-};
+use super::{keys, StateMachine, Txn, REQUEST_PRUNE_BATCH, REQUEST_RETENTION_MS};
 use crate::error::MasterError;
 
 impl StateMachine {
@@ -19,18 +17,18 @@ impl StateMachine {
             self.oldest_request.fetch_min(at_ms, Relaxed);
             return Ok(());
         }
-        let horizon = request_age_key(horizon_ms, 0);
+        let horizon = keys::request_age(horizon_ms, 0);
         let age = |k: &[u8]| i64::from_be_bytes(k[1..9].try_into().unwrap_or_default());
         let mut it = self.db.raw_iterator_cf(self.cf()?);
         if oldest == i64::MIN {
-            it.seek(b"Q");
+            it.seek([keys::REQUEST_AGE]);
         } else {
-            it.seek(request_age_key(oldest, 0));
+            it.seek(keys::request_age(oldest, 0));
         }
         let (mut pruned, mut lowest) = (0, i64::MAX);
         while it.valid() {
             let Some(k) = it.key() else { break };
-            if k.first() != Some(&b'Q') {
+            if k.first() != Some(&keys::REQUEST_AGE) {
                 break;
             }
             if k.len() != 17 {
@@ -43,7 +41,7 @@ impl StateMachine {
             }
             let id = u64::from_be_bytes(k[9..].try_into().unwrap_or_default());
             txn.delete(k.to_vec());
-            txn.delete(request_key(id));
+            txn.delete(keys::request(id));
             pruned += 1;
             it.next();
         }

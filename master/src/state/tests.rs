@@ -1,3 +1,4 @@
+use super::keys;
 use std::collections::{BTreeMap, HashMap};
 
 use granary_common::ufs::UfsSpec;
@@ -487,13 +488,13 @@ fn remembered_outcomes_expire_after_the_retention() {
     old.request_id = 11;
     old.cmd = mkdir_cmd("/old");
     sm.apply_request(1, &old).unwrap();
-    assert!(sm.get(&request_key(11)).unwrap().is_some());
+    assert!(sm.get(&keys::request(11)).unwrap().is_some());
     let mut later = at(1_000 + REQUEST_RETENTION_MS + 1);
     later.request_id = 12;
     later.cmd = mkdir_cmd("/new");
     sm.apply_request(2, &later).unwrap();
-    assert!(sm.get(&request_key(11)).unwrap().is_none(), "not pruned");
-    assert!(sm.get(&request_key(12)).unwrap().is_some());
+    assert!(sm.get(&keys::request(11)).unwrap().is_none(), "not pruned");
+    assert!(sm.get(&keys::request(12)).unwrap().is_some());
 }
 
 /// Skipping the scan for outcomes past their retention (while the oldest kept is known to

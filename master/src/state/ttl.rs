@@ -1,6 +1,7 @@
 //! TTLs (`granary ttl`) in the replicated state: `T` + inode → [`Ttl`]. The leader acts on
 //! the ones due (see `crate::ttl`) and then removes them.
 
+use super::keys;
 use serde::{Deserialize, Serialize};
 
 use super::{decode_record, encode_record, u64_of, StateMachine, Txn};
@@ -31,15 +32,11 @@ pub struct Ttl {
     pub action: TtlAction,
 }
 
-fn ttl_key(inode: u64) -> Vec<u8> {
-    super::tagged_key(b'T', inode)
-}
-
 impl StateMachine {
     /// Every TTL: (inode, ttl).
     pub fn ttls(&self) -> Result<Vec<(u64, Ttl)>, MasterError> {
         let mut out = Vec::new();
-        self.scan(b"T", |k, v| {
+        self.scan(&[keys::TTL], |k, v| {
             out.push((u64_of(&k[1..])?, decode_record(v)?));
             Ok(true)
         })?;
@@ -47,7 +44,7 @@ impl StateMachine {
     }
 
     pub fn ttl_of(&self, inode: u64) -> Result<Option<Ttl>, MasterError> {
-        self.get(&ttl_key(inode))?
+        self.get(&keys::ttl(inode))?
             .map(|v| decode_record(&v))
             .transpose()
     }
@@ -62,8 +59,8 @@ impl Txn<'_> {
     ) -> Result<super::Inode, MasterError> {
         let inode = self.resolve(path)?;
         match ttl {
-            Some(t) => self.put(ttl_key(inode.id), encode_record(&t)?),
-            None => self.delete(ttl_key(inode.id)),
+            Some(t) => self.put(keys::ttl(inode.id), encode_record(&t)?),
+            None => self.delete(keys::ttl(inode.id)),
         }
         Ok(inode)
     }
@@ -71,10 +68,10 @@ impl Txn<'_> {
     /// Removes the TTL of `inode` if it is still the one given (an expired TTL that was
     /// replaced meanwhile stays).
     pub(super) fn end_ttl(&mut self, inode: u64, was: &Ttl) -> Result<(), MasterError> {
-        if let Some(v) = self.get(&ttl_key(inode))? {
+        if let Some(v) = self.get(&keys::ttl(inode))? {
             let cur: Ttl = decode_record(&v)?;
             if cur == *was {
-                self.delete(ttl_key(inode));
+                self.delete(keys::ttl(inode));
             }
         }
         Ok(())
@@ -82,6 +79,6 @@ impl Txn<'_> {
 
     /// A deleted inode takes its TTL with it.
     pub(super) fn drop_ttl(&mut self, inode: u64) {
-        self.delete(ttl_key(inode));
+        self.delete(keys::ttl(inode));
     }
 }

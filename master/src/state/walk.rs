@@ -200,7 +200,7 @@ mod tests {
         sm.db
             .put_cf(
                 cf,
-                super::super::child_key(y.id, "loop"),
+                super::super::keys::child(y.id, "loop"),
                 x.id.to_be_bytes(),
             )
             .unwrap();

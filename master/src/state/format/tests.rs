@@ -1,3 +1,4 @@
+use super::super::keys;
 use std::collections::BTreeMap;
 
 use super::*;
@@ -412,20 +413,17 @@ fn a_json_store_is_upgraded_once_and_reads_as_it_did() {
         result: Err(MasterError::NotEmpty { path: "/a".into() }),
     };
     let records: Vec<(Vec<u8>, Vec<u8>)> = vec![
-        (super::super::inode_key(42), json(&inode())),
-        (super::super::mount_key(3), json(&mount())),
-        (super::super::request_key(77), json(&outcome)),
-        (super::super::tagged_key(b'J', 8), json(&job())),
+        (keys::inode(42), json(&inode())),
+        (keys::mount(3), json(&mount())),
+        (keys::request(77), json(&outcome)),
+        (keys::job(8), json(&job())),
         (
             b"f\0\0\0\0\0\0\0\x08\0\0\0\0\0\0\0\x04".to_vec(),
             json(&failed()),
         ),
+        (keys::pin(42), json(&Pin { replicas: 2 })),
         (
-            super::super::tagged_key(b'P', 42),
-            json(&Pin { replicas: 2 }),
-        ),
-        (
-            super::super::tagged_key(b'T', 42),
+            keys::ttl(42),
             json(&Ttl {
                 expires_ms: 9,
                 action: TtlAction::Delete,
@@ -437,13 +435,11 @@ fn a_json_store_is_upgraded_once_and_reads_as_it_did() {
     }
     // A binary record already upgraded (an upgrade stopped part-way) stays as it is.
     let done = Pin { replicas: 4 }.encode();
-    sm.db
-        .put_cf(cf, super::super::tagged_key(b'P', 43), &done)
-        .unwrap();
-    sm.db.delete_cf(cf, KEY_FORMAT).unwrap();
+    sm.db.put_cf(cf, keys::pin(43), &done).unwrap();
+    sm.db.delete_cf(cf, keys::FORMAT).unwrap();
 
     let sm = StateMachine::open(sm.db.clone()).unwrap();
-    assert_eq!(sm.get(KEY_FORMAT).unwrap(), Some(vec![FORMAT_VERSION]));
+    assert_eq!(sm.get(keys::FORMAT).unwrap(), Some(vec![FORMAT_VERSION]));
     assert_eq!(sm.inode(42).unwrap(), Some(inode()));
     assert_eq!(sm.mount(3).unwrap(), Some(mount()));
     assert_eq!(sm.job(8).unwrap(), Some(job()));
@@ -466,7 +462,7 @@ fn a_json_store_is_upgraded_once_and_reads_as_it_did() {
 #[test]
 fn a_store_of_a_newer_format_is_refused() {
     let (_dir, sm) = open();
-    sm.db.put_cf(sm.cf().unwrap(), KEY_FORMAT, [2]).unwrap();
+    sm.db.put_cf(sm.cf().unwrap(), keys::FORMAT, [2]).unwrap();
     let Err(e) = StateMachine::open(sm.db.clone()) else {
         panic!("a store of format 2 opened");
     };
@@ -504,7 +500,7 @@ fn entries_stay_json_until_the_group_records_the_format_every_member_reads() {
     let e = sm.apply(1, &newer).unwrap_err();
     assert!(e.to_string().contains("newer than this master's"), "{e}");
     assert_eq!(
-        (format.version(), sm.get(KEY_ENTRY_FORMAT).unwrap()),
+        (format.version(), sm.get(keys::ENTRY_FORMAT).unwrap()),
         (0, None)
     );
 
@@ -554,7 +550,7 @@ fn a_snapshot_is_json_while_the_entries_are_and_a_master_of_this_release_upgrade
     };
     // Entries still JSON: so is the snapshot, all of it, as a release before wrote it.
     let snap = records(&sm, true);
-    assert!(!snap.iter().any(|(k, _)| k == KEY_FORMAT));
+    assert!(!snap.iter().any(|(k, _)| k == keys::FORMAT));
     let a = snap
         .iter()
         .find(|(k, _)| k[0] == b'i' && k[1..] == 2u64.to_be_bytes());
@@ -585,7 +581,7 @@ fn a_snapshot_is_json_while_the_entries_are_and_a_master_of_this_release_upgrade
     let snap = records(&sm, false);
     assert!(snap
         .iter()
-        .any(|(k, v)| k == KEY_FORMAT && v == &[FORMAT_VERSION]));
+        .any(|(k, v)| k == keys::FORMAT && v == &[FORMAT_VERSION]));
     let cf = sm.cf().unwrap();
     for (k, v) in &snap {
         assert_eq!(sm.db.get_cf(cf, k).unwrap().as_ref(), Some(v));
