@@ -134,14 +134,14 @@ pub enum Message {
 
 /// Which message a key's value is, if any.
 pub fn message_of(key: &[u8]) -> Option<Message> {
-    Some(match key.first()? {
-        &INODE => Message::Inode,
-        &MOUNT => Message::Mount,
-        &PIN => Message::Pin,
-        &TTL => Message::Ttl,
-        &JOB => Message::Job,
-        &JOB_FAILED => Message::FailedFile,
-        &REQUEST => Message::RequestOutcome,
+    Some(match *key.first()? {
+        INODE => Message::Inode,
+        MOUNT => Message::Mount,
+        PIN => Message::Pin,
+        TTL => Message::Ttl,
+        JOB => Message::Job,
+        JOB_FAILED => Message::FailedFile,
+        REQUEST => Message::RequestOutcome,
         _ => return None,
     })
 }
