@@ -144,9 +144,12 @@ pub fn snapshot_value<'a>(
     value: &'a [u8],
     json: bool,
 ) -> Result<Option<std::borrow::Cow<'a, [u8]>>, MasterError> {
-    fn to_json<T: Record + serde::Serialize>(v: &[u8]) -> Result<Vec<u8>, MasterError> {
-        serde_json::to_vec(&T::decode(v)?)
-            .map_err(|e| MasterError::corrupt(format!("encoding a {} as JSON: {e}", T::WHAT)))
+    struct ToJson;
+    impl Rewrite for ToJson {
+        fn rewrite<T: Stored>(&self, v: &[u8]) -> Result<Vec<u8>, MasterError> {
+            serde_json::to_vec(&T::decode(v)?)
+                .map_err(|e| MasterError::corrupt(format!("encoding a {} as JSON: {e}", T::WHAT)))
+        }
     }
     use std::borrow::Cow;
     if !json {
@@ -155,17 +158,33 @@ pub fn snapshot_value<'a>(
     if key == keys::FORMAT {
         return Ok(None);
     }
+    Ok(Some(match keys::message_of(key) {
+        Some(kind) => Cow::Owned(rewrite(kind, value, &ToJson)?),
+        None => Cow::Borrowed(value),
+    }))
+}
+
+/// A record type of the store, with the JSON of the releases before format 1.
+trait Stored: Record + serde::Serialize + serde::de::DeserializeOwned {}
+impl<T: Record + serde::Serialize + serde::de::DeserializeOwned> Stored for T {}
+
+/// A change of a record's encoding, whatever its type.
+trait Rewrite {
+    fn rewrite<T: Stored>(&self, value: &[u8]) -> Result<Vec<u8>, MasterError>;
+}
+
+/// `how` applied to a record holding a message of `kind`.
+fn rewrite(kind: keys::Message, value: &[u8], how: &impl Rewrite) -> Result<Vec<u8>, MasterError> {
     use keys::Message as M;
-    Ok(Some(Cow::Owned(match keys::message_of(key) {
-        Some(M::Inode) => to_json::<Inode>(value)?,
-        Some(M::Mount) => to_json::<Mount>(value)?,
-        Some(M::RequestOutcome) => to_json::<RequestOutcome>(value)?,
-        Some(M::Job) => to_json::<Job>(value)?,
-        Some(M::FailedFile) => to_json::<FailedFile>(value)?,
-        Some(M::Pin) => to_json::<Pin>(value)?,
-        Some(M::Ttl) => to_json::<Ttl>(value)?,
-        None => return Ok(Some(Cow::Borrowed(value))),
-    })))
+    match kind {
+        M::Inode => how.rewrite::<Inode>(value),
+        M::Mount => how.rewrite::<Mount>(value),
+        M::RequestOutcome => how.rewrite::<RequestOutcome>(value),
+        M::Job => how.rewrite::<Job>(value),
+        M::FailedFile => how.rewrite::<FailedFile>(value),
+        M::Pin => how.rewrite::<Pin>(value),
+        M::Ttl => how.rewrite::<Ttl>(value),
+    }
 }
 
 // ----- the upgrade of a JSON store
@@ -173,26 +192,21 @@ pub fn snapshot_value<'a>(
 /// A JSON record of the releases before format 1, in format 1; None: not a JSON record
 /// (a record that is binary already, or was never JSON: counters, folder entries, marks).
 fn upgraded(key: &[u8], value: &[u8]) -> Result<Option<Vec<u8>>, MasterError> {
-    fn json<T: Record + serde::de::DeserializeOwned>(v: &[u8]) -> Result<Vec<u8>, MasterError> {
-        let r: T = serde_json::from_slice(v).map_err(|e| corrupt(T::WHAT, e))?;
-        Ok(r.encode())
+    struct FromJson;
+    impl Rewrite for FromJson {
+        fn rewrite<T: Stored>(&self, v: &[u8]) -> Result<Vec<u8>, MasterError> {
+            let r: T = serde_json::from_slice(v).map_err(|e| corrupt(T::WHAT, e))?;
+            Ok(r.encode())
+        }
     }
     if value.first() != Some(&b'{') {
         // A prost message never begins with `{` (field 15 as a group, which it never
         // writes): an upgrade stopped part-way leaves these, and they are done.
         return Ok(None);
     }
-    use keys::Message as M;
-    Ok(Some(match keys::message_of(key) {
-        Some(M::Inode) => json::<Inode>(value)?,
-        Some(M::Mount) => json::<Mount>(value)?,
-        Some(M::RequestOutcome) => json::<RequestOutcome>(value)?,
-        Some(M::Job) => json::<Job>(value)?,
-        Some(M::FailedFile) => json::<FailedFile>(value)?,
-        Some(M::Pin) => json::<Pin>(value)?,
-        Some(M::Ttl) => json::<Ttl>(value)?,
-        None => return Ok(None),
-    }))
+    keys::message_of(key)
+        .map(|kind| rewrite(kind, value, &FromJson))
+        .transpose()
 }
 
 impl StateMachine {
