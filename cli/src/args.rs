@@ -555,7 +555,8 @@ pub struct MasterArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum MasterAction {
-    /// Show the masters: id, address, role, term, commit and applied index.
+    /// Show the masters: id, address, role, term, commit and applied index, and the state
+    /// formats (the newest each reads / the one the group's Raft entries are in).
     ///
     /// Example: granary master list --master m1:19998,m2:19998,m3:19998
     #[command(verbatim_doc_comment)]
