@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use granary_client::{FileSystem, MasterClient};
+use granary_common::net::Net;
 use granary_common::size::format_size;
 use granary_proto as pb;
 use serde_json::json;
@@ -16,8 +17,8 @@ use crate::args::{
 /// Admin commands retry long enough to ride out a leader election, then fail.
 const ADMIN_RETRY: Duration = Duration::from_secs(8);
 
-fn master(addr: &MasterAddr) -> anyhow::Result<MasterClient> {
-    Ok(MasterClient::new(&addr.master)?.with_retry_window(ADMIN_RETRY))
+fn master(net: &Net, addr: &MasterAddr) -> anyhow::Result<MasterClient> {
+    Ok(MasterClient::new(net.clone(), &addr.master)?.with_retry_window(ADMIN_RETRY))
 }
 
 fn kind_name(s: &pb::FileStatus) -> &'static str {
@@ -134,7 +135,7 @@ fn mount_options(
     Ok(opts)
 }
 
-pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
+pub async fn mount(net: &Net, cmd: MountCommand) -> anyhow::Result<()> {
     match cmd {
         MountCommand::Add {
             path,
@@ -148,7 +149,7 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
             let opts = mount_options(&options, &option_files, &option_envs)?;
             if exist_ok {
                 let norm = granary_common::paths::normalize(&path)?;
-                let mounts = master(&addr)?.list_mounts().await?;
+                let mounts = master(net, &addr)?.list_mounts().await?;
                 if let Some(m) = mounts.iter().find(|m| m.path == norm) {
                     anyhow::ensure!(
                         m.uri == uri || m.uri == format!("file://{uri}"),
@@ -159,7 +160,7 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
                     return Ok(());
                 }
             }
-            let m = master(&addr)?
+            let m = master(net, &addr)?
                 .add_mount(
                     &path,
                     &uri,
@@ -172,7 +173,7 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
             println!("mounted {} at {}", m.uri, m.path);
         }
         MountCommand::List { json, master: addr } => {
-            let mounts = master(&addr)?.list_mounts().await?;
+            let mounts = master(net, &addr)?.list_mounts().await?;
             if json {
                 let v: Vec<_> = mounts.iter().map(mount_json).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -197,7 +198,7 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
             }
         }
         MountCommand::Remove { path, master: addr } => {
-            master(&addr)?
+            master(net, &addr)?
                 .remove_mount(&path)
                 .await
                 .with_context(|| format!("cannot remove the mount at {path}"))?;
@@ -207,14 +208,14 @@ pub async fn mount(cmd: MountCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
+pub async fn fs(net: &Net, cmd: FsCommand) -> anyhow::Result<()> {
     match cmd {
         FsCommand::Mkdir {
             path,
             parents,
             master: addr,
         } => {
-            let s = master(&addr)?
+            let s = master(net, &addr)?
                 .mkdir(&path, parents, 0o755)
                 .await
                 .with_context(|| format!("cannot create the directory {path}"))?;
@@ -225,7 +226,7 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             recursive,
             master: addr,
         } => {
-            let r = master(&addr)?
+            let r = master(net, &addr)?
                 .sync_metadata(&path, recursive)
                 .await
                 .with_context(|| format!("cannot sync {path}"))?;
@@ -246,18 +247,18 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             stale,
             json,
             master: addr,
-        } => fs_ls(path, long, recursive, stale, json, addr).await?,
+        } => fs_ls(net, path, long, recursive, stale, json, addr).await?,
         FsCommand::Stat {
             path,
             json,
             master: addr,
-        } => fs_stat(path, json, addr).await?,
+        } => fs_stat(net, path, json, addr).await?,
         FsCommand::Rm {
             path,
             recursive,
             master: addr,
         } => {
-            master(&addr)?
+            master(net, &addr)?
                 .delete(&path, recursive)
                 .await
                 .with_context(|| format!("cannot remove {path}"))?;
@@ -267,7 +268,7 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             dst,
             master: addr,
         } => {
-            master(&addr)?
+            master(net, &addr)?
                 .rename(&src, &dst)
                 .await
                 .with_context(|| format!("cannot move {src} to {dst}"))?;
@@ -279,7 +280,7 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             force,
             master: addr,
         } => {
-            let client = FileSystem::new(master(&addr)?);
+            let client = FileSystem::new(master(net, &addr)?);
             let n = copy(&client, &src, &dst, write_mode.as_deref(), force)
                 .await
                 .with_context(|| format!("cannot copy {src} to {dst}"))?;
@@ -290,14 +291,15 @@ pub async fn fs(cmd: FsCommand) -> anyhow::Result<()> {
             summarize,
             json,
             master: addr,
-        } => fs_du(path, summarize, json, addr).await?,
-        FsCommand::Cat { path, master: addr } => fs_cat(path, addr).await?,
+        } => fs_du(net, path, summarize, json, addr).await?,
+        FsCommand::Cat { path, master: addr } => fs_cat(net, path, addr).await?,
     }
     Ok(())
 }
 
 /// `granary fs ls`.
 async fn fs_ls(
+    net: &Net,
     path: String,
     long: bool,
     recursive: bool,
@@ -305,7 +307,7 @@ async fn fs_ls(
     json: bool,
     addr: MasterAddr,
 ) -> anyhow::Result<()> {
-    let client = FileSystem::new(master(&addr)?);
+    let client = FileSystem::new(master(net, &addr)?);
     let entries = if recursive {
         walk(&client, &path, stale).await?
     } else {
@@ -355,8 +357,8 @@ async fn fs_ls(
 }
 
 /// `granary fs stat`.
-async fn fs_stat(path: String, json: bool, addr: MasterAddr) -> anyhow::Result<()> {
-    let client = FileSystem::new(master(&addr)?);
+async fn fs_stat(net: &Net, path: String, json: bool, addr: MasterAddr) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(net, &addr)?);
     let s = client
         .stat(&path)
         .await
@@ -445,8 +447,14 @@ async fn fs_stat(path: String, json: bool, addr: MasterAddr) -> anyhow::Result<(
 }
 
 /// `granary fs du`.
-async fn fs_du(path: String, summarize: bool, json: bool, addr: MasterAddr) -> anyhow::Result<()> {
-    let client = FileSystem::new(master(&addr)?);
+async fn fs_du(
+    net: &Net,
+    path: String,
+    summarize: bool,
+    json: bool,
+    addr: MasterAddr,
+) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(net, &addr)?);
     let top = client
         .list_with(pb::path_or_id::Target::Path(path.clone()), false)
         .await
@@ -493,8 +501,8 @@ async fn fs_du(path: String, summarize: bool, json: bool, addr: MasterAddr) -> a
 }
 
 /// `granary fs cat`.
-async fn fs_cat(path: String, addr: MasterAddr) -> anyhow::Result<()> {
-    let client = FileSystem::new(master(&addr)?);
+async fn fs_cat(net: &Net, path: String, addr: MasterAddr) -> anyhow::Result<()> {
+    let client = FileSystem::new(master(net, &addr)?);
     let s = client
         .stat(&path)
         .await
@@ -717,8 +725,8 @@ async fn walk(client: &FileSystem, path: &str, stale: bool) -> anyhow::Result<Ve
     Ok(out)
 }
 
-pub async fn report(a: ReportArgs) -> anyhow::Result<()> {
-    let m = master(&a.master)?;
+pub async fn report(net: &Net, a: ReportArgs) -> anyhow::Result<()> {
+    let m = master(net, &a.master)?;
     let info = m.cluster_info(false).await?;
     let running: Vec<pb::JobInfo> = m
         .list_jobs()
@@ -927,10 +935,10 @@ fn print_masters(masters: &[pb::MasterInfo], as_json: bool) -> anyhow::Result<()
 }
 
 /// `granary master list|add|remove`.
-pub async fn workers(action: WorkerAction) -> anyhow::Result<()> {
+pub async fn workers(net: &Net, action: WorkerAction) -> anyhow::Result<()> {
     match action {
         WorkerAction::Decommission { id, master: addr } => {
-            master(&addr)?
+            master(net, &addr)?
                 .decommission_worker(id)
                 .await
                 .with_context(|| format!("cannot decommission worker {id}"))?;
@@ -940,7 +948,7 @@ pub async fn workers(action: WorkerAction) -> anyhow::Result<()> {
             Ok(())
         }
         WorkerAction::Recommission { id, master: addr } => {
-            master(&addr)?
+            master(net, &addr)?
                 .recommission_worker(id)
                 .await
                 .with_context(|| format!("cannot recommission worker {id}"))?;
@@ -950,10 +958,10 @@ pub async fn workers(action: WorkerAction) -> anyhow::Result<()> {
     }
 }
 
-pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
+pub async fn masters(net: &Net, action: MasterAction) -> anyhow::Result<()> {
     match action {
         MasterAction::List { json, master: addr } => {
-            let info = master(&addr)?
+            let info = master(net, &addr)?
                 .cluster_info(true)
                 .await
                 .context("cannot list the masters")?;
@@ -964,7 +972,7 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
             address,
             master: addr,
         } => {
-            let masters = master(&addr)?
+            let masters = master(net, &addr)?
                 .add_master(id, &address)
                 .await
                 .with_context(|| format!("cannot add master {id} at {address}"))?;
@@ -972,7 +980,7 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
             print_masters(&masters, false)
         }
         MasterAction::Remove { id, master: addr } => {
-            let masters = master(&addr)?
+            let masters = master(net, &addr)?
                 .remove_master(id)
                 .await
                 .with_context(|| format!("cannot remove master {id}"))?;
@@ -983,7 +991,7 @@ pub async fn masters(action: MasterAction) -> anyhow::Result<()> {
 }
 
 /// `granary bench metadata`: creates/s and stats/s against a running cluster.
-pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
+pub async fn bench(net: &Net, cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Get {
             uri,
@@ -1006,7 +1014,7 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
                 short_circuit,
                 data_plane: !no_data_plane,
             };
-            bench_read(&path, passes, concurrency, how, json, &addr).await
+            bench_read(net, &path, passes, concurrency, how, json, &addr).await
         }
         BenchCommand::Metadata {
             dir,
@@ -1026,7 +1034,7 @@ pub async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
                 ack_log,
                 reads_at_leader,
             };
-            bench_metadata(load, json, &addr).await
+            bench_metadata(net, load, json, &addr).await
         }
     }
 }
@@ -1042,7 +1050,12 @@ struct MetadataLoad {
 }
 
 /// `granary bench metadata`: creates then stats through the master group.
-async fn bench_metadata(load: MetadataLoad, json: bool, addr: &MasterAddr) -> anyhow::Result<()> {
+async fn bench_metadata(
+    net: &Net,
+    load: MetadataLoad,
+    json: bool,
+    addr: &MasterAddr,
+) -> anyhow::Result<()> {
     let MetadataLoad {
         dir,
         duration,
@@ -1051,7 +1064,7 @@ async fn bench_metadata(load: MetadataLoad, json: bool, addr: &MasterAddr) -> an
         ack_log,
         reads_at_leader,
     } = load;
-    let client = MasterClient::new(&addr.master)?.with_spread_reads(!reads_at_leader);
+    let client = MasterClient::new(net.clone(), &addr.master)?.with_spread_reads(!reads_at_leader);
     client
         .mkdir(&dir, true, 0o755)
         .await
@@ -1279,6 +1292,7 @@ struct ReadPath {
 
 /// `granary bench read`: a file read through the client library, several passes.
 async fn bench_read(
+    net: &Net,
     path: &str,
     passes: u32,
     concurrency: usize,
@@ -1287,7 +1301,7 @@ async fn bench_read(
     addr: &MasterAddr,
 ) -> anyhow::Result<()> {
     use futures::StreamExt;
-    let fs = granary_client::FileSystem::new(master(addr)?);
+    let fs = granary_client::FileSystem::new(master(net, addr)?);
     fs.set_short_circuit(how.short_circuit);
     fs.set_data_plane(how.data_plane);
     let st = fs

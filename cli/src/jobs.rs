@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use granary_client::MasterClient;
+use granary_common::net::Net;
 use granary_common::size::format_size;
 use granary_proto as pb;
 
@@ -15,8 +16,8 @@ const POLL: Duration = Duration::from_millis(500);
 /// How often plain (non-terminal) progress lines are printed.
 const PLAIN_EVERY: Duration = Duration::from_secs(2);
 
-fn master(addr: &MasterAddr) -> anyhow::Result<MasterClient> {
-    Ok(MasterClient::new(&addr.master)?)
+fn master(net: &Net, addr: &MasterAddr) -> anyhow::Result<MasterClient> {
+    Ok(MasterClient::new(net.clone(), &addr.master)?)
 }
 
 fn finished(j: &pb::JobInfo) -> bool {
@@ -172,14 +173,14 @@ async fn follow(m: &MasterClient, id: u64, json: bool) -> anyhow::Result<pb::Job
     }
 }
 
-pub async fn load(a: LoadArgs) -> anyhow::Result<()> {
-    let m = master(&a.master)?;
+pub async fn load(net: &Net, a: LoadArgs) -> anyhow::Result<()> {
+    let m = master(net, &a.master)?;
     let j = m.start_job(pb::JobKind::Load, &a.path, a.replicas).await?;
     started(&m, a, j).await
 }
 
-pub async fn pin(a: LoadArgs) -> anyhow::Result<()> {
-    let m = master(&a.master)?;
+pub async fn pin(net: &Net, a: LoadArgs) -> anyhow::Result<()> {
+    let m = master(net, &a.master)?;
     let j = m.set_pin(&a.path, a.replicas).await?;
     if !a.json {
         eprintln!("{} pinned on {} workers", a.path, a.replicas);
@@ -188,13 +189,14 @@ pub async fn pin(a: LoadArgs) -> anyhow::Result<()> {
 }
 
 pub async fn free(
+    net: &Net,
     path: &str,
     recursive: bool,
     force: bool,
     json: bool,
     addr: &MasterAddr,
 ) -> anyhow::Result<()> {
-    let r = master(addr)?.free(path, recursive, force).await?;
+    let r = master(net, addr)?.free(path, recursive, force).await?;
     if json {
         let v = serde_json::json!({
             "path": path,
@@ -219,7 +221,7 @@ pub async fn free(
     Ok(())
 }
 
-pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
+pub async fn ttl(net: &Net, cmd: TtlCommand) -> anyhow::Result<()> {
     match cmd {
         TtlCommand::Set {
             path,
@@ -234,7 +236,7 @@ pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
                 TtlActionArg::Free => pb::TtlAction::Free,
                 TtlActionArg::Delete => pb::TtlAction::Delete,
             };
-            let due = master(&addr)?
+            let due = master(net, &addr)?
                 .set_ttl(&path, ttl.as_millis().max(1) as u64, action)
                 .await?;
             println!(
@@ -245,7 +247,7 @@ pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
             );
         }
         TtlCommand::Unset { path, master: addr } => {
-            master(&addr)?
+            master(net, &addr)?
                 .set_ttl(&path, 0, pb::TtlAction::Free)
                 .await?;
             println!("{path}: no TTL");
@@ -254,8 +256,8 @@ pub async fn ttl(cmd: TtlCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn unpin(path: &str, addr: &MasterAddr) -> anyhow::Result<()> {
-    master(addr)?.set_pin(path, 0).await?;
+pub async fn unpin(net: &Net, path: &str, addr: &MasterAddr) -> anyhow::Result<()> {
+    master(net, addr)?.set_pin(path, 0).await?;
     println!("{path} unpinned");
     Ok(())
 }
@@ -286,10 +288,10 @@ async fn started(m: &MasterClient, a: LoadArgs, j: pb::JobInfo) -> anyhow::Resul
     outcome(&j)
 }
 
-pub async fn job(cmd: JobCommand) -> anyhow::Result<()> {
+pub async fn job(net: &Net, cmd: JobCommand) -> anyhow::Result<()> {
     match cmd {
         JobCommand::List { json, master: addr } => {
-            let jobs = master(&addr)?.list_jobs().await?;
+            let jobs = master(net, &addr)?.list_jobs().await?;
             if json {
                 let v: Vec<_> = jobs.iter().map(job_json).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -319,7 +321,7 @@ pub async fn job(cmd: JobCommand) -> anyhow::Result<()> {
             watch,
             master: addr,
         } => {
-            let m = master(&addr)?;
+            let m = master(net, &addr)?;
             if watch {
                 follow(&m, id, json).await?;
             }
@@ -340,7 +342,7 @@ pub async fn job(cmd: JobCommand) -> anyhow::Result<()> {
             json,
             master: addr,
         } => {
-            let j = master(&addr)?.cancel_job(id).await?;
+            let j = master(net, &addr)?.cancel_job(id).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&job_json(&j))?);
             } else {

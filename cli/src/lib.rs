@@ -13,6 +13,7 @@ pub mod supervise;
 use std::process::ExitCode;
 
 use args::{Cli, Command};
+use granary_common::net::{Net, Tcp};
 
 /// Runs a parsed command line and maps the outcome to an exit code.
 /// Raises the soft limit on open files to the hard one: a worker keeps a block file open per
@@ -130,50 +131,50 @@ fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ").replace('\n', " ")
 }
 
-/// Installs the transport security the command runs with (see [`security`]).
-fn secure(cli: &Cli) -> anyhow::Result<()> {
+/// The network the command runs with, holding its identity (see [`security`]).
+fn secure(cli: &Cli) -> anyhow::Result<Net> {
     use security::Need;
     let (needs, daemon) = match &cli.command {
-        Command::Cert(_) | Command::Csi(_) => return Ok(()),
-        Command::Local(_) => return security::install_local(&cli.tls),
+        Command::Cert(_) | Command::Csi(_) => return Ok(Tcp::plain()),
+        Command::Local(_) => return security::local_net(&cli.tls),
         Command::Master(a) if a.action.is_none() => (vec![Need::Master(a.id)], true),
         Command::Worker(a) if a.action.is_none() => (vec![Need::Node], true),
         Command::Fuse(_) => (vec![], true),
         _ => (vec![], false),
     };
-    security::install(&cli.tls, &needs, daemon)
+    security::net(&cli.tls, &needs, daemon)
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    secure(&cli)?;
+    let net = secure(&cli)?;
     match cli.command {
         Command::Cert(c) => security::cert(c, &cli.tls),
-        Command::Local(a) => servers::local(a).await,
+        Command::Local(a) => servers::local(net, a).await,
         Command::Master(a) => match a.action {
-            Some(action) => admin::masters(action).await,
-            None => servers::master(a).await,
+            Some(action) => admin::masters(&net, action).await,
+            None => servers::master(net, a).await,
         },
-        Command::Bench(c) => admin::bench(c).await,
+        Command::Bench(c) => admin::bench(&net, c).await,
         Command::Worker(a) => match a.action {
-            Some(action) => admin::workers(action).await,
-            None => servers::worker(a).await,
+            Some(action) => admin::workers(&net, action).await,
+            None => servers::worker(net, a).await,
         },
-        Command::Fuse(a) => servers::fuse(a).await,
+        Command::Fuse(a) => servers::fuse(net, a).await,
         Command::Csi(a) => csi::serve(a).await,
-        Command::Mount(c) => admin::mount(c).await,
-        Command::Fs(c) => admin::fs(c).await,
-        Command::Report(a) => admin::report(a).await,
-        Command::Load(a) => jobs::load(a).await,
-        Command::Job(c) => jobs::job(c).await,
-        Command::Pin(a) => jobs::pin(a).await,
-        Command::Ttl(c) => jobs::ttl(c).await,
+        Command::Mount(c) => admin::mount(&net, c).await,
+        Command::Fs(c) => admin::fs(&net, c).await,
+        Command::Report(a) => admin::report(&net, a).await,
+        Command::Load(a) => jobs::load(&net, a).await,
+        Command::Job(c) => jobs::job(&net, c).await,
+        Command::Pin(a) => jobs::pin(&net, a).await,
+        Command::Ttl(c) => jobs::ttl(&net, c).await,
         Command::Free {
             path,
             recursive,
             force,
             json,
             master,
-        } => jobs::free(&path, recursive, force, json, &master).await,
-        Command::Unpin { path, master } => jobs::unpin(&path, &master).await,
+        } => jobs::free(&net, &path, recursive, force, json, &master).await,
+        Command::Unpin { path, master } => jobs::unpin(&net, &path, &master).await,
     }
 }

@@ -1,5 +1,5 @@
-//! Transport security of the process (TLS material or an explicit `--insecure`) and the
-//! `granary cert` commands that make a cluster's TLS material.
+//! Transport security of a command (the network it reaches the cluster over: TLS material,
+//! or an explicit `--insecure`) and the `granary cert` commands that make a cluster's TLS material.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use granary_common::tls::{self, LeafSpec, Pems, Role, Security, TlsFiles, TlsMaterial};
+use granary_common::net::{Net, Tcp};
+use granary_common::tls::{self, LeafSpec, Pems, Role, TlsFiles, TlsMaterial};
 
 use crate::args::{CertCommand, TlsArgs};
 
@@ -49,10 +50,11 @@ pub enum Need {
     Node,
 }
 
-/// Loads and installs the process's TLS material, or plaintext with `--insecure`; `needs`
-/// says what a server mode needs its certificate to be, `daemon` whether the command runs
-/// until stopped (it then logs its security at start).
-pub fn install(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<()> {
+/// The network the command reaches the cluster over: TCP with the TLS material the flags
+/// name, or plaintext with `--insecure`. `needs` says what a server mode needs its
+/// certificate to be, `daemon` whether the command runs until stopped (it then logs its
+/// security at start). The identity is passed on explicitly, never held by the process.
+pub fn net(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<Net> {
     if args.insecure && args.given() {
         bail!("--insecure and the TLS flags (--tls-dir, --tls-ca, --tls-cert, --tls-key) exclude each other");
     }
@@ -63,7 +65,7 @@ pub fn install(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<(
                 "--insecure: gRPC is plaintext and unauthenticated; anyone who reaches a port may read data and administer the cluster"
             );
         }
-        return set(Security::Insecure);
+        return Ok(Tcp::plain());
     }
     if !args.given() {
         bail!(
@@ -82,16 +84,16 @@ pub fn install(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<(
     if daemon {
         tracing::info!(principal = %material.principal, "mutual TLS on");
     }
-    set(Security::Tls(Arc::new(material)))
+    Ok(Tcp::net(Some(Arc::new(material))))
 }
 
 /// `granary local`: its own CA and one identity for the embedded master, worker and mount,
 /// made in memory at each start (nothing else can reach its ports), unless TLS material
 /// or `--insecure` is given.
-pub fn install_local(args: &TlsArgs) -> anyhow::Result<()> {
+pub fn local_net(args: &TlsArgs) -> anyhow::Result<Net> {
     // The embedded master is master 1 (a group of one).
     if args.insecure || args.given() {
-        return install(args, &[Need::Master(1), Need::Node], true);
+        return net(args, &[Need::Master(1), Need::Node], true);
     }
     let ca = tls::new_ca("granary local CA", 2)?;
     let mut spec = LeafSpec::new(
@@ -101,9 +103,9 @@ pub fn install_local(args: &TlsArgs) -> anyhow::Result<()> {
     );
     spec.master_id = Some(1);
     let own = tls::issue(&ca, &spec)?;
-    set(Security::Tls(Arc::new(TlsMaterial::from_pems(
+    Ok(Tcp::net(Some(Arc::new(TlsMaterial::from_pems(
         ca.cert, own,
-    )?)))
+    )?))))
 }
 
 /// Refuses to start a server whose certificate is not what it needs: a master needs a
@@ -124,10 +126,6 @@ fn check_identity(cert: &Path, p: &tls::Principal, need: Need) -> anyhow::Result
         ),
         _ => Ok(()),
     }
-}
-
-fn set(s: Security) -> anyhow::Result<()> {
-    Ok(tls::install(s)?)
 }
 
 /// Writes `(name, data, mode)` files into `dir`; unless `force`, refuses (before writing

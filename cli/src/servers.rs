@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use granary_client::{FileSystem, MasterClient};
 use granary_common::metrics::new_registry;
+use granary_common::net::Net;
 use granary_fuse::FuseConfig;
 use granary_master::MasterConfig;
 use granary_worker::WorkerConfig;
@@ -54,13 +55,13 @@ fn fuse_config(mount: PathBuf, o: &FuseOpts) -> FuseConfig {
     c
 }
 
-pub async fn master(a: MasterArgs) -> anyhow::Result<()> {
+pub async fn master(net: Net, a: MasterArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
     let data_dir = a
         .data_dir
         .ok_or_else(|| anyhow::anyhow!("--data-dir is required to run a master"))?;
-    let mut config = MasterConfig::new(data_dir, a.listen);
+    let mut config = MasterConfig::new(data_dir, a.listen, net);
     config.id = a.id;
     config.peers = a.peers.unwrap_or_default();
     config.join = a.join;
@@ -125,7 +126,7 @@ fn secrets_key(
     Ok(Some(Arc::new(key)))
 }
 
-pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+pub async fn worker(net: Net, a: WorkerArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
     let Some(cache_dir) = a.cache_dir else {
@@ -139,6 +140,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         a.listen,
         cache_dir,
         a.cache_size.unwrap_or(0),
+        net,
     );
     config.tiers = a.tier;
     config.advertise = a.advertise;
@@ -301,7 +303,7 @@ async fn serve_fuse_mount(
     }
 }
 
-pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
+pub async fn fuse(net: Net, a: FuseArgs) -> anyhow::Result<()> {
     if a.handover.supervise {
         // Recovering from a crash needs the kernel to resend what the dead daemon read.
         match granary_fuse::handover::kernel_can_resend(a.handover.no_resend) {
@@ -316,7 +318,7 @@ pub async fn fuse(a: FuseArgs) -> anyhow::Result<()> {
     if a.handover.takeover.is_none() && a.handover.take_from.is_none() {
         granary_fuse::check_mountpoint(&config.mountpoint)?;
     }
-    let client = FileSystem::connect(&a.master.master)?;
+    let client = FileSystem::connect(net, &a.master.master)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
     client.set_data_plane(!a.fuse.no_data_plane);
     if let Some(n) = &a.fuse.node_name {
@@ -365,7 +367,7 @@ fn default_local_dir() -> PathBuf {
     base.join("granary").join("local")
 }
 
-pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
+pub async fn local(net: Net, a: LocalArgs) -> anyhow::Result<()> {
     let config = fuse_config(a.mount.clone(), &a.fuse);
     granary_fuse::check_mountpoint(&config.mountpoint)?;
     // A local folder may be given relative to the current directory.
@@ -383,7 +385,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
     let registry = new_registry();
     let shutdown = CancellationToken::new();
 
-    let mut mc = MasterConfig::new(dir.join("master"), "127.0.0.1:0".parse()?);
+    let mut mc = MasterConfig::new(dir.join("master"), "127.0.0.1:0".parse()?, net.clone());
     mc.metrics_listen = None;
     // The one folder this process serves is the one local root it allows.
     if let Some(d) = spec.local_dir() {
@@ -397,6 +399,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
         "127.0.0.1:0".parse()?,
         dir.join("worker"),
         a.cache_size,
+        net.clone(),
     );
     wc.heartbeat_interval = Duration::from_millis(500);
     wc.eviction = a.eviction;
@@ -404,7 +407,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
         wc.node_name = n.clone();
     }
     let w = granary_worker::start(wc, registry.clone(), shutdown.clone()).await?;
-    let client = FileSystem::connect(&master_addr)?;
+    let client = FileSystem::connect(net.clone(), &master_addr)?;
     client.set_short_circuit(!a.fuse.no_short_circuit);
     client.set_data_plane(!a.fuse.no_data_plane);
     if let Some(n) = &a.fuse.node_name {
@@ -420,7 +423,7 @@ pub async fn local(a: LocalArgs) -> anyhow::Result<()> {
 
     // The folder is mounted at the namespace root; a previous run over another folder is
     // replaced.
-    let admin = MasterClient::new(&master_addr)?;
+    let admin = MasterClient::new(net, &master_addr)?;
     let mounts = admin.list_mounts().await?;
     // A local folder's links that stay inside it are shown (`--symlinks`); links leaving it
     // never are.

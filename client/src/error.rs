@@ -37,7 +37,15 @@ pub enum ClientError {
 const MAX_ERRNO: i32 = 512;
 
 impl ClientError {
+    /// The error a status stands for, by its code and metadata (never by its text).
     pub fn from_status(s: tonic::Status) -> Self {
+        Self::from_status_with(s, None)
+    }
+
+    /// As [`from_status`](Self::from_status), by a caller that knows whether it connected
+    /// with TLS (`tls`): a failure that looks like a TLS mismatch then names its likely
+    /// cause more precisely.
+    pub fn from_status_with(s: tonic::Status, tls: Option<bool>) -> Self {
         use tonic::Code;
         let msg = s.message().to_string();
         if let Some(n) = s
@@ -64,10 +72,10 @@ impl ClientError {
                 Self::Unavailable(if msg.is_empty() {
                     "service unavailable".into()
                 } else {
-                    with_tls_hint(msg)
+                    with_tls_hint(msg, tls)
                 })
             }
-            _ => Self::Internal(with_tls_hint(msg)),
+            _ => Self::Internal(with_tls_hint(msg, tls)),
         }
     }
 
@@ -81,8 +89,9 @@ impl ClientError {
 }
 
 /// A failed connection whose message points at a TLS mismatch gets a hint of the likely
-/// cause (a plaintext client meets a TLS server as an HTTP/2 protocol error).
-fn with_tls_hint(msg: String) -> String {
+/// cause (a plaintext client meets a TLS server as an HTTP/2 protocol error); `tls`: whether
+/// the caller connected with TLS, where it knows.
+fn with_tls_hint(msg: String, tls: Option<bool>) -> String {
     let m = msg.to_ascii_lowercase();
     let tls_like = [
         "h2 protocol error",
@@ -97,13 +106,14 @@ fn with_tls_hint(msg: String) -> String {
     if !tls_like {
         return msg;
     }
-    let hint = match granary_common::tls::material() {
+    let hint = match tls {
         // Masters are verified by the name only master certificates carry.
-        Some(_) if m.contains(granary_common::tls::MASTER_SERVER_NAME) => {
+        Some(true) | None if m.contains(granary_common::tls::MASTER_SERVER_NAME) => {
             "the server is not a master of this cluster: its certificate is not a master's (is this a worker's address?)"
         }
-        Some(_) => "TLS mismatch: the server may run --insecure, hold a certificate of another CA, or have refused this one",
-        None => "the server may require TLS: pass --tls-dir with a certificate of the cluster CA",
+        Some(true) => "TLS mismatch: the server may run --insecure, hold a certificate of another CA, or have refused this one",
+        Some(false) => "the server may require TLS: pass --tls-dir with a certificate of the cluster CA",
+        None => "TLS mismatch: one side may run without TLS (--insecure) or hold a certificate of another CA",
     };
     format!("{msg} ({hint})")
 }

@@ -255,8 +255,12 @@ impl FileSystem {
             .store(enabled, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn connect(master_addr: &str) -> Result<Arc<Self>, ClientError> {
-        Ok(Self::new(MasterClient::new(master_addr)?))
+    /// A client of the masters at `master_addr`, reaching them and the workers over `net`.
+    pub fn connect(
+        net: granary_common::net::Net,
+        master_addr: &str,
+    ) -> Result<Arc<Self>, ClientError> {
+        Ok(Self::new(MasterClient::new(net, master_addr)?))
     }
 
     pub fn read_stats(&self) -> ReadStats {

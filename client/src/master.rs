@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use granary_common::net::{GrpcChannel as Channel, Net, ServerKind, Tcp};
+use granary_common::net::{GrpcChannel as Channel, Net, ServerKind};
 use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
 
@@ -88,14 +88,9 @@ pub struct MasterClient {
 }
 
 impl MasterClient {
-    /// `addresses`: one `host:port`, or several separated by commas; reached over TCP with
-    /// this process's transport security.
-    pub fn new(addresses: &str) -> Result<Self, ClientError> {
-        Self::with_net(Tcp::process(), addresses)
-    }
-
-    /// As [`MasterClient::new`], over `net` (another identity, or faults injected).
-    pub fn with_net(net: Net, addresses: &str) -> Result<Self, ClientError> {
+    /// `addresses`: one `host:port`, or several separated by commas, reached over `net`
+    /// (TCP with this caller's identity, or plaintext; a test's network with faults).
+    pub fn new(net: Net, addresses: &str) -> Result<Self, ClientError> {
         let list: Vec<&str> = addresses
             .split(',')
             .map(str::trim)
@@ -219,7 +214,10 @@ impl MasterClient {
                         .get(LEADER_HINT_KEY)
                         .and_then(|v| v.to_str().ok())
                         .map(str::to_string);
-                    (ClientError::from_status(status), hint)
+                    (
+                        ClientError::from_status_with(status, Some(self.net.tls().is_some())),
+                        hint,
+                    )
                 }
                 Err(_) => (
                     ClientError::Timeout(format!(
@@ -320,7 +318,7 @@ impl MasterClient {
                 Ok(Err(status)) => {
                     // A follower sending the read on names the leader.
                     let redirected = status.metadata().get(LEADER_HINT_KEY).is_some();
-                    match ClientError::from_status(status) {
+                    match ClientError::from_status_with(status, Some(self.net.tls().is_some())) {
                         ClientError::Unavailable(_) => !redirected,
                         e => return Err(e),
                     }
@@ -832,8 +830,11 @@ mod tests {
     /// the leader pick none.
     #[tokio::test]
     async fn reads_go_where_fewest_are_in_flight_the_leader_among_equals() {
-        let c =
-            MasterClient::with_net(Tcp::net(None), "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3").unwrap();
+        let c = MasterClient::new(
+            granary_common::net::Tcp::plain(),
+            "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+        )
+        .unwrap();
         c.follow("127.0.0.1:2");
         let one = c.next_reader().unwrap();
         assert_eq!(one.0, "127.0.0.1:2");

@@ -27,12 +27,8 @@ pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
 /// 64 of the default 16 KiB (less framing work per byte on bulk streams).
 pub const MAX_FRAME: u32 = 1024 * 1024;
 
-/// Normalises `host:port` or a full URI into an endpoint URI: `https://` when this process
-/// uses TLS ([`crate::tls::install`]), else `http://`.
-pub fn endpoint_uri(addr: &str) -> String {
-    endpoint_uri_for(addr, crate::tls::material().is_some())
-}
-
+/// Normalises `host:port` or a full URI into an endpoint URI: `https://` with TLS, else
+/// `http://`.
 fn endpoint_uri_for(addr: &str, tls: bool) -> String {
     let host_port = addr
         .strip_prefix("http://")
@@ -43,23 +39,6 @@ fn endpoint_uri_for(addr: &str, tls: bool) -> String {
     } else {
         format!("http://{host_port}")
     }
-}
-
-/// A lazily connecting channel to the worker at `addr` with Granary's transport settings
-/// (mutual TLS when this process has TLS material; the server must hold a node or master
-/// certificate of the cluster CA).
-pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    channel_with(addr, ServerKind::Node, crate::tls::material().map(|m| &**m))
-}
-
-/// A lazily connecting channel to the master at `addr`: as [`channel`], but the server
-/// must hold a master certificate (a worker's cannot pose as a master).
-pub fn master_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    channel_with(
-        addr,
-        ServerKind::Master,
-        crate::tls::material().map(|m| &**m),
-    )
 }
 
 /// A lazily connecting channel to `addr` with Granary's transport settings: mutual TLS
@@ -97,11 +76,6 @@ pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
 /// with the request limits, at most 256 × 4 MiB of control messages per connection).
 /// A client past it waits for a stream to end; it does not fail.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
-
-/// A server with this process's transport security ([`crate::tls::install`]).
-pub fn server() -> Result<Server, tonic::transport::Error> {
-    server_with(crate::tls::material().map(|m| &**m))
-}
 
 /// A server with mutual TLS as `tls` (a client certificate of its CA required), or
 /// plaintext without.

@@ -89,9 +89,9 @@ impl Tcp {
         Arc::new(Tcp { tls })
     }
 
-    /// With the identity this process's command line installed ([`crate::tls::install`]).
-    pub fn process() -> Net {
-        Tcp::net(crate::tls::material().cloned())
+    /// Plaintext TCP: no identities (clusters run `--insecure`, and tests).
+    pub fn plain() -> Net {
+        Tcp::net(None)
     }
 }
 

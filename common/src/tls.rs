@@ -18,7 +18,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rcgen::{
@@ -607,36 +607,6 @@ pub fn node_server_name() -> Result<tokio_rustls::rustls::pki_types::ServerName<
 {
     tokio_rustls::rustls::pki_types::ServerName::try_from(NODE_SERVER_NAME)
         .map_err(|e| TlsError::Invalid(format!("{NODE_SERVER_NAME}: {e}")))
-}
-
-/// How this process talks to the others.
-#[derive(Debug)]
-pub enum Security {
-    /// Plaintext, no identities (explicit `--insecure`).
-    Insecure,
-    Tls(Arc<TlsMaterial>),
-}
-
-static SECURITY: OnceLock<Security> = OnceLock::new();
-
-/// Sets the process's transport security; once, before the first connection.
-pub fn install(security: Security) -> Result<(), TlsError> {
-    SECURITY
-        .set(security)
-        .map_err(|_| TlsError::Invalid("transport security is already set".into()))
-}
-
-/// The process's transport security (plaintext when never installed).
-pub fn security() -> &'static Security {
-    SECURITY.get_or_init(|| Security::Insecure)
-}
-
-/// The TLS material when TLS is on.
-pub fn material() -> Option<&'static Arc<TlsMaterial>> {
-    match security() {
-        Security::Tls(m) => Some(m),
-        Security::Insecure => None,
-    }
 }
 
 #[cfg(test)]

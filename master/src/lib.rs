@@ -75,7 +75,9 @@ pub struct MasterConfig {
 }
 
 impl MasterConfig {
-    pub fn new(data_dir: PathBuf, listen: SocketAddr) -> Self {
+    /// `net`: how this master reaches workers and the other masters, and the identity it
+    /// serves with (TLS material is passed here, never held by the process).
+    pub fn new(data_dir: PathBuf, listen: SocketAddr, net: granary_common::net::Net) -> Self {
         Self {
             data_dir,
             listen,
@@ -90,7 +92,7 @@ impl MasterConfig {
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
             secrets: None,
             mount_policy: mounts::MountPolicy::default(),
-            net: granary_common::net::Tcp::process(),
+            net,
         }
     }
 }

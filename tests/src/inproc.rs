@@ -3,7 +3,9 @@
 //! temporary folder) and the client library run in the test's own process and talk gRPC
 //! over loopback, each node through its own [`Faults`] network, so a test places a fault
 //! exactly where it hurts: a worker's heartbeats dropped, one master's answers lost after
-//! it applied them, a load task to one worker refused from its third call on.
+//! it applied them, a load task to one worker refused from its third call on. The masters'
+//! under-store goes through [`StoreFaults`], each worker's cache disk through its own
+//! [`DiskFaults`] (page writes failing, pages lost at read).
 //!
 //! Faults drawn by chance follow one seed, printed at start; `GRANARY_FAULT_SEED=N` replays
 //! it (the calls' order still depends on the scheduler). What only processes show — FUSE,
@@ -27,6 +29,7 @@ use granary_common::net::{Faults, Tcp};
 use granary_common::ufs::faults::StoreFaults;
 use granary_common::ufs::StoreWrap;
 use granary_master::{MasterConfig, RunningMaster};
+use granary_worker::store::faults::DiskFaults;
 use granary_worker::{RunningWorker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -78,6 +81,8 @@ struct MasterSlot {
 
 struct WorkerSlot {
     faults: Faults,
+    /// Faults of its cache disk.
+    disk: Arc<DiskFaults>,
     running: Option<Running<RunningWorker>>,
 }
 
@@ -135,7 +140,8 @@ impl Cluster {
         let mut masters = Vec::new();
         for (&id, addr) in &peers {
             let f = faults(id);
-            let mut config = MasterConfig::new(dir.path().join(format!("m{id}")), addr.parse()?);
+            let mut config =
+                MasterConfig::new(dir.path().join(format!("m{id}")), addr.parse()?, f.net());
             config.id = id;
             if shape.masters > 1 {
                 config.peers = peers.clone();
@@ -144,7 +150,6 @@ impl Cluster {
             config.worker_timeout = shape.worker_timeout;
             config.mount_policy.local_roots = vec![store.clone()];
             config.mount_policy.wrap = Some(StoreWrap::faults(store_faults.clone()));
-            config.net = f.net();
             masters.push(MasterSlot {
                 id,
                 addr: addr.clone(),
@@ -157,6 +162,7 @@ impl Cluster {
             workers: (0..shape.workers)
                 .map(|i| WorkerSlot {
                     faults: faults(1000 + i as u64),
+                    disk: Arc::default(),
                     running: None,
                 })
                 .collect(),
@@ -195,6 +201,11 @@ impl Cluster {
             .join(",")
     }
 
+    /// The fault rules of worker `i`'s cache disk (they hold across its restarts).
+    pub fn disk(&self, i: usize) -> &DiskFaults {
+        &self.workers[i].disk
+    }
+
     pub fn master_addr(&self, i: usize) -> &str {
         &self.masters[i].addr
     }
@@ -209,7 +220,7 @@ impl Cluster {
 
     /// The client library, over [`Node::Client`]'s faults.
     pub fn client(&self) -> Result<Arc<FileSystem>> {
-        let master = MasterClient::with_net(self.client_faults.net(), &self.master_addrs())?;
+        let master = MasterClient::new(self.client_faults.net(), &self.master_addrs())?;
         Ok(FileSystem::new(master))
     }
 
@@ -283,10 +294,11 @@ impl Cluster {
             "127.0.0.1:0".parse()?,
             self.dir.path().join(format!("w{i}")),
             self.shape.cache_size,
+            slot.faults.net(),
         );
         config.heartbeat_interval = self.shape.heartbeat;
         config.node_name = format!("n{}", i + 1);
-        config.net = slot.faults.net();
+        config.disk_faults = Some(slot.disk.clone());
         let shutdown = CancellationToken::new();
         let registry = granary_common::metrics::new_registry();
         let node = granary_worker::start(config, registry, shutdown.clone())

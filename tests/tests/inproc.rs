@@ -871,3 +871,99 @@ async fn touching_many_due_folders_starts_a_bounded_number_of_listings() -> Resu
     c.store_faults.remove(slow);
     c.stop().await
 }
+
+/// Reads every file of `files` whole through a new client (no bytes kept from an earlier
+/// pass) and checks them against the source; returns the client's read counters.
+async fn read_exact(
+    c: &Cluster,
+    files: &[(String, Vec<u8>)],
+) -> Result<granary_client::fs::ReadStats> {
+    use sha2::{Digest, Sha256};
+    let fs = c.client()?;
+    for (path, want) in files {
+        let st = fs.stat(path).await?;
+        let got = fs.read(&st, 0, st.length).await?;
+        assert_eq!(
+            Sha256::digest(&got),
+            Sha256::digest(want),
+            "{path}: {} bytes read, {} in the store",
+            got.len(),
+            want.len()
+        );
+    }
+    Ok(fs.read_stats())
+}
+
+/// A worker whose cache disk fails keeps serving: while page writes fail it serves every
+/// read from the under-store with exact bytes and caches nothing; once the disk heals it
+/// caches again; a disk that loses pages at read makes it fetch them again, never serve
+/// a lost page. Every byte goes through the worker, none around it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_cache_disk_fails_serves_exact_bytes_and_caches_once_it_heals() -> Result<()>
+{
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::create_dir_all(c.store.join("d"))?;
+    let files: Vec<(String, Vec<u8>)> = (0..6u32)
+        .map(|i| {
+            let bytes = (0..300_000 + i * 1_001)
+                .map(|j| (j.wrapping_mul(31) ^ i) as u8)
+                .collect();
+            (format!("/data/d/f{i}"), bytes)
+        })
+        .collect();
+    for (i, (_, bytes)) in files.iter().enumerate() {
+        std::fs::write(c.store.join(format!("d/f{i}")), bytes)?;
+    }
+    c.mount_store().await?;
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let worker = c.worker(0).context("worker 0")?;
+    let disk = c.disk(0);
+    use std::sync::atomic::Ordering::Relaxed;
+
+    disk.fail_writes.store(true, Relaxed);
+    let stats = read_exact(&c, &files).await?;
+    assert_eq!((stats.worker_bytes, stats.direct_ufs_bytes), (total, 0));
+    let failed = disk.writes_failed.load(Relaxed);
+    assert!(failed >= files.len() as u64, "{failed} page writes failed");
+    assert_eq!(
+        worker.metrics.cache_write_errors.get(),
+        failed,
+        "each counted"
+    );
+    assert_eq!(
+        worker.store.page_count(),
+        0,
+        "nothing cached on a failing disk"
+    );
+    assert_eq!(worker.store.used_and_reserved(), 0, "no room left reserved");
+
+    disk.fail_writes.store(false, Relaxed);
+    let stats = read_exact(&c, &files).await?;
+    assert_eq!((stats.worker_bytes, stats.direct_ufs_bytes), (total, 0));
+    let pages = files.len() as u64; // one page each (1 MiB pages)
+    eventually(
+        "every file cached once the disk healed",
+        Duration::from_secs(10),
+        || {
+            let n = worker.store.page_count();
+            async move { (n == pages).then_some(()) }
+        },
+    )
+    .await?;
+
+    disk.lose_reads.store(true, Relaxed);
+    let stats = read_exact(&c, &files).await?;
+    assert_eq!((stats.worker_bytes, stats.direct_ufs_bytes), (total, 0));
+    assert!(
+        disk.reads_lost.load(Relaxed) >= 1,
+        "no cached page was read"
+    );
+    disk.lose_reads.store(false, Relaxed);
+    // What was lost was fetched and cached again.
+    eventually("lost pages cached again", Duration::from_secs(10), || {
+        let n = worker.store.page_count();
+        async move { (n == pages).then_some(()) }
+    })
+    .await?;
+    c.stop().await
+}

@@ -295,7 +295,7 @@ async fn send_cached<S: Wire>(
     p: Plan,
 ) -> std::io::Result<u64> {
     let store = &rpc.fetcher.store;
-    let ps = store.page_size;
+    let ps = store.page_size();
     let (first, last) = (p.offset / ps, (p.end - 1) / ps);
     let (Ok(first), Ok(n)) = (u32::try_from(first), u32::try_from(last - first + 1)) else {
         return Ok(p.offset);
@@ -314,7 +314,7 @@ async fn send_leased<S: Wire>(
     lease: &crate::store::Lease,
     p: Plan,
 ) -> std::io::Result<u64> {
-    let ps = rpc.fetcher.store.page_size;
+    let ps = rpc.fetcher.store.page_size();
     let mut at = p.offset;
     let Ok(file) = std::fs::File::open(&lease.path) else {
         return Ok(at);

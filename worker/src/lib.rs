@@ -72,10 +72,20 @@ pub struct WorkerConfig {
     pub data_listen: Option<SocketAddr>,
     /// How the worker reaches the masters and its peers, and the identity it serves with.
     pub net: granary_common::net::Net,
+    /// Faults of the cache disk, for in-process tests (`None`: the disk as it is).
+    pub disk_faults: Option<Arc<store::faults::DiskFaults>>,
 }
 
 impl WorkerConfig {
-    pub fn new(master: String, listen: SocketAddr, cache_dir: PathBuf, cache_size: u64) -> Self {
+    /// `net`: how the worker reaches the masters and its peers, and the identity it serves
+    /// with.
+    pub fn new(
+        master: String,
+        listen: SocketAddr,
+        cache_dir: PathBuf,
+        cache_size: u64,
+        net: granary_common::net::Net,
+    ) -> Self {
         Self {
             master,
             listen,
@@ -90,7 +100,8 @@ impl WorkerConfig {
             node_name: granary_common::node_name(),
             node_copies: true,
             data_listen: None,
-            net: granary_common::net::Tcp::process(),
+            net,
+            disk_faults: None,
         }
     }
 
@@ -132,7 +143,8 @@ pub struct RunningWorker {
     pub addr: SocketAddr,
     pub worker_id: u64,
     pub metrics_addr: Option<SocketAddr>,
-    pub store: Arc<store::TieredStore>,
+    pub store: Arc<dyn store::BlockStore>,
+    pub metrics: metrics::WorkerMetrics,
     pub registered: Arc<AtomicBool>,
     pub done: tokio::task::JoinHandle<Result<(), WorkerError>>,
 }
@@ -201,9 +213,13 @@ pub async fn start(
     })
     .await
     .map_err(|e| WorkerError::Config(format!("opening the cache panicked: {e}")))??;
-    metrics.cache_capacity_bytes.set(store.capacity as i64);
+    let store: Arc<dyn store::BlockStore> = match &config.disk_faults {
+        Some(f) => store::faults::FaultyStore::wrap(store, f.clone()),
+        None => store,
+    };
+    metrics.cache_capacity_bytes.set(store.capacity() as i64);
 
-    let master = MasterClient::with_net(config.net.clone(), &config.master)
+    let master = MasterClient::new(config.net.clone(), &config.master)
         .map_err(|e| WorkerError::Config(e.to_string()))?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -282,7 +298,7 @@ pub async fn start(
     let rpc = Arc::new(service::WorkerRpc {
         worker_id,
         fetcher,
-        metrics,
+        metrics: metrics.clone(),
         writes,
         grant_keys,
         node_copies: config.node_copies,
@@ -307,16 +323,17 @@ pub async fn start(
             .map_err(|e| WorkerError::Serve(e.to_string()))
     });
     let tiers: Vec<String> = store
-        .tiers
+        .tiers()
         .iter()
         .map(|t| format!("{}={}", t.tier, t.capacity))
         .collect();
-    tracing::info!(%addr, worker = worker_id, cache_dir = %config.cache_dir.display(), capacity = store.capacity, tiers = %tiers.join(","), "worker serving");
+    tracing::info!(%addr, worker = worker_id, cache_dir = %config.cache_dir.display(), capacity = store.capacity(), tiers = %tiers.join(","), "worker serving");
     Ok(RunningWorker {
         addr,
         worker_id,
         metrics_addr,
         store,
+        metrics,
         registered,
         done,
     })

@@ -105,6 +105,7 @@ pub struct WorkerMetrics {
     pub prefetched_pages: Counter<u64, AtomicU64>,
     pub checksum_failures: Counter<u64, AtomicU64>,
     pub uncached_fills: Counter<u64, AtomicU64>,
+    pub cache_write_errors: Counter<u64, AtomicU64>,
     pub admission_rejected_pages: Counter<u64, AtomicU64>,
     pub singleflight_waits: Counter<u64, AtomicU64>,
     pub dropped_pages: Family<DropReason, Counter>,
@@ -328,6 +329,11 @@ impl WorkerMetrics {
                 "granary_worker_uncached_fills",
                 "Pages served without caching (no space could be freed)",
                 m.uncached_fills.clone(),
+            );
+            r.register(
+                "granary_worker_cache_write_errors",
+                "Pages the cache disk failed to take (served uncached)",
+                m.cache_write_errors.clone(),
             );
             r.register(
                 "granary_worker_read_requests",

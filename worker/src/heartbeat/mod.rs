@@ -11,11 +11,11 @@ use granary_proto as pb;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::WorkerMetrics;
-use crate::store::TieredStore;
+use crate::store::BlockStore;
 
 pub struct Heartbeat {
     pub master: MasterClient,
-    pub store: Arc<TieredStore>,
+    pub store: Arc<dyn BlockStore>,
     pub metrics: WorkerMetrics,
     pub worker_id: u64,
     pub address: String,
@@ -34,7 +34,7 @@ impl Heartbeat {
     fn stats(&self) -> pb::WorkerStats {
         let m = &self.metrics;
         pb::WorkerStats {
-            capacity_bytes: self.store.capacity,
+            capacity_bytes: self.store.capacity(),
             used_bytes: self.store.used(),
             cache_hit_bytes: m.cache_hit_bytes.get(),
             cache_miss_bytes: m.cache_miss_bytes.get(),
@@ -43,12 +43,12 @@ impl Heartbeat {
             evicted_bytes: m.evicted_bytes.get(),
             tiers: self
                 .store
-                .tiers
-                .iter()
+                .tiers()
+                .into_iter()
                 .map(|t| pb::TierUsage {
-                    tier: t.tier.clone(),
+                    tier: t.tier,
                     capacity_bytes: t.capacity,
-                    used_bytes: t.used(),
+                    used_bytes: t.used,
                 })
                 .collect(),
             short_circuit_bytes: m.short_circuit_bytes.get(),

@@ -86,7 +86,7 @@ async fn load_block(
         holders,
         peers_only: false,
     });
-    let ps = fetcher.store.page_size;
+    let ps = fetcher.store.page_size();
     let pages = block.len.div_ceil(ps);
     let missing: Vec<u64> = (0..pages)
         .filter(|&p| !fetcher.store.contains(&(block.key, p as u32)))
@@ -292,7 +292,7 @@ impl WorkerRpc {
     ) -> ReadStream {
         let fetcher = self.fetcher.clone();
         let metrics = self.metrics.clone();
-        let ps = fetcher.store.page_size;
+        let ps = fetcher.store.page_size();
         let (tx, rx) = tokio::sync::mpsc::channel(PAGE_PARALLELISM);
         tokio::spawn(async move {
             for page in pages {
@@ -376,7 +376,7 @@ impl WorkerService for WorkerRpc {
     ) -> Result<Response<Self::ReadBlockStream>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
-        let ps = self.fetcher.store.page_size;
+        let ps = self.fetcher.store.page_size();
         let (desc, p) = self.admit_read(&who, &r)?;
         self.metrics.read_requests.inc();
         let key = block_key(desc.id.as_ref().unwrap_or(&pb::BlockId::default()));
@@ -578,7 +578,7 @@ impl WorkerService for WorkerRpc {
                 .map_err(|e| RpcError::Internal(format!("block file path: {e}")))?;
             Ok::<_, RpcError>(pb::LeaseLocalBlockResponse {
                 path: path.to_string_lossy().into_owned(),
-                page_size: store.page_size,
+                page_size: store.page_size(),
                 pages: lease
                     .pages
                     .iter()
@@ -622,9 +622,9 @@ impl WorkerService for WorkerRpc {
         let s = &self.fetcher.store;
         Ok(Response::new(pb::GetCacheInfoResponse {
             worker_id: self.worker_id,
-            capacity_bytes: s.capacity,
+            capacity_bytes: s.capacity(),
             used_bytes: s.used(),
-            page_size: s.page_size,
+            page_size: s.page_size(),
             cached_pages: s.page_count(),
             cached_blocks: s.blocks().len() as u64,
         }))

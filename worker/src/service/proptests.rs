@@ -80,7 +80,9 @@ async fn rig_with(signed: bool) -> Rig {
         .unwrap();
     let meta = store.head(&StorePath::from("f")).await.unwrap();
     let fingerprint = granary_common::ufs::fingerprint_of(&meta);
-    let master = granary_client::MasterClient::new("127.0.0.1:1").unwrap();
+    let master =
+        granary_client::MasterClient::new(granary_common::net::Tcp::plain(), "127.0.0.1:1")
+            .unwrap();
     let fetcher = Arc::new(Fetcher::new(
         master.clone(),
         TieredStore::single(pages),

@@ -61,6 +61,17 @@ pub enum StoreError {
     },
 }
 
+/// Why a cached page's bytes cannot be served.
+#[derive(Debug, Error)]
+enum Unusable {
+    #[error("failed its checksum")]
+    Checksum,
+    #[error("unreadable in {0}")]
+    Unreadable(String),
+    #[error("lies past any file offset")]
+    PastOffsets,
+}
+
 /// (inode, version, block index)
 pub type BlockKey = (u64, u64, u32);
 /// (block, page index)
@@ -662,7 +673,8 @@ impl PageStore {
                     match now {
                         Some(m) if m.gen != meta.gen => meta = m,
                         Some(_) => {
-                            self.drop_bad_page(key, meta.gen, &e);
+                            let checksum = matches!(e, Unusable::Checksum);
+                            self.drop_bad_page(key, meta.gen, &e.to_string(), checksum);
                             return None;
                         }
                         None => return None, // removed meanwhile: not cached
@@ -674,9 +686,9 @@ impl PageStore {
     }
 
     /// The bytes of a cached page (blocking I/O); an error says why they are unusable.
-    fn read_cached(&self, key: &PageKey, meta: &PageMeta) -> Result<Bytes, String> {
+    fn read_cached(&self, key: &PageKey, meta: &PageMeta) -> Result<Bytes, Unusable> {
         let path = self.block_path(&key.0);
-        let at = page_offset(key, meta.stride, self.page_size).ok_or("past any file offset")?;
+        let at = page_offset(key, meta.stride, self.page_size).ok_or(Unusable::PastOffsets)?;
         // read_to_end fills spare capacity without zeroing it first.
         let mut buf = Vec::with_capacity(meta.len as usize);
         let read = File::open(&path).and_then(|mut f| {
@@ -690,13 +702,14 @@ impl PageStore {
         });
         match read {
             Ok(()) if crc32c::crc32c(&buf) == meta.crc => Ok(Bytes::from(buf)),
-            Ok(()) => Err("failed its checksum".into()),
-            Err(e) => Err(format!("unreadable in {}: {e}", path.display())),
+            Ok(()) => Err(Unusable::Checksum),
+            Err(e) => Err(Unusable::Unreadable(format!("{}: {e}", path.display()))),
         }
     }
 
-    /// Drops a page whose bytes are bad, unless it was cached again since `gen`.
-    fn drop_bad_page(self: &Arc<Self>, key: &PageKey, gen: u64, why: &str) {
+    /// Drops a page whose bytes are bad, unless it was cached again since `gen`;
+    /// `checksum`: they failed their checksum (counted).
+    fn drop_bad_page(self: &Arc<Self>, key: &PageKey, gen: u64, why: &str, checksum: bool) {
         let removed = {
             let mut inner = self.lock();
             if inner.pages.get(key).is_none_or(|m| m.gen != gen) {
@@ -705,7 +718,7 @@ impl PageStore {
             Self::take_page(&mut inner, key).map(|(meta, gone)| (*key, meta, gone))
         };
         tracing::warn!(block = %block_name(&block_id(&key.0)), page = key.1, "cached page {why}; dropping it");
-        if why.starts_with("failed its checksum") {
+        if checksum {
             self.metrics.checksum_failures.inc();
         }
         if let Some(r) = removed {
@@ -732,7 +745,7 @@ impl PageStore {
             Some(m) => m.gen,
             None => return,
         };
-        self.drop_bad_page(key, gen, why);
+        self.drop_bad_page(key, gen, why, false);
     }
 
     /// Pins `inode`: its cached pages, and those cached later, are never evicted (until
@@ -1443,8 +1456,11 @@ pub fn parse_block_file(name: &str) -> Option<BlockKey> {
     parse_block_name(name).map(|b| block_key(&b))
 }
 
+pub mod block_store;
+pub mod faults;
 pub mod tiers;
 
+pub use block_store::{BlockStore, TierUsage};
 pub use tiers::{TierKind, TierSpec, TieredStore};
 
 #[cfg(test)]

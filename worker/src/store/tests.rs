@@ -141,7 +141,7 @@ fn held_pages_stay_until_unpinned_or_the_lease_ends() {
     for b in 0..8 {
         assert!(fill(&s, key(b, 0), b as u8));
     }
-    assert!(s.pin(7));
+    assert!(PageStore::pin(&s, 7));
     // Everything cached is pinned: a new page is served uncached, nothing is evicted.
     assert!(s.reserve(&key(8, 0), 4096).is_none());
     assert_eq!(s.page_count(), 8);

@@ -27,7 +27,9 @@ use std::time::Instant;
 use bytes::Bytes;
 use granary_proto as pb;
 
-use super::{block_id, BlockKey, Lease, PageKey, PageStore, Reservation, StoreError};
+use super::{
+    block_id, BlockKey, BlockStore, Lease, PageKey, PageStore, Reservation, StoreError, TierUsage,
+};
 use crate::evict::PolicyKind;
 use crate::metrics::WorkerMetrics;
 
@@ -167,63 +169,6 @@ impl TieredStore {
         })
     }
 
-    /// Reserves room for a new page in the fastest tier that admits it.
-    pub fn reserve(&self, key: &PageKey, len: u64) -> Option<Reservation> {
-        self.tiers.iter().find_map(|t| t.reserve(key, len))
-    }
-
-    /// Commits a page into its reservation (`block_size`: its file's, see
-    /// [`PageStore::commit`]).
-    pub fn commit(
-        &self,
-        r: Reservation,
-        key: PageKey,
-        block_size: u64,
-        data: &[u8],
-    ) -> Result<(), StoreError> {
-        let store = r.store.clone();
-        store.commit(r, key, block_size, data)
-    }
-
-    /// Reserves room for a node copy of a page (see [`PageStore::reserve_node_copy`]) in
-    /// the fastest tier that has it without evicting an owned page.
-    pub fn reserve_node_copy(&self, key: &PageKey, len: u64) -> Option<Reservation> {
-        self.tiers
-            .iter()
-            .find_map(|t| t.reserve_node_copy(key, len))
-    }
-
-    /// Commits a node copy into its reservation.
-    pub fn commit_node_copy(
-        &self,
-        r: Reservation,
-        key: PageKey,
-        block_size: u64,
-        data: &[u8],
-    ) -> Result<(), StoreError> {
-        let store = r.store.clone();
-        store.commit_with(r, key, block_size, data, true)
-    }
-
-    /// Bytes of node copies held, all tiers together.
-    pub fn node_copy_bytes(&self) -> u64 {
-        self.tiers.iter().map(|t| t.node_copy_bytes()).sum()
-    }
-
-    /// Reads a cached page from whichever tier holds it, moving it up to the top tier when
-    /// that tier's policy admits it.
-    pub fn get(&self, key: &PageKey) -> Option<Bytes> {
-        for (i, t) in self.tiers.iter().enumerate() {
-            if let Some(b) = t.get(key) {
-                if i > 0 {
-                    self.promote(i, key, &b);
-                }
-                return Some(b);
-            }
-        }
-        None
-    }
-
     fn promote(&self, from: usize, key: &PageKey, data: &[u8]) {
         let (top, lower) = (&self.tiers[0], &self.tiers[from]);
         if !top.would_admit(key) {
@@ -256,40 +201,127 @@ impl TieredStore {
             }
         }
     }
+}
 
-    pub fn contains(&self, key: &PageKey) -> bool {
+impl BlockStore for TieredStore {
+    fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn tiers(&self) -> Vec<TierUsage> {
+        self.tiers
+            .iter()
+            .map(|t| TierUsage {
+                tier: t.tier.clone(),
+                capacity: t.capacity,
+                used: t.used(),
+            })
+            .collect()
+    }
+
+    /// Room on the tier whose folder is `dir` (else the last tier).
+    fn reserve_room_in(&self, dir: &Path, len: u64) -> Option<Reservation> {
+        self.tiers
+            .iter()
+            .find(|t| t.dir() == dir)
+            .or(self.tiers.last())
+            .and_then(|t| t.reserve_room(len))
+    }
+
+    /// Reserves room for a new page in the fastest tier that admits it.
+    fn reserve(&self, key: &PageKey, len: u64) -> Option<Reservation> {
+        self.tiers.iter().find_map(|t| t.reserve(key, len))
+    }
+
+    /// Commits a page into its reservation (`block_size`: its file's, see
+    /// [`PageStore::commit`]).
+    fn commit(
+        &self,
+        r: Reservation,
+        key: PageKey,
+        block_size: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        let store = r.store.clone();
+        store.commit(r, key, block_size, data)
+    }
+
+    /// Reserves room for a node copy of a page (see [`PageStore::reserve_node_copy`]) in
+    /// the fastest tier that has it without evicting an owned page.
+    fn reserve_node_copy(&self, key: &PageKey, len: u64) -> Option<Reservation> {
+        self.tiers
+            .iter()
+            .find_map(|t| t.reserve_node_copy(key, len))
+    }
+
+    /// Commits a node copy into its reservation.
+    fn commit_node_copy(
+        &self,
+        r: Reservation,
+        key: PageKey,
+        block_size: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        let store = r.store.clone();
+        store.commit_with(r, key, block_size, data, true)
+    }
+
+    /// Bytes of node copies held, all tiers together.
+    fn node_copy_bytes(&self) -> u64 {
+        self.tiers.iter().map(|t| t.node_copy_bytes()).sum()
+    }
+
+    /// Reads a cached page from whichever tier holds it, moving it up to the top tier when
+    /// that tier's policy admits it.
+    fn get(&self, key: &PageKey) -> Option<Bytes> {
+        for (i, t) in self.tiers.iter().enumerate() {
+            if let Some(b) = t.get(key) {
+                if i > 0 {
+                    self.promote(i, key, &b);
+                }
+                return Some(b);
+            }
+        }
+        None
+    }
+
+    fn contains(&self, key: &PageKey) -> bool {
         self.tiers.iter().any(|t| t.contains(key))
     }
 
     /// Whether any tier holds a page of version `version` of file `inode`.
-    pub fn holds_version(&self, inode: u64, version: u64) -> bool {
+    fn holds_version(&self, inode: u64, version: u64) -> bool {
         self.tiers.iter().any(|t| t.holds_version(inode, version))
     }
 
     /// Drops a page from whichever tier holds it (see [`PageStore::drop_page`]).
-    pub fn drop_page(&self, key: &PageKey, why: &str) {
+    fn drop_page(&self, key: &PageKey, why: &str) {
         for t in &self.tiers {
             t.drop_page(key, why);
         }
     }
 
-    pub fn would_admit(&self, key: &PageKey) -> bool {
+    fn would_admit(&self, key: &PageKey) -> bool {
         self.tiers.iter().any(|t| t.would_admit(key))
     }
 
-    pub fn used(&self) -> u64 {
+    fn used(&self) -> u64 {
         self.tiers.iter().map(|t| t.used()).sum()
     }
 
-    pub fn used_and_reserved(&self) -> u64 {
+    fn used_and_reserved(&self) -> u64 {
         self.tiers.iter().map(|t| t.used_and_reserved()).sum()
     }
 
-    pub fn page_count(&self) -> u64 {
+    fn page_count(&self) -> u64 {
         self.tiers.iter().map(|t| t.page_count()).sum()
     }
 
-    pub fn blocks(&self) -> Vec<pb::BlockId> {
+    fn blocks(&self) -> Vec<pb::BlockId> {
         let mut all: HashSet<BlockKey> = HashSet::new();
         for t in &self.tiers {
             all.extend(t.block_keys());
@@ -299,7 +331,7 @@ impl TieredStore {
 
     /// Block report deltas of all tiers: a block that left one tier but is still in
     /// another is not reported removed.
-    pub fn take_deltas(&self) -> (Vec<pb::BlockId>, Vec<pb::BlockId>) {
+    fn take_deltas(&self) -> (Vec<pb::BlockId>, Vec<pb::BlockId>) {
         if self.tiers.len() == 1 {
             return self.tiers[0].take_deltas();
         }
@@ -317,64 +349,48 @@ impl TieredStore {
         )
     }
 
-    pub fn clear_deltas(&self) {
+    fn clear_deltas(&self) {
         for t in &self.tiers {
             t.clear_deltas();
         }
     }
 
-    pub fn drop_stale_many(&self, files: &[(u64, u64)]) -> u64 {
+    fn drop_stale_many(&self, files: &[(u64, u64)]) -> u64 {
         self.tiers.iter().map(|t| t.drop_stale_many(files)).sum()
     }
 
-    pub fn drop_stale(&self, inode: u64, keep: u64) -> u64 {
-        self.drop_stale_many(&[(inode, keep)])
-    }
-
-    pub fn pin(&self, inode: u64) {
+    fn pin(&self, inode: u64) {
         for t in &self.tiers {
             t.pin(inode);
         }
     }
 
-    pub fn unpin(&self, inode: u64) {
+    fn unpin(&self, inode: u64) {
         for t in &self.tiers {
             t.unpin(inode);
         }
     }
 
-    pub fn set_pinned(&self, inodes: &HashSet<u64>) {
+    fn set_pinned(&self, inodes: &HashSet<u64>) {
         for t in &self.tiers {
             t.set_pinned(inodes);
         }
     }
 
     /// Inodes whose pages are never evicted, in any tier (see [`PageStore::pinned`]).
-    pub fn pinned(&self) -> HashSet<u64> {
+    fn pinned(&self) -> HashSet<u64> {
         self.tiers.iter().flat_map(|t| t.pinned()).collect()
     }
 
     /// See [`PageStore::add_pinned`].
-    pub fn add_pinned(&self, inodes: &[u64]) {
+    fn add_pinned(&self, inodes: &[u64]) {
         for t in &self.tiers {
             t.add_pinned(inodes);
         }
     }
 
-    /// A short-circuit lease from the tier holding page `first` of block `b` (see
-    /// [`PageStore::lease`]); lease ids name their tier.
-    pub fn lease(
-        &self,
-        b: &BlockKey,
-        first: u32,
-        until: Instant,
-        replaces: Option<u64>,
-    ) -> Option<Lease> {
-        self.lease_pages(b, first, super::LEASE_WINDOW_PAGES, until, replaces)
-    }
-
-    /// [`lease`](Self::lease) of up to `max_pages` pages.
-    pub fn lease_pages(
+    /// Lease ids name their tier.
+    fn lease_pages(
         &self,
         b: &BlockKey,
         first: u32,
@@ -397,14 +413,14 @@ impl TieredStore {
         })
     }
 
-    pub fn release(&self, id: u64) {
+    fn release(&self, id: u64) {
         if let Some(t) = self.tiers.get((id & ((1 << TIER_BITS) - 1)) as usize) {
             t.release(id >> TIER_BITS);
         }
     }
 
     /// [`release`](Self::release) of several leases (one lock per tier).
-    pub fn release_many(&self, ids: &[u64]) {
+    fn release_many(&self, ids: &[u64]) {
         for (i, t) in self.tiers.iter().enumerate() {
             let mine: Vec<u64> = ids
                 .iter()
@@ -418,7 +434,7 @@ impl TieredStore {
     }
 
     /// Leases in force and the bytes they hold, all tiers.
-    pub fn lease_stats(&self) -> (usize, u64) {
+    fn lease_stats(&self) -> (usize, u64) {
         self.tiers.iter().fold((0, 0), |(n, b), t| {
             let (tn, tb) = t.lease_stats();
             (n + tn, b + tb)

@@ -22,7 +22,7 @@ use granary_proto::worker_service_client::WorkerServiceClient;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::metrics::{UfsMetrics, WorkerMetrics};
-use crate::store::{BlockKey, PageKey, TieredStore};
+use crate::store::{BlockKey, BlockStore, PageKey};
 
 /// Read-ahead parts in flight at most, across all readers of this worker.
 pub const PREFETCH_IN_FLIGHT: usize = 32;
@@ -159,7 +159,7 @@ pub struct Fetcher {
     worker_id: u64,
     /// Channels to other workers, for filling from a peer.
     peers: Mutex<HashMap<String, WorkerServiceClient<Channel>>>,
-    pub store: Arc<TieredStore>,
+    pub store: Arc<dyn BlockStore>,
     metrics: WorkerMetrics,
     /// Fetched pages waiting to be written into the cache, and the threads writing them.
     commits: Mutex<VecDeque<Commit>>,
@@ -197,7 +197,7 @@ struct Run {
 
 impl Run {
     fn page_len(&self, i: usize) -> u64 {
-        let ps = self.fetcher.store.page_size;
+        let ps = self.fetcher.store.page_size();
         ps.min(self.block.len - (self.first + i as u64) * ps)
     }
 
@@ -269,7 +269,13 @@ impl Commit {
                         f.store.commit(r, self.key, self.block_size, &self.data)
                     };
                     if let Err(e) = done {
-                        tracing::warn!(error = %e, "cannot cache a page; serving it uncached");
+                        // A failing disk fails every page: the first failure and then one
+                        // in a thousand are logged, all are counted.
+                        f.metrics.cache_write_errors.inc();
+                        let n = f.metrics.cache_write_errors.get();
+                        if n % 1000 == 1 {
+                            tracing::warn!(error = %e, failures = n, "cannot cache a page; serving it uncached");
+                        }
                     }
                 }
                 None => {
@@ -297,7 +303,7 @@ impl Drop for Run {
 }
 
 impl Fetcher {
-    pub fn new(master: MasterClient, store: Arc<TieredStore>, metrics: WorkerMetrics) -> Self {
+    pub fn new(master: MasterClient, store: Arc<dyn BlockStore>, metrics: WorkerMetrics) -> Self {
         Self {
             prefetch_slots: Arc::new(Semaphore::new(PREFETCH_IN_FLIGHT)),
             master,
@@ -306,7 +312,7 @@ impl Fetcher {
             next_id: AtomicU64::new(1),
             read_ends: Default::default(),
             uncached: Mutex::new(Uncached::new(
-                (store.capacity / 8).clamp(store.page_size, UNCACHED_MAX_BYTES),
+                (store.capacity() / 8).clamp(store.page_size(), UNCACHED_MAX_BYTES),
             )),
             worker_id: 0,
             peers: Mutex::new(HashMap::new()),
@@ -459,10 +465,10 @@ impl Fetcher {
     /// Pages in one part of this mount, and parts a sequential reader keeps in flight; a
     /// cache too small for that much read-ahead fetches single pages and reads no further.
     fn geometry(&self, ufs: &Ufs) -> (u64, u64) {
-        let ps = self.store.page_size;
+        let ps = self.store.page_size();
         let part_pages = ufs.part_size.div_ceil(ps).max(1);
         let window = part_pages * ps * ufs.part_concurrency as u64;
-        if self.store.capacity < 4 * window {
+        if self.store.capacity() < 4 * window {
             (1, 0)
         } else {
             (part_pages, ufs.part_concurrency as u64)
@@ -527,7 +533,7 @@ impl Fetcher {
 
     /// Bytes page `page` of `block` holds (its block's geometry says so).
     fn page_len(&self, block: &BlockRef, page: u64) -> u64 {
-        let ps = self.store.page_size;
+        let ps = self.store.page_size();
         ps.min(block.len.saturating_sub(page.saturating_mul(ps)))
     }
 
@@ -609,7 +615,7 @@ impl Fetcher {
             }
             let (ufs, _) = self.ufs(block).await?;
             let (part_pages, _) = self.geometry(&ufs);
-            let last_page = (block.len - 1) / self.store.page_size;
+            let last_page = (block.len - 1) / self.store.page_size();
             let part_end = ((page / part_pages + 1) * part_pages - 1).min(last_page);
             let runs = self.claim(block, page..=part_end, Some(page), cache);
             // Our own claim: subscribe before the fetch starts (it may finish at once).
@@ -695,7 +701,7 @@ impl Fetcher {
     /// reader arriving meanwhile joins the fetch. Bounded by [`PREFETCH_IN_FLIGHT`] across
     /// readers; pages cached or in flight cost nothing.
     pub fn read_ahead(self: &Arc<Self>, block: &Arc<BlockRef>, after: u64) {
-        let ps = self.store.page_size;
+        let ps = self.store.page_size();
         let last_page = (block.len - 1) / ps;
         if after >= last_page {
             return;
@@ -788,7 +794,7 @@ impl Run {
             Err(e) => return self.fail_rest(&e),
         };
         let op = UfsMetrics::op(loc.mount_id, "get");
-        let ps = f.store.page_size;
+        let ps = f.store.page_size();
         let end = self
             .block
             .len
@@ -890,7 +896,7 @@ impl Run {
             }
         }
         let peers = holders.into_iter().filter(|w| w.worker_id != f.worker_id);
-        let ps = f.store.page_size;
+        let ps = f.store.page_size();
         let end = self
             .block
             .len

@@ -2,7 +2,7 @@
 //! version checks, counted by the fetcher's own request metrics.
 
 use super::*;
-use crate::store::PageStore;
+use crate::store::{PageStore, TieredStore};
 use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as StorePath;
@@ -49,7 +49,7 @@ async fn rig_with(
         .unwrap();
     let fetcher = Arc::new(
         Fetcher::new(
-            MasterClient::new(master).unwrap(),
+            MasterClient::new(granary_common::net::Tcp::plain(), master).unwrap(),
             TieredStore::single(pages),
             metrics.clone(),
         )

@@ -73,9 +73,9 @@ pub struct Writes {
     receiving: Mutex<HashSet<(u64, u64)>>,
     /// File versions this worker took a write of, and when (see [`Writes::claim`]).
     taken: Mutex<std::collections::HashMap<(u64, u64), std::time::Instant>>,
-    /// The cache tier whose capacity journals kept after their write (async-through, until
-    /// uploaded) count against.
-    journal_tier: Option<Arc<crate::store::PageStore>>,
+    /// The worker's cache folder: journals kept after their write (async-through, until
+    /// uploaded) count against the capacity of the tier on its disk.
+    cache_dir: std::path::PathBuf,
 }
 
 /// Creates (or truncates) a file readable by the worker's user only.
@@ -112,17 +112,9 @@ impl Writes {
         let dir = cache_dir.join("writes");
         // Journals hold what principals wrote: the worker's user only (0700, files 0600).
         crate::store::private_dir(&dir)?;
-        // Journals live on the disk of the tier in `cache_dir` (else of the last tier) and
-        // count against its capacity.
-        let tiers = &fetcher.store.tiers;
-        let journal_tier = tiers
-            .iter()
-            .find(|t| t.dir() == cache_dir)
-            .or(tiers.last())
-            .cloned();
         Ok(Arc::new(Self {
             dir,
-            journal_tier,
+            cache_dir: cache_dir.to_path_buf(),
             fetcher,
             master,
             metrics,
@@ -219,9 +211,10 @@ impl Writes {
         }
     }
 
-    /// Room for `len` more bytes of journal in the journal tier (`None`: it cannot be had).
+    /// Room for `len` more bytes of journal on the tier in the cache folder (else the last
+    /// tier), as journals live on its disk (`None`: it cannot be had).
     fn journal_room(&self, len: u64) -> Option<crate::store::Reservation> {
-        self.journal_tier.as_ref()?.reserve_room(len)
+        self.fetcher.store.reserve_room_in(&self.cache_dir, len)
     }
 
     /// Resumes what a previous run left: closed journals are uploaded (or watched), others
@@ -323,10 +316,10 @@ impl Writes {
             ));
         }
         let block_size = granary_common::grant::effective_block_size(h.block_size);
-        if block_size < self.fetcher.store.page_size {
+        if block_size < self.fetcher.store.page_size() {
             return Err(RpcError::Invalid(format!(
                 "block size {block_size} is below the worker's page size {}",
-                self.fetcher.store.page_size
+                self.fetcher.store.page_size()
             )));
         }
         if block_size > granary_common::MAX_BLOCK_SIZE {
@@ -407,7 +400,7 @@ impl Writes {
             pages: PageCutter::new(
                 (h.inode, h.version),
                 block_size,
-                self.fetcher.store.page_size,
+                self.fetcher.store.page_size(),
             ),
             store: self.fetcher.store.clone(),
             caching,
@@ -793,7 +786,7 @@ async fn blocking(
 struct Sink {
     file: std::fs::File,
     pages: PageCutter,
-    store: Arc<crate::store::TieredStore>,
+    store: Arc<dyn crate::store::BlockStore>,
     caching: bool,
     /// The cache refused a page: nothing more of this file is cached.
     cache_full: bool,
@@ -919,7 +912,7 @@ mod tests {
             metrics.clone(),
         )
         .unwrap();
-        let master = MasterClient::new("127.0.0.1:1").unwrap();
+        let master = MasterClient::new(granary_common::net::Tcp::plain(), "127.0.0.1:1").unwrap();
         let fetcher = Arc::new(Fetcher::new(
             master.clone(),
             TieredStore::single(store),
@@ -1013,7 +1006,7 @@ mod tests {
             .unwrap();
         assert!(a.persisted && a.fingerprint.is_some(), "{a:?}");
         assert!(!w.paths(12, 1).0.exists());
-        let journals = |s: &TieredStore| s.used_and_reserved() - s.used();
+        let journals = |s: &Arc<dyn crate::store::BlockStore>| s.used_and_reserved() - s.used();
         assert_eq!(journals(&store), 8 * PS, "only the first replica's journal");
         // A cache-through write's journal goes with its upload: only its pages stay.
         let a = write(&w, 13, 2 * PS as usize, pb::WriteMode::CacheThrough, true)
