@@ -61,45 +61,27 @@ const SHORT_CIRCUIT_REPORT_EVERY: Duration = Duration::from_secs(2);
 
 pub struct FileSystem {
     pub master: MasterClient,
-    view: Mutex<WorkerView>,
-    /// Block reads over gRPC (every worker), and over the block data plane of workers
-    /// that offer one (with this process's TLS identity where it has one).
-    grpc: crate::transport::GrpcTransport,
-    data_plane: Option<crate::transport::DataPlane>,
-    data_plane_on: AtomicBool,
+    /// Which workers serve a block, and the transports that read it from them (see
+    /// [`routing`]).
+    routes: routing::Routes,
     ufs: MountStores,
     pub metrics: ClientMetrics,
     pub short_circuit: ShortCircuit,
-    /// Leases of the files open in passthrough mode, by handle (see [`passthrough`]).
-    held: Mutex<HashMap<u64, passthrough::Held>>,
-    next_held: std::sync::atomic::AtomicU64,
+    /// Files open in passthrough mode and their leases (see [`passthrough`]).
+    passthrough: passthrough::Handles,
     /// Sequential readers: by inode, the end of its last read and the next block already
     /// warmed.
     sequential: ReadEnds<u64, u64>,
-    /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
-    read_timeout_ms: std::sync::atomic::AtomicU64,
     /// Statuses seen lately, their names and the namespace watch (see [`meta`]).
     pub meta: meta::MetaCache,
-    /// A background lease request for the small files ahead of a reader is in flight.
-    leasing_ahead: AtomicBool,
+    /// Short-circuit leases taken ahead of readers (see [`leases`]).
+    ahead: leases::Ahead,
     /// The newest read grant seen for each version of each file, by (inode, version) (TLS
     /// clusters: workers serve a file's blocks only with one, for the version it names;
     /// see `granary_common::grant`).
     grants: grants::Grants,
     /// Folders whose next listing page is being fetched ahead of lookups.
     listing_ahead: Mutex<std::collections::HashSet<u64>>,
-    /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
-    /// window).
-    windows_ahead: Mutex<std::collections::HashSet<(u64, u64, u32, u32)>>,
-    /// Where the last read served from leases ended, by inode (sequential detection of the
-    /// fast path).
-    leased_ends: ReadEnds<u64>,
-    /// The small file read last in each folder: parent → inode (name-order detection).
-    last_read_in_dir: Mutex<HashMap<u64, u64>>,
-    /// Folders where a small file's lease at its open found it not cached, when: a cold
-    /// epoch, whose other opens there ask for no lease for a while (see
-    /// [`open_lease_paused`](Self::open_lease_paused)).
-    open_lease_misses: Mutex<HashMap<u64, Instant>>,
     /// Folders read at random while uncached, warmed ahead of their readers (see
     /// [`crate::warm`]).
     pub(crate) warmer: crate::warm::Warmer,
@@ -167,36 +149,16 @@ impl FileSystem {
         let net = master.net().clone();
         let fs = Arc::new(Self {
             master,
-            view: Mutex::new(WorkerView::default()),
-            grpc: crate::transport::GrpcTransport::new(net.clone()),
-            data_plane: match net.tls() {
-                None => Some(crate::transport::DataPlane::new(None)),
-                Some(m) => match m.stream_connector() {
-                    Ok(c) => Some(crate::transport::DataPlane::new(Some(c))),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no TLS for block data planes; reading over gRPC");
-                        None
-                    }
-                },
-            },
-            data_plane_on: AtomicBool::new(true),
+            routes: routing::Routes::new(&net),
             ufs: MountStores::default(),
             metrics: ClientMetrics::default(),
             short_circuit: ShortCircuit::new(granary_common::node_name()),
-            held: Mutex::new(HashMap::new()),
-            next_held: std::sync::atomic::AtomicU64::new(1),
+            passthrough: passthrough::Handles::default(),
             sequential: ReadEnds::default(),
-            read_timeout_ms: std::sync::atomic::AtomicU64::new(
-                DEFAULT_READ_TIMEOUT.as_millis() as u64
-            ),
             meta: meta::MetaCache::default(),
-            leasing_ahead: AtomicBool::new(false),
+            ahead: leases::Ahead::default(),
             grants: grants::Grants::default(),
             listing_ahead: Mutex::new(std::collections::HashSet::new()),
-            windows_ahead: Mutex::new(std::collections::HashSet::new()),
-            leased_ends: ReadEnds::default(),
-            last_read_in_dir: Mutex::new(HashMap::new()),
-            open_lease_misses: Mutex::new(HashMap::new()),
             warmer: crate::warm::Warmer::new(crate::warm::DEFAULT_WARM_FOLDER_BYTES),
             node_copier: crate::nodecopy::NodeCopier::default(),
         });
@@ -229,7 +191,7 @@ impl FileSystem {
 
     /// The deadline of one read from one worker or from the under-store (default 60 s).
     pub fn set_read_timeout(&self, d: Duration) {
-        self.read_timeout_ms.store(
+        self.routes.read_timeout_ms.store(
             d.as_millis().max(1) as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
@@ -237,7 +199,8 @@ impl FileSystem {
 
     pub fn read_timeout(&self) -> Duration {
         Duration::from_millis(
-            self.read_timeout_ms
+            self.routes
+                .read_timeout_ms
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
     }
@@ -245,7 +208,7 @@ impl FileSystem {
     /// Turns reads over workers' block data planes on or off (default on: used where a
     /// worker offers one and the cluster has no TLS).
     pub fn set_data_plane(&self, enabled: bool) {
-        self.data_plane_on.store(enabled, Ordering::Relaxed);
+        self.routes.data_plane_on.store(enabled, Ordering::Relaxed);
     }
 
     /// Turns short-circuit reads of same-host workers' block files on or off (default on).
@@ -577,7 +540,7 @@ impl FileSystem {
         if file.length == 0 || file.length > small || file.length > block_size(file) {
             return false;
         }
-        let mut m = lock(&self.last_read_in_dir);
+        let mut m = lock(&self.ahead.last_read_in_dir);
         if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
             m.clear();
         }
@@ -589,7 +552,7 @@ impl FileSystem {
         if file.length > self.short_circuit_page_size() {
             return;
         }
-        let mut m = lock(&self.open_lease_misses);
+        let mut m = lock(&self.ahead.open_lease_misses);
         if m.len() >= SEQUENTIAL_TRACKED && !m.contains_key(&file.parent) {
             m.retain(|_, t| t.elapsed() < OPEN_LEASE_PAUSE);
             if m.len() >= SEQUENTIAL_TRACKED {
@@ -605,7 +568,7 @@ impl FileSystem {
     /// daemon, which fetches and caches it; a lease request per open would only hear "not
     /// cached" again).
     pub fn open_lease_paused(&self, parent: u64) -> bool {
-        lock(&self.open_lease_misses)
+        lock(&self.ahead.open_lease_misses)
             .get(&parent)
             .is_some_and(|t| t.elapsed() < OPEN_LEASE_PAUSE)
     }
@@ -627,7 +590,7 @@ impl FileSystem {
         let Some(parent) = lock(&self.meta.recent).get(&inode).map(|e| e.status.parent) else {
             return false;
         };
-        let Some(last) = lock(&self.last_read_in_dir).get(&parent).copied() else {
+        let Some(last) = lock(&self.ahead.last_read_in_dir).get(&parent).copied() else {
             return false;
         };
         last == inode || lock(&self.meta.next_in_dir).get(&last) == Some(&inode)
@@ -642,7 +605,7 @@ impl FileSystem {
         }
         // Its folder's files are cached now (the epoch after a cold one): opens there take
         // their leases again.
-        lock(&self.open_lease_misses).remove(&file.parent);
+        lock(&self.ahead.open_lease_misses).remove(&file.parent);
         let id = pb::BlockId {
             inode: file.inode,
             version: file.version,
@@ -726,7 +689,7 @@ impl FileSystem {
             }
         }
         if let Some(&(worker, _)) = reads.last() {
-            let prev = self.leased_ends.note_end(file.inode, end);
+            let prev = self.ahead.leased_ends.note_end(file.inode, end);
             let sequential = continues(prev, offset, LEASE_NEXT_SLACK, false);
             if sequential {
                 self.lease_next_window(file, end, len, worker);
@@ -842,7 +805,7 @@ impl FileSystem {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if self.leasing_ahead.swap(true, Ordering::AcqRel) {
+        if self.ahead.leasing_ahead.swap(true, Ordering::AcqRel) {
             return; // one such request at a time
         }
         let me = self.clone();
@@ -855,7 +818,7 @@ impl FileSystem {
             if let Some(w) = w {
                 me.take_lease(&w, &id, 0, None, false).await;
             }
-            me.leasing_ahead.store(false, Ordering::Release);
+            me.ahead.leasing_ahead.store(false, Ordering::Release);
         });
     }
 
@@ -899,13 +862,13 @@ impl FileSystem {
         }
         let key = (id.inode, id.version, id.index, window);
         {
-            let mut m = lock(&self.windows_ahead);
+            let mut m = lock(&self.ahead.windows_ahead);
             if m.len() >= MAX_WINDOWS_AHEAD || !m.insert(key) {
                 return;
             }
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            lock(&self.windows_ahead).remove(&key);
+            lock(&self.ahead.windows_ahead).remove(&key);
             return;
         };
         let me = self.clone();
@@ -920,7 +883,7 @@ impl FileSystem {
                 let first = window.saturating_mul(crate::local::LEASE_WINDOW_PAGES);
                 me.take_lease(&w, &id, first, None, true).await;
             }
-            lock(&me.windows_ahead).remove(&key);
+            lock(&me.ahead.windows_ahead).remove(&key);
         });
     }
 

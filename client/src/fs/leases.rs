@@ -4,6 +4,25 @@
 
 use super::*;
 
+/// Leases taken ahead of readers, and what decides when to take them.
+#[derive(Default)]
+pub(super) struct Ahead {
+    /// A background lease request for the small files ahead of a reader is in flight.
+    pub(super) leasing_ahead: AtomicBool,
+    /// Lease windows being leased ahead of a sequential reader: (inode, version, block,
+    /// window).
+    pub(super) windows_ahead: Mutex<std::collections::HashSet<(u64, u64, u32, u32)>>,
+    /// Where the last read served from leases ended, by inode (sequential detection of the
+    /// fast path).
+    pub(super) leased_ends: ReadEnds<u64>,
+    /// The small file read last in each folder: parent → inode (name-order detection).
+    pub(super) last_read_in_dir: Mutex<HashMap<u64, u64>>,
+    /// Folders where a small file's lease at its open found it not cached, when: a cold
+    /// epoch, whose other opens there ask for no lease for a while (see
+    /// [`FileSystem::open_lease_paused`]).
+    pub(super) open_lease_misses: Mutex<HashMap<u64, Instant>>,
+}
+
 impl FileSystem {
     /// Reads a range of a block from a same-node worker's block file under leases (see
     /// [`crate::local`]), one lease window at a time; `None`: read it over gRPC instead.

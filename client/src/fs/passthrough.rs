@@ -32,6 +32,21 @@ pub(super) struct Held {
     renewed: Instant,
 }
 
+/// The files open in passthrough mode: their leases by handle.
+pub(super) struct Handles {
+    pub(super) held: Mutex<HashMap<u64, Held>>,
+    pub(super) next: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Handles {
+    fn default() -> Self {
+        Self {
+            held: Mutex::new(HashMap::new()),
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+}
+
 /// Blocks a file opened in passthrough may have (256 GiB in 64 MiB blocks); a longer file
 /// is read through the daemon.
 const MAX_PASSTHROUGH_BLOCKS: u32 = 4096;
@@ -153,10 +168,11 @@ impl FileSystem {
             });
         }
         let handle = self
-            .next_held
+            .passthrough
+            .next
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let worker_id = w.worker_id;
-        lock(&self.held).insert(
+        lock(&self.passthrough.held).insert(
             handle,
             Held {
                 worker: w,
@@ -175,7 +191,7 @@ impl FileSystem {
     /// The file opened by [`open_passthrough`](Self::open_passthrough) was closed: its
     /// lease ends.
     pub fn close_passthrough(&self, handle: u64) {
-        if let Some(h) = lock(&self.held).remove(&handle) {
+        if let Some(h) = lock(&self.passthrough.held).remove(&handle) {
             for (_, lease_id) in h.leases {
                 self.spawn_release(h.worker.clone(), lease_id);
             }
@@ -186,7 +202,7 @@ impl FileSystem {
     /// the mount, which renews and releases them from now on
     /// ([`adopt_passthrough_leases`](Self::adopt_passthrough_leases)).
     pub fn hand_over_passthrough_leases(&self, handle: u64) -> Option<pb::FuseLeases> {
-        let h = lock(&self.held).remove(&handle)?;
+        let h = lock(&self.passthrough.held).remove(&handle)?;
         let (blocks, lease_ids) = h.leases.into_iter().unzip();
         Some(pb::FuseLeases {
             worker: Some(h.worker),
@@ -198,7 +214,7 @@ impl FileSystem {
     /// What the leases of a file open in passthrough (`handle`) hold, for the mount's
     /// descriptor holder: a successor after a crash renews and releases them.
     pub fn passthrough_leases(&self, handle: u64) -> Option<pb::FuseLeases> {
-        let held = lock(&self.held);
+        let held = lock(&self.passthrough.held);
         let h = held.get(&handle)?;
         let (blocks, lease_ids) = h.leases.iter().cloned().unzip();
         Some(pb::FuseLeases {
@@ -216,9 +232,10 @@ impl FileSystem {
             return None;
         }
         let handle = self
-            .next_held
+            .passthrough
+            .next
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        lock(&self.held).insert(
+        lock(&self.passthrough.held).insert(
             handle,
             Held {
                 worker,
@@ -234,7 +251,7 @@ impl FileSystem {
 
     /// Renews the leases of files open in passthrough mode that are due.
     pub(super) async fn renew_passthrough(&self) {
-        let due: Vec<(u64, Held)> = lock(&self.held)
+        let due: Vec<(u64, Held)> = lock(&self.passthrough.held)
             .iter()
             .filter(|(_, h)| h.renewed.elapsed() >= PASSTHROUGH_RENEW)
             .map(|(k, h)| (*k, h.clone()))
@@ -261,7 +278,7 @@ impl FileSystem {
                 .buffered(PASSTHROUGH_LEASES_IN_FLIGHT)
                 .collect()
                 .await;
-            let mut held = lock(&self.held);
+            let mut held = lock(&self.passthrough.held);
             let Some(e) = held.get_mut(&handle) else {
                 drop(held);
                 for l in renewed.iter().flatten() {
@@ -293,7 +310,7 @@ impl FileSystem {
         self.metrics.passthrough_opens.inc();
         self.metrics.add_read("passthrough", file.length);
         let worker = worker.or_else(|| {
-            lock(&self.view)
+            lock(&self.routes.view)
                 .workers
                 .iter()
                 .find(|w| self.short_circuit.same_node(w))

@@ -5,10 +5,45 @@
 
 use super::*;
 
+/// What read routing holds: the live workers as last seen, and the transports.
+pub(super) struct Routes {
+    pub(super) view: Mutex<WorkerView>,
+    /// Block reads over gRPC (every worker), and over the block data plane of workers
+    /// that offer one (with this client's TLS identity where it has one).
+    pub(super) grpc: crate::transport::GrpcTransport,
+    pub(super) data_plane: Option<crate::transport::DataPlane>,
+    pub(super) data_plane_on: AtomicBool,
+    /// Deadline of one read from one source, in ms (see [`FileSystem::set_read_timeout`]).
+    pub(super) read_timeout_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Routes {
+    pub(super) fn new(net: &granary_common::net::Net) -> Self {
+        Self {
+            view: Mutex::new(WorkerView::default()),
+            grpc: crate::transport::GrpcTransport::new(net.clone()),
+            data_plane: match net.tls() {
+                None => Some(crate::transport::DataPlane::new(None)),
+                Some(m) => match m.stream_connector() {
+                    Ok(c) => Some(crate::transport::DataPlane::new(Some(c))),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no TLS for block data planes; reading over gRPC");
+                        None
+                    }
+                },
+            },
+            data_plane_on: AtomicBool::new(true),
+            read_timeout_ms: std::sync::atomic::AtomicU64::new(
+                DEFAULT_READ_TIMEOUT.as_millis() as u64
+            ),
+        }
+    }
+}
+
 impl FileSystem {
     pub(crate) async fn live_workers(&self) -> Vec<pb::WorkerInfo> {
         {
-            let v = lock(&self.view);
+            let v = lock(&self.routes.view);
             if v.fetched.is_some_and(|t| t.elapsed() < WORKERS_TTL) {
                 return v.workers.clone();
             }
@@ -17,14 +52,14 @@ impl FileSystem {
             Ok(info) => {
                 let live: Vec<pb::WorkerInfo> =
                     info.workers.into_iter().filter(|w| w.is_live()).collect();
-                let mut v = lock(&self.view);
+                let mut v = lock(&self.routes.view);
                 v.workers = live.clone();
                 v.fetched = Some(Instant::now());
                 live
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot refresh the worker list; using the last one");
-                lock(&self.view).workers.clone()
+                lock(&self.routes.view).workers.clone()
             }
         }
     }
@@ -33,17 +68,17 @@ impl FileSystem {
         &self,
         address: &str,
     ) -> Result<WorkerServiceClient<Channel>, ClientError> {
-        self.grpc.client(address)
+        self.routes.grpc.client(address)
     }
 
     /// The block data plane of the worker at `address`, when it offers one and it has not
     /// failed lately (and data planes are not turned off).
     fn data_address_of(&self, address: &str) -> Option<String> {
-        let dp = self.data_plane.as_ref()?;
-        if !self.data_plane_on.load(Ordering::Relaxed) {
+        let dp = self.routes.data_plane.as_ref()?;
+        if !self.routes.data_plane_on.load(Ordering::Relaxed) {
             return None;
         }
-        let v = lock(&self.view);
+        let v = lock(&self.routes.view);
         let w = v.workers.iter().find(|w| w.address == address)?;
         (!w.data_address.is_empty() && !dp.is_down(&w.data_address)).then(|| w.data_address.clone())
     }
@@ -108,7 +143,7 @@ impl FileSystem {
                 if tried.is_empty() {
                     break;
                 }
-                lock(&self.view).fetched = None;
+                lock(&self.routes.view).fetched = None;
             }
             let mut candidates = order_workers(&block_id, &self.live_workers().await);
             // The placement owner (the worker a node copy is made from).
@@ -116,7 +151,7 @@ impl FileSystem {
             candidates.retain(|w| !tried.contains(&w.address));
             {
                 // Workers that failed recently go last.
-                let v = lock(&self.view);
+                let v = lock(&self.routes.view);
                 candidates.sort_by_key(|w| {
                     v.suspects
                         .get(&w.worker_id)
@@ -184,7 +219,7 @@ impl FileSystem {
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
                         self.metrics.worker_failures.inc();
-                        lock(&self.view)
+                        lock(&self.routes.view)
                             .suspects
                             .insert(w.worker_id, Instant::now());
                         tried.push(w.address.clone());
@@ -224,7 +259,7 @@ impl FileSystem {
         grant: Option<pb::ReadGrant>,
         from_peers: bool,
     ) -> Result<(Bytes, bool), ClientError> {
-        let slots = lock(&self.view)
+        let slots = lock(&self.routes.view)
             .slots
             .entry(address.to_string())
             .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_READS_PER_WORKER)))
@@ -247,7 +282,7 @@ impl FileSystem {
                 .acquire_owned()
                 .await
                 .map_err(|e| ClientError::Internal(e.to_string()))?;
-            if let (Some(dp), Some(data)) = (&self.data_plane, data) {
+            if let (Some(dp), Some(data)) = (&self.routes.data_plane, data) {
                 match dp.read_from(&data, &req, deadline).await {
                     Ok(r) => return Ok(r),
                     Err(DataPlaneError::Refused(e)) => return Err(e),
@@ -257,7 +292,7 @@ impl FileSystem {
                     }
                 }
             }
-            self.grpc.read(address, req, deadline).await
+            self.routes.grpc.read(address, req, deadline).await
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,
