@@ -116,6 +116,25 @@ impl MasterCore {
                 "invalid master address {address:?}: expected host:port"
             )));
         }
+        // The joining master answers before it is added (it is started with --join first):
+        // one that is another master, or that cannot read the group's Raft entries, is
+        // refused here, before it would stop at the first entry it cannot apply.
+        let joiner = crate::raft::service::ask_member(&self.net, address).await;
+        if let Some(why) = joiner_refusal(
+            id,
+            address,
+            joiner.as_ref(),
+            self.raft.entry_format.version(),
+        ) {
+            return Err(MasterError::precondition(why));
+        }
+        if joiner.is_none() {
+            tracing::warn!(
+                id,
+                address,
+                "the master being added does not answer yet; adding it anyway"
+            );
+        }
         let mut cc = raft::eraftpb::ConfChange::default();
         cc.set_change_type(raft::eraftpb::ConfChangeType::AddNode);
         cc.node_id = id;
@@ -295,5 +314,60 @@ impl MasterCore {
         if lost && self.raft.status.is_leader() {
             self.repin_after_loss();
         }
+    }
+}
+
+/// Why master `id` at `address` may not join a group whose Raft entries are in format
+/// `group_format`, given what it said of itself (`None`: it did not answer, which is left
+/// to the operator: it may not be started yet).
+fn joiner_refusal(
+    id: u64,
+    address: &str,
+    joiner: Option<&pb::MasterInfo>,
+    group_format: u8,
+) -> Option<String> {
+    let info = joiner?;
+    if info.id != id {
+        return Some(format!(
+            "the master at {address} is master {}, not {id}: add it with its own --id, or start master {id} there",
+            info.id
+        ));
+    }
+    if info.state_format < u32::from(group_format) {
+        return Some(format!(
+            "master {id} at {address} reads Raft entries up to format {} and the group's are in format {group_format}: start it with this release (it would stop at the first entry it cannot read)",
+            info.state_format
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_joiner_of_another_id_or_an_older_format_is_refused() {
+        let info = |id, state_format| pb::MasterInfo {
+            id,
+            state_format,
+            ..Default::default()
+        };
+        // Not answering: left to the operator.
+        assert_eq!(joiner_refusal(4, "m4:1", None, 1), None);
+        // This release joining a group of either format.
+        assert_eq!(joiner_refusal(4, "m4:1", Some(&info(4, 1)), 1), None);
+        assert_eq!(joiner_refusal(4, "m4:1", Some(&info(4, 1)), 0), None);
+        // An older release (no format in its answer) joining a group still on JSON entries.
+        assert_eq!(joiner_refusal(4, "m4:1", Some(&info(4, 0)), 0), None);
+        // The same older release once the group has switched.
+        let e = joiner_refusal(4, "m4:1", Some(&info(4, 0)), 1).unwrap_or_default();
+        assert!(
+            e.contains("up to format 0") && e.contains("in format 1"),
+            "{e}"
+        );
+        // Another master at that address.
+        let e = joiner_refusal(5, "m4:1", Some(&info(4, 1)), 1).unwrap_or_default();
+        assert!(e.contains("is master 4, not 5"), "{e}");
     }
 }

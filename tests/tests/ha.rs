@@ -442,6 +442,17 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
         before,
         "a refused add changed the group"
     );
+    // So does adding a new id at a running master's address (it would never answer as
+    // that id).
+    let out = granary(&["master", "add", "5", &addr4, "--master", &addrs]);
+    assert_one_sentence_error(&out, "add of another master's address");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is master 4, not 5"), "{err}");
+    assert_eq!(
+        members(&g.list(&addrs).unwrap()),
+        before,
+        "a refused add changed the group"
+    );
 
     granary_ok(&["master", "remove", "4", "--master", &addrs])
         .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));

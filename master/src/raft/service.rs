@@ -192,6 +192,21 @@ impl RaftService for RaftRpc {
 }
 
 /// Asks every member for its own status (unreachable ones are reported as such).
+/// What the master at `addr` says of itself (`None`: it did not answer within a second).
+pub async fn ask_member(net: &granary_common::net::Net, addr: &str) -> Option<pb::MasterInfo> {
+    let ch = net
+        .channel(addr, granary_common::net::ServerKind::Master)
+        .ok()?;
+    let mut c = granary_proto::raft_service_client::RaftServiceClient::new(ch);
+    let mut req = Request::new(pb::MemberStatusRequest {});
+    req.set_timeout(std::time::Duration::from_millis(800));
+    tokio::time::timeout(std::time::Duration::from_secs(1), c.member_status(req))
+        .await
+        .ok()?
+        .ok()
+        .map(|r| r.into_inner())
+}
+
 pub async fn group_status(
     raft: &RaftHandle,
     self_address: &str,
@@ -208,21 +223,7 @@ pub async fn group_status(
         let addr = super::transport::peer_address(&raft.peers, id).unwrap_or_default();
         let net = net.clone();
         asks.push(async move {
-            let info = async {
-                let ch = net
-                    .channel(&addr, granary_common::net::ServerKind::Master)
-                    .ok()?;
-                let mut c = granary_proto::raft_service_client::RaftServiceClient::new(ch);
-                let mut req = Request::new(pb::MemberStatusRequest {});
-                req.set_timeout(std::time::Duration::from_millis(800));
-                tokio::time::timeout(std::time::Duration::from_secs(1), c.member_status(req))
-                    .await
-                    .ok()?
-                    .ok()
-                    .map(|r| r.into_inner())
-            }
-            .await;
-            info.unwrap_or(pb::MasterInfo {
+            ask_member(&net, &addr).await.unwrap_or(pb::MasterInfo {
                 id,
                 address: addr,
                 role: "unreachable".into(),
