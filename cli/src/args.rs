@@ -568,8 +568,8 @@ pub enum MasterAction {
     },
     /// Add a master to the group. Start it first with --join and the same --peers plus itself.
     ///
-    /// The group asks it first: a master answering there as another id, or of a release
-    /// that cannot read the group's Raft entries, is refused.
+    /// The group asks it first: a master that does not answer there, answers as another
+    /// id, or is of a release that cannot read the group's Raft entries, is refused.
     ///
     /// Example: granary master add 4 10.0.0.4:19998 --master m1:19998
     #[command(verbatim_doc_comment)]

@@ -113,13 +113,15 @@ impl MasterCore {
         let address = address.trim();
         if address.is_empty() || !address.contains(':') {
             return Err(MasterError::invalid(format!(
-                "invalid master address {address:?}: expected host:port"
+                "invalid master address {:?}: expected host:port",
+                granary_common::paths::shown(address)
             )));
         }
-        // The joining master answers before it is added (it is started with --join first):
-        // one that is another master, or that cannot read the group's Raft entries, is
-        // refused here, before it would stop at the first entry it cannot apply.
-        let joiner = crate::raft::service::ask_member(&self.net, address).await;
+        // The joining master must answer before it is added (it is started with --join
+        // first): a voter that never answers can cost the group its quorum (a group of one
+        // stops taking writes at once); one that is another master, or that cannot read the
+        // group's Raft entries, would never serve as this one.
+        let joiner = self.ask_joiner(address).await;
         if let Some(why) = joiner_refusal(
             id,
             address,
@@ -128,13 +130,6 @@ impl MasterCore {
         ) {
             return Err(MasterError::precondition(why));
         }
-        if joiner.is_none() {
-            tracing::warn!(
-                id,
-                address,
-                "the master being added does not answer yet; adding it anyway"
-            );
-        }
         let mut cc = raft::eraftpb::ConfChange::default();
         cc.set_change_type(raft::eraftpb::ConfChangeType::AddNode);
         cc.node_id = id;
@@ -142,6 +137,21 @@ impl MasterCore {
         self.raft.change_members(cc).await?;
         tracing::info!(id, address, "master added to the group");
         Ok(())
+    }
+
+    /// What the master at `address` says of itself, asked for a few seconds (it may be
+    /// starting); `None`: it did not answer.
+    async fn ask_joiner(&self, address: &str) -> Option<pb::MasterInfo> {
+        let deadline = tokio::time::Instant::now() + JOINER_PATIENCE;
+        loop {
+            if let Some(info) = crate::raft::service::ask_member(&self.net, address).await {
+                return Some(info);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// Removes a master from the group.
@@ -317,16 +327,24 @@ impl MasterCore {
     }
 }
 
+/// How long `master add` waits for the joining master to answer.
+const JOINER_PATIENCE: Duration = Duration::from_secs(4);
+
 /// Why master `id` at `address` may not join a group whose Raft entries are in format
-/// `group_format`, given what it said of itself (`None`: it did not answer, which is left
-/// to the operator: it may not be started yet).
+/// `group_format`, given what it said of itself (`None`: it did not answer).
 fn joiner_refusal(
     id: u64,
     address: &str,
     joiner: Option<&pb::MasterInfo>,
     group_format: u8,
 ) -> Option<String> {
-    let info = joiner?;
+    // An address of any length may come in: at most 256 bytes of it go back.
+    let address = granary_common::paths::shown(address);
+    let Some(info) = joiner else {
+        return Some(format!(
+            "no master answers at {address}: start master {id} there with --join first (a member that never answers can cost the group its quorum)"
+        ));
+    };
     if info.id != id {
         return Some(format!(
             "the master at {address} is master {}, not {id}: add it with its own --id, or start master {id} there",
@@ -353,8 +371,9 @@ mod tests {
             state_format,
             ..Default::default()
         };
-        // Not answering: left to the operator.
-        assert_eq!(joiner_refusal(4, "m4:1", None, 1), None);
+        // Not answering: refused (a group of one would stop taking writes).
+        let e = joiner_refusal(4, "m4:1", None, 1).unwrap_or_default();
+        assert!(e.contains("no master answers at m4:1"), "{e}");
         // This release joining a group of either format.
         assert_eq!(joiner_refusal(4, "m4:1", Some(&info(4, 1)), 1), None);
         assert_eq!(joiner_refusal(4, "m4:1", Some(&info(4, 1)), 0), None);
@@ -369,5 +388,9 @@ mod tests {
         // Another master at that address.
         let e = joiner_refusal(5, "m4:1", Some(&info(4, 1)), 1).unwrap_or_default();
         assert!(e.contains("is master 4, not 5"), "{e}");
+        // A huge address is not echoed whole.
+        let huge = format!("{}:1", "h".repeat(1 << 20));
+        let e = joiner_refusal(5, &huge, None, 1).unwrap_or_default();
+        assert!(e.len() < 1024, "{} bytes", e.len());
     }
 }

@@ -434,9 +434,13 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
             .collect()
     };
     let before = members(&g.list(&addrs).unwrap());
-    let dup_addr = format!("127.0.0.1:{}", free_port());
+    // (at another name of its own address: it answers there as master 2, so the refusal
+    // is the membership's, not the joiner check's)
+    let dup_addr = g.addr(2).replace("127.0.0.1", "localhost");
     let out = granary(&["master", "add", "2", &dup_addr, "--master", &addrs]);
     assert_one_sentence_error(&out, "duplicate add");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already a member"), "{err}");
     assert_eq!(
         members(&g.list(&addrs).unwrap()),
         before,
@@ -448,6 +452,17 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
     assert_one_sentence_error(&out, "add of another master's address");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is master 4, not 5"), "{err}");
+    assert_eq!(
+        members(&g.list(&addrs).unwrap()),
+        before,
+        "a refused add changed the group"
+    );
+    // And adding a master nothing answers for (a voter that never votes).
+    let nobody = format!("127.0.0.1:{}", free_port());
+    let out = granary(&["master", "add", "5", &nobody, "--master", &addrs]);
+    assert_one_sentence_error(&out, "add of an address nothing answers at");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no master answers at"), "{err}");
     assert_eq!(
         members(&g.list(&addrs).unwrap()),
         before,
