@@ -327,8 +327,11 @@ impl Proc {
                     )));
                 }
                 let text = self.log_text();
-                text.get(self.log_start..)
-                    .unwrap_or_default()
+                let text = text.get(self.log_start..).unwrap_or_default();
+                // Complete lines only: the process may be writing the last one now (an
+                // address read half-written, "127.0.", failed a CI run).
+                let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+                complete
                     .lines()
                     .rev()
                     .find_map(|l| {
