@@ -501,10 +501,7 @@ impl FileSystem {
         len: u64,
     ) -> Result<Bytes, ClientError> {
         if file.kind != pb::FileKind::File as i32 {
-            return Err(ClientError::InvalidArgument(format!(
-                "{} is not a file",
-                file.path
-            )));
+            return Err(ClientError::invalid(format!("{} is not a file", file.path)));
         }
         if offset >= file.length || len == 0 {
             return Ok(Bytes::new());
@@ -521,7 +518,7 @@ impl FileSystem {
                 self.keep_small_file(file);
             }
             if data.len() as u64 != n {
-                return Err(ClientError::Internal(format!(
+                return Err(ClientError::internal(format!(
                     "short read of {} at {}: wanted {n} bytes, got {}",
                     file.path,
                     index * bs + in_block,

@@ -19,7 +19,7 @@ pub mod warm;
 pub mod watch;
 pub mod write;
 
-pub use error::ClientError;
+pub use error::{ClientError, ErrorCode};
 pub use fs::FileSystem;
 pub use master::{as_caller, MasterClient};
 pub use write::{FileWriter, WriteMode};

@@ -2,6 +2,7 @@
 //! `NotLeader` hints, and retries with a deadline. Mutations carry a request id chosen once
 //! per call, so a retry after a leader change never applies twice.
 
+use crate::ErrorCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -59,7 +60,7 @@ pub async fn as_caller<F: std::future::Future>(uid: u32, gid: u32, fut: F) -> F:
 fn endpoint(net: &Net, address: &str) -> Result<Endpoint, ClientError> {
     let channel = net
         .channel(address, ServerKind::Master)
-        .map_err(ClientError::InvalidArgument)?;
+        .map_err(ClientError::invalid)?;
     Ok(Endpoint {
         reading: Arc::default(),
         address: address.to_string(),
@@ -97,9 +98,7 @@ impl MasterClient {
             .filter(|a| !a.is_empty())
             .collect();
         if list.is_empty() {
-            return Err(ClientError::InvalidArgument(
-                "no master address given".into(),
-            ));
+            return Err(ClientError::invalid("no master address given"));
         }
         let endpoints = list
             .iter()
@@ -220,14 +219,14 @@ impl MasterClient {
                     )
                 }
                 Err(_) => (
-                    ClientError::Timeout(format!(
+                    ClientError::timeout(format!(
                         "master {address} did not answer within {:?}",
                         self.rpc_timeout
                     )),
                     None,
                 ),
             };
-            let retry = matches!(err, ClientError::Unavailable(_) | ClientError::Timeout(_));
+            let retry = err.is_unreachable();
             if !retry {
                 return Err(err);
             }
@@ -242,12 +241,12 @@ impl MasterClient {
                 }
             };
             if start.elapsed() + backoff > window {
-                return Err(match err {
-                    ClientError::Unavailable(m) => ClientError::Unavailable(format!(
-                        "no master of {} answered as leader: {m}",
-                        self.address
-                    )),
-                    e => e,
+                return Err(match err.code() {
+                    ErrorCode::Unavailable => {
+                        let m = format!("no master of {} answered as leader: {err}", self.address);
+                        err.context(m)
+                    }
+                    _ => err,
                 });
             }
             // Follow a fresh hint at once, but never spin: masters that point at each
@@ -319,7 +318,7 @@ impl MasterClient {
                     // A follower sending the read on names the leader.
                     let redirected = status.metadata().get(LEADER_HINT_KEY).is_some();
                     match ClientError::from_status_with(status, Some(self.net.tls().is_some())) {
-                        ClientError::Unavailable(_) => !redirected,
+                        e if e.code() == ErrorCode::Unavailable => !redirected,
                         e => return Err(e),
                     }
                 }
@@ -373,9 +372,10 @@ impl MasterClient {
                 });
                 async move { c.get_status(req).await }
             })
-            .await?;
+            .await
+            .map_err(|e| at_target(e, &target))?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     /// Lists mounted directories from their under-stores now. Waits up to
@@ -398,6 +398,7 @@ impl MasterClient {
             async move { c.sync_metadata(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
     }
 
     /// Opens a namespace watch on the leader (`WatchNamespace`): a stream with no deadline
@@ -423,7 +424,7 @@ impl MasterClient {
             })
             .await?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     /// One page of a directory listing. `stale`: read the first configured master's own
@@ -452,9 +453,9 @@ impl MasterClient {
             return make(client)
                 .await
                 .map(|r| r.into_inner())
-                .map_err(ClientError::from_status);
+                .map_err(|s| at_target(ClientError::from_status(s), &target));
         }
-        self.read(make).await
+        self.read(make).await.map_err(|e| at_target(e, &target))
     }
 
     pub async fn mkdir(
@@ -474,9 +475,10 @@ impl MasterClient {
                 });
                 async move { c.mkdir(req).await }
             })
-            .await?;
+            .await
+            .map_err(|e| e.at(path))?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     /// Creates a file to write (`overwrite`: replace an existing one, same inode, new
@@ -499,9 +501,10 @@ impl MasterClient {
                 });
                 async move { c.create_file(req).await }
             })
-            .await?;
+            .await
+            .map_err(|e| e.at(path))?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     /// Completes a written file (the request's `request_id` is filled in here).
@@ -517,7 +520,7 @@ impl MasterClient {
             })
             .await?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     /// Records that a pending file was uploaded; false when the upload is stale.
@@ -541,7 +544,8 @@ impl MasterClient {
             });
             async move { c.delete(req).await }
         })
-        .await?;
+        .await
+        .map_err(|e| e.at(path))?;
         Ok(())
     }
 
@@ -556,9 +560,10 @@ impl MasterClient {
                 });
                 async move { c.rename(req).await }
             })
-            .await?;
+            .await
+            .map_err(|e| e.at(src))?;
         r.status
-            .ok_or_else(|| ClientError::Internal("master returned no status".into()))
+            .ok_or_else(|| ClientError::internal("master returned no status"))
     }
 
     pub async fn add_mount(
@@ -578,9 +583,10 @@ impl MasterClient {
                 });
                 async move { c.add_mount(req).await }
             })
-            .await?;
+            .await
+            .map_err(|e| e.at(path))?;
         r.mount
-            .ok_or_else(|| ClientError::Internal("master returned no mount".into()))
+            .ok_or_else(|| ClientError::internal("master returned no mount"))
     }
 
     pub async fn remove_mount(&self, path: &str) -> Result<(), ClientError> {
@@ -593,6 +599,7 @@ impl MasterClient {
             async move { c.remove_mount(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
         .map(|_| ())
     }
 
@@ -702,6 +709,7 @@ impl MasterClient {
             async move { c.start_job(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
     }
 
     /// Pins `path` on `replicas` workers (0: unpins it); pinning returns the load job it
@@ -717,6 +725,7 @@ impl MasterClient {
             async move { c.set_pin(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
     }
 
     /// Sets the TTL of `path` (`ttl_ms` 0: removes it); returns when it is due (ms since
@@ -739,6 +748,7 @@ impl MasterClient {
             async move { c.set_ttl(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
         .map(|r| r.expires_ms)
     }
 
@@ -758,6 +768,7 @@ impl MasterClient {
             async move { c.free(req).await }
         })
         .await
+        .map_err(|e| e.at(path))
     }
 
     /// A job with up to `max_failed` of its failed files (0: 1,000).
@@ -818,6 +829,14 @@ impl MasterClient {
         })
         .await
         .map(|r| r.locations)
+    }
+}
+
+/// The error, naming the path it concerns when the target is one.
+fn at_target(e: ClientError, target: &pb::path_or_id::Target) -> ClientError {
+    match target {
+        pb::path_or_id::Target::Path(p) => e.at(p.as_str()),
+        _ => e,
     }
 }
 

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::ErrorCode;
 use granary_common::ufs::{Ufs, UfsSpec};
 
 use crate::error::ClientError;
@@ -35,9 +36,12 @@ impl MountStores {
         let access = master.mount_access(mount_id).await.map_err(|e| match e {
             // Under-store credentials go to node identities only: a user's client reads
             // through workers, and with none able to serve, the read is unavailable.
-            ClientError::PermissionDenied(m) | ClientError::GrantRefused(m) => ClientError::Unavailable(format!(
-                "no worker can serve mount {mount_id} and this client may not read its under-store directly ({m})"
-            )),
+            e if matches!(e.code(), ErrorCode::PermissionDenied | ErrorCode::GrantRefused) => {
+                ClientError::unavailable(format!(
+                    "no worker can serve mount {mount_id} and this client may not read its under-store directly ({e})"
+                ))
+                .caused_by(e)
+            }
             e => e,
         })?;
         let options = access
@@ -47,7 +51,7 @@ impl MountStores {
             .collect();
         let open = UfsSpec::new(&access.uri, options).and_then(|spec| spec.open());
         let ufs = open
-            .map_err(|e| ClientError::Unavailable(format!("cannot open mount {mount_id}: {e}")))?;
+            .map_err(|e| ClientError::unavailable(format!("cannot open mount {mount_id}: {e}")))?;
         if let Ok(mut m) = self.stores.lock() {
             m.insert(mount_id, ufs.clone());
         }

@@ -177,7 +177,11 @@ impl FileSystem {
             let res = self
                 .read_from_worker_opts(&local.address, &desc, pos, 1, grant.clone(), true)
                 .await;
-            if let Err(crate::ClientError::FailedPrecondition(m)) = &res {
+            if let Some(m) = res
+                .as_ref()
+                .err()
+                .filter(|e| e.code() == crate::ErrorCode::FailedPrecondition)
+            {
                 tracing::info!(worker = local.worker_id, reason = %m, "this node's worker keeps no node copies; reading other owners' blocks from them");
                 lock(&self.node_copier.refused).insert(local.worker_id, Instant::now());
             }

@@ -74,7 +74,7 @@ impl GrpcTransport {
         let ch = self
             .net
             .channel(address, ServerKind::Node)
-            .map_err(|e| ClientError::InvalidArgument(format!("bad worker address: {e}")))?;
+            .map_err(|e| ClientError::invalid(format!("bad worker address: {e}")))?;
         let c = WorkerServiceClient::new(ch)
             .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
@@ -102,7 +102,7 @@ impl BlockTransport for GrpcTransport {
             while let Some(chunk) = stream.message().await? {
                 hit &= chunk.hit;
                 if chunk.offset != offset + got {
-                    return Err(ClientError::Internal(format!(
+                    return Err(ClientError::internal(format!(
                         "worker {target} sent a chunk at {} where {} was expected",
                         chunk.offset,
                         offset + got
@@ -320,7 +320,7 @@ impl BlockTransport for DataPlane {
             match self.read_from(target, &req, deadline).await {
                 Ok(r) => Ok(r),
                 Err(DataPlaneError::Refused(e)) => Err(e),
-                Err(DataPlaneError::Stream(why)) => Err(ClientError::Unavailable(why)),
+                Err(DataPlaneError::Stream(why)) => Err(ClientError::unavailable(why)),
             }
         })
     }
@@ -568,16 +568,15 @@ mod tests {
         match dp.read_from(&addr, &req(10), T).await {
             Err(DataPlaneError::Refused(e)) => assert_eq!(
                 e,
-                crate::error::ClientError::GrantRefused("the grant expired".into())
+                crate::error::ClientError::new(crate::ErrorCode::GrantRefused, "the grant expired")
             ),
             other => panic!("{other:?}"),
         }
         let addr = server(vec![(full, Vec::new())]).await;
         match dp.read_from(&addr, &req(10), T).await {
-            Err(DataPlaneError::Refused(e)) => assert_eq!(
-                e,
-                crate::error::ClientError::Posix(28, "the disk is full".into())
-            ),
+            Err(DataPlaneError::Refused(e)) => {
+                assert_eq!(e, crate::error::ClientError::posix(28, "the disk is full"))
+            }
             other => panic!("{other:?}"),
         }
     }

@@ -301,7 +301,7 @@ impl FileSystem {
         let owner = order_workers(&id, workers)
             .into_iter()
             .next()
-            .ok_or_else(|| crate::ClientError::Unavailable("no live worker".into()))?;
+            .ok_or_else(|| crate::ClientError::unavailable("no live worker"))?;
         let grant = self.grant_for(file, false).await?;
         Self::with_grant_terms(&mut desc, grant.as_ref());
         let ps = self.short_circuit_page_size().max(1);

@@ -85,7 +85,7 @@ impl Sink {
     async fn failure(&mut self) -> ClientError {
         match self.rx.message().await {
             Err(s) => ClientError::from_status(s),
-            _ => ClientError::Unavailable(format!(
+            _ => ClientError::unavailable(format!(
                 "worker {} closed the write stream",
                 self.worker.address
             )),
@@ -94,7 +94,7 @@ impl Sink {
 
     async fn send(&mut self, msg: pb::WriteFileRequest) -> Result<(), ClientError> {
         let Some(tx) = &self.tx else {
-            return Err(ClientError::Internal("the file is already closed".into()));
+            return Err(ClientError::internal("the file is already closed"));
         };
         if tx.send(msg).await.is_err() {
             return Err(self.failure().await);
@@ -113,7 +113,7 @@ impl Sink {
                 Ok(Some(r)) if r.done || (!done && r.synced >= upto) => return Ok(r),
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    return Err(ClientError::Unavailable(format!(
+                    return Err(ClientError::unavailable(format!(
                         "worker {} ended the write without an answer",
                         self.worker.address
                     )))
@@ -176,7 +176,7 @@ impl FileSystem {
                 ..Default::default()
             })
             .await
-            .map_err(|_| ClientError::Internal("write queue closed".into()))?;
+            .map_err(|_| ClientError::internal("write queue closed"))?;
             let mut client = self.worker_client(&w.address)?;
             let rx = client
                 .write_file(ReceiverStream::new(rx))
@@ -217,12 +217,12 @@ impl FileSystem {
             ws.insert(0, local);
         }
         if ws.is_empty() {
-            return Err(ClientError::Unavailable(
-                "no live worker to write the file to".into(),
+            return Err(ClientError::unavailable(
+                "no live worker to write the file to",
             ));
         }
         if ws.len() < n {
-            return Err(ClientError::Unavailable(format!(
+            return Err(ClientError::unavailable(format!(
                 "async-through needs {n} workers for the file's copies; {} are live",
                 ws.len()
             )));
@@ -247,7 +247,7 @@ impl FileWriter {
             return Err(e.clone());
         }
         if offset != self.written {
-            let e = ClientError::Posix(
+            let e = ClientError::posix(
                 95, // EOPNOTSUPP
                 format!(
                     "{}: only sequential writes are supported (write at {offset}, the file ends at {})",
@@ -346,11 +346,7 @@ impl FileWriter {
             _ if first.persisted => (pb::PersistState::Persisted, first.fingerprint.clone(), 0),
             WriteMode::AsyncThrough => (pb::PersistState::Pending, None, primary),
             WriteMode::MustCache => (pb::PersistState::NotPersisted, None, primary),
-            _ => {
-                return Err(ClientError::Internal(
-                    "the worker did not upload the file".into(),
-                ))
-            }
+            _ => return Err(ClientError::internal("the worker did not upload the file")),
         };
         self.fs.forget_status(self.status.inode);
         let since = self.fs.meta.watch.since();

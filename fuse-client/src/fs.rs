@@ -1,5 +1,6 @@
 //! The filesystem callbacks.
 
+use granary_client::ErrorCode;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -70,7 +71,7 @@ impl Deadline {
                     .get_or_create(&granary_client::metrics::Op { op: op.into() })
                     .inc();
                 tracing::warn!(op, limit = ?self.limit, "operation did not finish in time; answering EIO");
-                Err(granary_client::ClientError::Timeout(format!(
+                Err(granary_client::ClientError::timeout(format!(
                     "{op} did not finish within {:?}",
                     self.limit
                 )))
@@ -489,13 +490,13 @@ impl Filesystem for GranaryFs {
             {
                 Ok(s) => reply.entry(&ttl, &attr_of(&s, uid, gid), Generation(0)),
                 // A negative entry (node id 0): the kernel remembers the miss for a while.
-                Err(granary_client::ClientError::NotFound(_)) if !negative.is_zero() => {
+                Err(e) if e.code() == ErrorCode::NotFound && !negative.is_zero() => {
                     let mut none = attr_of(&pb::FileStatus::default(), uid, gid);
                     none.ino = INodeNo(0);
                     reply.entry(&negative, &none, Generation(0))
                 }
                 Err(e) => {
-                    if !matches!(e, granary_client::ClientError::NotFound(_)) {
+                    if e.code() != ErrorCode::NotFound {
                         tracing::warn!(parent = parent.0, %name, error = %e, "lookup failed");
                     }
                     reply.error(errno(&e))
@@ -691,7 +692,7 @@ impl Filesystem for GranaryFs {
                 let permit = budget
                     .acquire_many_owned(units)
                     .await
-                    .map_err(|e| granary_client::ClientError::Internal(e.to_string()))?;
+                    .map_err(|e| granary_client::ClientError::internal(e.to_string()))?;
                 let data = client.read(&file, offset, u64::from(size)).await?;
                 Ok((permit, data))
             };
@@ -762,7 +763,7 @@ impl Filesystem for GranaryFs {
                     None => client.stat_inode(ino.0).await?,
                 };
                 if dir.kind != pb::FileKind::Directory as i32 {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::ENOTDIR,
                         format!("{} is not a directory", dir.path),
                     ));
@@ -970,7 +971,7 @@ impl Filesystem for GranaryFs {
                 let path = writes.child_path(parent.0, &name).await?;
                 let dir = writes.client.stat_inode(parent.0).await?;
                 let Some(mount) = dir.ufs.as_ref().map(|u| u.mount_id) else {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::EROFS,
                         format!("{path}: files can only be written inside a mounted under-store"),
                     ));
@@ -1189,9 +1190,9 @@ impl Filesystem for GranaryFs {
                 if noreplace {
                     match writes.client.lookup(newparent.0, &newname).await {
                         Ok(_) => {
-                            return Err(granary_client::ClientError::AlreadyExists(dst));
+                            return Err(granary_client::ClientError::already_exists(dst));
                         }
-                        Err(granary_client::ClientError::NotFound(_)) => {}
+                        Err(e) if e.code() == ErrorCode::NotFound => {}
                         Err(e) => return Err(e),
                     }
                 }
@@ -1356,13 +1357,13 @@ impl GranaryFs {
             let open = async {
                 let s = writes.client.stat_inode(ino.0).await?;
                 if s.kind == pb::FileKind::Directory as i32 {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::EISDIR,
                         format!("{} is a directory", s.path),
                     ));
                 }
                 if !truncate && (append || s.length > 0) {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::EOPNOTSUPP,
                         format!(
                             "{}: files are written whole; open with O_TRUNC to replace it (appending and rewriting in place are not supported)",
@@ -1409,13 +1410,13 @@ impl GranaryFs {
                 let entry = writes.client.lookup(parent.0, &name).await?;
                 let is_dir = entry.kind == pb::FileKind::Directory as i32;
                 if dir && !is_dir {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::ENOTDIR,
                         format!("{} is not a directory", entry.path),
                     ));
                 }
                 if !dir && is_dir {
-                    return Err(granary_client::ClientError::Posix(
+                    return Err(granary_client::ClientError::posix(
                         libc::EISDIR,
                         format!("{} is a directory", entry.path),
                     ));
@@ -1431,7 +1432,7 @@ impl GranaryFs {
                     reply.ok()
                 }
                 Err(e) => {
-                    if !matches!(e, granary_client::ClientError::NotFound(_)) {
+                    if e.code() != ErrorCode::NotFound {
                         tracing::warn!(%name, error = %e, "remove failed");
                     }
                     reply.error(errno(&e))

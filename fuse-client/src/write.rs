@@ -99,7 +99,7 @@ impl Writes {
     pub async fn child_path(&self, parent: u64, name: &str) -> Result<String, ClientError> {
         let dir = self.client.stat_inode(parent).await?;
         if dir.kind != pb::FileKind::Directory as i32 {
-            return Err(ClientError::Posix(
+            return Err(ClientError::posix(
                 libc::ENOTDIR,
                 format!("{} is not a directory", dir.path),
             ));

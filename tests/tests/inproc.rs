@@ -522,6 +522,54 @@ async fn a_request_id_replays_only_its_own_request() -> Result<()> {
     c.stop().await
 }
 
+/// A refused call is a structured error: its code, the path it concerns and the status
+/// that caused it, so callers decide by code and never by text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_call_names_its_code_and_path() -> Result<()> {
+    use granary_client::ErrorCode;
+    let c = Cluster::start(Shape::default()).await?;
+    let fs = c.client()?;
+    fs.master.mkdir("/here", false, 0o755).await?;
+    let cases = [
+        (
+            fs.master.mkdir("/missing/x", false, 0o755).await.map(drop),
+            ErrorCode::NotFound,
+            "/missing/x",
+            tonic::Code::NotFound,
+        ),
+        (
+            fs.master.mkdir("/here", false, 0o755).await.map(drop),
+            ErrorCode::AlreadyExists,
+            "/here",
+            tonic::Code::AlreadyExists,
+        ),
+        (
+            fs.master
+                .get_status(pb::path_or_id::Target::Path("/gone".into()))
+                .await
+                .map(drop),
+            ErrorCode::NotFound,
+            "/gone",
+            tonic::Code::NotFound,
+        ),
+        (
+            fs.master.rename("/nothing", "/else").await.map(drop),
+            ErrorCode::NotFound,
+            "/nothing",
+            tonic::Code::NotFound,
+        ),
+    ];
+    for (res, code, path, status) in cases {
+        let e = res.expect_err(path);
+        assert_eq!(
+            (e.code(), e.path(), e.status_code()),
+            (code, Some(path), Some(status)),
+            "{e}"
+        );
+    }
+    c.stop().await
+}
+
 /// A file asked for by inode only (as a mount's opens ask) is checked against the store on
 /// the mount's `sync_interval` like a lookup of its name: an object replaced in the store
 /// shows its new version, whether its folder was listed or only its name looked up. (Found

@@ -4,6 +4,7 @@
 //! under-store read when no worker can serve.
 
 use super::*;
+use crate::ErrorCode;
 
 /// What read routing holds: the live workers as last seen, and the transports.
 pub(super) struct Routes {
@@ -105,10 +106,7 @@ impl FileSystem {
         index: u64,
     ) -> Result<pb::BlockDescriptor, ClientError> {
         let ufs = file.ufs.clone().ok_or_else(|| {
-            ClientError::FailedPrecondition(format!(
-                "{} has no under-store copy to read",
-                file.path
-            ))
+            ClientError::precondition(format!("{} has no under-store copy to read", file.path))
         })?;
         Ok(pb::BlockDescriptor {
             id: Some(pb::BlockId {
@@ -183,7 +181,7 @@ impl FileSystem {
                 let mut res = self
                     .read_from_worker_opts(&w.address, &desc, offset, len, grant.clone(), node_copy)
                     .await;
-                if matches!(&res, Err(ClientError::GrantRefused(_))) {
+                if matches!(&res, Err(e) if e.code() == ErrorCode::GrantRefused) {
                     // Expired on the way, or signed by a new leader whose key this worker
                     // gets with its next heartbeat: once more with a new grant.
                     tokio::time::sleep(GRANT_RETRY_PAUSE).await;
@@ -215,7 +213,7 @@ impl FileSystem {
                         return Ok(data);
                     }
                     // No peer has it yet: the owner reads it (from the store if need be).
-                    Err(ClientError::NotFound(_)) if node_copy => {}
+                    Err(e) if node_copy && e.code() == ErrorCode::NotFound => {}
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(worker = w.worker_id, address = %w.address, error = %e, "worker read failed; trying the next source");
                         self.metrics.worker_failures.inc();
@@ -281,7 +279,7 @@ impl FileSystem {
             let _slot = slots
                 .acquire_owned()
                 .await
-                .map_err(|e| ClientError::Internal(e.to_string()))?;
+                .map_err(|e| ClientError::internal(e.to_string()))?;
             if let (Some(dp), Some(data)) = (&self.routes.data_plane, data) {
                 match dp.read_from(&data, &req, deadline).await {
                     Ok(r) => return Ok(r),
@@ -296,7 +294,7 @@ impl FileSystem {
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(format!(
+            Err(_) => Err(ClientError::timeout(format!(
                 "worker {address} did not finish a read within {:?}",
                 self.read_timeout()
             ))),
@@ -312,7 +310,7 @@ impl FileSystem {
         len: u64,
     ) -> Result<Bytes, ClientError> {
         let loc = file.ufs.clone().ok_or_else(|| {
-            ClientError::Unavailable(format!(
+            ClientError::unavailable(format!(
                 "no worker can serve {} and it has no under-store copy",
                 file.path
             ))
@@ -330,7 +328,7 @@ impl FileSystem {
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(format!(
+            Err(_) => Err(ClientError::timeout(format!(
                 "under-store read of {} timed out after {:?}",
                 file.path,
                 self.read_timeout()

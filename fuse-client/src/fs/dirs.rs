@@ -59,7 +59,7 @@ impl DirHandle {
         }
         let page = match self.ahead.take() {
             Some(mut ahead) => (&mut ahead.0).await.unwrap_or_else(|e| {
-                Err(granary_client::ClientError::Internal(format!(
+                Err(granary_client::ClientError::internal(format!(
                     "fetching a listing page ahead: {e}"
                 )))
             }),

@@ -202,9 +202,14 @@ impl Writes {
             Ok(s) if s.version == version => Err(RpcError::Precondition(format!(
                 "version {version:x} of file {inode} is complete; it cannot be written again"
             ))),
-            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => Err(RpcError::Precondition(
-                format!("file {inode} is no longer at version {version:x} (replaced or removed)"),
-            )),
+            Ok(_) => Err(RpcError::Precondition(format!(
+                "file {inode} is no longer at version {version:x} (replaced or removed)"
+            ))),
+            Err(e) if e.code() == granary_client::ErrorCode::NotFound => {
+                Err(RpcError::Precondition(format!(
+                    "file {inode} is no longer at version {version:x} (replaced or removed)"
+                )))
+            }
             Err(e) => Err(RpcError::Unavailable(format!(
                 "cannot ask the master whether file {inode} is being written: {e}"
             ))),
@@ -592,7 +597,8 @@ impl Writes {
             .await
         {
             Ok(s) if s.version == j.version => Ok(Some(s)),
-            Ok(_) | Err(granary_client::ClientError::NotFound(_)) => Ok(None),
+            Ok(_) => Ok(None),
+            Err(e) if e.code() == granary_client::ErrorCode::NotFound => Ok(None),
             Err(e) => Err(e.to_string()),
         }
     }
