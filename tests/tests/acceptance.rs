@@ -538,6 +538,11 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     ]);
     assert_one_sentence_error(&out, "local on a missing mount point");
 
+    for verb in ["decommission", "recommission"] {
+        let out = granary(&["worker", verb, "999", "--master", m]);
+        assert_one_sentence_error(&out, &format!("{verb} of an unknown worker"));
+    }
+
     let out = granary(&["fs", "ls", "/", "--master", "127.0.0.1:1"]);
     assert_one_sentence_error(&out, "unreachable master");
 

@@ -1015,3 +1015,143 @@ async fn a_worker_whose_cache_disk_fails_serves_exact_bytes_and_caches_once_it_h
     .await?;
     c.stop().await
 }
+
+/// A decommissioned worker hands its blocks over without a store read: it turns
+/// `draining`, clients stop placing reads on it once their worker list refreshes, the
+/// worker that owns its blocks now copies them from it, and once it stops every byte is
+/// still served exactly with the store read once in all. Bad input changes nothing.
+/// (Moved here from the real-process tier: this is placement logic, not process
+/// behaviour; the CLI's wording of the refusals stays checked there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() -> Result<()> {
+    use granary_client::ErrorCode;
+    let mut c = Cluster::start(Shape {
+        workers: 2,
+        ..Shape::default()
+    })
+    .await?;
+    std::fs::create_dir_all(c.store.join("d"))?;
+    let files: Vec<(String, Vec<u8>)> = (0..16u32)
+        .map(|i| {
+            let bytes = (0..200_000 + i * 37_001)
+                .map(|j| (j.wrapping_mul(131) ^ (i * 7)) as u8)
+                .collect();
+            (format!("/data/d/f{i:02}"), bytes)
+        })
+        .collect();
+    for (path, bytes) in &files {
+        std::fs::write(c.store.join(path.trim_start_matches("/data/")), bytes)?;
+    }
+    c.mount_store().await?;
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let metrics = |i: usize| c.worker(i).map(|w| w.metrics.clone());
+    let (m0, m1) = (metrics(0).context("w0")?, metrics(1).context("w1")?);
+    let from_store = || m0.ufs_read_bytes.get() + m1.ufs_read_bytes.get();
+
+    let stats = read_exact(&c, &files).await?;
+    assert_eq!((stats.worker_bytes, stats.direct_ufs_bytes), (total, 0));
+    assert_eq!(from_store(), total);
+    assert!(m0.cache_used_bytes.get() > 0, "w0 owns no block");
+
+    let fs = c.client()?;
+    // The master learns where blocks are from heartbeats: a hand-over copies what it knows.
+    eventually(
+        "the master to know where every block is",
+        Duration::from_secs(10),
+        || async {
+            let info = fs.master.cluster_info(false).await.ok()?;
+            let known: u64 = info.workers.iter().map(|w| w.block_count).sum();
+            (known == files.len() as u64).then_some(())
+        },
+    )
+    .await?;
+    let w0 = c.worker(0).context("w0")?.worker_id;
+    let unknown = fs.master.decommission_worker(w0 + 999).await.unwrap_err();
+    assert_eq!(unknown.code(), ErrorCode::NotFound, "{unknown}");
+    let in_service = fs.master.recommission_worker(w0).await.unwrap_err();
+    assert_eq!(
+        in_service.code(),
+        ErrorCode::FailedPrecondition,
+        "{in_service}"
+    );
+    fs.master.decommission_worker(w0).await?;
+    let info = fs.master.cluster_info(false).await?;
+    let state = info.workers.iter().find(|w| w.worker_id == w0);
+    assert_eq!(
+        state.map(|w| w.state_code()),
+        Some(pb::WorkerState::Draining)
+    );
+
+    // Clients place nothing on w0 once their worker list refreshes; w1 copies w0's pages
+    // from w0, not from the store.
+    eventually("reads to move off w0", Duration::from_secs(20), || {
+        let before = m0.read_requests.get();
+        let c = &c;
+        let files = &files;
+        let m0 = &m0;
+        async move {
+            read_exact(c, files).await.ok()?;
+            (m0.read_requests.get() == before).then_some(())
+        }
+    })
+    .await?;
+    assert_eq!(from_store(), total, "the hand-over read the store");
+    assert!(m1.peer_fill_bytes.get() > 0);
+    assert!(m0.peer_served_bytes.get() > 0);
+
+    // Stopped: everything it owned is already on w1; still no store read.
+    c.stop_worker(0).await?;
+    let stats = read_exact(&c, &files).await?;
+    assert_eq!((stats.worker_bytes, stats.direct_ufs_bytes), (total, 0));
+    assert_eq!(from_store(), total);
+    c.stop().await
+}
+
+/// A finished load says where its blocks are at once: the master records the load's own
+/// answers, so a stat right after a load that reported 100 % shows every block cached even
+/// when no heartbeat has arrived since. (Moved here from the real-process tier, where it
+/// waited on an 8 s heartbeat: here the heartbeats are dropped outright.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_load_shows_its_blocks_cached_before_the_next_heartbeat() -> Result<()> {
+    let c = Cluster::start(Shape {
+        worker_timeout: Duration::from_secs(60),
+        ..Shape::default()
+    })
+    .await?;
+    // Every heartbeat from here on is dropped (the files do not exist yet, so none sent
+    // before could name their blocks).
+    c.faults(Node::Worker(0))
+        .add(Rule::new(Fault::Drop).method("WorkerHeartbeat"));
+    std::fs::create_dir_all(c.store.join("d"))?;
+    let mut files = Vec::new();
+    for i in 0..20u64 {
+        let len = 10_000 + i * 9_973;
+        std::fs::write(
+            c.store.join(format!("d/f{i:02}")),
+            vec![i as u8; len as usize],
+        )?;
+        files.push(format!("/data/d/f{i:02}"));
+    }
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let job = fs.master.start_job(pb::JobKind::Load, "/data", 1).await?;
+    let done = finished(&fs.master, job.id).await?;
+    assert_eq!(done.job_state(), pb::JobState::Succeeded, "{done:?}");
+    assert_eq!(done.done_files, files.len() as u64, "{done:?}");
+    let w0 = c.worker(0).context("worker 0")?.worker_id;
+    for path in &files {
+        let st = fs.stat(path).await?;
+        let block = pb::BlockId {
+            inode: st.inode,
+            version: st.version,
+            index: 0,
+        };
+        let locations = fs.master.block_locations(vec![block]).await?;
+        let holders: Vec<u64> = locations
+            .iter()
+            .flat_map(|l| l.workers.iter().map(|w| w.worker_id))
+            .collect();
+        assert_eq!(holders, [w0], "{path}");
+    }
+    c.stop().await
+}
