@@ -1,63 +1,129 @@
 //! The master's core: what the gRPC handlers call.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use granary_common::net::Net;
 use granary_proto as pb;
 
-use crate::blocks::BlockLocations;
 use crate::error::MasterError;
+use crate::fleet::Fleet;
 use crate::namespace::Namespace;
 use crate::raft::node::RaftHandle;
 use crate::state::{ApplyOutput, Command, Mount};
-use crate::workers::WorkerRegistry;
 
 pub struct MasterCore {
+    id: u64,
+    address: String,
+    ns: Namespace,
+    raft: RaftHandle,
+    fleet: Fleet,
+    jobs: crate::jobs::JobRunner,
+    pins: crate::pins::PinSet,
+    ttl: crate::ttl::TtlRunner,
+    /// Signs read grants (TLS clusters only: without principals there is no one to grant).
+    grants: Option<Arc<crate::grants::Grants>>,
+    /// How this master reaches workers and the other masters.
+    net: Net,
+}
+
+/// What a master's core is made of (see [`MasterCore::new`]).
+pub struct Parts {
     pub id: u64,
     pub address: String,
     pub ns: Namespace,
     pub raft: RaftHandle,
-    pub blocks: std::sync::Arc<BlockLocations>,
-    pub workers: WorkerRegistry,
-    pub heartbeat_interval: Duration,
-    pub jobs: crate::jobs::JobRunner,
-    pub pins: crate::pins::PinSet,
-    pub ttl: crate::ttl::TtlRunner,
-    /// Signs read grants (TLS clusters only: without principals there is no one to grant).
-    pub grants: Option<std::sync::Arc<crate::grants::Grants>>,
-    /// How this master reaches workers and the other masters.
-    pub net: granary_common::net::Net,
+    pub fleet: Fleet,
+    pub grants: Option<Arc<crate::grants::Grants>>,
+    pub net: Net,
 }
 
+/// The core's parts are private: each subsystem reaches what it needs through a handle
+/// named for it (the namespace, the fleet of workers, leadership), never by a field.
 impl MasterCore {
-    /// The live workers holding block `b`.
-    pub fn holders_of(&self, b: &pb::BlockId) -> Vec<pb::WorkerAddress> {
-        self.blocks
-            .workers_of(b)
-            .into_iter()
-            .filter_map(|id| self.workers.get(id))
-            .filter(|w| self.workers.is_live(w))
-            .map(|w| pb::WorkerAddress {
-                worker_id: w.id,
-                address: w.address,
-                host: w.host,
-            })
-            .collect()
+    pub fn new(p: Parts) -> Self {
+        MasterCore {
+            id: p.id,
+            address: p.address,
+            ns: p.ns,
+            raft: p.raft,
+            fleet: p.fleet,
+            jobs: Default::default(),
+            pins: Default::default(),
+            ttl: Default::default(),
+            grants: p.grants,
+            net: p.net,
+        }
+    }
+
+    /// This master's id in the group.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The address this master is reached at.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The namespace: the replicated tree, its mounts and their under-stores.
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    /// The workers and the blocks they hold (leader only).
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+
+    /// This master's Raft node: proposals, reads, membership.
+    pub fn raft(&self) -> &RaftHandle {
+        &self.raft
+    }
+
+    /// Whether this master leads now (without asking a quorum).
+    pub fn is_leader(&self) -> bool {
+        self.raft.status.is_leader()
+    }
+
+    /// The term this master knows of.
+    pub fn term(&self) -> u64 {
+        self.raft
+            .status
+            .term
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How this master reaches workers and the other masters.
+    pub fn net(&self) -> &Net {
+        &self.net
+    }
+
+    /// Signs read grants (TLS clusters only).
+    pub fn grants(&self) -> Option<&Arc<crate::grants::Grants>> {
+        self.grants.as_ref()
+    }
+
+    pub(crate) fn job_runner(&self) -> &crate::jobs::JobRunner {
+        &self.jobs
+    }
+
+    pub(crate) fn pin_set(&self) -> &crate::pins::PinSet {
+        &self.pins
+    }
+
+    pub(crate) fn ttl_runner(&self) -> &crate::ttl::TtlRunner {
+        &self.ttl
     }
 
     /// Fails with `NotLeader` (and the leader's address) unless this master leads. Worker
     /// membership and block locations live on the leader only; when it starts a new term it
     /// forgets what it knew before, so workers re-register with full reports.
     pub fn ensure_leader(&self) -> Result<(), MasterError> {
-        if !self.raft.status.is_leader() {
+        if !self.is_leader() {
             return Err(self.raft.not_leader());
         }
-        let term = self
-            .raft
-            .status
-            .term
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if self.workers.begin_term(term) {
-            self.blocks.clear();
+        if self.fleet.begin_term(self.term()) {
             self.ns.forget_sync_state();
         }
         Ok(())
@@ -215,30 +281,12 @@ impl MasterCore {
         if s.is_leader() {
             self.ensure_leader()?;
         }
-        let known = if s.is_leader() {
-            self.workers.all()
+        let decommissioned = self.ns.sm.decommissioned()?;
+        let workers = if s.is_leader() {
+            self.fleet.infos(&decommissioned)
         } else {
             Vec::new()
         };
-        let decommissioned = self.ns.sm.decommissioned()?;
-        let workers = known
-            .into_iter()
-            .map(|w| {
-                let state = self.workers.state_of(&w, decommissioned.contains(&w.id));
-                (w, state)
-            })
-            .map(|(w, state)| pb::WorkerInfo {
-                worker_id: w.id,
-                state: state.text().to_string(),
-                state_code: state as i32,
-                last_heartbeat_ms_ago: w.last_heartbeat.elapsed().as_millis() as u64,
-                block_count: self.blocks.block_count(w.id),
-                address: w.address,
-                host: w.host,
-                stats: Some(w.stats),
-                data_address: w.data_address,
-            })
-            .collect();
         Ok(pb::GetClusterInfoResponse {
             workers,
             masters: crate::raft::service::group_status(&self.raft, &self.address, &self.net).await,
@@ -312,16 +360,7 @@ impl MasterCore {
 
     /// Periodic housekeeping: declare silent workers lost and forget their blocks.
     pub fn sweep(self: &std::sync::Arc<Self>) {
-        let mut lost = false;
-        for id in self.workers.expire() {
-            tracing::warn!(
-                worker = id,
-                "worker lost (no heartbeat); dropping its block locations"
-            );
-            self.blocks.drop_worker(id);
-            lost = true;
-        }
-        if lost && self.raft.status.is_leader() {
+        if self.fleet.expire_silent() && self.is_leader() {
             self.repin_after_loss();
         }
     }

@@ -23,24 +23,30 @@ impl MasterCore {
         self.ensure_leader()?;
         self.read_barrier().await?;
         let path = granary_common::paths::normalize(path)?;
-        let root = self.ns.resolve(&path).await?;
+        let root = self.namespace().resolve(&path).await?;
         if root.kind == Kind::Directory && !recursive {
             return Err(MasterError::precondition(format!(
                 "{path} is a directory: use -R to free everything below it"
             )));
         }
-        if self.ns.sm.pin_covering(&root)?.is_some() {
+        if self.namespace().sm.pin_covering(&root)?.is_some() {
             return Err(MasterError::precondition(format!(
                 "{path} is pinned: unpin it first (granary unpin)"
             )));
         }
         // Files below it, as far as the namespace is listed (what was never listed was
         // never cached), and any pin among them.
-        let pinned: HashSet<u64> = self.ns.sm.pins()?.into_iter().map(|(i, _)| i).collect();
+        let pinned: HashSet<u64> = self
+            .namespace()
+            .sm
+            .pins()?
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect();
         let mut files = HashSet::new();
         let mut unpersisted: Vec<String> = Vec::new();
         let mut unpersisted_count = 0u64;
-        for entry in self.ns.sm.walk(root, path.clone()) {
+        for entry in self.namespace().sm.walk(root, path.clone()) {
             let (node, p) = entry?;
             if pinned.contains(&node.id) {
                 return Err(MasterError::precondition(format!(
@@ -63,7 +69,7 @@ impl MasterCore {
                 unpersisted.join(", ")
             )));
         }
-        let (cached_files, workers) = self.blocks.free(&files);
+        let (cached_files, workers) = self.fleet().free(&files);
         tracing::info!(path = %path, files = files.len(), cached_files, workers, forced_unpersisted = unpersisted_count, "freeing cached copies");
         Ok(pb::FreeResponse {
             files: files.len() as u64,

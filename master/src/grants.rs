@@ -97,11 +97,11 @@ pub fn keep_leader_key(
     core: &crate::core::MasterCore,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    if let Some(g) = &core.grants {
+    if let Some(g) = core.grants() {
         tokio::spawn(follow_leader_keys(
             g.clone(),
-            core.raft.clone(),
-            core.net.clone(),
+            core.raft().clone(),
+            core.net().clone(),
             shutdown,
         ));
     }

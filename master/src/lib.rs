@@ -11,6 +11,7 @@
 pub mod blocks;
 pub mod core;
 pub mod error;
+pub mod fleet;
 pub mod free;
 pub mod grants;
 pub mod jobs;
@@ -307,7 +308,7 @@ pub async fn start(
         mounts::UfsCache::new(config.secrets.clone()).with_policy(config.mount_policy.clone()),
     );
     let blocks = Arc::new(blocks::BlockLocations::default());
-    let core = Arc::new(core::MasterCore {
+    let core = Arc::new(core::MasterCore::new(core::Parts {
         id: config.id,
         address: address.clone(),
         ns: namespace::Namespace::new(
@@ -318,27 +319,22 @@ pub async fn start(
             blocks.clone(),
         ),
         raft: raft_handle.clone(),
-        blocks,
-        workers: workers::WorkerRegistry::new(config.worker_timeout),
-        heartbeat_interval: config.heartbeat_interval,
-        jobs: jobs::JobRunner::default(),
-        pins: pins::PinSet::default(),
-        ttl: ttl::TtlRunner::default(),
+        fleet: fleet::Fleet::new(blocks, config.worker_timeout, config.heartbeat_interval),
         net: config.net.clone(),
         grants: match config.net.tls() {
             Some(_) => Some(Arc::new(grants::Grants::new()?)),
             None => None,
         },
-    });
+    }));
 
     hook_relister(&core);
     let master_metrics = metrics::MasterMetrics::register(&registry);
-    core.ns.metrics.register(&registry);
+    core.namespace().metrics.register(&registry);
     if let Ok(mut r) = registry.lock() {
         r.register(
             "granary_master_load_retries",
             "Block loads of jobs tried again after a failure that may pass (store or worker unreachable, cache full); gone, changed or refused objects are not tried again",
-            core.jobs.retries.clone(),
+            core.job_runner().retries.clone(),
         );
     }
     let metrics_addr = match config.metrics_listen {
@@ -360,7 +356,7 @@ pub async fn start(
         raft: raft_handle.clone(),
         snapshots,
         address,
-        grants: core.grants.clone(),
+        grants: core.grants().cloned(),
     });
     let raft_svc = granary_common::grpc::per_method_limits(|limit| {
         granary_proto::raft_service_server::RaftServiceServer::from_arc(raft_rpc.clone())
@@ -401,11 +397,11 @@ pub async fn start(
 /// they list (a stopped master's core is not kept alive by this hook).
 fn hook_relister(core: &Arc<core::MasterCore>) {
     let weak = Arc::downgrade(core);
-    core.ns.set_relister(Box::new(move |dir| {
+    core.namespace().set_relister(Box::new(move |dir| {
         let Some(core) = weak.upgrade() else {
             return false;
         };
-        tokio::spawn(async move { core.ns.relist(dir).await });
+        tokio::spawn(async move { core.namespace().relist(dir).await });
         true
     }));
 }

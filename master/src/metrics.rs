@@ -92,17 +92,17 @@ impl MasterMetrics {
     }
 
     pub fn refresh(&self, core: &MasterCore) {
-        if let Ok(n) = core.ns.sm.inode_count() {
+        if let Ok(n) = core.namespace().sm.inode_count() {
             self.inodes.set(n as i64);
         }
-        if let Ok(m) = core.ns.sm.mounts() {
+        if let Ok(m) = core.namespace().sm.mounts() {
             self.mounts.set(m.len() as i64);
         }
-        let all = core.workers.all();
-        let live = all.iter().filter(|w| core.workers.is_live(w)).count() as i64;
+        let all = core.fleet().all();
+        let live = all.iter().filter(|w| core.fleet().is_live(w)).count() as i64;
         self.workers_live.set(live);
         self.workers_lost.set(all.len() as i64 - live);
-        let s = &core.raft.status;
+        let s = &core.raft().status;
         self.raft_term.set(s.term.load(Relaxed) as i64);
         self.raft_commit.set(s.commit.load(Relaxed) as i64);
         self.raft_applied.set(s.applied.load(Relaxed) as i64);

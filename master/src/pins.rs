@@ -186,21 +186,21 @@ impl<'a> Pinned<'a> {
 impl MasterCore {
     /// Reads the pins again when due (leader only; every tick).
     pub fn refresh_pins(&self) {
-        if !self.raft.status.is_leader() {
+        if !self.is_leader() {
             return;
         }
         let term = self
-            .raft
+            .raft()
             .status
             .term
             .load(std::sync::atomic::Ordering::Relaxed);
         let applied = self
-            .raft
+            .raft()
             .status
             .applied
             .load(std::sync::atomic::Ordering::Relaxed);
         {
-            let g = lock(&self.pins.inner);
+            let g = lock(&self.pin_set().inner);
             if g.term == term
                 && g.refreshed
                     .is_some_and(|t| t.elapsed() < REFRESH_EVERY || g.applied == applied)
@@ -208,8 +208,8 @@ impl MasterCore {
                 return;
             }
         }
-        let moves = self.ns.sm.moves();
-        let roots: HashSet<u64> = match self.ns.sm.pins() {
+        let moves = self.namespace().sm.moves();
+        let roots: HashSet<u64> = match self.namespace().sm.pins() {
             Ok(pins) => pins
                 .into_iter()
                 .filter(|(_, p)| p.replicas > 0)
@@ -220,7 +220,7 @@ impl MasterCore {
                 return;
             }
         };
-        let mut g = lock(&self.pins.inner);
+        let mut g = lock(&self.pin_set().inner);
         if g.term != term {
             g.term = term;
             g.told.clear();
@@ -241,8 +241,8 @@ impl MasterCore {
     /// The pinned files among `inodes` (what a load task names, so that its worker holds
     /// those blocks from the moment it caches them).
     pub fn pinned_among(&self, inodes: impl IntoIterator<Item = u64>) -> Vec<u64> {
-        let roots = lock(&self.pins.inner).roots.clone();
-        let mut pinned = Pinned::new(&self.ns.sm, &roots);
+        let roots = lock(&self.pin_set().inner).roots.clone();
+        let mut pinned = Pinned::new(&self.namespace().sm, &roots);
         let mut out: Vec<u64> = inodes.into_iter().filter(|&i| pinned.check(i)).collect();
         out.sort_unstable();
         out.dedup();
@@ -260,7 +260,7 @@ impl MasterCore {
         deltas: bool,
     ) -> PinsAnswer {
         let (roots, epoch, first, mut told) = {
-            let mut g = lock(&self.pins.inner);
+            let mut g = lock(&self.pin_set().inner);
             if g.refreshed.is_none() {
                 return PinsAnswer {
                     generation,
@@ -275,7 +275,7 @@ impl MasterCore {
             });
             (g.roots.clone(), g.epoch, first, told)
         };
-        let mut pinned = Pinned::new(&self.ns.sm, &roots);
+        let mut pinned = Pinned::new(&self.namespace().sm, &roots);
         let answer = told.answer(
             epoch,
             generation,
@@ -284,12 +284,12 @@ impl MasterCore {
             // not at all while nothing is pinned).
             || match roots.is_empty() {
                 true => HashSet::new(),
-                false => self.blocks.inodes_of(worker),
+                false => self.fleet().inodes_of(worker),
             },
             added.iter().map(|b| b.inode),
             |i| pinned.check(i),
         );
-        let mut g = lock(&self.pins.inner);
+        let mut g = lock(&self.pin_set().inner);
         if g.term << 32 == first {
             g.told.insert(worker, told);
         }
@@ -302,11 +302,11 @@ impl MasterCore {
         &self,
         mut f: impl FnMut(u64, &crate::state::pins::Pin, &crate::state::Inode) -> bool,
     ) -> Result<(), MasterError> {
-        for (inode, pin) in self.ns.sm.pins()? {
-            let Some(node) = self.ns.sm.inode(inode)? else {
+        for (inode, pin) in self.namespace().sm.pins()? {
+            let Some(node) = self.namespace().sm.inode(inode)? else {
                 continue;
             };
-            for entry in self.ns.sm.walk(node, String::new()) {
+            for entry in self.namespace().sm.walk(node, String::new()) {
                 let (node, _) = entry?;
                 if node.kind != Kind::Directory && !f(inode, &pin, &node) {
                     break;
@@ -331,7 +331,7 @@ impl MasterCore {
         }
         self.ensure_leader()?;
         let path = granary_common::paths::normalize(path)?;
-        self.ns.resolve(&path).await?;
+        self.namespace().resolve(&path).await?;
         let cmd = Command::SetPin {
             path: path.clone(),
             replicas,
@@ -341,7 +341,7 @@ impl MasterCore {
             _ => return Err(MasterError::corrupt("unexpected result of SetPin")),
         }
         // The workers learn the new set at their next heartbeat.
-        lock(&self.pins.inner).refreshed = None;
+        lock(&self.pin_set().inner).refreshed = None;
         self.refresh_pins();
         if replicas == 0 {
             tracing::info!(path = %path, "unpinned");
@@ -366,16 +366,16 @@ impl MasterCore {
     /// leader, so it is never declared lost and its replicas would never be replaced (the
     /// in-process test found it).
     pub fn reload_pins_once_per_term(self: &Arc<Self>) {
-        if !self.raft.status.is_leader() || self.workers.term_age() < self.workers.timeout {
+        if !self.is_leader() || self.fleet().term_age() < self.fleet().worker_timeout() {
             return;
         }
         let term = self
-            .raft
+            .raft()
             .status
             .term
             .load(std::sync::atomic::Ordering::Relaxed);
         {
-            let mut reloaded = lock(&self.pins.reloaded_term);
+            let mut reloaded = lock(&self.pin_set().reloaded_term);
             if *reloaded == term {
                 return;
             }
@@ -414,7 +414,7 @@ impl MasterCore {
                     version: f.version,
                     index,
                 };
-                self.holders_of(&id).len() < pin.replicas as usize
+                self.fleet().holders_of(&id).len() < pin.replicas as usize
             });
             if under {
                 short.insert(inode);
@@ -434,17 +434,18 @@ impl MasterCore {
     fn repin(self: &Arc<Self>, only: Option<HashSet<u64>>) {
         let core = self.clone();
         tokio::spawn(async move {
-            let (Ok(pins), Ok(jobs)) = (core.ns.sm.pins(), core.ns.sm.jobs()) else {
+            let (Ok(pins), Ok(jobs)) = (core.namespace().sm.pins(), core.namespace().sm.jobs())
+            else {
                 return;
             };
             for (inode, pin) in pins {
                 if only.as_ref().is_some_and(|o| !o.contains(&inode)) {
                     continue;
                 }
-                let Ok(Some(node)) = core.ns.sm.inode(inode) else {
+                let Ok(Some(node)) = core.namespace().sm.inode(inode) else {
                     continue;
                 };
-                let Ok(path) = core.ns.sm.path_of(&node) else {
+                let Ok(path) = core.namespace().sm.path_of(&node) else {
                     continue;
                 };
                 let running = jobs.iter().any(|j| {

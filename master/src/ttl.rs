@@ -49,7 +49,7 @@ impl MasterCore {
         if path == "/" {
             return Err(MasterError::invalid("the root cannot have a TTL"));
         }
-        self.ns.resolve(&path).await?;
+        self.namespace().resolve(&path).await?;
         let ttl = (ttl_ms > 0).then(|| Ttl {
             expires_ms: granary_common::now_ms().saturating_add(ttl_ms.min(i64::MAX as u64) as i64),
             action,
@@ -58,7 +58,7 @@ impl MasterCore {
             .propose_request(Command::SetTtl { path, ttl }, request_id)
             .await;
         // Also when the answer is an error: the entry may have been applied all the same.
-        self.ttl.sets.fetch_add(1, Ordering::AcqRel);
+        self.ttl_runner().sets.fetch_add(1, Ordering::AcqRel);
         match out? {
             ApplyOutput::Inode(i) => Ok((i, ttl)),
             _ => Err(MasterError::corrupt("unexpected result of SetTtl")),
@@ -73,7 +73,7 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<(), MasterError> {
         self.ensure_leader()?;
-        let inode = self.ns.delete_in_store(path, recursive).await?;
+        let inode = self.namespace().delete_in_store(path, recursive).await?;
         self.propose_request(
             Command::Delete {
                 path: path.to_string(),
@@ -84,27 +84,27 @@ impl MasterCore {
         .await?;
         // Workers drop the removed file's cached pages (pinned ones of a pending write too).
         if inode.kind == Kind::File {
-            self.blocks.note_stale(inode.id, 0);
+            self.fleet().note_stale(inode.id, 0);
         }
         Ok(())
     }
 
     /// Acts on the TTLs that are due (leader only; every tick, one pass at a time).
     pub fn expire_ttls(self: &Arc<Self>) {
-        if !self.raft.status.is_leader() {
+        if !self.is_leader() {
             return;
         }
         let now = granary_common::now_ms();
-        let term = self.raft.status.term.load(Ordering::Relaxed);
-        let sets = self.ttl.sets.load(Ordering::Acquire);
-        let mut next_due = match self.ttl.next_due.lock() {
+        let term = self.raft().status.term.load(Ordering::Relaxed);
+        let sets = self.ttl_runner().sets.load(Ordering::Acquire);
+        let mut next_due = match self.ttl_runner().next_due.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
         if next_due.is_some_and(|(t, s, next)| t == term && s == sets && now < next) {
             return;
         }
-        let Ok(ttls) = self.ns.sm.ttls() else {
+        let Ok(ttls) = self.namespace().sm.ttls() else {
             return;
         };
         let (due, later): (Vec<_>, Vec<_>) =
@@ -121,14 +121,14 @@ impl MasterCore {
         };
         *next_due = Some((term, sets, next));
         drop(next_due);
-        if due.is_empty() || self.ttl.busy.swap(true, Ordering::AcqRel) {
+        if due.is_empty() || self.ttl_runner().busy.swap(true, Ordering::AcqRel) {
             return;
         }
         let core = self.clone();
         tokio::spawn(async move {
             for (inode, ttl) in due {
                 if let Err(e) = core.act_on_ttl(inode, &ttl).await {
-                    let mut w = match core.ttl.warned.lock() {
+                    let mut w = match core.ttl_runner().warned.lock() {
                         Ok(g) => g,
                         Err(p) => p.into_inner(),
                     };
@@ -138,15 +138,15 @@ impl MasterCore {
                     }
                 }
             }
-            core.ttl.busy.store(false, Ordering::Release);
+            core.ttl_runner().busy.store(false, Ordering::Release);
         });
     }
 
     async fn act_on_ttl(&self, inode: u64, ttl: &Ttl) -> Result<(), MasterError> {
-        let Some(node) = self.ns.sm.inode(inode)? else {
+        let Some(node) = self.namespace().sm.inode(inode)? else {
             return Ok(()); // gone already (its TTL went with it)
         };
-        let path = self.ns.sm.path_of(&node)?;
+        let path = self.namespace().sm.path_of(&node)?;
         match ttl.action {
             TtlAction::Free => {
                 let r = self.free(&path, true, false).await?;

@@ -248,11 +248,9 @@ impl Cluster {
     pub async fn leader(&self) -> Result<usize> {
         let masters = &self.masters;
         eventually("a leader", Duration::from_secs(20), || async move {
-            masters.iter().position(|m| {
-                m.running
-                    .as_ref()
-                    .is_some_and(|r| r.node.core.raft.status.is_leader())
-            })
+            masters
+                .iter()
+                .position(|m| m.running.as_ref().is_some_and(|r| r.node.core.is_leader()))
         })
         .await
     }

@@ -90,7 +90,7 @@ async fn mutations_apply_once_when_answers_are_lost_and_survive_a_leader_stop() 
         || {
             let core = rejoined.clone();
             async move {
-                let list = core.ns.sm.children(1, None, 100).ok()?;
+                let list = core.namespace().sm.children(1, None, 100).ok()?;
                 (list.len() == 6).then_some(())
             }
         },
@@ -882,7 +882,7 @@ async fn touching_many_due_folders_starts_a_bounded_number_of_listings() -> Resu
         StoreOp::List,
         StoreFault::Delay(Duration::from_secs(8)),
     ));
-    let ns = &c.master(0).expect("started").core.ns;
+    let ns = c.master(0).expect("started").core.namespace();
     let deferred = || ns.metrics.relists_deferred.get();
     let before = deferred();
     // Every folder due (1 s; the last one listed is the last to be due), then each of the

@@ -98,7 +98,7 @@ impl Files {
                 continue;
             }
             let page = core
-                .ns
+                .namespace()
                 .list(top.dir.clone(), top.after.as_deref(), PAGE)
                 .await?;
             top.listed = page.len() < PAGE;

@@ -72,7 +72,7 @@ impl MasterCore {
         self.ensure_leader()?;
         let path = granary_common::paths::normalize(path)?;
         // Refuse a path that does not exist now, rather than a job that fails at once.
-        self.ns.resolve(&path).await?;
+        self.namespace().resolve(&path).await?;
         let cmd = Command::CreateJob {
             kind: kind.text().to_string(),
             path,
@@ -92,7 +92,7 @@ impl MasterCore {
     pub async fn cancel_job(&self, id: u64) -> Result<Job, MasterError> {
         self.ensure_leader()?;
         self.read_barrier().await?;
-        if self.ns.sm.job(id)?.is_none() {
+        if self.namespace().sm.job(id)?.is_none() {
             return Err(MasterError::NoSuchJob { id });
         }
         let cmd = Command::FinishJob {
@@ -109,15 +109,19 @@ impl MasterCore {
 
     /// A job as the CLI shows it, with up to `max_failed` failed files.
     pub fn job_info(&self, id: u64, max_failed: usize) -> Result<pb::JobInfo, MasterError> {
-        let job = self.ns.sm.job(id)?.ok_or(MasterError::NoSuchJob { id })?;
-        let failed = self.ns.sm.job_failed(id, max_failed)?;
+        let job = self
+            .namespace()
+            .sm
+            .job(id)?
+            .ok_or(MasterError::NoSuchJob { id })?;
+        let failed = self.namespace().sm.job_failed(id, max_failed)?;
         Ok(to_info(&job, failed))
     }
 
     /// Every kept job (no failed lists).
     pub fn job_list(&self) -> Result<Vec<pb::JobInfo>, MasterError> {
         Ok(self
-            .ns
+            .namespace()
             .sm
             .jobs()?
             .iter()
@@ -128,14 +132,14 @@ impl MasterCore {
     /// Starts a runner for every unfinished job that has none (leader only; called every
     /// tick, so a new leader picks up the jobs of the last one).
     pub fn run_jobs(self: &Arc<Self>) {
-        if !self.raft.status.is_leader() {
+        if !self.is_leader() {
             return;
         }
-        let Ok(jobs) = self.ns.sm.jobs() else {
+        let Ok(jobs) = self.namespace().sm.jobs() else {
             return;
         };
         for job in jobs.into_iter().filter(|j| !j.state.finished()) {
-            if !lock(&self.jobs.running).insert(job.id) {
+            if !lock(&self.job_runner().running).insert(job.id) {
                 continue;
             }
             let core = self.clone();
@@ -146,7 +150,7 @@ impl MasterCore {
                     // Not leader, shutting down, or a failure worth another try later.
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
-                lock(&core.jobs.running).remove(&id);
+                lock(&core.job_runner().running).remove(&id);
             });
         }
     }
@@ -189,24 +193,8 @@ async fn propose_job(core: &MasterCore, cmd: Command) -> Result<Job, MasterError
 
 /// The live workers, as clients see them (same order and weights).
 fn live_workers(core: &MasterCore) -> Vec<pb::WorkerInfo> {
-    let decommissioned = core.ns.sm.decommissioned().unwrap_or_default();
-    core.workers
-        .all()
-        .into_iter()
-        .filter(|w| {
-            core.workers.state_of(w, decommissioned.contains(&w.id)) == pb::WorkerState::Live
-        })
-        .map(|w| pb::WorkerInfo {
-            worker_id: w.id,
-            address: w.address,
-            host: w.host,
-            state: pb::WorkerState::Live.text().into(),
-            state_code: pb::WorkerState::Live as i32,
-            stats: Some(w.stats),
-            data_address: w.data_address,
-            ..Default::default()
-        })
-        .collect()
+    let decommissioned = core.namespace().sm.decommissioned().unwrap_or_default();
+    core.fleet().placement_targets(&decommissioned)
 }
 
 async fn run(core: &Arc<MasterCore>, job: Job) -> Result<(), MasterError> {
@@ -267,11 +255,11 @@ async fn plan(
     // and placing blocks on the few known so far would cache them away from their owners
     // (and fetch them again, as the last leader's tasks may already have).
     if job.state != JobState::Planning {
-        while core.workers.term_age() < core.heartbeat_interval * 3 {
+        while !core.fleet().settled() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    let root = match core.ns.resolve(&job.path).await {
+    let root = match core.namespace().resolve(&job.path).await {
         Ok(r) => r,
         Err(e @ MasterError::NotFound { .. }) => {
             let cmd = Command::FinishJob {
@@ -285,7 +273,7 @@ async fn plan(
         }
         Err(e) => return Err(e),
     };
-    let root_path = core.ns.sm.path_of(&root)?;
+    let root_path = core.namespace().sm.path_of(&root)?;
     // A first walk counts (and lists what was never listed), holding no file: the
     // progress has its totals before the first block is loaded.
     let mut walk = Files::new(root.clone(), root_path.clone());
@@ -341,7 +329,7 @@ impl Feed {
                 };
                 let mut todo = Vec::with_capacity(page.len());
                 for (f, path) in page {
-                    match core.ns.sm.job_settled(id, f.id) {
+                    match core.namespace().sm.job_settled(id, f.id) {
                         Ok(true) => {}
                         Ok(false) => todo.push((f, path)),
                         Err(e) => {
@@ -416,7 +404,7 @@ async fn drive(
                 }
             }
         }
-        for mut task in planner.tasks(Instant::now(), |b| core.holders_of(b)) {
+        for mut task in planner.tasks(Instant::now(), |b| core.fleet().holders_of(b)) {
             let files = task
                 .request
                 .blocks
@@ -424,7 +412,7 @@ async fn drive(
                 .filter_map(|d| d.id.map(|b| b.inode));
             task.request.pinned_inodes = core.pinned_among(files);
             let address = task.worker.address;
-            let net = core.net.clone();
+            let net = core.net().clone();
             in_flight.push(async move { (task.id, load_on(&net, &address, task.request).await) });
         }
         if planner.settled() {
@@ -434,11 +422,11 @@ async fn drive(
             Some((task, res)) = in_flight.next(), if !in_flight.is_empty() => {
                 let wid = planner.worker_of(task);
                 let answered = planner.answer(task, res, Instant::now());
-                core.jobs.retries.inc_by(answered.retries);
+                core.job_runner().retries.inc_by(answered.retries);
                 // The worker holds the blocks now: `fs stat` says so at once, not from its
                 // next heartbeat on (which reports them too, or their eviction).
-                if let Some(wid) = wid.filter(|_| !answered.loaded.is_empty()) {
-                    core.blocks.update(wid, &answered.loaded, &[]);
+                if let Some(wid) = wid {
+                    core.fleet().record_loaded(wid, &answered.loaded);
                 }
             }
             fed = feed.pages.recv(), if planner.wants_files() => take(&mut planner, fed, &mut seen)?,
@@ -451,8 +439,8 @@ async fn drive(
                 tracing::info!(job = id, state = job.state.as_str(), "job stopped");
                 return Ok(None);
             }
-            if !core.raft.status.is_leader() {
-                return Err(core.raft.not_leader());
+            if !core.is_leader() {
+                return Err(core.raft().not_leader());
             }
         }
     }
@@ -470,7 +458,7 @@ async fn flush(
 ) -> Result<Option<Job>, MasterError> {
     let report = planner.take_report();
     if report.is_empty() {
-        return core.ns.sm.job(id);
+        return core.namespace().sm.job(id);
     }
     let cmd = Command::JobProgress {
         id,

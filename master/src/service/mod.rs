@@ -96,7 +96,12 @@ pub const MAX_LOCATION_BLOCKS: usize = 4096;
 
 /// The spec of mount `id` (None: not in a mount, or gone).
 fn mount_spec(core: &MasterCore, id: Option<u64>) -> Option<granary_common::ufs::UfsSpec> {
-    core.ns.sm.mount(id?).ok().flatten().map(|m| m.spec)
+    core.namespace()
+        .sm
+        .mount(id?)
+        .ok()
+        .flatten()
+        .map(|m| m.spec)
 }
 
 /// Owner and mode as shown: the entry's own, else its mount's `uid`/`gid` and
@@ -123,7 +128,7 @@ fn fill_perms(s: &mut pb::FileStatus, spec: Option<&granary_common::ufs::UfsSpec
 }
 
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
-    status_at(core, inode, core.ns.sm.path_of(inode)?)
+    status_at(core, inode, core.namespace().sm.path_of(inode)?)
 }
 
 /// [`status_of`] for an inode whose path the caller already walked.
@@ -138,13 +143,17 @@ fn status_at(
     // A file whose mount validates every open: clients never open it from a cached status.
     s.validate_on_open = inode.kind == crate::state::Kind::File
         && spec.as_ref().is_some_and(|m| m.validate_on_open());
-    s.pinned_replicas = core.ns.sm.pin_covering(inode)?.map_or(0, |p| p.replicas);
-    if let Some(t) = core.ns.sm.ttl_of(inode.id)? {
+    s.pinned_replicas = core
+        .namespace()
+        .sm
+        .pin_covering(inode)?
+        .map_or(0, |p| p.replicas);
+    if let Some(t) = core.namespace().sm.ttl_of(inode.id)? {
         s.ttl_expires_ms = t.expires_ms.max(0) as u64;
         s.ttl_action = t.action.as_str().to_string();
     }
     s.cache_ms = cache_ms(core, inode, spec.as_ref());
-    if let Some(sync) = core.ns.sync_info(inode.id) {
+    if let Some(sync) = core.namespace().sync_info(inode.id) {
         s.sync_failures = sync.failures;
         s.sync_error = sync.last_error.unwrap_or_default();
         s.synced_ms_ago = sync
@@ -172,12 +181,16 @@ fn cache_ms(core: &MasterCore, inode: &Inode, spec: Option<&granary_common::ufs:
         // listed, its own last check (it is checked by itself when due).
         // A follower (or a new leader) knows the folder's last listing as recorded with it.
         SyncPolicy::Every(d) => core
-            .ns
+            .namespace()
             .sync_info(inode.parent)
             .and_then(|s| s.synced_at)
-            .or_else(|| core.ns.sync_info(inode.id).and_then(|s| s.synced_at))
+            .or_else(|| {
+                core.namespace()
+                    .sync_info(inode.id)
+                    .and_then(|s| s.synced_at)
+            })
             .map(|t| t.elapsed())
-            .or_else(|| core.ns.listed_ago(inode.parent))
+            .or_else(|| core.namespace().listed_ago(inode.parent))
             .map_or(0, |ago| d.saturating_sub(ago).as_millis() as u64),
     }
 }
@@ -202,12 +215,12 @@ fn grant(
     s: &mut pb::FileStatus,
     write: bool,
 ) -> Result<(), MasterError> {
-    if let (Some(keys), true) = (&core.grants, s.kind == pb::FileKind::File as i32) {
+    if let (Some(keys), true) = (core.grants(), s.kind == pb::FileKind::File as i32) {
         let expires = granary_common::now_ms().max(0) as u64
             + granary_common::grant::GRANT_LIFETIME.as_millis() as u64;
-        match keys.sign(&core.raft.status, &who.name, s, write, expires) {
+        match keys.sign(&core.raft().status, &who.name, s, write, expires) {
             Some(g) => s.grant = Some(g),
-            None => return Err(core.ns.to_leader()),
+            None => return Err(core.namespace().to_leader()),
         }
     }
     Ok(())
@@ -267,7 +280,7 @@ fn status_for(
     who: &Principal,
     inode: &Inode,
 ) -> Result<pb::FileStatus, MasterError> {
-    status_for_at(core, who, inode, core.ns.sm.path_of(inode)?)
+    status_for_at(core, who, inode, core.namespace().sm.path_of(inode)?)
 }
 
 /// [`status_for`] for an inode whose path the caller already walked.
@@ -301,15 +314,15 @@ struct Checked(Arc<MasterCore>, u64);
 
 impl Drop for Checked {
     fn drop(&mut self) {
-        self.0.ns.checked(self.1);
+        self.0.namespace().checked(self.1);
     }
 }
 
 impl MasterRpc {
     /// Counts a namespace read answered here while following (see `namespace::follower`).
     fn answered(&self) {
-        if !self.core.ns.leads() {
-            self.core.ns.metrics.follower_reads.inc();
+        if !self.core.namespace().leads() {
+            self.core.namespace().metrics.follower_reads.inc();
         }
     }
 
@@ -318,12 +331,12 @@ impl MasterRpc {
     /// the path nor whether the inode exists. With the inode comes its path when the check
     /// walked it (a confined caller), so that the request need not walk it again.
     fn named_inode(&self, who: &Principal, id: u64) -> Result<(Inode, Option<String>), Status> {
-        let found = self.core.ns.inode(id);
+        let found = self.core.namespace().inode(id);
         if who.subtree.is_none() {
             return Ok((found?, None));
         }
         let checked = found.and_then(|inode| {
-            let path = self.core.ns.sm.path_of(&inode)?;
+            let path = self.core.namespace().sm.path_of(&inode)?;
             Ok((inode, path))
         });
         match checked {
@@ -347,7 +360,7 @@ impl MasterRpc {
             Ok(None) | Err(_) => return Err(err),
         };
         if let (Some(path), ApplyOutput::Inode(i)) = (path, &first) {
-            let now = self.core.ns.sm.path_of(i).ok();
+            let now = self.core.namespace().sm.path_of(i).ok();
             if now.as_deref() != granary_common::paths::normalize(path).ok().as_deref() {
                 return Err(err);
             }
@@ -367,7 +380,7 @@ impl MasterRpc {
             Some(i) => &path[..i],
         };
         // A missing parent is the operation's own error to report.
-        if let Ok(dir) = self.core.ns.resolve(parent).await {
+        if let Ok(dir) = self.core.namespace().resolve(parent).await {
             let s = status_of(&self.core, &dir)?;
             access::posix(
                 caller,
@@ -384,14 +397,14 @@ impl MasterRpc {
     async fn set_decommissioned(&self, id: u64, on: bool) -> Result<(), Status> {
         self.core.ensure_leader()?;
         let cmd = if on {
-            if self.core.workers.get(id).is_none() {
+            if self.core.fleet().get(id).is_none() {
                 return Err(Status::not_found(format!(
                     "no worker {id} is registered (see granary report)"
                 )));
             }
             crate::state::Command::DecommissionWorker { worker_id: id }
         } else {
-            if !self.core.ns.sm.decommissioned()?.contains(&id) {
+            if !self.core.namespace().sm.decommissioned()?.contains(&id) {
                 return Err(Status::failed_precondition(format!(
                     "worker {id} is not decommissioned"
                 )));
@@ -427,8 +440,8 @@ impl MasterRpc {
                         .map_err(|e| Status::invalid_argument(e.to_string()))?;
                     access::reach(who, &n)?;
                 }
-                let inode = self.core.ns.resolve(&p).await?;
-                let path = self.core.ns.sm.path_of(&inode)?;
+                let inode = self.core.namespace().resolve(&p).await?;
+                let path = self.core.namespace().sm.path_of(&inode)?;
                 let reach = access::reach(who, &path)?;
                 Ok((inode, path, reach))
             }
@@ -436,26 +449,26 @@ impl MasterRpc {
                 let (inode, walked) = self.named_inode(who, id)?;
                 let path = match walked {
                     Some(path) => path,
-                    None => self.core.ns.sm.path_of(&inode)?,
+                    None => self.core.namespace().sm.path_of(&inode)?,
                 };
                 let reach = access::reach(who, &path)?;
                 if !stale {
-                    self.core.ns.answerable_here(&inode)?;
+                    self.core.namespace().answerable_here(&inode)?;
                 }
                 // Checked against its store when due, in the background: the answer is what
                 // is known now, and the next request sees what the check found — an open
                 // never waits for a folder's re-listing (stale-while-revalidate). Only the
                 // leader checks.
-                let due = if stale || !self.core.ns.leads() {
+                let due = if stale || !self.core.namespace().leads() {
                     None
                 } else {
-                    self.core.ns.check_due(&inode)
+                    self.core.namespace().check_due(&inode)
                 };
                 if let Some(key) = due {
                     let core = self.core.clone();
                     tokio::spawn(async move {
                         let _ended = Checked(core.clone(), key);
-                        let _ = core.ns.current(id).await;
+                        let _ = core.namespace().current(id).await;
                     });
                 }
                 Ok((inode, path, reach))
@@ -477,13 +490,13 @@ impl MasterService for MasterRpc {
         let slot = WATCHES.enter(&who)?;
         // Subscribed before the barrier: every change applied after the state the barrier
         // covers is heard.
-        let mut changes = self.core.ns.sm.watch();
+        let mut changes = self.core.namespace().sm.watch();
         self.core.read_barrier().await?;
         let core = self.core.clone();
         let leadership = self.leadership.clone();
         let shutdown = self.shutdown.clone();
         let start = core
-            .raft
+            .raft()
             .status
             .applied
             .load(std::sync::atomic::Ordering::Relaxed);
@@ -500,7 +513,7 @@ impl MasterService for MasterRpc {
                 if tx.send(Ok(msg)).await.is_err() {
                     return; // the watcher went away
                 }
-                if !core.raft.status.is_leader() || !leadership.confirm(&core).await {
+                if !core.is_leader() || !leadership.confirm(&core).await {
                     let _ = tx
                         .send(Err(Status::unavailable(
                             "this master is no longer the leader; watch the new one",
@@ -574,9 +587,9 @@ impl MasterService for MasterRpc {
         let (mut inode, mut path, _) = self.target(&who, r.target, r.allow_stale).await?;
         if r.validate && !r.allow_stale {
             let before = (inode.parent, inode.name.clone());
-            inode = self.core.ns.validate(inode).await?;
+            inode = self.core.namespace().validate(inode).await?;
             if (inode.parent, &inode.name) != (before.0, &before.1) {
-                path = self.core.ns.sm.path_of(&inode)?;
+                path = self.core.namespace().sm.path_of(&inode)?;
                 access::reach(&who, &path)?;
             }
         }
@@ -598,7 +611,7 @@ impl MasterService for MasterRpc {
         // The parent's path is walked once; the entry's is the parent's and its name.
         let parent_path = match walked {
             Some(p) => p,
-            None => self.core.ns.sm.path_of(&parent)?,
+            None => self.core.namespace().sm.path_of(&parent)?,
         };
         let path = granary_common::paths::join(&parent_path, &r.name);
         access::reach(&who, &path)?;
@@ -606,7 +619,7 @@ impl MasterService for MasterRpc {
             let parent = status_at(&self.core, &parent, parent_path)?;
             access::posix(caller, &parent, access::EXEC, "look up entries of")?;
         }
-        let inode = self.core.ns.lookup(r.parent, &r.name).await?;
+        let inode = self.core.namespace().lookup(r.parent, &r.name).await?;
         self.answered();
         Ok(Response::new(pb::GetStatusResponse {
             status: Some(status_for_at(&self.core, &who, &inode, path)?),
@@ -633,7 +646,7 @@ impl MasterService for MasterRpc {
         // The pin covering the directory covers its children (unless they have their own).
         let dir_pin = self
             .core
-            .ns
+            .namespace()
             .sm
             .pin_covering(&dir)?
             .map_or(0, |p| p.replicas);
@@ -641,7 +654,7 @@ impl MasterService for MasterRpc {
             let shown = status_of(&self.core, &dir)?;
             access::posix(caller, &shown, access::READ, "list")?;
         }
-        let children = self.core.ns.list(dir, after, limit).await?;
+        let children = self.core.namespace().list(dir, after, limit).await?;
         let page_mount = children.first().and_then(|c| c.mount_id);
         let spec = mount_spec(&self.core, page_mount);
         // One mount for the whole page: does it validate every open?
@@ -657,7 +670,7 @@ impl MasterService for MasterRpc {
                 || access::reach(&who, &granary_common::paths::join(&dir_path, &c.name)).is_ok()
         };
         let ids: Vec<u64> = children.iter().map(|c| c.id).collect();
-        let pins = self.core.ns.sm.pins_among(&ids)?;
+        let pins = self.core.namespace().sm.pins_among(&ids)?;
         let entries = children
             .iter()
             .filter(shown)
@@ -702,7 +715,10 @@ impl MasterService for MasterRpc {
         let id = scoped(&who, r.request_id);
         let checked = async {
             self.may_change_parent(caller, &r.path).await?;
-            self.core.ns.prepare_mkdir(&r.path, r.recursive).await?;
+            self.core
+                .namespace()
+                .prepare_mkdir(&r.path, r.recursive)
+                .await?;
             Ok(())
         };
         if let Err(e) = checked.await {
@@ -738,7 +754,11 @@ impl MasterService for MasterRpc {
         let id = scoped(&who, r.request_id);
         let checked = async {
             self.may_change_parent(caller, &r.path).await?;
-            Ok(self.core.ns.prepare_create(&r.path, r.overwrite).await?)
+            Ok(self
+                .core
+                .namespace()
+                .prepare_create(&r.path, r.overwrite)
+                .await?)
         };
         let (replaces, out) = match checked.await {
             Ok(replaces) => (replaces, None),
@@ -768,7 +788,7 @@ impl MasterService for MasterRpc {
             // every create would fill the table each heartbeat goes through (5 minutes of a
             // checkpoint writer's files). A file made by someone else between the check and
             // the apply is missed; its old pages are never read again and age out.
-            ApplyOutput::Inode(i) if replaces => self.core.blocks.note_stale(i.id, i.version),
+            ApplyOutput::Inode(i) if replaces => self.core.fleet().note_stale(i.id, i.version),
             _ => {}
         }
         match out {
@@ -802,14 +822,10 @@ impl MasterService for MasterRpc {
         // A file not in the store is kept (and pinned) by the worker it names: one that is
         // not registered would leave it pending, and its replicas pinned, for good. (A new
         // leader knows the workers after a few heartbeats; until then it believes the writer.)
-        let settled = self.core.workers.term_age() >= self.core.heartbeat_interval * 3;
+        let fleet = self.core.fleet();
         if r.persist_state != pb::PersistState::Persisted as i32
-            && settled
-            && !self
-                .core
-                .workers
-                .get(r.persist_worker)
-                .is_some_and(|w| self.core.workers.is_live(&w))
+            && fleet.settled()
+            && !fleet.is_live_id(r.persist_worker)
         {
             return Err(Status::invalid_argument(format!(
                 "persist_worker {} is not a live worker of this cluster",
@@ -890,7 +906,10 @@ impl MasterService for MasterRpc {
         let checked = async {
             self.may_change_parent(caller, &r.src).await?;
             self.may_change_parent(caller, &r.dst).await?;
-            self.core.ns.rename_in_store(&r.src, &r.dst).await?;
+            self.core
+                .namespace()
+                .rename_in_store(&r.src, &r.dst)
+                .await?;
             Ok(())
         };
         if let Err(e) = checked.await {
@@ -926,8 +945,8 @@ impl MasterService for MasterRpc {
             None
         };
         self.core.read_barrier().await?;
-        let start = self.core.ns.resolve(&r.path).await?;
-        let (dirs_listed, failures) = self.core.ns.sync_tree(start, r.recursive).await?;
+        let start = self.core.namespace().resolve(&r.path).await?;
+        let (dirs_listed, failures) = self.core.namespace().sync_tree(start, r.recursive).await?;
         Ok(Response::new(pb::SyncMetadataResponse {
             dirs_listed,
             failures,
@@ -971,7 +990,7 @@ impl MasterService for MasterRpc {
         self.core.read_barrier().await?;
         let mounts = self
             .core
-            .ns
+            .namespace()
             .sm
             .mounts()?
             .iter()
@@ -987,8 +1006,8 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::GetMountAccessResponse>, Status> {
         let id = req.into_inner().mount_id;
         self.core.read_barrier().await?;
-        let m = crate::mounts::find_mount(&self.core.ns.sm, id)?;
-        let spec = self.core.ns.ufs.open_spec(&m)?;
+        let m = crate::mounts::find_mount(&self.core.namespace().sm, id)?;
+        let spec = self.core.namespace().ufs.open_spec(&m)?;
         Ok(Response::new(pb::GetMountAccessResponse {
             mount_id: m.id,
             uri: spec.uri.clone(),
@@ -1019,7 +1038,7 @@ impl MasterService for MasterRpc {
             .blocks
             .into_iter()
             .map(|b| {
-                let workers = self.core.holders_of(&b);
+                let workers = self.core.fleet().holders_of(&b);
                 pb::BlockLocations {
                     block: Some(b),
                     workers,
@@ -1041,24 +1060,15 @@ impl MasterService for MasterRpc {
         }
         self.core.ensure_leader()?;
         tracing::info!(worker = r.worker_id, address = %r.address, blocks = r.blocks.len(), "worker registered");
-        self.core
-            .blocks
-            .replace_worker(r.worker_id, &r.blocks)
-            .map_err(|_| {
-                Status::resource_exhausted(
-                    "the master tracks the blocks of at most 65,535 workers; this one cannot register until another is gone",
-                )
-            })?;
-        self.core
-            .workers
-            .register(r.worker_id, r.address, r.host, r.stats.unwrap_or_default());
-        self.core
-            .workers
-            .set_data_address(r.worker_id, r.data_address);
+        self.core.fleet().register(r).map_err(|_| {
+            Status::resource_exhausted(
+                "the master tracks the blocks of at most 65,535 workers; this one cannot register until another is gone",
+            )
+        })?;
         Ok(Response::new(pb::RegisterWorkerResponse {
-            heartbeat_interval_ms: self.core.heartbeat_interval.as_millis() as u64,
-            grant_key: self.core.grants.as_ref().map(|k| k.own().to_proto()),
-            workers: self.core.workers.known(self.core.heartbeat_interval * 3),
+            heartbeat_interval_ms: self.core.fleet().heartbeat_interval().as_millis() as u64,
+            grant_key: self.core.grants().map(|k| k.own().to_proto()),
+            workers: self.core.fleet().known(),
         }))
     }
 
@@ -1066,38 +1076,17 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::WorkerHeartbeatRequest>,
     ) -> Result<Response<pb::WorkerHeartbeatResponse>, Status> {
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         self.core.ensure_leader()?;
-        if !self.core.workers.heartbeat(r.worker_id, r.stats) {
+        let stats = r.stats.take();
+        let fleet = self.core.fleet();
+        let Some(stale) = fleet.heartbeat(r.worker_id, stats, &r.added_blocks, &r.removed_blocks)
+        else {
             return Ok(Response::new(pb::WorkerHeartbeatResponse {
                 reregister: true,
                 ..Default::default()
             }));
-        }
-        self.core
-            .blocks
-            .update(r.worker_id, &r.added_blocks, &r.removed_blocks);
-        let mut stale: Vec<pb::StaleFile> = self
-            .core
-            .blocks
-            .stale_for(r.worker_id)
-            .into_iter()
-            .map(|(inode, keep_version)| pb::StaleFile {
-                inode,
-                keep_version,
-            })
-            .collect();
-        // Freed files: every version goes.
-        stale.extend(
-            self.core
-                .blocks
-                .take_freed(r.worker_id)
-                .into_iter()
-                .map(|inode| pb::StaleFile {
-                    inode,
-                    keep_version: 0,
-                }),
-        );
+        };
         let pins = self.core.heartbeat_pins(
             r.worker_id,
             r.pins_generation,
@@ -1111,8 +1100,8 @@ impl MasterService for MasterRpc {
             pinned_inodes: pins.set,
             pinned_added: pins.added,
             pins_generation: pins.generation,
-            grant_key: self.core.grants.as_ref().map(|k| k.own().to_proto()),
-            workers: self.core.workers.known(self.core.heartbeat_interval * 3),
+            grant_key: self.core.grants().map(|k| k.own().to_proto()),
+            workers: self.core.fleet().known(),
         }))
     }
 
@@ -1253,9 +1242,9 @@ impl MasterService for MasterRpc {
         self.core.add_master(r.id, &r.address).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
             masters: crate::raft::service::group_status(
-                &self.core.raft,
-                &self.core.address,
-                &self.core.net,
+                self.core.raft(),
+                self.core.address(),
+                self.core.net(),
             )
             .await,
         }))
@@ -1269,9 +1258,9 @@ impl MasterService for MasterRpc {
         self.core.remove_master(r.id).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
             masters: crate::raft::service::group_status(
-                &self.core.raft,
-                &self.core.address,
-                &self.core.net,
+                self.core.raft(),
+                self.core.address(),
+                self.core.net(),
             )
             .await,
         }))
