@@ -187,21 +187,10 @@ impl Fleet {
     /// The workers new blocks go to, as clients see them (same order and weights): live
     /// and not `decommissioned`.
     pub fn placement_targets(&self, decommissioned: &BTreeSet<u64>) -> Vec<pb::WorkerInfo> {
-        self.all()
+        let live = pb::WorkerState::Live as i32;
+        self.infos(decommissioned)
             .into_iter()
-            .filter(|w| {
-                self.workers.state_of(w, decommissioned.contains(&w.id)) == pb::WorkerState::Live
-            })
-            .map(|w| pb::WorkerInfo {
-                worker_id: w.id,
-                address: w.address,
-                host: w.host,
-                state: pb::WorkerState::Live.text().into(),
-                state_code: pb::WorkerState::Live as i32,
-                stats: Some(w.stats),
-                data_address: w.data_address,
-                ..Default::default()
-            })
+            .filter(|w| w.state_code == live)
             .collect()
     }
 

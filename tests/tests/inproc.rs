@@ -1066,8 +1066,13 @@ async fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() -> 
     )
     .await?;
     let w0 = c.worker(0).context("w0")?.worker_id;
-    let unknown = fs.master.decommission_worker(w0 + 999).await.unwrap_err();
-    assert_eq!(unknown.code(), ErrorCode::NotFound, "{unknown}");
+    // Ids no worker has (0, the largest, a neighbour of a real one) change nothing.
+    for id in [0, u64::MAX, w0.wrapping_add(999)] {
+        let unknown = fs.master.decommission_worker(id).await.unwrap_err();
+        assert_eq!(unknown.code(), ErrorCode::NotFound, "{id}: {unknown}");
+        let never = fs.master.recommission_worker(id).await.unwrap_err();
+        assert_eq!(never.code(), ErrorCode::FailedPrecondition, "{id}: {never}");
+    }
     let in_service = fs.master.recommission_worker(w0).await.unwrap_err();
     assert_eq!(
         in_service.code(),
