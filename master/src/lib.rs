@@ -114,6 +114,12 @@ pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError>
     let mut opts = rocksdb::Options::default();
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
+    // Unsynced writes (each applied entry, the commit index) stay in RocksDB's WAL buffer
+    // until the Raft loop's next synced write or the end of its round
+    // (`RocksLogStorage::flush_wal`): one write to the log file per round, not one per
+    // applied entry. What an unsynced write may lose is as before (decision 9): a suffix,
+    // which the Raft log applies again.
+    opts.set_manual_wal_flush(true);
     // Most point reads of the state miss (is this request id applied already? does this
     // name exist yet? is this folder pinned?): whole-key Bloom filters answer those
     // without searching the memtable's skip list or reading a table's blocks. Existing

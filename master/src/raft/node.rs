@@ -833,6 +833,7 @@ impl Driver {
         }
         self.transport.send(light.take_messages());
         self.apply(light.take_committed_entries())?;
+        self.storage.flush_wal()?;
         self.node.advance_apply();
         self.release_reads();
         Ok(())
