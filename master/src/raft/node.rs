@@ -55,6 +55,8 @@ pub enum Msg {
     SnapshotBuilt {
         meta: Box<SnapshotMetadata>,
         result: Result<u64, MasterError>,
+        /// When the checkpoint began (the log line says how long the snapshot took).
+        started: Instant,
     },
     Shutdown,
 }
@@ -441,7 +443,11 @@ impl Driver {
                     SnapshotStatus::Failure
                 },
             ),
-            Msg::SnapshotBuilt { meta, result } => self.snapshot_built(*meta, result),
+            Msg::SnapshotBuilt {
+                meta,
+                result,
+                started,
+            } => self.snapshot_built(*meta, result, started),
             Msg::Shutdown => {}
         }
     }
@@ -1033,6 +1039,7 @@ impl Driver {
             }
         };
         let cp = self.config.snapshots.checkpoint_path(meta.index);
+        let started = Instant::now();
         if let Err(e) = snapshot::checkpoint(self.storage.db(), &cp) {
             tracing::error!(error = %e, "cannot start a snapshot");
             return;
@@ -1051,6 +1058,7 @@ impl Driver {
                 let _ = tx.send(Msg::SnapshotBuilt {
                     meta: Box::new(meta),
                     result,
+                    started,
                 });
             });
         if let Err(e) = spawned {
@@ -1064,18 +1072,24 @@ impl Driver {
         let meta = self.snapshot_meta_now()?;
         let dir = &self.config.snapshots;
         let cp = dir.checkpoint_path(meta.index);
+        let started = Instant::now();
         snapshot::checkpoint(self.storage.db(), &cp)?;
         let result = snapshot::write_from_checkpoint(
             &cp,
             &dir.temp_path(meta.index, meta.term),
             &dir.path_for(meta.index, meta.term),
         );
-        self.finish_snapshot(meta, result, true)
+        self.finish_snapshot(meta, result, true, started)
     }
 
-    fn snapshot_built(&mut self, meta: SnapshotMetadata, result: Result<u64, MasterError>) {
+    fn snapshot_built(
+        &mut self,
+        meta: SnapshotMetadata,
+        result: Result<u64, MasterError>,
+        started: Instant,
+    ) {
         self.building_snapshot = false;
-        if let Err(e) = self.finish_snapshot(meta, result, false) {
+        if let Err(e) = self.finish_snapshot(meta, result, false, started) {
             tracing::error!(error = %e, "snapshot failed");
         }
     }
@@ -1085,6 +1099,7 @@ impl Driver {
         meta: SnapshotMetadata,
         result: Result<u64, MasterError>,
         compact_fully: bool,
+        started: Instant,
     ) -> Result<(), MasterError> {
         let bytes = result?;
         if meta.index <= self.last_snapshot {
@@ -1104,6 +1119,7 @@ impl Driver {
         tracing::info!(
             index = meta.index,
             bytes,
+            ms = started.elapsed().as_millis() as u64,
             compacted_to = compact_to,
             "snapshot taken; log compacted"
         );
