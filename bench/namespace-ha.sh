@@ -134,7 +134,7 @@ echo "snapshots taken (master: index, bytes, ms):"
 for i in 1 2 3; do
   grep -h "snapshot taken" "$work/m$i.log" 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' |
     sed -E 's/.*index=([0-9]+) bytes=([0-9]+) ms=([0-9]+).*/\1 \2 \3/' |
-    while read -r idx b ms; do echo "  master $i: index $idx, $((b / 1048576)) MiB, $ms ms"; done
+    while read -r idx b ms; do echo "  master $i: index $idx, $((b / 1048576)) MiB, $ms ms"; done || true
 done
 echo "wiped follower (master $f) caught up with index $target in $catchup s (data dir then $((wiped_kib / 1024)) MiB)"
 grep -h "snapshot sent" "$work"/m*.log 2>/dev/null | tail -1 | sed 's/\x1b\[[0-9;]*m//g' | sed -E 's/.*index=([0-9]+) bytes=([0-9]+).*/  snapshot sent to it: index \1, \2 bytes/' || true
