@@ -121,3 +121,36 @@ mounts_cleanup() {
   for m in "${mounts[@]}"; do mountpoint -q "$m" && umount -l "$m" || true; done
   procs_cleanup
 }
+
+# empty_tree DIR FOLDERS PER: DIR/dNNNNN/fNNNNNN, FOLDERS folders of PER empty files each
+# (bench/namespace-scale.sh, bench/namespace-ha.sh: metadata only).
+empty_tree() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import os, sys
+root, folders, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for d in range(folders):
+    p = os.path.join(root, f"d{d:05d}")
+    os.mkdir(p)
+    for f in range(per):
+        open(os.path.join(p, f"f{f:06d}"), "wb").close()
+PY
+}
+
+# master_group: three masters on loopback ports. Sets $ports, $peers, $addrs and the map
+# $mpid (declared here); start_master ID starts one (data in $work/mID, log in
+# $work/mID.log, its PID in $mpid[ID] and $pids), with GRANARY_LOG=$MASTER_LOG (default
+# warn) and the flags in the array $master_flags.
+master_group() {
+  ports=($(free_port) $(free_port) $(free_port))
+  peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
+  addrs="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
+  declare -gA mpid
+}
+start_master() { # id
+  local i=$1
+  GRANARY_LOG="${MASTER_LOG:-warn}" "$bin" master --id "$i" --peers "$peers" \
+    --data-dir "$work/m$i" --listen "127.0.0.1:${ports[$((i - 1))]}" ${master_flags[@]+"${master_flags[@]}"} \
+    >> "$work/m$i.log" 2>&1 &
+  mpid[$i]=$!
+  pids+=($!)
+}

@@ -22,17 +22,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ports=($(free_port) $(free_port) $(free_port))
-peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
-addrs="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
-declare -A mpid
-start_master() { # id
-  local i=$1
-  GRANARY_LOG=warn "$bin" master --id "$i" --peers "$peers" --data-dir "$work/m$i" \
-    --listen "127.0.0.1:${ports[$((i - 1))]}" >> "$work/m$i.log" 2>&1 &
-  mpid[$i]=$!
-  pids+=($!)
-}
+master_group
 for i in 1 2 3; do start_master "$i"; done
 leader() {
   "$bin" master list --json --master "$addrs" 2>/dev/null |

@@ -35,32 +35,15 @@ unmount() {
 }
 trap 'unmount; procs_cleanup' EXIT
 mkdir -p "$work/ufs/tree" "$work/mnt"
-python3 - "$work/ufs/tree" "$folders" "$per" <<'PY'
-import os, sys
-root, folders, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for d in range(folders):
-    p = os.path.join(root, f"d{d:05d}")
-    os.mkdir(p)
-    for f in range(per):
-        open(os.path.join(p, f"f{f:06d}"), "wb").close()
-PY
+empty_tree "$work/ufs/tree" "$folders" "$per"
 stat_all() { find "$1" -type f -printf '%s\n' | wc -l; }
 files_of() { find "$1" -type f | wc -l; }
 drop
 raw_find=$(timed stat_all "$work/ufs/tree")
 
-ports=($(free_port) $(free_port) $(free_port))
-peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
-addrs="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
-declare -A mpid
-start_master() { # id
-  local i=$1
-  GRANARY_LOG=info "$bin" master --id "$i" --peers "$peers" --data-dir "$work/m$i" \
-    --snapshot-entries "${SNAPSHOT_ENTRIES:-10000}" --allow-local-root "$work/ufs" \
-    --listen "127.0.0.1:${ports[$((i - 1))]}" >> "$work/m$i.log" 2>&1 &
-  mpid[$i]=$!
-  pids+=($!)
-}
+MASTER_LOG=info
+master_flags=(--snapshot-entries "${SNAPSHOT_ENTRIES:-10000}" --allow-local-root "$work/ufs")
+master_group
 members() { "$bin" master list --json --master "$addrs" 2>/dev/null; }
 leader() { members | python3 -c 'import json,sys; print(next(m["id"] for m in json.load(sys.stdin) if m["role"]=="leader"))'; }
 applied() { # id -> applied index of that member ("" if it does not answer)

@@ -23,15 +23,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 needs_root
 local_workdir nsscale
 mkdir -p "$work/ufs/tree" "$work/mnt"
-python3 - "$work/ufs/tree" "$folders" "$per" <<'PY'
-import os, sys
-root, folders, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for d in range(folders):
-    p = os.path.join(root, f"d{d:05d}")
-    os.mkdir(p)
-    for f in range(per):
-        open(os.path.join(p, f"f{f:06d}"), "wb").close()
-PY
+empty_tree "$work/ufs/tree" "$folders" "$per"
 files_of() { find "$1" -type f | wc -l; }
 stat_all() { find "$1" -type f -printf '%s\n' | wc -l; }
 ls_l() { ls -l "$1" | tail -n +2 | wc -l; }
