@@ -120,6 +120,18 @@ pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError>
     // applied entry. What an unsynced write may lose is as before (decision 9): a suffix,
     // which the Raft log applies again.
     opts.set_manual_wal_flush(true);
+    let cfs = [
+        (raft::storage::CF_RAFT, rocksdb::Options::default()),
+        (state::CF_STATE, state_options()),
+    ];
+    rocksdb::DB::open_cf_with_opts(&opts, dir, cfs).map_err(|e| MasterError::Storage {
+        message: format!("cannot open master store in {}: {e}", dir.display()),
+    })
+}
+
+/// The options of the `state` column family, also those of the table files a snapshot
+/// is installed from.
+pub(crate) fn state_options() -> rocksdb::Options {
     // Most point reads of the state miss (is this request id applied already? does this
     // name exist yet? is this folder pinned?): whole-key Bloom filters answer those
     // without searching the memtable's skip list or reading a table's blocks. Existing
@@ -131,13 +143,7 @@ pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError>
     state.set_block_based_table_factory(&table);
     state.set_memtable_whole_key_filtering(true);
     state.set_memtable_prefix_bloom_ratio(0.05);
-    let cfs = [
-        (raft::storage::CF_RAFT, rocksdb::Options::default()),
-        (state::CF_STATE, state),
-    ];
-    rocksdb::DB::open_cf_with_opts(&opts, dir, cfs).map_err(|e| MasterError::Storage {
-        message: format!("cannot open master store in {}: {e}", dir.display()),
-    })
+    state
 }
 
 /// Refuses a configuration no master can run with.
@@ -282,11 +288,13 @@ pub async fn start(
         .unwrap_or_else(|| addr.to_string());
 
     let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
+    let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters(&config))?;
+    let snapshots = raft::snapshot::SnapshotDir::open(config.data_dir.join("snapshots"))?;
+    // A snapshot install that a stop interrupted left the state part old, part new.
+    raft::snapshot::finish_install(&log, &snapshots)?;
     let sm = state::StateMachine::open(db.clone())?;
     report_broken_state(&sm)?;
-    let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters(&config))?;
     let peers = peers_of(&config, &sm, &address)?;
-    let snapshots = raft::snapshot::SnapshotDir::open(config.data_dir.join("snapshots"))?;
     let chan = raft::node::channel();
     let transport = raft::transport::GrpcTransport::new(
         config.id,

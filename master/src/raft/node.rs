@@ -970,16 +970,9 @@ impl Driver {
 
     fn install_snapshot(&mut self, snap: &Snapshot) -> Result<(), MasterError> {
         let meta = snap.get_metadata().clone();
-        let path = self.config.snapshots.path_for(meta.index, meta.term);
-        let db = self.storage.db().clone();
-        let mut batch = WriteBatch::default();
-        snapshot::load_into(&db, &path, &mut batch)?;
-        self.storage.install_snapshot_into(&meta, &mut batch)?;
-        let mut wo = rocksdb::WriteOptions::default();
-        wo.set_sync(true);
-        db.write_opt(batch, &wo)?;
+        let started = std::time::Instant::now();
+        snapshot::install(&self.storage, &self.config.snapshots, &meta)?;
         self.sm.snapshot_installed()?;
-        self.storage.snapshot_installed(&meta);
         self.last_snapshot = meta.index;
         // Configuration first, then the applied index: whoever sees the new applied index
         // sees the members that go with it.
@@ -994,6 +987,7 @@ impl Driver {
         tracing::info!(
             index = meta.index,
             term = meta.term,
+            ms = started.elapsed().as_millis() as u64,
             "installed a snapshot from the leader"
         );
         eprintln!(

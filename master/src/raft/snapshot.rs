@@ -10,14 +10,17 @@
 //! `state::format`), so that a master of an older release can install them.
 //!
 //! Files are named `snap-<index>-<term>.bin` in the master's `snapshots/` directory; the
-//! transport streams them to followers that need them, which verify and install them in one
-//! atomic RocksDB write.
+//! transport streams them to followers that need them, which install them ([`install`]): the
+//! records become RocksDB table files (in order, checksum verified) that replace the state,
+//! under a mark in the log that makes an open after a stop part-way finish the install.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use raft::eraftpb::SnapshotMetadata;
 use rocksdb::{WriteBatch, DB};
 
+use super::storage::RocksLogStorage;
 use crate::error::MasterError;
 use crate::state::CF_STATE;
 
@@ -63,6 +66,12 @@ impl SnapshotDir {
             "snap-{index:020}-{term:020}.{:016x}.tmp",
             rand::random::<u64>()
         ))
+    }
+
+    /// The folder of table files a snapshot is staged into for its install (removed at
+    /// the next open when left).
+    pub fn staging_path(&self, index: u64) -> PathBuf {
+        self.dir.join(format!("install-{index:020}.tmp"))
     }
 
     pub fn checkpoint_path(&self, index: u64) -> PathBuf {
@@ -116,10 +125,7 @@ pub fn write_from_checkpoint(
         let cf = db
             .cf_handle(CF_STATE)
             .ok_or_else(|| MasterError::corrupt("checkpoint has no state column family"))?;
-        let file = std::fs::File::create(tmp).map_err(|e| io_err("creating", tmp, e))?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        let mut crc = 0u32;
-        let mut count = 0u64;
+        let mut w = RecordWriter::create(tmp)?;
         // A group that may hold masters of a release before format 1 gets what they read.
         let json = crate::state::format::snapshot_in_json(&db, cf)?;
         let mut it = db.raw_iterator_cf(cf);
@@ -128,32 +134,13 @@ pub fn write_from_checkpoint(
             let (Some(k), Some(v)) = (it.key(), it.value()) else {
                 break;
             };
-            let Some(v) = crate::state::format::snapshot_value(k, v, json)? else {
-                it.next();
-                continue;
-            };
-            for part in [k, &*v] {
-                let len = (part.len() as u32).to_le_bytes();
-                crc = crc32c::crc32c_append(crc, &len);
-                crc = crc32c::crc32c_append(crc, part);
-                w.write_all(&len).map_err(|e| io_err("writing", tmp, e))?;
-                w.write_all(part).map_err(|e| io_err("writing", tmp, e))?;
+            if let Some(v) = crate::state::format::snapshot_value(k, v, json)? {
+                w.push(k, &v)?;
             }
-            count += 1;
             it.next();
         }
         it.status()?;
-        w.write_all(MAGIC).map_err(|e| io_err("writing", tmp, e))?;
-        w.write_all(&count.to_le_bytes())
-            .map_err(|e| io_err("writing", tmp, e))?;
-        w.write_all(&crc.to_le_bytes())
-            .map_err(|e| io_err("writing", tmp, e))?;
-        let file = w
-            .into_inner()
-            .map_err(|e| io_err("writing", tmp, e.error()))?;
-        file.sync_all().map_err(|e| io_err("syncing", tmp, e))?;
-        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-        drop(file);
+        let len = w.finish()?;
         std::fs::rename(tmp, out).map_err(|e| io_err("renaming", out, e))?;
         sync_dir(out);
         Ok(len)
@@ -163,6 +150,58 @@ pub fn write_from_checkpoint(
         let _ = std::fs::remove_file(tmp);
     }
     result
+}
+
+/// Writes a snapshot file's records and footer.
+pub(crate) struct RecordWriter {
+    w: BufWriter<std::fs::File>,
+    path: PathBuf,
+    crc: u32,
+    count: u64,
+}
+
+impl RecordWriter {
+    pub(crate) fn create(path: &Path) -> Result<Self, MasterError> {
+        let file = std::fs::File::create(path).map_err(|e| io_err("creating", path, e))?;
+        Ok(Self {
+            w: BufWriter::with_capacity(1 << 20, file),
+            path: path.to_path_buf(),
+            crc: 0,
+            count: 0,
+        })
+    }
+
+    pub(crate) fn push(&mut self, key: &[u8], value: &[u8]) -> Result<(), MasterError> {
+        for part in [key, value] {
+            let len = (part.len() as u32).to_le_bytes();
+            self.crc = crc32c::crc32c_append(self.crc, &len);
+            self.crc = crc32c::crc32c_append(self.crc, part);
+            self.write(&len)?;
+            self.write(part)?;
+        }
+        self.count += 1;
+        Ok(())
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), MasterError> {
+        self.w
+            .write_all(bytes)
+            .map_err(|e| io_err("writing", &self.path, e))
+    }
+
+    /// Writes the footer and syncs the file. Returns its size.
+    pub(crate) fn finish(mut self) -> Result<u64, MasterError> {
+        self.write(MAGIC)?;
+        self.write(&self.count.to_le_bytes())?;
+        self.write(&self.crc.to_le_bytes())?;
+        let file = self
+            .w
+            .into_inner()
+            .map_err(|e| io_err("writing", &self.path, e.error()))?;
+        file.sync_all()
+            .map_err(|e| io_err("syncing", &self.path, e))?;
+        Ok(file.metadata().map(|m| m.len()).unwrap_or(0))
+    }
 }
 
 /// Fsyncs the directory holding `path` so a rename survives a crash.
@@ -179,19 +218,135 @@ pub fn verify(path: &Path) -> Result<(), MasterError> {
     load(path, |_, _| Ok(()))
 }
 
-/// Adds the records of the snapshot file at `path` to `batch`, replacing the whole `state`
-/// column family. Verifies the checksum before anything is written.
-pub fn load_into(db: &DB, path: &Path, batch: &mut WriteBatch) -> Result<(), MasterError> {
+/// Records written into one table file at most, in bytes of keys and values: what a
+/// table writer holds until its file is finished (the file's index and filter) grows with
+/// a file, not with the snapshot.
+const TABLE_BYTES: usize = 64 << 20;
+
+/// Writes the records of the snapshot file at `path` into table files in the folder
+/// `staging` (made anew), in key order, and checks the snapshot's checksum: nothing in the
+/// store changes, and nothing is kept when the file is corrupt or its keys are out of order.
+/// Returns the table files.
+pub fn stage(path: &Path, staging: &Path) -> Result<Vec<PathBuf>, MasterError> {
+    stage_in_tables_of(path, staging, TABLE_BYTES)
+}
+
+fn stage_in_tables_of(
+    path: &Path,
+    staging: &Path,
+    table_bytes: usize,
+) -> Result<Vec<PathBuf>, MasterError> {
+    let result = (|| {
+        let _ = std::fs::remove_dir_all(staging);
+        std::fs::create_dir_all(staging).map_err(|e| io_err("creating", staging, e))?;
+        let opts = crate::state_options();
+        let mut files = Vec::new();
+        let mut writer: Option<(rocksdb::SstFileWriter, usize)> = None;
+        load(path, |k, v| {
+            let (w, bytes) = match &mut writer {
+                Some(w) => w,
+                None => {
+                    let file = staging.join(format!("{:06}.sst", files.len()));
+                    let w = rocksdb::SstFileWriter::create(&opts);
+                    w.open(&file)
+                        .map_err(|e| io_err("creating the table file", &file, e))?;
+                    files.push(file);
+                    writer.insert((w, 0))
+                }
+            };
+            w.put(k, v).map_err(|e| {
+                MasterError::corrupt(format!(
+                    "snapshot {} cannot be installed: {e}",
+                    path.display()
+                ))
+            })?;
+            *bytes += k.len() + v.len();
+            if *bytes >= table_bytes {
+                if let Some((mut w, _)) = writer.take() {
+                    w.finish()?;
+                }
+            }
+            Ok(())
+        })?;
+        if let Some((mut w, _)) = writer.take() {
+            w.finish()?;
+        }
+        Ok(files)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(staging);
+    }
+    result
+}
+
+/// Replaces the whole `state` column family of `db` with the table files of [`stage`]
+/// (moved into the store, not copied, and not written through its log). Not atomic: a
+/// stop part-way leaves a state part old, part new, which the caller's mark
+/// ([`RocksLogStorage::begin_install`]) makes the next open redo.
+pub fn ingest(db: &DB, files: &[PathBuf]) -> Result<(), MasterError> {
     let cf = db
         .cf_handle(CF_STATE)
         .ok_or_else(|| MasterError::corrupt("column family 'state' is missing"))?;
-    verify(path)?;
-    batch.delete_range_cf(cf, [0u8].as_slice(), [0xffu8; 64].as_slice());
-    // Keys starting with 0xff..: none exist (all keys start with an ASCII letter).
-    load(path, |k, v| {
-        batch.put_cf(cf, k, v);
+    // Keys starting with 0xff..: none exist (all keys start with an ASCII letter). The
+    // tables ingested after the range deletion take newer sequence numbers: they win.
+    db.delete_range_cf(cf, [0u8].as_slice(), [0xffu8; 64].as_slice())?;
+    if files.is_empty() {
+        return Ok(());
+    }
+    let mut opts = rocksdb::IngestExternalFileOptions::default();
+    opts.set_move_files(true);
+    db.ingest_external_file_cf_opts(cf, &opts, files.to_vec())?;
+    Ok(())
+}
+
+/// Installs the snapshot `meta` (its file in `dir`) as the state and the log's start: its
+/// records are staged as table files (memory bounded whatever its size; a corrupt file
+/// changes nothing), the install is marked in the log, the tables replace the state, and
+/// one synced write ends the install and empties the log. A stop part-way is finished by
+/// [`finish_install`] at the next open.
+pub fn install(
+    log: &RocksLogStorage,
+    dir: &SnapshotDir,
+    meta: &SnapshotMetadata,
+) -> Result<(), MasterError> {
+    let path = dir.path_for(meta.index, meta.term);
+    let staging = dir.staging_path(meta.index);
+    let files = stage(&path, &staging)?;
+    let result = (|| {
+        log.begin_install(meta)?;
+        ingest(log.db(), &files)?;
+        let mut batch = WriteBatch::default();
+        log.install_snapshot_into(meta, &mut batch)?;
+        let mut wo = rocksdb::WriteOptions::default();
+        wo.set_sync(true);
+        log.db().write_opt(batch, &wo)?;
+        log.snapshot_installed(meta);
         Ok(())
-    })
+    })();
+    let _ = std::fs::remove_dir_all(&staging);
+    result
+}
+
+/// Finishes the install of a snapshot that a stop interrupted (see [`install`]), before
+/// anything reads the state. Returns the snapshot's index, if there was one.
+pub fn finish_install(
+    log: &RocksLogStorage,
+    dir: &SnapshotDir,
+) -> Result<Option<u64>, MasterError> {
+    let Some(meta) = log.installing()? else {
+        return Ok(None);
+    };
+    tracing::warn!(
+        index = meta.index,
+        "the install of a snapshot was interrupted: finishing it"
+    );
+    install(log, dir, &meta).map_err(|e| MasterError::Storage {
+        message: format!(
+            "the install of snapshot {} was interrupted and cannot be finished: {e}",
+            meta.index
+        ),
+    })?;
+    Ok(Some(meta.index))
 }
 
 fn load(
@@ -247,4 +402,143 @@ fn load(
         return Err(bad("checksum mismatch"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use raft::Storage;
+
+    use super::*;
+    use crate::state::{Command, StateMachine};
+
+    fn mkdir(sm: &StateMachine, index: u64, path: &str) {
+        let cmd = Command::Mkdir {
+            path: path.into(),
+            recursive: true,
+            mode: 0,
+            now_ms: 1,
+            owner: None,
+        };
+        sm.apply(index, &cmd).unwrap();
+    }
+
+    fn records(db: &DB) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let cf = db.cf_handle(CF_STATE).unwrap();
+        db.iterator_cf(cf, rocksdb::IteratorMode::Start)
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.to_vec(), v.to_vec())
+            })
+            .collect()
+    }
+
+    /// Asserts that two stores' records are the same, naming the first that differs.
+    fn same(got: &[(Vec<u8>, Vec<u8>)], want: &[(Vec<u8>, Vec<u8>)]) {
+        let first = got.iter().zip(want).position(|(g, w)| g != w);
+        assert!(
+            first.is_none() && got.len() == want.len(),
+            "{} records, {} wanted; first difference at {first:?}: {:?} against {:?}",
+            got.len(),
+            want.len(),
+            first.map(|i| &got[i]),
+            first.map(|i| &want[i]),
+        );
+    }
+
+    fn meta(index: u64, term: u64) -> SnapshotMetadata {
+        let mut m = SnapshotMetadata {
+            index,
+            term,
+            ..Default::default()
+        };
+        m.mut_conf_state().set_voters(vec![1, 2, 3]);
+        m
+    }
+
+    #[test]
+    fn an_install_stopped_part_way_is_finished_at_the_next_open_and_a_bad_file_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // The leader's state: enough folders for several small table files.
+        let ldb = Arc::new(crate::open_db(&d.join("leader")).unwrap());
+        let leader = StateMachine::open(ldb.clone()).unwrap();
+        for i in 1..=300 {
+            mkdir(&leader, i, &format!("/d{i:03}/sub"));
+        }
+        let snaps = SnapshotDir::open(d.join("snapshots")).unwrap();
+        let m = meta(300, 2);
+        checkpoint(&ldb, &snaps.checkpoint_path(300)).unwrap();
+        write_from_checkpoint(
+            &snaps.checkpoint_path(300),
+            &snaps.temp_path(300, 2),
+            &snaps.path_for(300, 2),
+        )
+        .unwrap();
+        // What the file holds (the leader's records but those of the leader alone).
+        let mut want = Vec::new();
+        load(&snaps.path_for(300, 2), |k, v| {
+            want.push((k.to_vec(), v.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        assert!(want.len() > 600, "{} records", want.len());
+
+        // The follower: a state of its own and a log.
+        let db = Arc::new(crate::open_db(&d.join("follower")).unwrap());
+        let sm = StateMachine::open(db.clone()).unwrap();
+        mkdir(&sm, 1, "/old");
+        let log = super::super::storage::RocksLogStorage::open(db.clone(), &[1, 2, 3]).unwrap();
+        let before = records(&db);
+
+        // A corrupt file, and one whose keys are out of order under a good checksum: each is
+        // refused before anything changes.
+        let good = std::fs::read(snaps.path_for(300, 2)).unwrap();
+        let mut bad = good.clone();
+        bad[good.len() / 2] ^= 1;
+        std::fs::write(snaps.path_for(400, 2), &bad).unwrap();
+        let mut w = RecordWriter::create(&snaps.path_for(500, 2)).unwrap();
+        w.push(b"b", b"1").unwrap();
+        w.push(b"a", b"2").unwrap();
+        w.finish().unwrap();
+        for (index, what) in [(400, "is corrupt"), (500, "cannot be installed")] {
+            let e = install(&log, &snaps, &meta(index, 2))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(what), "{e}");
+            same(&records(&db), &before);
+            assert!(log.installing().unwrap().is_none());
+            assert!(!snaps.staging_path(index).exists());
+            assert_eq!(log.first_index().unwrap(), 1);
+        }
+
+        // Stopped after the mark, the range deletion and one table file of several.
+        let staging = snaps.staging_path(300);
+        let tables = stage_in_tables_of(&snaps.path_for(300, 2), &staging, 4096).unwrap();
+        assert!(tables.len() > 3, "{} table files", tables.len());
+        log.begin_install(&m).unwrap();
+        ingest(&db, &tables[..1]).unwrap();
+        assert_ne!(records(&db), want);
+        drop((sm, log, db));
+
+        let db = Arc::new(crate::open_db(&d.join("follower")).unwrap());
+        let log = super::super::storage::RocksLogStorage::open(db.clone(), &[1]).unwrap();
+        let snaps = SnapshotDir::open(d.join("snapshots")).unwrap();
+        assert!(!staging.exists(), "the staged tables are left over");
+        assert_eq!(finish_install(&log, &snaps).unwrap(), Some(300));
+        same(&records(&db), &want);
+        assert!(log.installing().unwrap().is_none());
+        assert_eq!(log.first_index().unwrap(), 301);
+        assert_eq!(log.last_index().unwrap(), 300);
+        assert_eq!(
+            log.initial_state().unwrap().conf_state.get_voters(),
+            [1, 2, 3]
+        );
+        let sm = StateMachine::open(db.clone()).unwrap();
+        assert!(sm.resolve_loaded("/old").unwrap().is_none());
+        assert!(sm.resolve_loaded("/d123/sub").unwrap().is_some());
+        // Nothing left to finish at the next open.
+        assert_eq!(finish_install(&log, &snaps).unwrap(), None);
+    }
 }

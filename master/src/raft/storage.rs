@@ -2,7 +2,9 @@
 //!
 //! Layout: `hs` → HardState, `cs` → ConfState, `snap` → (index, term) of the last compaction
 //! point (0, 0 until the log is first compacted), `sm` → metadata of the newest local
-//! state-machine snapshot file, `e` + index (big endian) → Entry. (Member addresses live in
+//! state-machine snapshot file, `inst` → metadata of a snapshot being installed (present
+//! only while its records replace the state, and after a stop part-way: the install is
+//! finished at the next open), `e` + index (big endian) → Entry. (Member addresses live in
 //! the state machine, so they travel with snapshots.)
 //! Every write is synced before `append`/`persist_*` return: Raft acknowledges nothing that
 //! could be lost by kill -9 or a power cut.
@@ -22,6 +24,7 @@ const KEY_HARD_STATE: &[u8] = b"hs";
 const KEY_CONF_STATE: &[u8] = b"cs";
 const KEY_SNAPSHOT_POINT: &[u8] = b"snap";
 const KEY_SNAPSHOT_META: &[u8] = b"sm";
+const KEY_INSTALLING: &[u8] = b"inst";
 
 fn entry_key(index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -200,9 +203,25 @@ impl RocksLogStorage {
         Ok(())
     }
 
+    /// Records (synced) that the state is about to be replaced by the snapshot `meta`: until
+    /// [`install_snapshot_into`](Self::install_snapshot_into)'s batch is written, the state
+    /// may be part old, part new, and an open finishes the install first
+    /// ([`installing`](Self::installing)).
+    pub fn begin_install(&self, meta: &SnapshotMetadata) -> Result<(), MasterError> {
+        self.put_sync(KEY_INSTALLING, &encode(meta)?)
+    }
+
+    /// The snapshot whose install was begun and not finished, if any.
+    pub fn installing(&self) -> Result<Option<SnapshotMetadata>, MasterError> {
+        self.get(KEY_INSTALLING)?.map(|v| decode(&v)).transpose()
+    }
+
     /// Adds to `batch` the log side of installing a snapshot received from the leader: the
-    /// log is emptied, the compaction point and configuration come from the snapshot, and
-    /// the commit index moves up to it. Call `snapshot_installed` after the batch is written.
+    /// log is emptied, the compaction point and configuration come from the snapshot, the
+    /// commit index moves up to it, and the install is over ([`begin_install`]'s mark goes).
+    /// Call `snapshot_installed` after the batch is written.
+    ///
+    /// [`begin_install`]: Self::begin_install
     pub fn install_snapshot_into(
         &self,
         meta: &SnapshotMetadata,
@@ -222,6 +241,7 @@ impl RocksLogStorage {
         hs.commit = hs.commit.max(meta.index);
         hs.term = hs.term.max(meta.term);
         batch.put_cf(cf, KEY_HARD_STATE, encode(&hs)?);
+        batch.delete_cf(cf, KEY_INSTALLING);
         Ok(())
     }
 

@@ -338,9 +338,8 @@ fn round_trip(sm: &StateMachine, dir: &std::path::Path, step: usize) -> BTreeMap
     snapshot::checkpoint(&sm.db, &cp).unwrap();
     snapshot::write_from_checkpoint(&cp, &tmp, &out).unwrap();
     let (_fresh_dir, fresh) = open_both();
-    let mut batch = WriteBatch::default();
-    snapshot::load_into(&fresh.db, &out, &mut batch).unwrap();
-    fresh.db.write(batch).unwrap();
+    let tables = snapshot::stage(&out, &dir.join(format!("staging-{step}"))).unwrap();
+    snapshot::ingest(&fresh.db, &tables).unwrap();
     let _ = std::fs::remove_file(&out);
     let restored = StateMachine::open(fresh.db.clone()).unwrap();
     assert!(restored.check_invariants(true, 4).unwrap().is_empty());

@@ -817,9 +817,8 @@ fn a_snapshot_installed_under_cached_records_replaces_them() {
     snapshot::checkpoint(&leader.db, &checkpoint).unwrap();
     let file = dir.path().join("snapshot");
     snapshot::write_from_checkpoint(&checkpoint, &dir.path().join("tmp"), &file).unwrap();
-    let mut batch = WriteBatch::default();
-    snapshot::load_into(&follower.db, &file, &mut batch).unwrap();
-    follower.db.write(batch).unwrap();
+    let tables = snapshot::stage(&file, &dir.path().join("staging")).unwrap();
+    snapshot::ingest(&follower.db, &tables).unwrap();
     follower.snapshot_installed().unwrap();
 
     assert!(follower.resolve_loaded("/old").unwrap().is_none());
