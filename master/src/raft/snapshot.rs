@@ -411,18 +411,8 @@ mod tests {
     use raft::Storage;
 
     use super::*;
-    use crate::state::{Command, StateMachine};
-
-    fn mkdir(sm: &StateMachine, index: u64, path: &str) {
-        let cmd = Command::Mkdir {
-            path: path.into(),
-            recursive: true,
-            mode: 0,
-            now_ms: 1,
-            owner: None,
-        };
-        sm.apply(index, &cmd).unwrap();
-    }
+    use crate::state::tests::mkdir_at as mkdir;
+    use crate::state::StateMachine;
 
     fn records(db: &DB) -> Vec<(Vec<u8>, Vec<u8>)> {
         let cf = db.cf_handle(CF_STATE).unwrap();

@@ -1405,4 +1405,4 @@ mod adversarial;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -788,18 +788,21 @@ fn decommissioned_workers_are_remembered_and_reapplying_is_harmless() {
     assert_eq!(ids, [3]);
 }
 
+/// Applies `mkdir -p path` at Raft index `index`.
+pub(crate) fn mkdir_at(sm: &StateMachine, index: u64, path: &str) {
+    let cmd = Command::Mkdir {
+        path: path.into(),
+        recursive: true,
+        mode: 0,
+        now_ms: 1,
+        owner: None,
+    };
+    sm.apply(index, &cmd).unwrap();
+}
+
 #[test]
 fn a_snapshot_installed_under_cached_records_replaces_them() {
-    let mkdir = |sm: &StateMachine, path: &str| {
-        let cmd = Command::Mkdir {
-            path: path.into(),
-            recursive: true,
-            mode: 0,
-            now_ms: 1,
-            owner: None,
-        };
-        sm.apply(1, &cmd).unwrap();
-    };
+    let mkdir = |sm: &StateMachine, path: &str| mkdir_at(sm, 1, path);
     let dir = tempfile::tempdir().unwrap();
     let store = |name: &str| {
         let db = crate::open_db(&dir.path().join(name)).unwrap();
