@@ -95,6 +95,10 @@ e=$(date +%s.%N)
 catchup=$(python3 -c "print(f'{$e - $s:.1f}')")
 [ "$(applied "$f")" -ge "$target" ] || { echo "the wiped follower did not catch up"; exit 1; }
 wiped_kib=$(du -sk "$work/m$f" | awk '{print $1}')
+# Its peak resident memory: an install must not hold the snapshot in memory.
+wiped_peak=$(awk '/^VmHWM/ { print $2 }' "/proc/${mpid[$f]}/status")
+install_ms=$(grep -h "installed a snapshot" "$work/m$f.log" 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' |
+  sed -nE 's/.* ms=([0-9]+).*/\1/p' | tail -1)
 
 # The group restarts.
 for i in 1 2 3; do kill -INT "${mpid[$i]}"; done
@@ -119,7 +123,7 @@ for i in 1 2 3; do
     sed -E 's/.*index=([0-9]+) bytes=([0-9]+) ms=([0-9]+).*/\1 \2 \3/' |
     while read -r idx b ms; do echo "  master $i: index $idx, $((b / 1048576)) MiB, $ms ms"; done || true
 done
-echo "wiped follower (master $f) caught up with index $target in $catchup s (data dir then $((wiped_kib / 1024)) MiB)"
+echo "wiped follower (master $f) caught up with index $target in $catchup s (data dir then $((wiped_kib / 1024)) MiB, peak resident memory $((wiped_peak / 1024)) MiB, install ${install_ms:-?} ms)"
 grep -h "snapshot sent" "$work"/m*.log 2>/dev/null | tail -1 | sed 's/\x1b\[[0-9;]*m//g' | sed -E 's/.*index=([0-9]+) bytes=([0-9]+).*/  snapshot sent to it: index \1, \2 bytes/' || true
 echo "group restart to serving (SIGINT all three, start, first stat of the deepest file): $restart s"
 echo "binary: $bin; $folders folders × $per files = $total files"
