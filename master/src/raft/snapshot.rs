@@ -242,7 +242,22 @@ fn stage_in_tables_of(
         let opts = crate::state_options();
         let mut files = Vec::new();
         let mut writer: Option<(rocksdb::SstFileWriter, usize)> = None;
+        // The last key, across table files too (a table checks only its own order).
+        let mut last: Option<Vec<u8>> = None;
         load(path, |k, v| {
+            match &mut last {
+                Some(l) if l.as_slice() >= k => {
+                    return Err(MasterError::corrupt(format!(
+                        "snapshot {} cannot be installed: its keys are out of order",
+                        path.display()
+                    )))
+                }
+                Some(l) => {
+                    l.clear();
+                    l.extend_from_slice(k);
+                }
+                None => last = Some(k.to_vec()),
+            }
             let (w, bytes) = match &mut writer {
                 Some(w) => w,
                 None => {
@@ -492,7 +507,13 @@ mod tests {
         w.push(b"b", b"1").unwrap();
         w.push(b"a", b"2").unwrap();
         w.finish().unwrap();
-        for (index, what) in [(400, "is corrupt"), (500, "cannot be installed")] {
+        // Out of order across table files too (each table checks only its own).
+        let e = stage_in_tables_of(&snaps.path_for(500, 2), &snaps.staging_path(500), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("keys are out of order"), "{e}");
+        assert!(!snaps.staging_path(500).exists());
+        for (index, what) in [(400, "is corrupt"), (500, "keys are out of order")] {
             let e = install(&log, &snaps, &meta(index, 2))
                 .unwrap_err()
                 .to_string();
