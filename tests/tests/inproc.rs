@@ -522,6 +522,106 @@ async fn a_request_id_replays_only_its_own_request() -> Result<()> {
     c.stop().await
 }
 
+/// Found by `security.rs`'s arbitrary requests (seed 1187739214903341865): an id reused
+/// for another request — of another kind, or one whose path is invalid — got the first
+/// request's outcome: deleting the root answered OK, and a create whose path held a NUL
+/// answered INTERNAL ("inode 9 has no parent": the replayed folder had been removed since).
+/// Each request now gets its own checks' answer; a retry after the entry is gone is
+/// NOT_FOUND.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_reused_for_another_request_never_gets_the_first_outcome() -> Result<()> {
+    use granary_common::net::ServerKind;
+    use granary_proto::master_service_client::MasterServiceClient;
+    let c = Cluster::start(Shape::default()).await?;
+    let ch = c
+        .faults(Node::Client)
+        .net()
+        .channel(c.master_addr(0), ServerKind::Master)
+        .map_err(anyhow::Error::msg)?;
+    let mut m = MasterServiceClient::new(ch);
+    fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+        r.map_or_else(|e| e.code(), |_| tonic::Code::Ok)
+    }
+    m.mkdir(pb::MkdirRequest {
+        path: "/team-a/d".into(),
+        recursive: true,
+        mode: 0o755,
+        request_id: 1,
+    })
+    .await?;
+    let delete = |path: &str, recursive: bool, request_id: u64| pb::DeleteRequest {
+        path: path.into(),
+        recursive,
+        request_id,
+    };
+    let root = m.delete(delete("/", false, 1)).await;
+    assert_eq!(code(root), tonic::Code::InvalidArgument);
+    m.delete(delete("/team-a", true, 2)).await?;
+    let create = |path: &str, request_id: u64| pb::CreateFileRequest {
+        path: path.into(),
+        mode: 0o644,
+        request_id,
+        ..Default::default()
+    };
+    let nul = m.create_file(create("/team-a/a\0b/m", 1)).await;
+    assert_eq!(code(nul), tonic::Code::InvalidArgument);
+    // The same id on a job, a completion and a pin: each its own answer.
+    let job = m
+        .start_job(pb::StartJobRequest {
+            kind_code: pb::JobKind::Load as i32,
+            path: "/team-a".into(),
+            replicas: 1,
+            request_id: 1,
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(code(job), tonic::Code::NotFound);
+    let pin = m
+        .set_pin(pb::SetPinRequest {
+            path: "/team-a/d".into(),
+            replicas: 1,
+            request_id: 1,
+        })
+        .await;
+    assert_eq!(code(pin), tonic::Code::NotFound);
+    // A completion retried after its file and folder were removed: NOT_FOUND, not a status
+    // built from the removed entry.
+    m.mkdir(pb::MkdirRequest {
+        path: "/w".into(),
+        mode: 0o755,
+        ..Default::default()
+    })
+    .await?;
+    let f = m
+        .create_file(create("/w/f", 5))
+        .await?
+        .into_inner()
+        .status
+        .context("no status")?;
+    let complete = pb::CompleteFileRequest {
+        inode: f.inode,
+        version: f.version,
+        length: 0,
+        request_id: 6,
+        persist_state: pb::PersistState::Persisted as i32,
+        ..Default::default()
+    };
+    let done = m.complete_file(complete.clone()).await;
+    assert_eq!(code(done), tonic::Code::Ok);
+    let wrong = m
+        .complete_file(pb::CompleteFileRequest {
+            inode: 1 << 40,
+            request_id: 1,
+            ..complete.clone()
+        })
+        .await;
+    assert_eq!(code(wrong), tonic::Code::NotFound);
+    m.delete(delete("/w", true, 7)).await?;
+    let retried = m.complete_file(complete).await;
+    assert_eq!(code(retried), tonic::Code::NotFound);
+    c.stop().await
+}
+
 /// A refused call is a structured error: its code, the path it concerns and the status
 /// that caused it, so callers decide by code and never by text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

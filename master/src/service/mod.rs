@@ -226,19 +226,32 @@ fn grant(
     Ok(())
 }
 
-/// A request id as the state machine remembers it: per principal, so that another caller
-/// reusing an id (by chance or on purpose) never gets the first caller's outcome — and a
-/// grant on the file that outcome names.
-fn scoped(who: &Principal, request_id: u64) -> u64 {
+/// A request id as the state machine remembers it: per principal and per request, so
+/// that another caller reusing an id (by chance or on purpose) never gets the first
+/// caller's outcome — and a grant on the file that outcome names — and an id reused for
+/// another request (another kind, path or argument) is that request's own, never the
+/// first one's replay. A client retries with the same message, so a retry still replays.
+/// SHA-256: a caller who picks ids and paths cannot aim at another request's id.
+fn scoped<M: granary_proto::prost::Message>(
+    who: &Principal,
+    method: &str,
+    request_id: u64,
+    r: &M,
+) -> u64 {
+    use sha2::Digest;
     if request_id == 0 {
         return 0;
     }
-    granary_common::ids::stable_hash(&[
-        b"granary-request",
-        who.name.as_bytes(),
-        &request_id.to_le_bytes(),
-    ])
-    .max(1)
+    let mut h = sha2::Sha256::new();
+    for part in [b"granary-request", who.name.as_bytes(), method.as_bytes()] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.update(r.encode_to_vec());
+    let d = h.finalize();
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(id).max(1)
 }
 
 /// A block size a file may be created with (0: the master's).
@@ -302,10 +315,21 @@ fn one(
 ) -> Result<Response<pb::GetStatusResponse>, Status> {
     match out {
         ApplyOutput::Inode(i) => Ok(Response::new(pb::GetStatusResponse {
-            status: Some(status_for(core, who, &i)?),
+            status: Some(status_for(core, who, &current(core, &i)?)?),
         })),
         _ => Err(Status::internal("unexpected apply result")),
     }
+}
+
+/// The entry an outcome names, as it is now: a replayed outcome (a retry whose first
+/// answer was lost) may name an entry removed since, which is NOT_FOUND.
+fn current(core: &MasterCore, i: &Inode) -> Result<Inode, Status> {
+    core.namespace().sm.inode(i.id)?.ok_or_else(|| {
+        Status::not_found(format!(
+            "{} (inode {}) was removed after the request was applied",
+            i.name, i.id
+        ))
+    })
 }
 
 /// Ends a background check of the namespace (see `Namespace::check_due`) however its task
@@ -360,10 +384,15 @@ impl MasterRpc {
             Ok(None) | Err(_) => return Err(err),
         };
         if let (Some(path), ApplyOutput::Inode(i)) = (path, &first) {
-            let now = self.core.namespace().sm.path_of(i).ok();
-            if now.as_deref() != granary_common::paths::normalize(path).ok().as_deref() {
-                return Err(err);
-            }
+            // Replayed only while `path` still names that entry, and as it is now.
+            let sm = &self.core.namespace().sm;
+            let now = granary_common::paths::normalize(path)
+                .ok()
+                .and_then(|p| sm.resolve_loaded(&p).ok().flatten());
+            return match now {
+                Some(now) if now.id == i.id => Ok(ApplyOutput::Inode(now)),
+                _ => Err(err),
+            };
         }
         Ok(first)
     }
@@ -712,7 +741,7 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
         self.core.ensure_leader()?;
-        let id = scoped(&who, r.request_id);
+        let id = scoped(&who, "Mkdir", r.request_id, &r);
         let checked = async {
             self.may_change_parent(caller, &r.path).await?;
             self.core
@@ -751,7 +780,7 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.path)?;
         check_block_size(r.block_size)?;
         self.core.ensure_leader()?;
-        let id = scoped(&who, r.request_id);
+        let id = scoped(&who, "CreateFile", r.request_id, &r);
         let checked = async {
             self.may_change_parent(caller, &r.path).await?;
             Ok(self
@@ -793,7 +822,7 @@ impl MasterService for MasterRpc {
         }
         match out {
             ApplyOutput::Inode(i) => {
-                let mut s = status_of(&self.core, &i)?;
+                let mut s = status_of(&self.core, &current(&self.core, &i)?)?;
                 grant(&self.core, &who, &mut s, true)?;
                 Ok(Response::new(pb::GetStatusResponse { status: Some(s) }))
             }
@@ -807,6 +836,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        let id = scoped(&who, "CompleteFile", r.request_id, &r);
         if r.length > granary_common::MAX_FILE_LENGTH {
             return Err(Status::invalid_argument(format!(
                 "a file may be at most {} TiB long, not {} bytes",
@@ -844,7 +874,7 @@ impl MasterService for MasterRpc {
                     persist: crate::state::Persist::from_proto(r.persist_state),
                     persist_worker: r.persist_worker,
                 },
-                scoped(&who, r.request_id),
+                id,
             )
             .await?;
         one(&self.core, &who, out)
@@ -880,7 +910,7 @@ impl MasterService for MasterRpc {
         let caller = Caller::of(&req);
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
-        let id = scoped(&who, r.request_id);
+        let id = scoped(&who, "Delete", r.request_id, &r);
         let deleted = async {
             self.may_change_parent(caller, &r.path).await?;
             self.core.delete_path(&r.path, r.recursive, id).await?;
@@ -902,7 +932,7 @@ impl MasterService for MasterRpc {
         access::full_raw(&who, &r.src)?;
         access::full_raw(&who, &r.dst)?;
         self.core.ensure_leader()?;
-        let id = scoped(&who, r.request_id);
+        let id = scoped(&who, "Rename", r.request_id, &r);
         let checked = async {
             self.may_change_parent(caller, &r.src).await?;
             self.may_change_parent(caller, &r.dst).await?;
@@ -959,10 +989,8 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::AddMountResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
-        let mount = self
-            .core
-            .add_mount(&r.path, &r.uri, &r.options, scoped(&who, r.request_id))
-            .await?;
+        let id = scoped(&who, "AddMount", r.request_id, &r);
+        let mount = self.core.add_mount(&r.path, &r.uri, &r.options, id).await?;
         Ok(Response::new(pb::AddMountResponse {
             mount: Some(crate::mounts::mount_info(&mount, true)),
         }))
@@ -974,9 +1002,8 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::RemoveMountResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
-        self.core
-            .remove_mount(&r.path, scoped(&who, r.request_id))
-            .await?;
+        let id = scoped(&who, "RemoveMount", r.request_id, &r);
+        self.core.remove_mount(&r.path, id).await?;
         Ok(Response::new(pb::RemoveMountResponse {}))
     }
 
@@ -1129,7 +1156,12 @@ impl MasterService for MasterRpc {
         })?;
         let (_, ttl) = self
             .core
-            .set_ttl(&r.path, r.ttl_ms, action, scoped(&who, r.request_id))
+            .set_ttl(
+                &r.path,
+                r.ttl_ms,
+                action,
+                scoped(&who, "SetTtl", r.request_id, &r),
+            )
             .await?;
         Ok(Response::new(pb::SetTtlResponse {
             expires_ms: ttl.map_or(0, |t| t.expires_ms.max(0) as u64),
@@ -1154,7 +1186,11 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         let job = self
             .core
-            .set_pin(&r.path, r.replicas, scoped(&who, r.request_id))
+            .set_pin(
+                &r.path,
+                r.replicas,
+                scoped(&who, "SetPin", r.request_id, &r),
+            )
             .await?;
         Ok(Response::new(match job {
             Some(j) => self.core.job_info(j.id, 0)?,
@@ -1174,9 +1210,10 @@ impl MasterService for MasterRpc {
                 r.kind, r.kind_code
             ))
         })?;
+        let id = scoped(&who, "StartJob", r.request_id, &r);
         let job = self
             .core
-            .start_job(kind, &r.path, r.replicas.max(1), scoped(&who, r.request_id))
+            .start_job(kind, &r.path, r.replicas.max(1), id)
             .await?;
         Ok(Response::new(self.core.job_info(job.id, 0)?))
     }
