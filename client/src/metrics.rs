@@ -92,6 +92,10 @@ pub struct ClientMetrics {
     pub fuse_resent_requests: Counter<u64, AtomicU64>,
     /// Handles an earlier daemon of the mount opened, found again by inode at their first use.
     pub fuse_recovered_handles: Counter<u64, AtomicU64>,
+    /// Folders whose first listing page was asked for ahead of their opening (a walk of
+    /// folders in order), and those of them the opening used.
+    pub fuse_dir_pages_ahead: Counter<u64, AtomicU64>,
+    pub fuse_dir_pages_ahead_used: Counter<u64, AtomicU64>,
     /// Seconds the mount was not fully served during takeovers (from the previous daemon's
     /// last change, or its death, to this one serving).
     pub fuse_unserved_seconds: Counter<f64, AtomicU64>,
@@ -256,6 +260,16 @@ impl ClientMetrics {
             "granary_client_fuse_resent_requests",
             "Requests the kernel sent again after a takeover: read by the previous daemon and not answered by it",
             self.fuse_resent_requests.clone(),
+        );
+        r.register(
+            "granary_client_fuse_dir_pages_ahead",
+            "Folders whose first listing page was asked for before they were opened, because folders were being opened in their parent's order (find, du, a dataset scan)",
+            self.fuse_dir_pages_ahead.clone(),
+        );
+        r.register(
+            "granary_client_fuse_dir_pages_ahead_used",
+            "First listing pages asked for ahead that the folder's opening used (the rest were unused, too old, or of a folder changed meanwhile)",
+            self.fuse_dir_pages_ahead_used.clone(),
         );
         r.register(
             "granary_client_fuse_recovered_handles",

@@ -115,6 +115,14 @@ impl Watch {
         since.epoch
     }
 
+    /// Whether no change of `inode` may have been announced since a request sent at
+    /// `since`: false once a change was announced or the epoch ended; true when the watch
+    /// was not live then (such a reply counts for the attribute timeout alone, as every
+    /// status does without a watch).
+    pub fn unchanged_since(&self, inode: u64, since: Since) -> bool {
+        since.epoch == 0 || self.epoch_for(inode, since) != 0
+    }
+
     /// The current epoch.
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)

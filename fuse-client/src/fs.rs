@@ -24,7 +24,7 @@ use crate::FuseConfig;
 mod dirs;
 mod handles;
 mod open;
-use dirs::{DirHandle, Dirs};
+use dirs::{DirHandle, DirWalk, Dirs};
 pub use handles::Donor;
 use handles::{tagged, FH_WRITER};
 use open::{small_via_lease, Passthrough};
@@ -182,6 +182,8 @@ pub struct GranaryFs {
     /// backing, see `backing::Backings`).
     passthrough_fhs: Arc<Mutex<HashMap<u64, u64>>>,
     dirs: Dirs,
+    /// Folders opened in their parent's order, and a first page asked for ahead.
+    walk: Arc<DirWalk>,
     /// Files open for writing, and the mount's write settings.
     writes: crate::write::Writes,
     read_only: bool,
@@ -323,6 +325,7 @@ impl GranaryFs {
                 metrics: metrics.clone(),
             },
             dirs: Arc::new(Mutex::new(HashMap::new())),
+            walk: Arc::new(DirWalk::default()),
             writes,
             read_only: config.read_only,
             readahead: Arc::new(Mutex::new(HashMap::new())),
@@ -752,9 +755,11 @@ impl Filesystem for GranaryFs {
         self.note_resent(req);
         let client = self.client.clone();
         let dirs = self.dirs.clone();
+        let walk = self.walk.clone();
         let fh = self.new_fh();
         let dl = self.deadline.clone();
         self.spawn(async move {
+            let ahead = walk.opened(&client, ino.0);
             let opened = async {
                 // A folder's status the namespace watch vouches for needs no round trip
                 // (a `find` opens every folder right after listing its parent).
@@ -768,9 +773,18 @@ impl Filesystem for GranaryFs {
                         format!("{} is not a directory", dir.path),
                     ));
                 }
-                let mut h = DirHandle::new(dir);
-                // The first page now: a listing that fails fails the open.
-                h.fetch_page(&client, ino.0).await?;
+                let mut h = DirHandle::new(dir, walk);
+                // The first page now (or the one asked for ahead): a listing that fails
+                // fails the open.
+                let asked_ahead = ahead.is_some();
+                h.ahead = ahead;
+                if let Err(e) = h.fetch_page(&client, ino.0).await {
+                    // A page asked for ahead that failed is asked for again, now.
+                    if !asked_ahead {
+                        return Err(e);
+                    }
+                    h.fetch_page(&client, ino.0).await?;
+                }
                 Ok(h)
             };
             match dl.run("opendir", opened).await {

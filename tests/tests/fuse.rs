@@ -741,3 +741,97 @@ fn a_mount_serves_from_its_caches_until_the_master_announces_a_change() {
     .unwrap();
     assert!(reader.metric("granary_client_namespace_watch_changes_total") > 0.0);
 }
+
+/// Folders opened in their parent's order (`find`, `du`, a training script listing every
+/// class folder) get each next folder's first page asked for ahead, and every listing is
+/// still exact: `find` through the mount names exactly the store's files. A page asked for
+/// ahead is not used once the master announced a change of its folder: a file made in
+/// the next folder meanwhile (through another mount) is listed.
+#[test]
+fn a_walk_of_folders_in_order_lists_each_next_one_ahead_and_exactly() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-walk-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("ufs");
+    let (folders, per) = (30, 20);
+    for d in 0..folders {
+        for f in 0..per {
+            let p = src.join(format!("d{d:02}/f{f:02}"));
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, format!("{d}-{f}")).unwrap();
+        }
+    }
+    let master = Master::start(root).unwrap();
+    let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local_opts("/data", &src, &master.addr, &["sync_interval=never"]).unwrap();
+    let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
+    let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
+    poll(
+        "the reader's namespace watch",
+        Duration::from_secs(20),
+        || (reader.metric("granary_client_namespace_watch_starts_total") >= 1.0).then_some(()),
+    )
+    .unwrap();
+    let files = |top: &std::path::Path| {
+        sh(&format!("cd '{}' && find . -type f | sort", top.display())).unwrap()
+    };
+    let data = reader.mountpoint.join("data");
+    let want = files(&src);
+    assert_eq!(want.lines().count(), folders * per);
+    let ahead =
+        |what: &str| reader.metric(&format!("granary_client_fuse_dir_pages_ahead{what}_total"));
+    // The first find loads each folder from the store as it gets there: that is a change
+    // the master announces, so those pages asked for ahead are mostly not used.
+    assert_eq!(files(&data), want, "the first find");
+    let (asked0, used0) = (ahead(""), ahead("_used"));
+    assert_eq!(files(&data), want, "the second find");
+    let (asked, used) = (ahead("") - asked0, ahead("_used") - used0);
+    eprintln!("pages asked for ahead: {asked0} and {asked}, used: {used0} and {used}");
+    // Every folder after the second is asked for ahead (d00 starts the walk, d01 shows it
+    // goes in order), and each is used: a `find` opens them within the attribute timeout.
+    assert!(
+        asked0 >= (folders - 2) as f64
+            && asked >= (folders - 2) as f64
+            && used >= (folders - 3) as f64,
+        "asked {asked0} and {asked}, used {used}"
+    );
+
+    // d00 and d01 opened in order: d02's first page is asked for. Then a file is made in
+    // d02 elsewhere; once the reader heard of it, d02's listing names it.
+    let listdir = |d: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(data.join(d))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let asked0 = ahead("");
+    assert_eq!(listdir("d00").len(), per);
+    assert_eq!(listdir("d01").len(), per);
+    assert_eq!(
+        ahead(""),
+        asked0 + 1.0,
+        "d02's first page was not asked for ahead"
+    );
+    let heard = reader.metric("granary_client_namespace_watch_changes_total");
+    std::fs::write(writer.mountpoint.join("data/d02/new"), b"made elsewhere").unwrap();
+    poll(
+        "the reader to hear of the change",
+        Duration::from_secs(10),
+        || (reader.metric("granary_client_namespace_watch_changes_total") > heard).then_some(()),
+    )
+    .unwrap();
+    let d02 = listdir("d02");
+    assert!(
+        d02.len() == per + 1 && d02.iter().any(|n| n == "new"),
+        "d02 listed as {d02:?}"
+    );
+    assert_eq!(
+        std::fs::read(data.join("d02/new")).unwrap(),
+        b"made elsewhere"
+    );
+}

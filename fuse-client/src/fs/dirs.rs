@@ -1,5 +1,9 @@
 //! Open directories, listed page by page as `readdir` gets to them.
 
+use std::collections::VecDeque;
+
+use granary_client::watch::Since;
+
 use super::*;
 
 /// Entries fetched per page of a directory listing.
@@ -16,13 +20,15 @@ pub(super) struct DirHandle {
     pub(super) done: bool,
     /// The next page, asked for as soon as this one came: the master lists it while the
     /// kernel takes the entries already here (a `find` waited for each page in turn).
-    ahead: Option<Ahead>,
+    pub(super) ahead: Option<Ahead>,
+    /// Told the order of the folders in each page.
+    walk: Arc<DirWalk>,
 }
 
 type Page = Result<(Vec<pb::FileStatus>, String), granary_client::ClientError>;
 
 /// A page being fetched ahead; stopped when the directory is closed first.
-struct Ahead(tokio::task::JoinHandle<Page>);
+pub(super) struct Ahead(tokio::task::JoinHandle<Page>);
 
 impl Drop for Ahead {
     fn drop(&mut self) {
@@ -32,9 +38,94 @@ impl Drop for Ahead {
 
 pub(super) type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
 
+/// Folders remembered by [`DirWalk`] (everything is forgotten past this many).
+const WALK_FOLDERS: usize = 100_000;
+/// Folders opened lately that [`DirWalk`] looks back on.
+const WALK_RECENT: usize = 8;
+
+/// Folders opened one after another in their parent's order — `find`, `du`, `ls -R`, a
+/// training script listing every class folder of its dataset: once a folder opened is the
+/// one after a folder opened just before, the first page of the folder after it is asked
+/// for at once, and the master lists it while the kernel takes this one's entries (a
+/// `find` otherwise waits for each folder's first page in turn).
+///
+/// A page fetched ahead is used only within the mount's attribute timeout and while the
+/// namespace watch announced no change of its folder since it was asked for: no older
+/// than the statuses and names the mount answers from its cache.
+#[derive(Default)]
+pub(super) struct DirWalk(Mutex<WalkState>);
+
+#[derive(Default)]
+struct WalkState {
+    /// Each listed folder's next folder in its parent's listing.
+    next: HashMap<u64, u64>,
+    /// Folders opened lately, newest last.
+    recent: VecDeque<u64>,
+    /// A first page asked for ahead: its folder, when, and as the watch saw it then.
+    ahead: Option<(u64, std::time::Instant, Since, Ahead)>,
+}
+
+impl DirWalk {
+    /// Notes the order of the folders in a listing page.
+    pub(super) fn listed(&self, entries: &[pb::FileStatus]) {
+        let dir = pb::FileKind::Directory as i32;
+        let mut folders = entries.iter().filter(|e| e.kind == dir).map(|e| e.inode);
+        let Some(mut prev) = folders.next() else {
+            return;
+        };
+        let mut s = lock(&self.0);
+        for f in folders {
+            if s.next.len() >= WALK_FOLDERS {
+                s.next.clear();
+            }
+            s.next.insert(prev, f);
+            prev = f;
+        }
+    }
+
+    /// Folder `dir` is being opened: its first page when it was asked for ahead (and may
+    /// still be used), and the next folder's first page asked for when the walk goes in
+    /// order.
+    pub(super) fn opened(&self, client: &Arc<FileSystem>, dir: u64) -> Option<Ahead> {
+        let ttl = std::time::Duration::from_millis(client.meta.ttl());
+        let mut s = lock(&self.0);
+        let taken = match s.ahead.take() {
+            Some((d, at, since, page)) if d == dir => {
+                let fresh = at.elapsed() < ttl && client.meta.watch.unchanged_since(dir, since);
+                if fresh {
+                    client.metrics.fuse_dir_pages_ahead_used.inc();
+                }
+                fresh.then_some(page)
+            }
+            other => {
+                s.ahead = other;
+                None
+            }
+        };
+        let in_order = s.recent.iter().any(|r| s.next.get(r) == Some(&dir));
+        if s.recent.len() >= WALK_RECENT {
+            s.recent.pop_front();
+        }
+        s.recent.push_back(dir);
+        let next = s.next.get(&dir).copied();
+        if let (true, Some(next), false) = (in_order, next, ttl.is_zero()) {
+            let since = client.meta.watch.since();
+            client.metrics.fuse_dir_pages_ahead.inc();
+            let client = client.clone();
+            let page = Ahead(tokio::spawn(async move {
+                client
+                    .list_page(pb::path_or_id::Target::Inode(next), "", DIR_PAGE)
+                    .await
+            }));
+            s.ahead = Some((next, std::time::Instant::now(), since, page));
+        }
+        taken
+    }
+}
+
 impl DirHandle {
     /// A listing of `dir` with "." and ".." and no page fetched yet.
-    pub(super) fn new(dir: pb::FileStatus) -> Self {
+    pub(super) fn new(dir: pb::FileStatus, walk: Arc<DirWalk>) -> Self {
         let parent = pb::FileStatus {
             inode: dir.parent.max(1),
             kind: pb::FileKind::Directory as i32,
@@ -45,6 +136,7 @@ impl DirHandle {
             next: String::new(),
             done: false,
             ahead: None,
+            walk,
         }
     }
 
@@ -70,6 +162,7 @@ impl DirHandle {
             }
         };
         let (entries, next) = page?;
+        self.walk.listed(&entries);
         self.entries
             .extend(entries.into_iter().map(|e| (e.name.clone(), e)));
         self.done = next.is_empty();

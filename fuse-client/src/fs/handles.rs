@@ -102,7 +102,10 @@ impl GranaryFs {
             return Err(Errno::ENOTDIR);
         }
         self.client.metrics.fuse_recovered_handles.inc();
-        let h = Arc::new(tokio::sync::Mutex::new(DirHandle::new(dir)));
+        let h = Arc::new(tokio::sync::Mutex::new(DirHandle::new(
+            dir,
+            self.walk.clone(),
+        )));
         Ok(lock(&self.dirs).entry(fh).or_insert(h).clone())
     }
 
