@@ -597,6 +597,28 @@ fn opens_past_the_attribute_timeout_fetch_the_folder_listing_ahead() {
     );
 }
 
+/// A master and a worker, the folder `src` mounted at `/data` and never listed again
+/// (`sync_interval=never`: only the namespace watch tells a mount of changes), and two
+/// FUSE mounts, a reader (its watch started) and a writer.
+fn reader_and_writer(
+    root: &std::path::Path,
+    src: &std::path::Path,
+) -> (Master, Worker, Fuse, Fuse) {
+    let master = Master::start(root).unwrap();
+    let w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    mount_local_opts("/data", src, &master.addr, &["sync_interval=never"]).unwrap();
+    let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
+    let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
+    poll(
+        "the reader's namespace watch",
+        Duration::from_secs(20),
+        || (reader.metric("granary_client_namespace_watch_starts_total") >= 1.0).then_some(()),
+    )
+    .unwrap();
+    (master, w, reader, writer)
+}
+
 /// A mount answers lookups, opens and `stat`s of files it has seen from what it holds —
 /// past the attribute timeout, without asking the master — and small files' reads from
 /// their block files kept open; yet a change made elsewhere (another mount, the CLI)
@@ -616,12 +638,7 @@ fn a_mount_serves_from_its_caches_until_the_master_announces_a_change() {
         random_file(&src.join(format!("d/f{i:02}.bin")), 20_000 + i).unwrap();
     }
     std::fs::write(src.join("d/note.txt"), "one\n").unwrap();
-    let master = Master::start(root).unwrap();
-    let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    mount_local_opts("/data", &src, &master.addr, &["sync_interval=never"]).unwrap();
-    let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
-    let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
+    let (master, _w, reader, writer) = reader_and_writer(root, &src);
     let dir = reader.mountpoint.join("data/d");
     let sums = |d: &std::path::Path| {
         sh(&format!(
@@ -643,12 +660,6 @@ fn a_mount_serves_from_its_caches_until_the_master_announces_a_change() {
         .unwrap()
     };
     let want = sums(&src.join("d"));
-    poll(
-        "the reader's namespace watch",
-        Duration::from_secs(20),
-        || (reader.metric("granary_client_namespace_watch_starts_total") >= 1.0).then_some(()),
-    )
-    .unwrap();
     assert_eq!(sums(&dir), want, "first pass (from the store)");
     // The worker's disk now: read under short-circuit leases, kept open at close.
     drop_pages(&dir);
@@ -763,18 +774,7 @@ fn a_walk_of_folders_in_order_lists_each_next_one_ahead_and_exactly() {
             std::fs::write(&p, format!("{d}-{f}")).unwrap();
         }
     }
-    let master = Master::start(root).unwrap();
-    let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
-    wait_live_workers(&master.addr, 1).unwrap();
-    mount_local_opts("/data", &src, &master.addr, &["sync_interval=never"]).unwrap();
-    let reader = Fuse::start_opts(root, "reader", &master.addr, &[]).unwrap();
-    let writer = Fuse::start_opts(root, "writer", &master.addr, &[]).unwrap();
-    poll(
-        "the reader's namespace watch",
-        Duration::from_secs(20),
-        || (reader.metric("granary_client_namespace_watch_starts_total") >= 1.0).then_some(()),
-    )
-    .unwrap();
+    let (_master, _w, reader, writer) = reader_and_writer(root, &src);
     let files = |top: &std::path::Path| {
         sh(&format!("cd '{}' && find . -type f | sort", top.display())).unwrap()
     };

@@ -28,6 +28,20 @@ async fn finished(master: &granary_client::MasterClient, id: u64) -> Result<pb::
     .await
 }
 
+type RawMaster =
+    granary_proto::master_service_client::MasterServiceClient<granary_common::net::GrpcChannel>;
+
+/// A gRPC client of the first master as the client library reaches it (for requests
+/// the library never sends).
+fn raw_master(c: &Cluster) -> Result<RawMaster> {
+    let ch = c
+        .faults(Node::Client)
+        .net()
+        .channel(c.master_addr(0), granary_common::net::ServerKind::Master)
+        .map_err(anyhow::Error::msg)?;
+    Ok(granary_proto::master_service_client::MasterServiceClient::new(ch))
+}
+
 fn root() -> pb::path_or_id::Target {
     pb::path_or_id::Target::Path("/".into())
 }
@@ -429,17 +443,10 @@ async fn a_pin_keeps_its_replicas_across_a_leader_change_and_a_lost_worker() -> 
 /// the text of an older client still works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undefined_kind_and_action_codes_are_refused_and_change_nothing() -> Result<()> {
-    use granary_common::net::ServerKind;
-    use granary_proto::master_service_client::MasterServiceClient;
     let c = Cluster::start(Shape::default()).await?;
     std::fs::write(c.store.join("f"), b"data")?;
     c.mount_store().await?;
-    let ch = c
-        .faults(Node::Client)
-        .net()
-        .channel(c.master_addr(0), ServerKind::Master)
-        .map_err(anyhow::Error::msg)?;
-    let mut m = MasterServiceClient::new(ch);
+    let mut m = raw_master(&c)?;
     for (code, text) in [(99, "free"), (-1, ""), (i32::MAX, "delete")] {
         let err = m
             .set_ttl(pb::SetTtlRequest {
@@ -493,15 +500,8 @@ async fn undefined_kind_and_action_codes_are_refused_and_change_nothing() -> Res
 /// not the first outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_id_replays_only_its_own_request() -> Result<()> {
-    use granary_common::net::ServerKind;
-    use granary_proto::master_service_client::MasterServiceClient;
     let c = Cluster::start(Shape::default()).await?;
-    let ch = c
-        .faults(Node::Client)
-        .net()
-        .channel(c.master_addr(0), ServerKind::Master)
-        .map_err(anyhow::Error::msg)?;
-    let mut m = MasterServiceClient::new(ch);
+    let mut m = raw_master(&c)?;
     let mkdir = |path: &str, request_id: u64| pb::MkdirRequest {
         path: path.into(),
         mode: 0o755,
@@ -530,15 +530,8 @@ async fn a_request_id_replays_only_its_own_request() -> Result<()> {
 /// NOT_FOUND.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_id_reused_for_another_request_never_gets_the_first_outcome() -> Result<()> {
-    use granary_common::net::ServerKind;
-    use granary_proto::master_service_client::MasterServiceClient;
     let c = Cluster::start(Shape::default()).await?;
-    let ch = c
-        .faults(Node::Client)
-        .net()
-        .channel(c.master_addr(0), ServerKind::Master)
-        .map_err(anyhow::Error::msg)?;
-    let mut m = MasterServiceClient::new(ch);
+    let mut m = raw_master(&c)?;
     fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
         r.map_or_else(|e| e.code(), |_| tonic::Code::Ok)
     }
