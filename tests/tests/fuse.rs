@@ -799,6 +799,21 @@ fn a_walk_of_folders_in_order_lists_each_next_one_ahead_and_exactly() {
         "asked {asked0} and {asked}, used {used}"
     );
 
+    // Two walks at once (as two loader processes scanning halves of a dataset): each
+    // gets its own pages ahead.
+    let used0 = ahead("_used");
+    let half = folders / 2;
+    sh(&format!(
+        "cd / && python3 -c 'import os, sys\nfor i in range({half}):\n    for d in (i, i + {half}):\n        os.listdir(os.path.join(sys.argv[1], \"d%02d\" % d))' '{}'",
+        data.display()
+    ))
+    .unwrap();
+    let used = ahead("_used") - used0;
+    assert!(
+        used >= (folders - 4) as f64,
+        "two walks at once used {used} pages ahead"
+    );
+
     // d00 and d01 opened in order: d02's first page is asked for. Then a file is made in
     // d02 elsewhere; once the reader heard of it, d02's listing names it.
     let listdir = |d: &str| -> Vec<String> {

@@ -41,7 +41,9 @@ pub(super) type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>
 /// Folders remembered by [`DirWalk`] (everything is forgotten past this many).
 const WALK_FOLDERS: usize = 100_000;
 /// Folders opened lately that [`DirWalk`] looks back on.
-const WALK_RECENT: usize = 8;
+const WALK_RECENT: usize = 16;
+/// First pages held ahead at most (one per walk going on at once; the oldest goes first).
+const WALK_AHEAD: usize = 4;
 
 /// Folders opened one after another in their parent's order — `find`, `du`, `ls -R`, a
 /// training script listing every class folder of its dataset: once a folder opened is the
@@ -61,8 +63,8 @@ struct WalkState {
     next: HashMap<u64, u64>,
     /// Folders opened lately, newest last.
     recent: VecDeque<u64>,
-    /// A first page asked for ahead: its folder, when, and as the watch saw it then.
-    ahead: Option<(u64, std::time::Instant, Since, Ahead)>,
+    /// First pages asked for ahead, oldest first: folder, when, and as the watch saw it.
+    ahead: VecDeque<(u64, std::time::Instant, Since, Ahead)>,
 }
 
 impl DirWalk {
@@ -89,18 +91,15 @@ impl DirWalk {
     pub(super) fn opened(&self, client: &Arc<FileSystem>, dir: u64) -> Option<Ahead> {
         let ttl = std::time::Duration::from_millis(client.meta.ttl());
         let mut s = lock(&self.0);
-        let taken = match s.ahead.take() {
-            Some((d, at, since, page)) if d == dir => {
+        let taken = match s.ahead.iter().position(|a| a.0 == dir) {
+            Some(i) => s.ahead.remove(i).and_then(|(_, at, since, page)| {
                 let fresh = at.elapsed() < ttl && client.meta.watch.unchanged_since(dir, since);
                 if fresh {
                     client.metrics.fuse_dir_pages_ahead_used.inc();
                 }
                 fresh.then_some(page)
-            }
-            other => {
-                s.ahead = other;
-                None
-            }
+            }),
+            None => None,
         };
         let in_order = s.recent.iter().any(|r| s.next.get(r) == Some(&dir));
         if s.recent.len() >= WALK_RECENT {
@@ -108,17 +107,23 @@ impl DirWalk {
         }
         s.recent.push_back(dir);
         let next = s.next.get(&dir).copied();
-        if let (true, Some(next), false) = (in_order, next, ttl.is_zero()) {
-            let since = client.meta.watch.since();
-            client.metrics.fuse_dir_pages_ahead.inc();
-            let client = client.clone();
-            let page = Ahead(tokio::spawn(async move {
-                client
-                    .list_page(pb::path_or_id::Target::Inode(next), "", DIR_PAGE)
-                    .await
-            }));
-            s.ahead = Some((next, std::time::Instant::now(), since, page));
+        let Some(next) =
+            next.filter(|n| in_order && !ttl.is_zero() && !s.ahead.iter().any(|a| a.0 == *n))
+        else {
+            return taken;
+        };
+        let since = client.meta.watch.since();
+        client.metrics.fuse_dir_pages_ahead.inc();
+        let c = client.clone();
+        let page = Ahead(tokio::spawn(async move {
+            c.list_page(pb::path_or_id::Target::Inode(next), "", DIR_PAGE)
+                .await
+        }));
+        if s.ahead.len() >= WALK_AHEAD {
+            s.ahead.pop_front();
         }
+        s.ahead
+            .push_back((next, std::time::Instant::now(), since, page));
         taken
     }
 }
