@@ -153,4 +153,26 @@ start_master() { # id
     >> "$work/m$i.log" 2>&1 &
   mpid[$i]=$!
   pids+=($!)
+  [ -n "${MASTER_CPU:-}" ] && master_cpu "$i" "${mpid[$i]}"
+  return 0
+}
+
+# MASTER_CPU=F (e.g. 0.4): each master gets at most F of a core (a cgroup v1 CPU quota of
+# its own), as if each ran on a machine of its own with that much CPU: on this 2-core
+# machine three masters and the benchmark client otherwise take CPU from each other, so
+# what a group of masters on their own machines does (followers serving reads) cannot
+# show. The masters still share the disk. The groups are removed at exit (master_cpu_cleanup).
+master_cpu() { # id pid
+  local g="/sys/fs/cgroup/cpu/granary-bench-$$-m$1"
+  [ -d /sys/fs/cgroup/cpu ] || { echo "MASTER_CPU needs the cgroup v1 cpu controller"; exit 1; }
+  mkdir -p "$g"
+  echo 100000 > "$g/cpu.cfs_period_us"
+  python3 -c "print(int(float('$MASTER_CPU') * 100000))" > "$g/cpu.cfs_quota_us"
+  echo "$2" > "$g/cgroup.procs"
+}
+master_cpu_cleanup() {
+  local g
+  for g in /sys/fs/cgroup/cpu/granary-bench-$$-m*; do
+    [ -d "$g" ] && rmdir "$g" 2>/dev/null || true
+  done
 }

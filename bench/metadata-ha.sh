@@ -6,6 +6,9 @@
 #
 #   bench/metadata-ha.sh [SECONDS]        (default 10 per phase)
 #
+# MASTER_CPU=F gives each master at most F of a core (see lib.sh: masters on machines of
+# their own, as far as CPU goes).
+#
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds. Prints creates/s and stats/s
 # at 1, 16 and 64 concurrent callers (stats spread over the three masters, as clients do,
 # and with 1 and 64 callers also all at the leader), and the longest pause in acknowledged
@@ -18,6 +21,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  master_cpu_cleanup
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -65,6 +69,7 @@ wait "$bpid"
 fo=$(cat "$work/fo.json")
 
 echo "binary:                   $bin"
+[ -n "${MASTER_CPU:-}" ] && echo "each master limited to:   $MASTER_CPU of a core (MASTER_CPU)"
 echo "fsync/s (limit):          $fsync_per_s  (≈ $((fsync_per_s / 2)) sequential replicated appends/s)"
 echo "creates/s, 1 caller:      $(field "$c1" creates_per_s)  ($(python3 -c "print(f'{$(field "$c1" creates_per_s) / ($fsync_per_s / 2):.2f}')")x of fsync/2)"
 echo "creates/s, 16 callers:    $(field "$c16" creates_per_s)"

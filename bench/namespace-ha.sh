@@ -60,7 +60,13 @@ mountpoint -q "$work/mnt" || { cat "$work/fuse.log"; exit 1; }
 
 first=$(timed files_of "$work/mnt/tree")
 drop
+# CPU seconds of each master and of the mount during the warm find.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+cpu0=($(ticks "${mpid[1]}") $(ticks "${mpid[2]}") $(ticks "${mpid[3]}") $(ticks "$fuse_pid"))
 warm=$(timed stat_all "$work/mnt/tree")
+cpu1=($(ticks "${mpid[1]}") $(ticks "${mpid[2]}") $(ticks "${mpid[3]}") $(ticks "$fuse_pid"))
+warm_cpu=$(python3 -c "import sys; a, b, hz = sys.argv[1].split(), sys.argv[2].split(), int(sys.argv[3]); d = [(int(y) - int(x)) / hz for x, y in zip(a, b)]; print(f'masters {d[0]:.1f} / {d[1]:.1f} / {d[2]:.1f} s, mount {d[3]:.1f} s')" "${cpu0[*]}" "${cpu1[*]}" "$(getconf CLK_TCK)")
+warm_leader=$(leader)
 for r in "$first" "$warm"; do
   [ "${r#* }" = "$total" ] || { echo "found ${r#* } files, not $total"; exit 1; }
 done
@@ -115,6 +121,7 @@ printf '%-58s %8s s\n' "raw find -printf %s (page cache dropped)" "${raw_find% *
   "granary first find (every folder listed, through Raft)" "${first% *}" \
   "granary warm find -printf %s (page cache dropped)" "${warm% *}"
 python3 -c "print(f\"{'  warm / raw':58s} {${warm% *} / max(${raw_find% *}, 0.01):8.1f} x\")"
+echo "  CPU during the warm find: $warm_cpu (the leader: master $warm_leader)"
 echo "after the finds:"
 echo "$sizes"
 echo "snapshots taken (master: index, bytes, ms):"
