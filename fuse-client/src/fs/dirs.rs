@@ -42,14 +42,16 @@ pub(super) type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>
 const WALK_FOLDERS: usize = 100_000;
 /// Folders opened lately that [`DirWalk`] looks back on.
 const WALK_RECENT: usize = 16;
-/// First pages held ahead at most (one per walk going on at once; the oldest goes first).
-const WALK_AHEAD: usize = 4;
+/// Folders a walk in order has asked for ahead of the one it opens.
+const WALK_DEPTH: usize = 2;
+/// First pages held ahead at most (for walks going on at once; the oldest goes first).
+const WALK_AHEAD: usize = 8;
 
 /// Folders opened one after another in their parent's order — `find`, `du`, `ls -R`, a
 /// training script listing every class folder of its dataset: once a folder opened is the
-/// one after a folder opened just before, the first page of the folder after it is asked
-/// for at once, and the master lists it while the kernel takes this one's entries (a
-/// `find` otherwise waits for each folder's first page in turn).
+/// one after a folder opened just before, the first pages of the two folders after it are
+/// asked for at once, and the master lists them while the kernel takes this one's entries
+/// (a `find` otherwise waits for each folder's first page in turn).
 ///
 /// A page fetched ahead is used only within the mount's attribute timeout and while the
 /// namespace watch announced no change of its folder since it was asked for: no older
@@ -106,24 +108,31 @@ impl DirWalk {
             s.recent.pop_front();
         }
         s.recent.push_back(dir);
-        let next = s.next.get(&dir).copied();
-        let Some(next) =
-            next.filter(|n| in_order && !ttl.is_zero() && !s.ahead.iter().any(|a| a.0 == *n))
-        else {
+        if !in_order || ttl.is_zero() {
             return taken;
-        };
-        let since = client.meta.watch.since();
-        client.metrics.fuse_dir_pages_ahead.inc();
-        let c = client.clone();
-        let page = Ahead(tokio::spawn(async move {
-            c.list_page(pb::path_or_id::Target::Inode(next), "", DIR_PAGE)
-                .await
-        }));
-        if s.ahead.len() >= WALK_AHEAD {
-            s.ahead.pop_front();
         }
-        s.ahead
-            .push_back((next, std::time::Instant::now(), since, page));
+        let mut cur = dir;
+        for _ in 0..WALK_DEPTH {
+            let Some(next) = s.next.get(&cur).copied() else {
+                break;
+            };
+            cur = next;
+            if s.ahead.iter().any(|a| a.0 == next) {
+                continue;
+            }
+            let since = client.meta.watch.since();
+            client.metrics.fuse_dir_pages_ahead.inc();
+            let c = client.clone();
+            let page = Ahead(tokio::spawn(async move {
+                c.list_page(pb::path_or_id::Target::Inode(next), "", DIR_PAGE)
+                    .await
+            }));
+            if s.ahead.len() >= WALK_AHEAD {
+                s.ahead.pop_front();
+            }
+            s.ahead
+                .push_back((next, std::time::Instant::now(), since, page));
+        }
         taken
     }
 }
