@@ -167,7 +167,9 @@ master_cpu() { # id pid
   [ -d /sys/fs/cgroup/cpu ] || { echo "MASTER_CPU needs the cgroup v1 cpu controller"; exit 1; }
   mkdir -p "$g"
   echo 100000 > "$g/cpu.cfs_period_us"
-  python3 -c "print(int(float('$MASTER_CPU') * 100000))" > "$g/cpu.cfs_quota_us"
+  local quota
+  quota=$(python3 -c "print(int(float('$MASTER_CPU') * 100000))")
+  echo "$quota" > "$g/cpu.cfs_quota_us"
   echo "$2" > "$g/cgroup.procs"
 }
 master_cpu_cleanup() {
