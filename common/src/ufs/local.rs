@@ -368,9 +368,11 @@ impl Root {
             } else if ft.is_file() && !staging_name(&name) {
                 let md = match md {
                     Some(m) => m,
+                    // Not followed: a file swapped for a link (or anything else) since the
+                    // folder was read is left out, never listed with the link's metadata.
                     None => match entry.metadata() {
-                        Ok(m) => m,
-                        Err(_) => continue, // gone meanwhile
+                        Ok(m) if m.is_file() => m,
+                        _ => continue, // gone or replaced meanwhile
                     },
                 };
                 listing.objects.push(object_meta(location, &md));
