@@ -335,24 +335,9 @@ impl Root {
             let Ok(name) = entry.file_name().into_string() else {
                 continue;
             };
-            let Ok(mut ft) = entry.file_type() else {
+            let Some(what) = self.entry_of(&entry) else {
                 continue;
             };
-            let path = entry.path();
-            let mut md = None;
-            if ft.is_symlink() {
-                // Followed only where the policy allows, to a file or a folder.
-                if !self.entry_ok(&path) {
-                    continue;
-                }
-                match std::fs::metadata(&path) {
-                    Ok(m) => {
-                        ft = m.file_type();
-                        md = Some(m);
-                    }
-                    Err(_) => continue, // dangling, or gone meanwhile
-                }
-            }
             // As `LocalFileSystem` names it: the name as it is, not percent-encoded. One
             // that is no valid store path is left out (as in the recursive walk).
             let location = if top.as_ref().is_empty() {
@@ -363,24 +348,52 @@ impl Root {
             let Ok(location) = location else {
                 continue;
             };
-            if ft.is_dir() {
-                listing.common_prefixes.push(location);
-            } else if ft.is_file() && !staging_name(&name) {
-                let md = match md {
-                    Some(m) => m,
-                    // Not followed: a file swapped for a link (or anything else) since the
-                    // folder was read is left out, never listed with the link's metadata.
-                    None => match entry.metadata() {
-                        Ok(m) if m.is_file() => m,
-                        _ => continue, // gone or replaced meanwhile
-                    },
-                };
-                listing.objects.push(object_meta(location, &md));
+            match what {
+                Entry::Folder { .. } => listing.common_prefixes.push(location),
+                Entry::Object { md, .. } if !staging_name(&name) => {
+                    listing.objects.push(object_meta(location, &md))
+                }
+                Entry::Object { .. } => {}
             }
         }
         listing.common_prefixes.sort();
         Ok(listing)
     }
+
+    /// What a folder's entry is to a listing, as the policy lets it through (blocking):
+    /// `None` for a link the policy does not follow or that dangles, for what is neither
+    /// a file nor a folder, and for an entry gone or replaced since the folder was read
+    /// (a file swapped for a link is never described by the link's own metadata).
+    fn entry_of(&self, entry: &std::fs::DirEntry) -> Option<Entry> {
+        let ft = entry.file_type().ok()?;
+        if ft.is_symlink() {
+            let path = entry.path();
+            if !self.entry_ok(&path) {
+                return None;
+            }
+            let md = std::fs::metadata(&path).ok()?;
+            return if md.is_dir() {
+                Some(Entry::Folder { linked: true })
+            } else {
+                md.is_file().then_some(Entry::Object { md, linked: true })
+            };
+        }
+        if ft.is_dir() {
+            return Some(Entry::Folder { linked: false });
+        }
+        if !ft.is_file() {
+            return None;
+        }
+        let md = entry.metadata().ok().filter(Metadata::is_file)?;
+        Some(Entry::Object { md, linked: false })
+    }
+}
+
+/// A folder entry a listing may show (see [`Root::entry_of`]); `linked`: reached through
+/// a symbolic link the policy follows.
+enum Entry {
+    Folder { linked: bool },
+    Object { md: Metadata, linked: bool },
 }
 
 /// Is the file `got` holds open the one whose metadata the walk returned (same device and
@@ -452,30 +465,16 @@ impl Walk {
             } else {
                 format!("{prefix}/{name}")
             };
-            let path = entry.path();
-            let Ok(ft) = entry.file_type() else { continue };
-            let md = if ft.is_dir() {
-                self.dirs.push_back((path, loc));
-                continue;
-            } else if ft.is_symlink() {
-                // Followed only to a file inside the root; linked folders are not entered.
-                if !self.root.entry_ok(&path) {
+            let md = match self.root.entry_of(&entry) {
+                Some(Entry::Folder { linked: false }) => {
+                    self.dirs.push_back((entry.path(), loc));
                     continue;
                 }
-                match std::fs::metadata(&path) {
-                    Ok(m) if m.is_file() => m,
-                    _ => continue,
-                }
-            } else if ft.is_file() {
-                if staging_name(&name) {
-                    continue;
-                }
-                match entry.metadata() {
-                    Ok(m) => m,
-                    Err(_) => continue,
-                }
-            } else {
-                continue;
+                // Linked folders are not entered.
+                Some(Entry::Folder { linked: true }) | None => continue,
+                Some(Entry::Object { md, linked: true }) => md,
+                Some(Entry::Object { md, linked: false }) if !staging_name(&name) => md,
+                Some(Entry::Object { .. }) => continue,
             };
             let Ok(location) = StorePath::parse(&loc) else {
                 continue;
