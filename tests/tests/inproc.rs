@@ -558,6 +558,16 @@ async fn an_id_reused_for_another_request_never_gets_the_first_outcome() -> Resu
     };
     let nul = m.create_file(create("/team-a/a\0b/m", 1)).await;
     assert_eq!(code(nul), tonic::Code::InvalidArgument);
+    // The largest id is an id like any other: the same mkdir under it replays.
+    let big = pb::MkdirRequest {
+        path: "/big".into(),
+        mode: 0o755,
+        request_id: u64::MAX,
+        ..Default::default()
+    };
+    let first = m.mkdir(big.clone()).await?.into_inner().status;
+    let again = m.mkdir(big).await?.into_inner().status;
+    assert_eq!(first.map(|s| s.inode), again.map(|s| s.inode));
     // The same id on a job, a completion and a pin: each its own answer.
     let job = m
         .start_job(pb::StartJobRequest {

@@ -1354,6 +1354,17 @@ fn no_user_request_stops_a_master_group() {
         let (fa, fb) = (fa.status.unwrap(), fb.status.unwrap());
         assert_ne!(fa.inode, fb.inode);
         assert_eq!(fb.path, "/rid-bob");
+        // Even the very same message (path and id) from bob is his own request: his checks
+        // answer (the file exists), never alice's outcome and a write grant on her file.
+        let e = b.create_file(mine("/rid-alice")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
+        // Alice's own retry still gets her first outcome.
+        let again = a
+            .create_file(mine("/rid-alice"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(again.status.unwrap().inode, fa.inode);
         // A location ask past the limit is refused.
         let e = a
             .get_block_locations(pb::GetBlockLocationsRequest {
