@@ -285,6 +285,8 @@ pub fn start(
         forwarded: HashMap::new(),
         read_batch: Vec::new(),
         follower_batch: Vec::new(),
+        forwarded_in: Vec::new(),
+        answer_to: HashMap::new(),
         deferred_reads: Vec::new(),
         confirmed_reads: Vec::new(),
         nonce: rand::random(),
@@ -348,8 +350,14 @@ struct Driver {
     forwarded: HashMap<Vec<u8>, Instant>,
     /// Reads that arrived in this turn of the loop, confirmed together (see `submit_reads`).
     read_batch: Vec<ReadReply>,
-    /// Reads a follower may answer that arrived in this turn of the loop.
+    /// Reads a follower may answer that arrived in this turn of the loop (on a follower:
+    /// also those held while its previous batch is with the leader).
     follower_batch: Vec<ReadReply>,
+    /// On the leader: reads the followers forwarded in this turn of the loop (sender, and
+    /// the request's context as raft-rs carries it), confirmed with the leader's own.
+    forwarded_in: Vec<(u64, Vec<Entry>)>,
+    /// On the leader: the followers' reads confirmed by each of its read contexts.
+    answer_to: HashMap<Vec<u8>, Vec<(u64, Vec<Entry>)>>,
     /// Reads held until a new leader has committed in its term.
     deferred_reads: Vec<ReadReply>,
     /// Confirmed reads waiting for the apply index to reach theirs.
@@ -373,7 +381,12 @@ impl Driver {
         let mut last_tick = Instant::now();
         let mut clean = true;
         'outer: loop {
-            let wait = TICK.saturating_sub(last_tick.elapsed());
+            // Reads held while an earlier batch was with the leader go out at once.
+            let wait = if self.follower_batch.is_empty() || !self.forwarded.is_empty() {
+                TICK.saturating_sub(last_tick.elapsed())
+            } else {
+                Duration::ZERO
+            };
             let first = match rx.recv_timeout(wait) {
                 Ok(m) => Some(m),
                 Err(RecvTimeoutError::Timeout) => None,
@@ -474,6 +487,12 @@ impl Driver {
             tracing::debug!(from = m.from, "vote request ignored while starting fresh");
             return;
         }
+        if m.get_msg_type() == T::MsgReadIndex && self.joins_read_batch(&m) {
+            // A follower's read: confirmed with this turn's other reads (see `submit_reads`)
+            // rather than with a heartbeat round of its own, as raft-rs would.
+            self.forwarded_in.push((m.from, m.take_entries().into()));
+            return;
+        }
         if m.get_msg_type() == T::MsgHeartbeat {
             // The leader sends min(what it believes we hold, its commit). If this member lost
             // its data (a wiped directory), that belief is stale and raft-rs would panic on a
@@ -521,6 +540,18 @@ impl Driver {
                 self.transport.send(vec![r]);
             }
         }
+    }
+
+    /// Whether a read forwarded by a follower joins the leader's batch: this node leads and
+    /// has committed in its term (raft-rs drops reads before that), and the sender is a
+    /// member. Anything else goes to raft-rs as it is.
+    fn joins_read_batch(&self, m: &Message) -> bool {
+        let r = &self.node.raft;
+        r.state == StateRole::Leader
+            && r.commit_to_current_term()
+            && m.from != self.config.id
+            && m.entries.len() == 1
+            && r.prs().get(m.from).is_some()
     }
 
     fn next_key(&mut self) -> ((u64, u64), Vec<u8>) {
@@ -669,8 +700,18 @@ impl Driver {
     /// of the loop: each was received before the confirmation is asked for, so the read
     /// index it gets covers every write acknowledged before it arrived. One heartbeat round
     /// serves a burst of reads instead of one round each.
+    ///
+    /// The reads followers forwarded in the turn join the same round (the leader answers
+    /// each with the index that round confirms): a follower's read costs the leader a
+    /// message in and one out, not a heartbeat round to every follower and their answers.
+    /// A follower forwards one batch at a time; reads arriving meanwhile wait for the next,
+    /// so the leader hears from each follower at most once per round trip, however many
+    /// reads it serves.
     fn submit_reads(&mut self) {
-        if self.read_batch.is_empty() && self.follower_batch.is_empty() {
+        if self.read_batch.is_empty()
+            && self.follower_batch.is_empty()
+            && self.forwarded_in.is_empty()
+        {
             return;
         }
         let role = self.node.raft.state;
@@ -681,14 +722,21 @@ impl Driver {
                 self.deferred_reads.append(&mut self.follower_batch);
             }
             batch.append(&mut self.follower_batch);
-            if batch.is_empty() {
+            let asks = std::mem::take(&mut self.forwarded_in);
+            if batch.is_empty() && asks.is_empty() {
                 return;
             }
             let (_, ctx) = self.next_key();
             self.node.read_index(ctx.clone());
+            if !asks.is_empty() {
+                self.answer_to.insert(ctx.clone(), asks);
+            }
             self.reads.insert(ctx, batch);
             return;
         }
+        // Lost leadership in this turn: the followers' forwarded reads expire there and
+        // are retried.
+        self.forwarded_in.clear();
         // Lost leadership to a message handled in this same turn.
         let err = self.not_leader();
         for reply in std::mem::take(&mut self.read_batch) {
@@ -701,6 +749,11 @@ impl Driver {
             for reply in std::mem::take(&mut self.follower_batch) {
                 let _ = reply.send(Err(err.clone()));
             }
+            return;
+        }
+        if !self.forwarded.is_empty() {
+            // The previous batch is still with the leader: these arrived after it was
+            // sent, so they go in the next one.
             return;
         }
         // raft-rs forwards the request to the leader; its answer comes back as a read
@@ -806,6 +859,9 @@ impl Driver {
                 for reply in self.reads.drain().flat_map(|(_, r)| r) {
                     let _ = reply.send(Err(err.clone()));
                 }
+                // Followers' reads this leader can no longer confirm expire there.
+                self.answer_to.clear();
+                self.forwarded_in.clear();
                 for reply in self.deferred_reads.drain(..) {
                     let _ = reply.send(Err(err.clone()));
                 }
@@ -829,6 +885,9 @@ impl Driver {
                 self.confirmed_reads
                     .extend(replies.into_iter().map(|reply| (rs.index, reply)));
             }
+            if let Some(asks) = self.answer_to.remove(&rs.request_ctx) {
+                self.answer_forwarded(rs.index, asks);
+            }
         }
         self.apply(ready.take_committed_entries())?;
         self.storage.persist(ready.entries(), ready.hs())?;
@@ -843,6 +902,30 @@ impl Driver {
         self.node.advance_apply();
         self.release_reads();
         Ok(())
+    }
+
+    /// Answers reads forwarded by followers with the read index the leader confirmed for
+    /// them, as raft-rs does (`MsgReadIndexResp`, the leader's term): each follower then
+    /// serves its reads once it has applied that far.
+    fn answer_forwarded(&mut self, index: u64, asks: Vec<(u64, Vec<Entry>)>) {
+        if self.node.raft.state != StateRole::Leader {
+            return; // stepped down in this turn: the followers' reads expire and are retried
+        }
+        let term = self.node.raft.term;
+        let msgs = asks
+            .into_iter()
+            .map(|(to, entries)| {
+                let mut m = Message::default();
+                m.set_msg_type(raft::eraftpb::MessageType::MsgReadIndexResp);
+                m.from = self.config.id;
+                m.to = to;
+                m.term = term;
+                m.index = index;
+                m.entries = entries.into();
+                m
+            })
+            .collect();
+        self.transport.send(msgs);
     }
 
     fn release_reads(&mut self) {
