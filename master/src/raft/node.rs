@@ -344,10 +344,11 @@ struct Driver {
     /// Read requests awaiting quorum confirmation, by request context (one context per
     /// batch: the reads that arrived in one turn of the loop).
     reads: HashMap<Vec<u8>, Vec<ReadReply>>,
-    /// Contexts of the reads this follower forwarded to the leader, with when: the leader
-    /// drops them silently in some states (before it committed in its term, or when it
-    /// has just lost leadership), so they expire (see `expire_forwarded_reads`).
-    forwarded: HashMap<Vec<u8>, Instant>,
+    /// Contexts of the reads this follower forwarded to the leader, with when and to which
+    /// leader: the leader drops them silently in some states (before it committed in its
+    /// term, or when it has just lost leadership), so they expire (see
+    /// `expire_forwarded_reads`).
+    forwarded: HashMap<Vec<u8>, (Instant, u64)>,
     /// Reads that arrived in this turn of the loop, confirmed together (see `submit_reads`).
     read_batch: Vec<ReadReply>,
     /// Reads a follower may answer that arrived in this turn of the loop (on a follower:
@@ -760,21 +761,25 @@ impl Driver {
         // state of this node, as the leader's own do.
         let (_, ctx) = self.next_key();
         self.node.read_index(ctx.clone());
-        self.forwarded.insert(ctx.clone(), Instant::now());
+        self.forwarded
+            .insert(ctx.clone(), (Instant::now(), self.node.raft.leader_id));
         self.reads
             .insert(ctx, std::mem::take(&mut self.follower_batch));
     }
 
     /// Fails the forwarded reads the leader has not answered in time (it drops some
-    /// silently); their callers retry, at another master if need be.
+    /// silently), or that went to a leader this follower no longer follows (its answer
+    /// would be ignored); their callers retry, at another master if need be. Reads held
+    /// meanwhile are forwarded to the new leader in the next turn.
     fn expire_forwarded_reads(&mut self) {
         if self.forwarded.is_empty() {
             return;
         }
+        let leader = self.node.raft.leader_id;
         let late: Vec<Vec<u8>> = self
             .forwarded
             .iter()
-            .filter(|(_, at)| at.elapsed() >= FORWARDED_READ_TIMEOUT)
+            .filter(|(_, (at, to))| at.elapsed() >= FORWARDED_READ_TIMEOUT || *to != leader)
             .map(|(ctx, _)| ctx.clone())
             .collect();
         for ctx in late {
@@ -782,7 +787,7 @@ impl Driver {
             for reply in self.reads.remove(&ctx).unwrap_or_default() {
                 let _ = reply.send(Err(MasterError::Unavailable {
                     message: format!(
-                        "the leader did not confirm a read within {FORWARDED_READ_TIMEOUT:?}; retry"
+                        "the leader did not confirm a read within {FORWARDED_READ_TIMEOUT:?}, or leadership moved; retry"
                     ),
                 }));
             }
