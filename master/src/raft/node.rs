@@ -351,8 +351,7 @@ struct Driver {
     forwarded: HashMap<Vec<u8>, (Instant, u64)>,
     /// Reads that arrived in this turn of the loop, confirmed together (see `submit_reads`).
     read_batch: Vec<ReadReply>,
-    /// Reads a follower may answer that arrived in this turn of the loop (on a follower:
-    /// also those held while its previous batch is with the leader).
+    /// Reads a follower may answer that arrived in this turn of the loop.
     follower_batch: Vec<ReadReply>,
     /// On the leader: reads the followers forwarded in this turn of the loop (sender, and
     /// the request's context as raft-rs carries it), confirmed with the leader's own.
@@ -382,12 +381,7 @@ impl Driver {
         let mut last_tick = Instant::now();
         let mut clean = true;
         'outer: loop {
-            // Reads held while an earlier batch was with the leader go out at once.
-            let wait = if self.follower_batch.is_empty() || !self.forwarded.is_empty() {
-                TICK.saturating_sub(last_tick.elapsed())
-            } else {
-                Duration::ZERO
-            };
+            let wait = TICK.saturating_sub(last_tick.elapsed());
             let first = match rx.recv_timeout(wait) {
                 Ok(m) => Some(m),
                 Err(RecvTimeoutError::Timeout) => None,
@@ -705,9 +699,6 @@ impl Driver {
     /// The reads followers forwarded in the turn join the same round (the leader answers
     /// each with the index that round confirms): a follower's read costs the leader a
     /// message in and one out, not a heartbeat round to every follower and their answers.
-    /// A follower forwards one batch at a time; reads arriving meanwhile wait for the next,
-    /// so the leader hears from each follower at most once per round trip, however many
-    /// reads it serves.
     fn submit_reads(&mut self) {
         if self.read_batch.is_empty()
             && self.follower_batch.is_empty()
@@ -752,11 +743,6 @@ impl Driver {
             }
             return;
         }
-        if !self.forwarded.is_empty() {
-            // The previous batch is still with the leader: these arrived after it was
-            // sent, so they go in the next one.
-            return;
-        }
         // raft-rs forwards the request to the leader; its answer comes back as a read
         // state of this node, as the leader's own do.
         let (_, ctx) = self.next_key();
@@ -769,8 +755,7 @@ impl Driver {
 
     /// Fails the forwarded reads the leader has not answered in time (it drops some
     /// silently), or that went to a leader this follower no longer follows (its answer
-    /// would be ignored); their callers retry, at another master if need be. Reads held
-    /// meanwhile are forwarded to the new leader in the next turn.
+    /// would be ignored); their callers retry, at another master if need be.
     fn expire_forwarded_reads(&mut self) {
         if self.forwarded.is_empty() {
             return;
