@@ -88,6 +88,7 @@ const POLICY: &[(&str, &[Role], usize)] = &[
     // Between masters (the sender must be the master its certificate names: checked by
     // the Raft service); `granary master list` asks each member for its status.
     ("/granary.v1.RaftService/Send", MASTER, BULK),
+    ("/granary.v1.RaftService/SendStream", MASTER, BULK),
     ("/granary.v1.RaftService/InstallSnapshot", MASTER, BULK),
     ("/granary.v1.RaftService/MemberStatus", MASTER_OR_ADMIN, CONTROL),
     // The leader's grant key, for followers that sign grants with it.
@@ -405,6 +406,7 @@ mod tests {
     fn a_worker_certificate_cannot_speak_raft_or_send_load_tasks() {
         for m in [
             "/granary.v1.RaftService/Send",
+            "/granary.v1.RaftService/SendStream",
             "/granary.v1.RaftService/InstallSnapshot",
             "/granary.v1.RaftService/MemberStatus",
             "/granary.v1.RaftService/GrantKey",

@@ -404,6 +404,7 @@ pub async fn start(
         snapshots,
         address,
         grants: core.grants().cloned(),
+        shutdown: shutdown.clone(),
     });
     let raft_svc = granary_common::grpc::per_method_limits(|limit| {
         granary_proto::raft_service_server::RaftServiceServer::from_arc(raft_rpc.clone())

@@ -1263,3 +1263,49 @@ async fn a_finished_load_shows_its_blocks_cached_before_the_next_heartbeat() -> 
     }
     c.stop().await
 }
+
+/// A master whose peers refuse a stream of Raft messages (`SendStream`, as a release
+/// before it does) sends them a call per batch instead: with every stream refused, the
+/// group elects, commits, answers at followers and survives its leader's stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masters_send_a_call_per_batch_to_peers_that_refuse_raft_streams() -> Result<()> {
+    let mut c = Cluster::start(Shape {
+        masters: 3,
+        workers: 0,
+        ..Shape::default()
+    })
+    .await?;
+    let refused: Vec<_> = (0..3)
+        .map(|i| {
+            c.faults(Node::Master(i))
+                .add(Rule::new(Fault::Error(tonic::Code::Unimplemented)).method("SendStream"))
+        })
+        .collect();
+    // Restarted, each opens its streams anew and meets the refusal; the others' streams
+    // to it break and are opened anew too.
+    for i in 0..3 {
+        c.stop_master(i).await?;
+        c.start_master(i).await?;
+    }
+    let fs = c.client()?;
+    for i in 0..5 {
+        fs.master.mkdir(&format!("/d{i}"), false, 0o755).await?;
+    }
+    let fired: Vec<u64> = (0..3)
+        .map(|i| c.faults(Node::Master(i)).fired(refused[i]))
+        .collect();
+    assert!(fired.iter().all(|n| *n > 0), "streams refused: {fired:?}");
+    assert_eq!(
+        names(&fs.list(root()).await?),
+        ["d0", "d1", "d2", "d3", "d4"]
+    );
+    let old = c.leader().await?;
+    c.stop_master(old).await?;
+    fs.master.mkdir("/after", false, 0o755).await?;
+    assert_ne!(c.leader().await?, old);
+    assert_eq!(
+        names(&fs.list(root()).await?),
+        ["after", "d0", "d1", "d2", "d3", "d4"]
+    );
+    Ok(())
+}

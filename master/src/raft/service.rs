@@ -19,6 +19,9 @@ pub struct RaftRpc {
     pub address: String,
     /// This master's grant keys (TLS clusters).
     pub grants: Option<std::sync::Arc<crate::grants::Grants>>,
+    /// Cancelled when this master stops: ends the peers' streams (a server stops only
+    /// once every call has ended).
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 /// This member's own view, as `MasterInfo`.
@@ -41,13 +44,16 @@ fn decode(bytes: &[u8]) -> Result<Message, Status> {
         .map_err(|e| Status::invalid_argument(format!("undecodable raft message: {e}")))
 }
 
-#[tonic::async_trait]
-impl RaftService for RaftRpc {
-    async fn send(&self, req: Request<pb::RaftBatch>) -> Result<Response<pb::RaftAck>, Status> {
-        // The sender is the master its certificate names: a batch and each of its messages.
-        let who = principal(&req)?;
-        let batch = req.into_inner();
-        check_master_sender(&who, batch.from)?;
+impl RaftRpc {
+    /// Checks a batch whole — the sender is the master its certificate names (the batch
+    /// and each of its messages), it is for this master, and holds no snapshot — then
+    /// steps its messages in order.
+    fn accept(
+        &self,
+        who: &granary_common::tls::Principal,
+        batch: pb::RaftBatch,
+    ) -> Result<(), Status> {
+        check_master_sender(who, batch.from)?;
         if batch.to != self.raft.status.id {
             return Err(Status::failed_precondition(format!(
                 "this is master {}, not {}: check the --peers addresses",
@@ -57,7 +63,7 @@ impl RaftService for RaftRpc {
         let mut msgs = Vec::with_capacity(batch.messages.len());
         for m in &batch.messages {
             let m = decode(m)?;
-            check_master_sender(&who, m.from)?;
+            check_master_sender(who, m.from)?;
             if m.to != batch.to {
                 return Err(Status::invalid_argument(format!(
                     "a raft message for master {} in a batch for master {}",
@@ -75,7 +81,38 @@ impl RaftService for RaftRpc {
         for m in msgs {
             self.raft.step(m).map_err(Status::from)?;
         }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl RaftService for RaftRpc {
+    async fn send(&self, req: Request<pb::RaftBatch>) -> Result<Response<pb::RaftAck>, Status> {
+        let who = principal(&req)?;
+        self.accept(&who, req.into_inner())?;
         Ok(Response::new(pb::RaftAck {}))
+    }
+
+    /// Batches on one stream, each checked and stepped as `Send` does; the first refused
+    /// ends the stream with its status (the sender opens another for what follows).
+    async fn send_stream(
+        &self,
+        req: Request<Streaming<pb::RaftBatch>>,
+    ) -> Result<Response<pb::RaftAck>, Status> {
+        let who = principal(&req)?;
+        let mut stream = req.into_inner();
+        loop {
+            let next = tokio::select! {
+                next = stream.message() => next?,
+                _ = self.shutdown.cancelled() => {
+                    return Err(Status::unavailable("this master is stopping"));
+                }
+            };
+            match next {
+                Some(batch) => self.accept(&who, batch)?,
+                None => return Ok(Response::new(pb::RaftAck {})),
+            }
+        }
     }
 
     async fn install_snapshot(

@@ -1,8 +1,10 @@
 //! Carrying Raft messages between masters over gRPC (`granary.v1.RaftService`).
 //!
 //! Each peer gets one sender task fed by a bounded queue: messages are batched, encoded as
-//! raft-rs protobuf bytes and sent in order. A failed send reports the peer unreachable to
-//! Raft (which then probes instead of streaming) and drops the batch — Raft retransmits.
+//! raft-rs protobuf bytes and sent in order on one long-lived `SendStream` call (a peer of
+//! an older release that does not know it gets a `Send` call per batch). A batch that
+//! cannot be sent, or a stream that breaks, reports the peer unreachable to Raft (which
+//! then probes instead of streaming); what was lost Raft sends again.
 //! `MsgSnapshot` is special: the snapshot file it names is streamed in 1 MiB chunks by a
 //! separate task, and the outcome is reported back with `report_snapshot`.
 
@@ -47,6 +49,9 @@ pub trait Transport: Send + 'static {
 const QUEUE: usize = 4096;
 const BATCH: usize = 256;
 const SEND_TIMEOUT: Duration = Duration::from_secs(3);
+/// Batches waiting on a peer's stream at most: beyond it the peer is not keeping up, and
+/// the batch is dropped as a failed send would be.
+const STREAM_QUEUE: usize = 64;
 const SNAPSHOT_CHUNK: usize = 1 << 20;
 
 pub struct GrpcTransport {
@@ -158,9 +163,26 @@ struct PeerSender {
     snapshot_busy: Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// A peer's open `SendStream` call: batches go into `tx`; `call` ends with the call.
+struct OpenStream {
+    tx: tokio::sync::mpsc::Sender<pb::RaftBatch>,
+    call: tokio::task::JoinHandle<Result<(), tonic::Status>>,
+}
+
+/// What became of a batch handed to a peer's stream.
+enum Streamed {
+    Sent,
+    /// Not sent (the peer was reported unreachable).
+    Dropped,
+    /// The peer does not know `SendStream`: the batch, for `Send`.
+    Unsupported(pb::RaftBatch),
+}
+
 impl PeerSender {
     async fn run(self, mut rx: tokio::sync::mpsc::Receiver<Message>) {
         let mut reported = false;
+        let mut stream: Option<OpenStream> = None;
+        let mut unary = false;
         while let Some(first) = rx.recv().await {
             let mut batch = vec![first];
             while batch.len() < BATCH {
@@ -183,11 +205,25 @@ impl PeerSender {
             if messages.is_empty() {
                 continue;
             }
-            let mut req = tonic::Request::new(pb::RaftBatch {
+            let mut batch = pb::RaftBatch {
                 from: self.from,
                 to: self.to,
                 messages,
-            });
+            };
+            if !unary {
+                match self.stream(&mut stream, batch) {
+                    Streamed::Sent | Streamed::Dropped => continue,
+                    Streamed::Unsupported(b) => {
+                        tracing::info!(
+                            peer = self.to,
+                            "the peer does not take a stream of raft messages (an older release); sending a call per batch"
+                        );
+                        unary = true;
+                        batch = b;
+                    }
+                }
+            }
+            let mut req = tonic::Request::new(batch);
             req.set_timeout(SEND_TIMEOUT);
             let mut client = self.client.clone();
             match tokio::time::timeout(SEND_TIMEOUT, client.send(req)).await {
@@ -202,6 +238,51 @@ impl PeerSender {
                 Err(_) => (self.feedback)(Feedback::Unreachable(self.to)),
             }
         }
+    }
+
+    /// Hands `batch` to the peer's stream, opening one when there is none or the last
+    /// ended (its end was reported unreachable then, unless the peer refused the method).
+    fn stream(&self, open: &mut Option<OpenStream>, batch: pb::RaftBatch) -> Streamed {
+        if let Some(ended) = open.take_if(|s| s.call.is_finished()) {
+            use futures::FutureExt;
+            if let Some(Ok(Err(status))) = ended.call.now_or_never() {
+                if status.code() == tonic::Code::Unimplemented {
+                    return Streamed::Unsupported(batch);
+                }
+            }
+        }
+        let s = open.get_or_insert_with(|| self.open_stream());
+        match s.tx.try_send(batch) {
+            Ok(()) => Streamed::Sent,
+            Err(e) => {
+                if let tokio::sync::mpsc::error::TrySendError::Closed(_) = e {
+                    // Ended between the check and the send: its end is reported by it.
+                } else {
+                    (self.feedback)(Feedback::Unreachable(self.to));
+                }
+                Streamed::Dropped
+            }
+        }
+    }
+
+    /// Starts a `SendStream` call fed by a queue. When it ends with an error the peer is
+    /// reported unreachable (a refused method is not: the sender falls back to `Send`).
+    fn open_stream(&self) -> OpenStream {
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_QUEUE);
+        let mut client = self.client.clone();
+        let (feedback, to) = (self.feedback.clone(), self.to);
+        let call = tokio::spawn(async move {
+            let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+            let result = client.send_stream(stream).await.map(|_| ());
+            if let Err(e) = &result {
+                if e.code() != tonic::Code::Unimplemented {
+                    tracing::debug!(peer = to, error = %e.message(), "raft stream ended");
+                    feedback(Feedback::Unreachable(to));
+                }
+            }
+            result
+        });
+        OpenStream { tx, call }
     }
 
     fn spawn_snapshot(&self, m: Message) {
