@@ -52,6 +52,9 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(3);
 /// Batches waiting on a peer's stream at most: beyond it the peer is not keeping up, and
 /// the batch is dropped as a failed send would be.
 const STREAM_QUEUE: usize = 64;
+/// How long a peer that refused `SendStream` gets a call per batch before a stream is
+/// tried again (it may have been upgraded meanwhile).
+const STREAM_RETRY: Duration = Duration::from_secs(60);
 const SNAPSHOT_CHUNK: usize = 1 << 20;
 
 pub struct GrpcTransport {
@@ -174,7 +177,7 @@ enum Streamed {
     Sent,
     /// Not sent (the peer was reported unreachable).
     Dropped,
-    /// The peer does not know `SendStream`: the batch, for `Send`.
+    /// The peer refused `SendStream` (a release before it): the batch, for `Send`.
     Unsupported(pb::RaftBatch),
 }
 
@@ -182,7 +185,8 @@ impl PeerSender {
     async fn run(self, mut rx: tokio::sync::mpsc::Receiver<Message>) {
         let mut reported = false;
         let mut stream: Option<OpenStream> = None;
-        let mut unary = false;
+        // Since when the peer gets a call per batch (it refused the stream).
+        let mut unary: Option<std::time::Instant> = None;
         while let Some(first) = rx.recv().await {
             let mut batch = vec![first];
             while batch.len() < BATCH {
@@ -210,15 +214,20 @@ impl PeerSender {
                 to: self.to,
                 messages,
             };
-            if !unary {
+            if unary.is_none_or(|since| since.elapsed() >= STREAM_RETRY) {
                 match self.stream(&mut stream, batch) {
-                    Streamed::Sent | Streamed::Dropped => continue,
+                    Streamed::Sent | Streamed::Dropped => {
+                        unary = None;
+                        continue;
+                    }
                     Streamed::Unsupported(b) => {
-                        tracing::info!(
-                            peer = self.to,
-                            "the peer does not take a stream of raft messages (an older release); sending a call per batch"
-                        );
-                        unary = true;
+                        if unary.is_none() {
+                            tracing::info!(
+                                peer = self.to,
+                                "the peer does not take a stream of raft messages (an older release); sending a call per batch"
+                            );
+                        }
+                        unary = Some(std::time::Instant::now());
                         batch = b;
                     }
                 }
@@ -246,7 +255,7 @@ impl PeerSender {
         if let Some(ended) = open.take_if(|s| s.call.is_finished()) {
             use futures::FutureExt;
             if let Some(Ok(Err(status))) = ended.call.now_or_never() {
-                if status.code() == tonic::Code::Unimplemented {
+                if refused_method(&status) {
                     return Streamed::Unsupported(batch);
                 }
             }
@@ -275,7 +284,7 @@ impl PeerSender {
             let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
             let result = client.send_stream(stream).await.map(|_| ());
             if let Err(e) = &result {
-                if e.code() != tonic::Code::Unimplemented {
+                if !refused_method(e) {
                     tracing::debug!(peer = to, error = %e.message(), "raft stream ended");
                     feedback(Feedback::Unreachable(to));
                 }
@@ -316,6 +325,18 @@ impl PeerSender {
             });
         });
     }
+}
+
+/// Whether a peer refused the `SendStream` method itself: an older release's servers
+/// answer PERMISSION_DENIED for a method missing from their authorization table
+/// ("… is not a known operation"), and a server without the method UNIMPLEMENTED. A
+/// refusal of this master's certificate is PERMISSION_DENIED too; `Send` needs the same
+/// role, so falling back to it changes nothing there.
+fn refused_method(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unimplemented | tonic::Code::PermissionDenied
+    )
 }
 
 async fn send_snapshot(
