@@ -21,6 +21,7 @@ pub struct MasterMetrics {
     raft_last_index: Gauge<i64, AtomicI64>,
     raft_snapshot_index: Gauge<i64, AtomicI64>,
     raft_voters: Gauge<i64, AtomicI64>,
+    raft_log_syncs: Gauge<i64, AtomicI64>,
 }
 
 impl MasterMetrics {
@@ -87,6 +88,11 @@ impl MasterMetrics {
                 "Voting members in the current configuration",
                 m.raft_voters.clone(),
             );
+            r.register(
+                "granary_master_raft_log_syncs",
+                "Synced writes of this master's Raft log since it started (new entries, a new term or vote; a round of the Raft loop makes at most one)",
+                m.raft_log_syncs.clone(),
+            );
         }
         m
     }
@@ -112,5 +118,6 @@ impl MasterMetrics {
         self.raft_snapshot_index
             .set(s.snapshot_index.load(Relaxed) as i64);
         self.raft_voters.set(s.voters().len() as i64);
+        self.raft_log_syncs.set(s.log_syncs.load(Relaxed) as i64);
     }
 }

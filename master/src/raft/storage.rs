@@ -395,6 +395,12 @@ impl RocksLogStorage {
         Ok(self.db.flush_wal(false)?)
     }
 
+    /// Records a hard state whose term and vote are those already recorded (only its
+    /// commit index moved): not synced, as [`Self::persist_commit`].
+    pub fn persist_commit_of(&self, hs: &HardState) -> Result<(), MasterError> {
+        self.write_log(&[], Some(hs), false)
+    }
+
     /// Records a new commit index in the hard state. Not synced: a commit index lost in a
     /// crash is learnt again from the leader (and boot validation raises it to the applied
     /// index), so it need not cost an fsync per commit.

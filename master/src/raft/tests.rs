@@ -687,3 +687,40 @@ async fn concurrent_follower_reads_share_heartbeat_rounds_and_see_every_acknowle
     );
     g.assert_one_leader_per_term();
 }
+
+/// One create costs each member one synced write of its log, the entry's: the commit
+/// index that follows it (in the next append or heartbeat, on the leader in the
+/// acknowledgement) is recorded without an fsync (decision 9). Before, each member synced
+/// the commit index too, doubling the fsyncs on a lone caller's path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_costs_each_member_one_synced_log_write() {
+    let g = Group::start(3, 100_000, seed());
+    g.wait_leader(Duration::from_secs(30));
+    assert!(g.mkdir("/first", Duration::from_secs(10)).await);
+    g.wait_converged(Duration::from_secs(10));
+    let syncs = |g: &Group| -> Vec<u64> {
+        g.nodes
+            .values()
+            .map(|n| n.handle.status.log_syncs.load(Relaxed))
+            .collect()
+    };
+    let before = syncs(&g);
+    let creates = 40;
+    for i in 0..creates {
+        assert!(g.mkdir(&format!("/d{i}"), Duration::from_secs(10)).await);
+    }
+    g.wait_converged(Duration::from_secs(10));
+    let after = syncs(&g);
+    for (id, (b, a)) in g.nodes.keys().zip(before.iter().zip(&after)) {
+        let n = a - b;
+        // An election in between would add a few (a new term and vote, a leader's entry).
+        assert!(
+            (creates..=creates + 4).contains(&n),
+            "member {id} made {n} synced log writes for {creates} creates"
+        );
+    }
+    for id in g.nodes.keys() {
+        assert_eq!(g.names(*id, "/").len(), creates as usize + 1);
+    }
+    g.assert_one_leader_per_term();
+}
