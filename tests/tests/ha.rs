@@ -693,6 +693,8 @@ fn a_leader_killed_mid_listing_leaves_a_folder_the_next_leader_lists_exactly() {
         String::from_utf8_lossy(&out.stderr),
         g.logs()
     );
+    // Followers learn the last commit index with the next append or heartbeat.
+    g.wait_caught_up(Duration::from_secs(30)).unwrap();
     assert_eq!(assert_members_hold(&g, "/data/big", &want), want);
 }
 
