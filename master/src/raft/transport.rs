@@ -1,8 +1,8 @@
 //! Carrying Raft messages between masters over gRPC (`granary.v1.RaftService`).
 //!
-//! Each peer gets one sender task fed by a bounded queue: messages are batched, encoded as
-//! raft-rs protobuf bytes and sent in order on one long-lived `SendStream` call (a peer of
-//! an older release that does not know it gets a `Send` call per batch). A batch that
+//! The Raft thread encodes each round's messages to a peer as raft-rs protobuf bytes in one
+//! batch and hands it to the peer's long-lived `SendStream` call, in order (a peer of an
+//! older release that does not know it gets a `Send` call per batch, from a task). A batch that
 //! cannot be sent, or a stream that breaks, reports the peer unreachable to Raft (which
 //! then probes instead of streaming); what was lost Raft sends again.
 //! `MsgSnapshot` is special: the snapshot file it names is streamed in 1 MiB chunks by a
@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use granary_common::net::GrpcChannel as Channel;
 use granary_proto as pb;
@@ -46,12 +46,13 @@ pub trait Transport: Send + 'static {
     fn set_address(&mut self, id: u64, addr: &str);
 }
 
-const QUEUE: usize = 4096;
+/// Messages per batch at most, and bytes (a batch is one gRPC message).
 const BATCH: usize = 256;
+const BATCH_BYTES: usize = 16 << 20;
 const SEND_TIMEOUT: Duration = Duration::from_secs(3);
-/// Batches waiting on a peer's stream at most: beyond it the peer is not keeping up, and
-/// the batch is dropped as a failed send would be.
-const STREAM_QUEUE: usize = 64;
+/// Batches waiting on a peer's stream (or its calls) at most: beyond it the peer is not
+/// keeping up, and the batch is dropped as a failed send would be.
+const STREAM_QUEUE: usize = 1024;
 /// How long a peer that refused `SendStream` gets a call per batch before a stream is
 /// tried again (it may have been upgraded meanwhile).
 const STREAM_RETRY: Duration = Duration::from_secs(60);
@@ -61,7 +62,7 @@ pub struct GrpcTransport {
     self_id: u64,
     rt: tokio::runtime::Handle,
     peers: Peers,
-    queues: HashMap<u64, tokio::sync::mpsc::Sender<Message>>,
+    links: HashMap<u64, PeerLink>,
     feedback: FeedbackFn,
     snapshots: SnapshotDir,
     net: granary_common::net::Net,
@@ -81,17 +82,17 @@ impl GrpcTransport {
             self_id,
             rt,
             peers,
-            queues: HashMap::new(),
+            links: HashMap::new(),
             feedback,
             snapshots,
         }
     }
 
-    fn queue(&mut self, to: u64) -> Option<&tokio::sync::mpsc::Sender<Message>> {
-        if !self.queues.contains_key(&to) {
+    /// The peer's link, made on first use. Runs inside the runtime's context (channels
+    /// and tasks need its reactor; this runs on the Raft thread).
+    fn link(&mut self, to: u64) -> Option<&mut PeerLink> {
+        if !self.links.contains_key(&to) {
             let addr = peer_address(&self.peers, to)?;
-            // Channels need the runtime's reactor; this runs on the Raft thread.
-            let _rt = self.rt.enter();
             let client = match self
                 .net
                 .channel(&addr, granary_common::net::ServerKind::Master)
@@ -104,44 +105,80 @@ impl GrpcTransport {
                     return None;
                 }
             };
-            let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
-            let sender = PeerSender {
+            let link = PeerLink {
                 from: self.self_id,
                 to,
                 client,
                 feedback: self.feedback.clone(),
                 snapshots: self.snapshots.clone(),
                 snapshot_busy: Arc::default(),
+                stream: None,
+                unary: None,
             };
-            self.rt.spawn(sender.run(rx));
-            self.queues.insert(to, tx);
+            self.links.insert(to, link);
         }
-        self.queues.get(&to)
+        self.links.get_mut(&to)
     }
 }
 
 impl Transport for GrpcTransport {
+    /// Encodes each peer's messages into batches on the Raft thread and hands them
+    /// straight to the peer's stream: no task in between, so a message costs no wake-up
+    /// of its own before HTTP/2 writes it.
     fn send(&mut self, msgs: Vec<Message>) {
+        if msgs.is_empty() {
+            return;
+        }
+        let rt = self.rt.clone();
+        let _rt = rt.enter();
+        // Per peer, in order.
+        let mut by_peer: Vec<(u64, Vec<Message>)> = Vec::new();
         for m in msgs {
-            let to = m.to;
+            match by_peer.iter_mut().find(|(to, _)| *to == m.to) {
+                Some((_, v)) => v.push(m),
+                None => by_peer.push((m.to, vec![m])),
+            }
+        }
+        for (to, msgs) in by_peer {
             let feedback = self.feedback.clone();
-            // A dropped snapshot must be reported as such: raft-rs keeps a peer in snapshot
-            // state (sending nothing else) until `report_snapshot`.
-            let dropped = if m.get_msg_type() == MessageType::MsgSnapshot {
-                Feedback::Snapshot { to, ok: false }
-            } else {
-                Feedback::Unreachable(to)
+            let Some(link) = self.link(to) else {
+                tracing::debug!(peer = to, "no address for raft peer; messages dropped");
+                for m in &msgs {
+                    // A dropped snapshot must be reported as such: raft-rs keeps a peer in
+                    // snapshot state (sending nothing else) until `report_snapshot`.
+                    feedback(if m.get_msg_type() == MessageType::MsgSnapshot {
+                        Feedback::Snapshot { to, ok: false }
+                    } else {
+                        Feedback::Unreachable(to)
+                    });
+                }
+                continue;
             };
-            match self.queue(to) {
-                Some(q) => {
-                    if q.try_send(m).is_err() {
-                        feedback(dropped);
+            let mut messages = Vec::new();
+            let mut bytes = 0;
+            for m in msgs {
+                if m.get_msg_type() == MessageType::MsgSnapshot {
+                    link.spawn_snapshot(m);
+                    continue;
+                }
+                let b = match m.write_to_bytes() {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::error!(error = %e, "encoding a raft message");
+                        continue;
                     }
+                };
+                if !messages.is_empty()
+                    && (messages.len() >= BATCH || bytes + b.len() > BATCH_BYTES)
+                {
+                    link.deliver(std::mem::take(&mut messages));
+                    bytes = 0;
                 }
-                None => {
-                    tracing::debug!(peer = to, "no address for raft peer; message dropped");
-                    feedback(dropped);
-                }
+                bytes += b.len();
+                messages.push(bytes::Bytes::from(b));
+            }
+            if !messages.is_empty() {
+                link.deliver(messages);
             }
         }
     }
@@ -150,20 +187,26 @@ impl Transport for GrpcTransport {
         if let Ok(mut g) = self.peers.write() {
             if g.get(&id).map(String::as_str) != Some(addr) {
                 g.insert(id, addr.to_string());
-                // Dropping the queue ends the old sender task; the next send starts a new one.
-                self.queues.remove(&id);
+                // Dropping the link ends its stream; the next send makes a new one.
+                self.links.remove(&id);
             }
         }
     }
 }
 
-struct PeerSender {
+/// One peer as the Raft thread sends to it: its open stream, or (a peer of an older
+/// release) the queue of a task making a call per batch.
+struct PeerLink {
     from: u64,
     to: u64,
     client: RaftServiceClient<Channel>,
     feedback: FeedbackFn,
     snapshots: SnapshotDir,
     snapshot_busy: Arc<std::sync::atomic::AtomicBool>,
+    stream: Option<OpenStream>,
+    /// Since when the peer gets a call per batch (it refused the stream), and the queue
+    /// of the task making the calls.
+    unary: Option<(Instant, tokio::sync::mpsc::Sender<pb::RaftBatch>)>,
 }
 
 /// A peer's open `SendStream` call: batches go into `tx`; `call` ends with the call.
@@ -181,78 +224,50 @@ enum Streamed {
     Unsupported(pb::RaftBatch),
 }
 
-impl PeerSender {
-    async fn run(self, mut rx: tokio::sync::mpsc::Receiver<Message>) {
-        let mut reported = false;
-        let mut stream: Option<OpenStream> = None;
-        // Since when the peer gets a call per batch (it refused the stream).
-        let mut unary: Option<std::time::Instant> = None;
-        while let Some(first) = rx.recv().await {
-            let mut batch = vec![first];
-            while batch.len() < BATCH {
-                match rx.try_recv() {
-                    Ok(m) => batch.push(m),
-                    Err(_) => break,
+impl PeerLink {
+    fn deliver(&mut self, messages: Vec<bytes::Bytes>) {
+        let mut batch = pb::RaftBatch {
+            from: self.from,
+            to: self.to,
+            messages,
+        };
+        let retry = self
+            .unary
+            .as_ref()
+            .is_none_or(|(since, _)| since.elapsed() >= STREAM_RETRY);
+        if retry {
+            match self.stream(batch) {
+                Streamed::Sent | Streamed::Dropped => {
+                    self.unary = None;
+                    return;
                 }
-            }
-            let mut messages = Vec::with_capacity(batch.len());
-            for m in batch {
-                if m.get_msg_type() == MessageType::MsgSnapshot {
-                    self.spawn_snapshot(m);
-                    continue;
-                }
-                match m.write_to_bytes() {
-                    Ok(b) => messages.push(bytes::Bytes::from(b)),
-                    Err(e) => tracing::error!(error = %e, "encoding a raft message"),
-                }
-            }
-            if messages.is_empty() {
-                continue;
-            }
-            let mut batch = pb::RaftBatch {
-                from: self.from,
-                to: self.to,
-                messages,
-            };
-            if unary.is_none_or(|since| since.elapsed() >= STREAM_RETRY) {
-                match self.stream(&mut stream, batch) {
-                    Streamed::Sent | Streamed::Dropped => {
-                        unary = None;
-                        continue;
+                Streamed::Unsupported(b) => {
+                    if self.unary.is_none() {
+                        tracing::info!(
+                            peer = self.to,
+                            "the peer does not take a stream of raft messages (an older release); sending a call per batch"
+                        );
                     }
-                    Streamed::Unsupported(b) => {
-                        if unary.is_none() {
-                            tracing::info!(
-                                peer = self.to,
-                                "the peer does not take a stream of raft messages (an older release); sending a call per batch"
-                            );
-                        }
-                        unary = Some(std::time::Instant::now());
-                        batch = b;
-                    }
+                    let queue = match self.unary.take() {
+                        Some((_, q)) if !q.is_closed() => q,
+                        _ => self.start_calls(),
+                    };
+                    self.unary = Some((Instant::now(), queue));
+                    batch = b;
                 }
             }
-            let mut req = tonic::Request::new(batch);
-            req.set_timeout(SEND_TIMEOUT);
-            let mut client = self.client.clone();
-            match tokio::time::timeout(SEND_TIMEOUT, client.send(req)).await {
-                Ok(Ok(_)) => reported = false,
-                Ok(Err(e)) => {
-                    if !reported {
-                        tracing::debug!(peer = self.to, error = %e.message(), "raft send failed");
-                        reported = true;
-                    }
-                    (self.feedback)(Feedback::Unreachable(self.to));
-                }
-                Err(_) => (self.feedback)(Feedback::Unreachable(self.to)),
+        }
+        if let Some((_, q)) = &self.unary {
+            if q.try_send(batch).is_err() {
+                (self.feedback)(Feedback::Unreachable(self.to));
             }
         }
     }
 
     /// Hands `batch` to the peer's stream, opening one when there is none or the last
     /// ended (its end was reported unreachable then, unless the peer refused the method).
-    fn stream(&self, open: &mut Option<OpenStream>, batch: pb::RaftBatch) -> Streamed {
-        if let Some(ended) = open.take_if(|s| s.call.is_finished()) {
+    fn stream(&mut self, batch: pb::RaftBatch) -> Streamed {
+        if let Some(ended) = self.stream.take_if(|s| s.call.is_finished()) {
             use futures::FutureExt;
             if let Some(Ok(Err(status))) = ended.call.now_or_never() {
                 if refused_method(&status) {
@@ -260,7 +275,12 @@ impl PeerSender {
                 }
             }
         }
-        let s = open.get_or_insert_with(|| self.open_stream());
+        if self.stream.is_none() {
+            self.stream = Some(self.open_stream());
+        }
+        let Some(s) = &self.stream else {
+            return Streamed::Dropped;
+        };
         match s.tx.try_send(batch) {
             Ok(()) => Streamed::Sent,
             Err(e) => {
@@ -292,6 +312,34 @@ impl PeerSender {
             result
         });
         OpenStream { tx, call }
+    }
+
+    /// Starts the task that sends a peer of an older release a `Send` call per batch,
+    /// one at a time and in order.
+    fn start_calls(&self) -> tokio::sync::mpsc::Sender<pb::RaftBatch> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<pb::RaftBatch>(STREAM_QUEUE);
+        let client = self.client.clone();
+        let (feedback, to) = (self.feedback.clone(), self.to);
+        tokio::spawn(async move {
+            let mut reported = false;
+            while let Some(batch) = rx.recv().await {
+                let mut req = tonic::Request::new(batch);
+                req.set_timeout(SEND_TIMEOUT);
+                let mut client = client.clone();
+                match tokio::time::timeout(SEND_TIMEOUT, client.send(req)).await {
+                    Ok(Ok(_)) => reported = false,
+                    Ok(Err(e)) => {
+                        if !reported {
+                            tracing::debug!(peer = to, error = %e.message(), "raft send failed");
+                            reported = true;
+                        }
+                        feedback(Feedback::Unreachable(to));
+                    }
+                    Err(_) => feedback(Feedback::Unreachable(to)),
+                }
+            }
+        });
+        tx
     }
 
     fn spawn_snapshot(&self, m: Message) {
