@@ -28,6 +28,9 @@ const MAX_PENDING: usize = 1024;
 const MAX_REMEMBERED: usize = 100_000;
 /// How long a worker that refused node copies (`--locality cluster`) is not asked again.
 const REFUSED_FOR: Duration = Duration::from_secs(60);
+/// A failed copy is logged as a warning at most this often (the others at debug level;
+/// `granary_client_node_copy_failures_total` counts them all).
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// A mount's node-copy state.
 pub struct NodeCopier {
@@ -38,6 +41,8 @@ pub struct NodeCopier {
     slots: Arc<tokio::sync::Semaphore>,
     /// Workers that refused node copies, and when.
     refused: Mutex<HashMap<u64, Instant>>,
+    /// When a failed copy was last logged as a warning.
+    warned: Mutex<Option<Instant>>,
 }
 
 impl Default for NodeCopier {
@@ -48,6 +53,7 @@ impl Default for NodeCopier {
             pending: AtomicUsize::new(0),
             slots: Arc::new(tokio::sync::Semaphore::new(COPIES_IN_FLIGHT)),
             refused: Mutex::new(HashMap::new()),
+            warned: Mutex::new(None),
         }
     }
 }
@@ -64,6 +70,17 @@ impl NodeCopier {
 
     fn forget(&self, key: &(u64, u64, u32)) {
         lock(&self.copied).remove(key);
+    }
+
+    /// Whether a failed copy is to be logged as a warning now (the first, then at most one
+    /// per [`WARN_EVERY`]).
+    fn warn_now(&self) -> bool {
+        let mut last = lock(&self.warned);
+        let due = last.is_none_or(|t| t.elapsed() >= WARN_EVERY);
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
     }
 }
 
@@ -136,7 +153,11 @@ impl FileSystem {
                 Err(e) => {
                     me.node_copier.forget(&key);
                     me.metrics.node_copy_failures.inc();
-                    tracing::debug!(path = %file.path, block = index, error = %e, "copying a block to this node's worker failed");
+                    if me.node_copier.warn_now() {
+                        tracing::warn!(path = %file.path, block = index, error = %e, "copying a block to this node's worker failed (the next epoch reads it from its owner and asks again; further failures within a minute are logged at debug level)");
+                    } else {
+                        tracing::debug!(path = %file.path, block = index, error = %e, "copying a block to this node's worker failed");
+                    }
                 }
             }
         });
@@ -190,5 +211,21 @@ impl FileSystem {
         }
         self.metrics.node_copy_bytes.inc_by(len);
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod warn_tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_copy_is_a_warning_at_most_once_a_minute() {
+        let c = NodeCopier::default();
+        assert!(c.warn_now(), "the first failure is a warning");
+        assert!(!c.warn_now(), "the next within a minute is not");
+        if let Some(then) = Instant::now().checked_sub(WARN_EVERY) {
+            *lock(&c.warned) = Some(then);
+            assert!(c.warn_now(), "a minute later it is again");
+        }
     }
 }
