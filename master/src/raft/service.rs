@@ -48,7 +48,7 @@ impl RaftRpc {
     /// Checks a batch whole — the sender is the master its certificate names (the batch
     /// and each of its messages), it is for this master, and holds no snapshot — then
     /// steps its messages in order.
-    fn accept(
+    pub(super) fn accept(
         &self,
         who: &granary_common::tls::Principal,
         batch: pb::RaftBatch,

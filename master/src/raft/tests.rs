@@ -724,3 +724,140 @@ async fn a_create_costs_each_member_one_synced_log_write() {
     }
     g.assert_one_leader_per_term();
 }
+
+/// What `Send` and `SendStream` accept, batch by batch: a member's certificate speaks only
+/// for that member, in the batch and in each message; a batch for another master, with
+/// undecodable bytes or a snapshot inside is refused; and a refused batch is refused
+/// whole: none of its messages is stepped (the term a forged vote request carries, placed
+/// after a valid message, never reaches the node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raft_batch_is_checked_whole_against_its_senders_certificate() {
+    use granary_common::tls::{Principal, Role};
+    use granary_proto as pb;
+    use protobuf::Message as _;
+    let g = Group::start(3, 100_000, seed());
+    g.wait_leader(Duration::from_secs(30));
+    let node = &g.nodes[&1];
+    let dir = tempfile::tempdir().unwrap();
+    let rpc = super::service::RaftRpc {
+        raft: node.handle.clone(),
+        snapshots: SnapshotDir::open(dir.path().to_path_buf()).unwrap(),
+        address: "127.0.0.1:1".into(),
+        grants: None,
+        shutdown: tokio_util::sync::CancellationToken::new(),
+    };
+    let msg = |from: u64, to: u64, kind: MessageType, term: u64| -> bytes::Bytes {
+        let mut m = Message::default();
+        m.set_msg_type(kind);
+        m.from = from;
+        m.to = to;
+        m.term = term;
+        m.write_to_bytes().unwrap().into()
+    };
+    let master2 = Principal::new("master-2", &[Role::Master], None).with_master_id(2);
+    let user = Principal::new("alice", &[Role::User], None);
+    let term = node.handle.status.term.load(Relaxed);
+    let huge = u64::MAX / 2;
+    let valid = msg(2, 1, MessageType::MsgHeartbeatResponse, term);
+    let cases: Vec<(&Principal, pb::RaftBatch, tonic::Code)> = vec![
+        // Another member's id in a message, after a valid one.
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![valid.clone(), msg(3, 1, MessageType::MsgRequestVote, huge)],
+            },
+            tonic::Code::PermissionDenied,
+        ),
+        // Another member's id on the batch.
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 3,
+                to: 1,
+                messages: vec![msg(3, 1, MessageType::MsgRequestVote, huge)],
+            },
+            tonic::Code::PermissionDenied,
+        ),
+        // A certificate that names no master.
+        (
+            &user,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![valid.clone()],
+            },
+            tonic::Code::PermissionDenied,
+        ),
+        // For another master; a message for another master inside.
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 7,
+                messages: vec![valid.clone()],
+            },
+            tonic::Code::FailedPrecondition,
+        ),
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![valid.clone(), msg(2, 3, MessageType::MsgRequestVote, huge)],
+            },
+            tonic::Code::InvalidArgument,
+        ),
+        // Undecodable bytes, and a snapshot, after a forged term.
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![
+                    msg(2, 1, MessageType::MsgRequestVote, huge),
+                    bytes::Bytes::from_static(&[0xff; 9]),
+                ],
+            },
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![
+                    msg(2, 1, MessageType::MsgRequestVote, huge),
+                    msg(2, 1, MessageType::MsgSnapshot, huge),
+                ],
+            },
+            tonic::Code::InvalidArgument,
+        ),
+    ];
+    for (i, (who, batch, code)) in cases.into_iter().enumerate() {
+        let e = rpc.accept(who, batch).unwrap_err();
+        assert_eq!(e.code(), code, "case {i}: {e:?}");
+    }
+    // The same valid batch twice is stepped twice, harmlessly.
+    for _ in 0..2 {
+        rpc.accept(
+            &master2,
+            pb::RaftBatch {
+                from: 2,
+                to: 1,
+                messages: vec![valid.clone()],
+            },
+        )
+        .unwrap();
+    }
+    // No forged term reached any node: the group still writes in a sane term.
+    assert!(g.mkdir("/after", Duration::from_secs(10)).await);
+    for n in g.nodes.values() {
+        assert!(
+            n.handle.status.term.load(Relaxed) < 1000,
+            "a forged term was stepped"
+        );
+    }
+    g.assert_one_leader_per_term();
+}
