@@ -296,6 +296,17 @@ pub struct Expected {
 }
 
 impl Expected {
+    /// `Precondition` (a changed object, never served) when `meta` is not this version.
+    pub fn check(&self, meta: &object_store::ObjectMeta) -> Result<(), object_store::Error> {
+        match self.mismatch(meta) {
+            None => Ok(()),
+            Some(why) => Err(object_store::Error::Precondition {
+                path: meta.location.to_string(),
+                source: format!("the object changed since it was listed: {why}").into(),
+            }),
+        }
+    }
+
     /// Why `meta` (from a read's response) is not this version, if it is not.
     pub fn mismatch(&self, meta: &object_store::ObjectMeta) -> Option<String> {
         if let Some(have) = &meta.e_tag {
@@ -358,6 +369,10 @@ pub struct Ufs {
     pub part_size: u64,
     /// Ranged GETs one sequential cold reader keeps in flight (`part_concurrency`).
     pub part_concurrency: usize,
+    /// The same store when it is a local folder (`file://`), for readers that open its
+    /// files themselves ([`ConfinedLocal::open_blocking`]). `None` for every other store
+    /// and for a folder wrapped by tests, whose faults must see every read.
+    pub local: Option<ConfinedLocal>,
 }
 
 impl std::fmt::Debug for Ufs {
@@ -402,12 +417,7 @@ impl Ufs {
         let path = self.path_of(rel);
         let got = self.store.get_opts(&path, opts).await?;
         if let Some(want) = expect {
-            if let Some(why) = want.mismatch(&got.meta) {
-                return Err(object_store::Error::Precondition {
-                    path: path.to_string(),
-                    source: format!("the object changed since it was listed: {why}").into(),
-                });
-            }
+            want.check(&got.meta)?;
         }
         Ok(got)
     }
@@ -778,11 +788,12 @@ impl UfsSpec {
                     source,
                 })?;
             return Ok(Ufs {
-                store: Arc::new(store),
+                store: Arc::new(store.clone()),
                 pager: None,
                 prefix: StorePath::default(),
                 part_size: self.part_size(),
                 part_concurrency: self.part_concurrency(),
+                local: Some(store),
             });
         }
         let (store, pager, prefix) =
@@ -796,6 +807,7 @@ impl UfsSpec {
             prefix,
             part_size: self.part_size(),
             part_concurrency: self.part_concurrency(),
+            local: None,
         })
     }
 }
@@ -1226,6 +1238,7 @@ mod tests {
             prefix: StorePath::from("data"),
             part_size: DEFAULT_PART_SIZE,
             part_concurrency: DEFAULT_PART_CONCURRENCY,
+            local: None,
         };
         assert_eq!(
             ufs.path_of("unicodé/naïve ✓ 数据.bin").as_ref(),

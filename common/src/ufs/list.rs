@@ -257,6 +257,7 @@ mod tests {
             prefix: StorePath::from("data"),
             part_size: DEFAULT_PART_SIZE,
             part_concurrency: 1,
+            local: None,
         };
         (ufs, pages)
     }

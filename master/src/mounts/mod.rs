@@ -289,6 +289,8 @@ impl UfsCache {
             ufs.store = (wrap.0)(ufs.store);
             // Listings go through the wrapped store too.
             ufs.pager = None;
+            // Reads as well (nobody opens the folder's files directly).
+            ufs.local = None;
         }
         map.insert(
             mount.id,

@@ -96,6 +96,7 @@ async fn rig_with(signed: bool) -> Rig {
             prefix: StorePath::default(),
             part_size: 2 * PS,
             part_concurrency: 2,
+            local: None,
         },
     );
     let writes = crate::writes::Writes::open(

@@ -223,6 +223,30 @@ impl Run {
         );
     }
 
+    /// Takes the next page's slot out of the run, to be delivered by whoever reads it.
+    fn take_next(&mut self) -> Delivery {
+        let page = self.first + self.next as u64;
+        let (id, tx) = std::mem::replace(&mut self.slots[self.next], (0, watch::channel(None).0));
+        self.next += 1;
+        Delivery {
+            fetcher: self.fetcher.clone(),
+            key: (self.block.key, page as u32),
+            block_size: self.block.desc.block_size,
+            id,
+            tx: Some(tx),
+            cache: self.cache,
+            node_copy: self.block.peers_only,
+        }
+    }
+
+    /// Gives back the slot [`take_next`](Self::take_next) took (its page was not read whole).
+    fn put_back(&mut self, mut d: Delivery) {
+        if let Some(tx) = d.tx.take() {
+            self.next -= 1;
+            self.slots[self.next] = (d.id, tx);
+        }
+    }
+
     fn fail_rest(&mut self, e: &FetchError) {
         while self.next < self.slots.len() {
             let key = (self.block.key, (self.first + self.next as u64) as u32);
@@ -286,6 +310,49 @@ impl Commit {
         }
         f.forget(self.key, self.id);
         drop(self.tx);
+    }
+}
+
+/// A page's slot taken out of its run ([`Run::take_next`]): delivered, it goes to its
+/// readers and then into the cache in the calling thread; dropped undelivered (an error, a
+/// panic), its readers are failed as the run fails them.
+struct Delivery {
+    fetcher: Arc<Fetcher>,
+    key: PageKey,
+    block_size: u64,
+    id: u64,
+    tx: Option<watch::Sender<Outcome>>,
+    cache: bool,
+    node_copy: bool,
+}
+
+impl Delivery {
+    fn deliver(mut self, data: Bytes) {
+        let Some(tx) = self.tx.take() else {
+            return;
+        };
+        tx.send_replace(Some(Ok(data.clone())));
+        let commit = Commit {
+            key: self.key,
+            block_size: self.block_size,
+            data,
+            id: self.id,
+            tx,
+            cache: self.cache,
+            node_copy: self.node_copy,
+        };
+        commit.run(&self.fetcher);
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            tx.send_replace(Some(Err(FetchError::Unavailable(
+                "the under-store fetch was abandoned".into(),
+            ))));
+            self.fetcher.forget(self.key, self.id);
+        }
     }
 }
 
@@ -986,6 +1053,108 @@ impl Run {
         Ok(())
     }
 
+    /// The rest of the run from a local folder store, object bytes `at..end`: each step on
+    /// a blocking thread reads one page straight into its buffer (the first step also
+    /// opens and checks the file: the links policy, the version `expect` names), hands it
+    /// to its readers and writes it into the cache, so a cold small file costs one thread
+    /// hand-off, not one for the check, the open, the read and the cache write each. A
+    /// step that hangs (a stuck network file system) fails the part as stalled after
+    /// [`UFS_TIMEOUT`]; the blocking thread is left to finish.
+    #[allow(clippy::too_many_arguments)]
+    async fn read_local(
+        &mut self,
+        local: &granary_common::ufs::ConfinedLocal,
+        path: object_store::path::Path,
+        expect: Option<&granary_common::ufs::Expected>,
+        mut at: u64,
+        end: u64,
+        loc: &pb::UfsLocation,
+        op: &crate::metrics::UfsOp,
+        buf: &mut BytesMut,
+    ) -> Result<(), FetchError> {
+        let f = self.fetcher.clone();
+        let mut file: Option<Arc<std::fs::File>> = None;
+        while self.next < self.slots.len() && at < end {
+            let page_len = self.page_len(self.next);
+            let want = (page_len - buf.len() as u64).min(end - at);
+            // A page the step completes goes out from the blocking thread itself: its
+            // readers first, then the cache.
+            let whole = buf.is_empty() && want == page_len;
+            let out = whole.then(|| self.take_next());
+            let step = {
+                let (local, path) = (local.clone(), path.clone());
+                let expect = expect.cloned();
+                let file = file.clone();
+                tokio::task::spawn_blocking(move || {
+                    // A failed step gives the slot back, so its readers get this error.
+                    let file = match file {
+                        Some(file) => file,
+                        None => match open_checked(&local, &path, expect.as_ref()) {
+                            Ok(file) => Arc::new(file),
+                            Err(e) => return Err((e, out)),
+                        },
+                    };
+                    let data = match read_at_most(&file, at, want) {
+                        Ok(data) => data,
+                        Err(e) => {
+                            let e = object_store::Error::Generic {
+                                store: "LocalFileSystem",
+                                source: e.into(),
+                            };
+                            return Err((e, out));
+                        }
+                    };
+                    let data = match out {
+                        Some(d) if data.len() as u64 == want => {
+                            d.deliver(Bytes::from(data));
+                            None
+                        }
+                        // Short (the file shrank): the slot goes back to the run, which
+                        // reports it.
+                        d => Some((Bytes::from(data), d)),
+                    };
+                    Ok((file, data))
+                })
+            };
+            let (opened, data) = match tokio::time::timeout(UFS_TIMEOUT, step).await {
+                Ok(Ok(Ok(x))) => x,
+                Ok(Ok(Err((e, slot)))) => {
+                    if let Some(slot) = slot {
+                        self.put_back(slot);
+                    }
+                    return Err(f.classify(loc.mount_id, &loc.path, e));
+                }
+                Ok(Err(e)) => {
+                    let e = object_store::Error::Generic {
+                        store: "LocalFileSystem",
+                        source: e.to_string().into(),
+                    };
+                    return Err(f.classify(loc.mount_id, &loc.path, e));
+                }
+                Err(_) => return Err(stalled(&f, loc)),
+            };
+            file = Some(opened);
+            match data {
+                None => {
+                    at += want;
+                    f.count_read(op, want as usize);
+                }
+                Some((data, slot)) => {
+                    if let Some(slot) = slot {
+                        self.put_back(slot);
+                    }
+                    if data.is_empty() {
+                        return Ok(()); // shorter than recorded: the caller reports it
+                    }
+                    at += data.len() as u64;
+                    f.count_read(op, data.len());
+                    self.feed(buf, &mut data.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One ranged GET of `range` (block offsets), feeding the pages it completes as the
     /// body arrives (the partial page in `buf` goes on from where it is). Fails as
     /// unavailable when the store sends nothing for [`UFS_TIMEOUT`].
@@ -1000,6 +1169,13 @@ impl Run {
     ) -> Result<(), FetchError> {
         let f = self.fetcher.clone();
         let base = self.block.start;
+        if let Some(local) = &ufs.local {
+            let path = ufs.path_of(&loc.path);
+            let at = base + range.start;
+            return self
+                .read_local(local, path, expect, at, base + range.end, loc, op, buf)
+                .await;
+        }
         let stalled = || stalled(&f, loc);
         let answer = ufs.get_range(&loc.path, expect, base + range.start..base + range.end);
         let answer = tokio::time::timeout(UFS_TIMEOUT, answer)
@@ -1024,6 +1200,22 @@ impl Run {
             self.feed(buf, &mut chunk);
         }
     }
+}
+
+/// Opens `path` of a local folder store in place ([`ConfinedLocal::open_blocking`]) and
+/// checks that it is still the version `expect` names (as a ranged GET's answer is).
+///
+/// [`ConfinedLocal::open_blocking`]: granary_common::ufs::ConfinedLocal::open_blocking
+fn open_checked(
+    local: &granary_common::ufs::ConfinedLocal,
+    path: &object_store::path::Path,
+    expect: Option<&granary_common::ufs::Expected>,
+) -> Result<std::fs::File, object_store::Error> {
+    let (file, meta) = local.open_blocking(path)?;
+    if let Some(want) = expect {
+        want.check(&meta)?;
+    }
+    Ok(file)
 }
 
 /// Counts a stalled under-store read and says so.

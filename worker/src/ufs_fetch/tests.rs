@@ -63,6 +63,7 @@ async fn rig_with(
             prefix: StorePath::default(),
             part_size: part_pages * PS,
             part_concurrency: concurrency,
+            local: None,
         },
     );
     Rig {
@@ -349,6 +350,7 @@ async fn a_body_that_breaks_off_mid_page_is_resumed_at_the_byte_where_it_stopped
             prefix: StorePath::default(),
             part_size: 8 * PS,
             part_concurrency: 1,
+            local: None,
         },
     );
     let b = block(&r, data.len() as u64).await;
@@ -395,6 +397,7 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
             prefix: StorePath::default(),
             part_size: 8 * PS,
             part_concurrency: 1,
+            local: None,
         },
     );
     let start = 8 * PS;
@@ -421,6 +424,121 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
         len - PS,
         "each byte read once"
     );
+}
+
+/// A fetcher whose mount 1 is the folder `folder` as `granary local` opens it (a
+/// [`granary_common::ufs::ConfinedLocal`], read in place), parts of 8 pages; the
+/// fingerprint of "f" as its listing records it.
+async fn folder_rig(folder: &std::path::Path) -> (Rig, pb::Fingerprint) {
+    let r = rig(&[], 8, 1).await;
+    let spec = granary_common::ufs::UfsSpec::new(&folder.display().to_string(), Default::default())
+        .unwrap();
+    let ufs = spec.open().unwrap();
+    assert!(ufs.local.is_some(), "a folder is read in place");
+    let meta = ufs.store.head(&StorePath::from("f")).await.unwrap();
+    let print = pb::Fingerprint {
+        etag: meta.e_tag.unwrap_or_default(),
+        size: meta.size,
+        mtime_ms: meta.last_modified.timestamp_millis(),
+        ..Default::default()
+    };
+    r.fetcher.stores.insert(
+        1,
+        Ufs {
+            part_size: 8 * PS,
+            part_concurrency: 1,
+            ..ufs
+        },
+    );
+    (r, print)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_read_in_place_serves_and_caches_every_page_of_its_part_once() {
+    // Block 1 of the file starts 8 pages in and ends 100 bytes short of a page; a miss of
+    // its page 1 reads pages 1..=3 (the rest of its part), each read, handed out and
+    // cached by the blocking step that read it.
+    let data = object(12);
+    let folder = tempfile::tempdir().unwrap();
+    std::fs::write(folder.path().join("f"), &data).unwrap();
+    let (r, print) = folder_rig(folder.path()).await;
+    let start = 8 * PS;
+    let len = data.len() as u64 - start;
+    let b = block_of_f(1, start, len, start, print);
+    let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
+    assert_eq!(src, Source::UnderStore);
+    let at = (start + PS) as usize;
+    assert_eq!(&p1[..], &data[at..at + PS as usize]);
+    wait_idle(&r.fetcher).await;
+    for page in 1..4u64 {
+        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        assert_eq!(src, Source::Cache, "page {page}");
+        let at = (start + page * PS) as usize;
+        assert_eq!(
+            &bytes[..],
+            &data[at..data.len().min(at + PS as usize)],
+            "page {page}"
+        );
+    }
+    assert_eq!(r.metrics.ufs_requests.get(), 1, "one GET for pages 1..=3");
+    assert_eq!(r.metrics.ufs_read_bytes.get(), len - PS, "each byte read once");
+    // Page 0, read last, is its own GET; every page is cached once.
+    let (p0, _) = r.fetcher.page(&b, 0, true).await.unwrap();
+    assert_eq!(&p0[..], &data[start as usize..(start + PS) as usize]);
+    wait_idle(&r.fetcher).await;
+    assert_eq!(r.fetcher.store.page_count(), 4);
+    assert_eq!(r.metrics.ufs_read_bytes.get(), len);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_file_changed_since_its_listing_fails_every_waiter_and_caches_nothing() {
+    let data = object(4);
+    let folder = tempfile::tempdir().unwrap();
+    let path = folder.path().join("f");
+    std::fs::write(&path, &data).unwrap();
+    let (r, print) = folder_rig(folder.path()).await;
+    let b = block_of_f(0, 0, data.len() as u64, 8 * PS, print);
+    // Replaced under the same name (another inode, the size of the listed one).
+    let other: Vec<u8> = data.iter().map(|x| x.wrapping_add(1)).collect();
+    std::fs::write(folder.path().join("g"), &other).unwrap();
+    std::fs::rename(folder.path().join("g"), &path).unwrap();
+    let reads: Vec<_> = (0..4)
+        .map(|page| {
+            let f = r.fetcher.clone();
+            let b = b.clone();
+            tokio::spawn(async move { f.page(&b, page, true).await })
+        })
+        .collect();
+    for h in reads {
+        let e = h.await.unwrap().unwrap_err();
+        assert!(matches!(e, FetchError::Changed(_)), "{e}");
+    }
+    wait_idle(&r.fetcher).await;
+    assert_eq!(r.fetcher.store.page_count(), 0, "no page of either version cached");
+    // Gone altogether: not found, and again nothing left in flight.
+    std::fs::remove_file(&path).unwrap();
+    let e = r.fetcher.page(&b, 0, true).await.unwrap_err();
+    assert!(matches!(e, FetchError::NotFound(_)), "{e}");
+    wait_idle(&r.fetcher).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_file_that_is_a_link_leaving_the_folder_is_not_read() {
+    let data = object(2);
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), &data).unwrap();
+    let folder = tempfile::tempdir().unwrap();
+    std::fs::write(folder.path().join("f"), &data).unwrap();
+    let (r, print) = folder_rig(folder.path()).await;
+    let b = block_of_f(0, 0, data.len() as u64, 8 * PS, print);
+    // Swapped for a link to a file of the same bytes outside the folder after the listing.
+    std::fs::remove_file(folder.path().join("f")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("secret"), folder.path().join("f")).unwrap();
+    let e = r.fetcher.page(&b, 0, true).await.unwrap_err();
+    assert!(matches!(e, FetchError::NotFound(_)), "{e}");
+    wait_idle(&r.fetcher).await;
+    assert_eq!(r.fetcher.store.page_count(), 0);
+    assert_eq!(r.metrics.ufs_read_bytes.get(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

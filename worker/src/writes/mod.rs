@@ -932,6 +932,7 @@ mod tests {
                 prefix: object_store::path::Path::default(),
                 part_size: PS,
                 part_concurrency: 1,
+                local: None,
             },
         );
         Writes::open(dir, fetcher, master, metrics, 1).unwrap()
