@@ -26,6 +26,7 @@ pub mod meta;
 mod passthrough;
 mod routing;
 
+pub(crate) use leases::WARM_LEASE_GROUP;
 pub use passthrough::PassthroughFile;
 
 /// How long the list of live workers is reused before asking the master again.

@@ -746,6 +746,12 @@ impl ShortCircuit {
         lock(&self.kept).remove(&block_key(id));
     }
 
+    /// How many more block files may be kept open before older ones are let go.
+    pub fn kept_room(&self) -> usize {
+        let k = lock(&self.kept);
+        k.max_files.saturating_sub(k.files.len())
+    }
+
     /// Block files kept open now.
     pub fn kept_files(&self) -> usize {
         lock(&self.kept).files.len()

@@ -73,6 +73,8 @@ pub struct ClientMetrics {
     pub warm_folders: Counter<u64, AtomicU64>,
     pub warm_files: Counter<u64, AtomicU64>,
     pub warm_bytes: Counter<u64, AtomicU64>,
+    /// Warmed small files leased, checked and kept open for their readers' opens.
+    pub warm_kept: Counter<u64, AtomicU64>,
     /// Bytes read over gRPC from workers on other nodes (part of source="worker").
     pub peer_read_bytes: Counter<u64, AtomicU64>,
     /// Blocks (and bytes) copied to this node's worker, copies that failed or were skipped.
@@ -203,6 +205,11 @@ impl ClientMetrics {
                 "granary_client_warm_bytes",
                 "Bytes of the files folder warms had fetched into the cache",
                 self.warm_bytes.clone(),
+            );
+            r.register(
+                "granary_client_warm_kept",
+                "Small files folder warms had cached that this mount then leased, checked and kept open, so their first open is answered in passthrough without a lease request",
+                self.warm_kept.clone(),
             );
             r.register(
                 "granary_client_peer_read_bytes",

@@ -256,19 +256,56 @@ impl FileSystem {
             let bytes: u64 = take.iter().map(|e| e.length).sum();
             let slots = self.warmer.slots();
             let me = &self;
-            let failed = futures::stream::iter(take)
-                .map(|e| {
-                    let slots = slots.clone();
-                    let workers = &workers;
-                    async move {
-                        let _slot = slots.acquire_owned().await.ok()?;
-                        me.warm_file(&e, workers).await.err()
+            let mut failed = Vec::new();
+            // In groups: each group's files are leased and kept for their readers' opens
+            // while the next group is fetched.
+            let mut keeping: Option<tokio::task::JoinHandle<()>> = None;
+            for group in take.chunks(crate::fs::WARM_LEASE_GROUP) {
+                let done: Vec<Result<pb::FileStatus, (pb::FileStatus, crate::ClientError)>> =
+                    futures::stream::iter(group.to_vec())
+                        .map(|e| {
+                            let slots = slots.clone();
+                            let workers = &workers;
+                            async move {
+                                let Ok(_slot) = slots.acquire_owned().await else {
+                                    return Ok(e);
+                                };
+                                match me.warm_file(&e, workers).await {
+                                    Ok(()) => Ok(e),
+                                    Err(err) => Err((e, err)),
+                                }
+                            }
+                        })
+                        .buffer_unordered(WARM_IN_FLIGHT)
+                        .collect()
+                        .await;
+                let mut warmed = Vec::new();
+                for r in done {
+                    match r {
+                        Ok(e) => warmed.push(e),
+                        Err((_, err)) => failed.push(err),
                     }
-                })
-                .buffer_unordered(WARM_IN_FLIGHT)
-                .filter_map(|r| async move { r })
-                .collect::<Vec<_>>()
-                .await;
+                }
+                if let Some(k) = keeping.take() {
+                    let _ = k.await;
+                }
+                let mut by_owner: HashMap<u64, (pb::WorkerInfo, Vec<pb::FileStatus>)> =
+                    HashMap::new();
+                for e in warmed {
+                    if let Some(w) = Self::owner_of(&e, &workers) {
+                        by_owner.entry(w.worker_id).or_insert((w, Vec::new())).1.push(e);
+                    }
+                }
+                let me = self.clone();
+                keeping = Some(tokio::spawn(async move {
+                    for (w, files) in by_owner.into_values() {
+                        me.keep_warmed(&w, &files).await;
+                    }
+                }));
+            }
+            if let Some(k) = keeping.take() {
+                let _ = k.await;
+            }
             if failed.is_empty() {
                 failures = 0;
             } else {
@@ -289,6 +326,16 @@ impl FileSystem {
         }
     }
 
+    /// The worker that caches the first block of `file` (its placement owner).
+    fn owner_of(file: &pb::FileStatus, workers: &[pb::WorkerInfo]) -> Option<pb::WorkerInfo> {
+        let id = pb::BlockId {
+            inode: file.inode,
+            version: file.version,
+            index: 0,
+        };
+        order_workers(&id, workers).into_iter().next()
+    }
+
     /// Has every page of a one-block file fetched and cached by its owner worker (a read of
     /// the first byte of each page, under the caller's grant).
     async fn warm_file(
@@ -297,10 +344,7 @@ impl FileSystem {
         workers: &[pb::WorkerInfo],
     ) -> Result<(), crate::ClientError> {
         let mut desc = Self::descriptor(file, 0)?;
-        let id = desc.id.unwrap_or_default();
-        let owner = order_workers(&id, workers)
-            .into_iter()
-            .next()
+        let owner = Self::owner_of(file, workers)
             .ok_or_else(|| crate::ClientError::unavailable("no live worker"))?;
         let grant = self.grant_for(file, false).await?;
         Self::with_grant_terms(&mut desc, grant.as_ref());

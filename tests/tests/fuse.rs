@@ -326,6 +326,13 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
                 m("granary_client_warm_files_total") > 0.0,
                 "no file was warmed ahead of the loaders"
             );
+            // Warmed samples are leased, checked and kept a group at a time, so most cold
+            // opens need no lease request of their own.
+            let kept = m("granary_client_warm_kept_total");
+            assert!(
+                kept >= 300.0 && kept <= m("granary_client_warm_files_total"),
+                "warmed samples kept for their opens: {kept}"
+            );
             assert_eq!(
                 c.workers[0].metric("granary_worker_ufs_read_bytes_total"),
                 3000.0 * 128.0 * 1024.0,

@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// Warmed small files leased, checked and kept in one request at most (the worker leases at
+/// most 64 `more` blocks besides the first).
+pub(crate) const WARM_LEASE_GROUP: usize = 65;
+
 /// Leases taken ahead of readers, and what decides when to take them.
 #[derive(Default)]
 pub(super) struct Ahead {
@@ -104,6 +108,61 @@ impl FileSystem {
     /// The page size short-circuit leases are counted in (the workers' page size).
     pub(crate) fn short_circuit_page_size(&self) -> u64 {
         self.short_circuit.page_size()
+    }
+
+    /// Small files just warmed into `w`'s cache (one page each, see [`crate::warm`]):
+    /// leased in one request, checked whole and kept open, as a file read and closed is —
+    /// so the loader's open that follows is answered from the kept file on the kernel's
+    /// request thread (passthrough), with no lease request and no read of its own. Files
+    /// beyond the room left for kept files are left to their opens.
+    pub(crate) async fn keep_warmed(self: &Arc<Self>, w: &pb::WorkerInfo, files: &[pb::FileStatus]) {
+        let ps = self.short_circuit.page_size();
+        if !self.short_circuit.applies_to(w) {
+            return;
+        }
+        let files: Vec<&pb::FileStatus> = files
+            .iter()
+            .filter(|f| f.length > 0 && f.length <= ps)
+            .take(self.short_circuit.kept_room().min(WARM_LEASE_GROUP))
+            .collect();
+        let Some((first, rest)) = files.split_first() else {
+            return;
+        };
+        let id = |f: &pb::FileStatus| pb::BlockId {
+            inode: f.inode,
+            version: f.version,
+            index: 0,
+        };
+        let more = rest.iter().map(|f| id(f)).collect();
+        let Some(l) = self
+            .ask_lease_more(w, &id(first), 0, None, 0, true, more)
+            .await
+        else {
+            return;
+        };
+        self.short_circuit.keep(&id(first), l);
+        let me = self.clone();
+        let files: Vec<(pb::BlockId, u64)> = files.iter().map(|f| (id(f), f.length)).collect();
+        let _ = tokio::task::spawn_blocking(move || {
+            let sc = &me.short_circuit;
+            for (id, len) in files {
+                let Some(l) = sc.lease(&id, 0) else {
+                    continue; // not cached there after all: its open asks
+                };
+                // Checked now whatever an earlier check: the kept file is opened in
+                // passthrough only when its own lease read it whole.
+                let checked = l.verify_whole(len, true).is_some();
+                drop(l); // the table's is the only reference again: it can be moved
+                if checked {
+                    sc.note_verified(&id);
+                    sc.keep_open(&id, len);
+                    me.metrics.warm_kept.inc();
+                } else {
+                    sc.done_with(&id, 0);
+                }
+            }
+        })
+        .await;
     }
 
     /// Asks `w` for a lease on a block it caches and opens the block file; `ahead`: taken
