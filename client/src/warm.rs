@@ -293,7 +293,11 @@ impl FileSystem {
                     HashMap::new();
                 for e in warmed {
                     if let Some(w) = Self::owner_of(&e, &workers) {
-                        by_owner.entry(w.worker_id).or_insert((w, Vec::new())).1.push(e);
+                        by_owner
+                            .entry(w.worker_id)
+                            .or_insert((w, Vec::new()))
+                            .1
+                            .push(e);
                     }
                 }
                 let me = self.clone();

@@ -115,7 +115,11 @@ impl FileSystem {
     /// so the loader's open that follows is answered from the kept file on the kernel's
     /// request thread (passthrough), with no lease request and no read of its own. Files
     /// beyond the room left for kept files are left to their opens.
-    pub(crate) async fn keep_warmed(self: &Arc<Self>, w: &pb::WorkerInfo, files: &[pb::FileStatus]) {
+    pub(crate) async fn keep_warmed(
+        self: &Arc<Self>,
+        w: &pb::WorkerInfo,
+        files: &[pb::FileStatus],
+    ) {
         let ps = self.short_circuit.page_size();
         if !self.short_circuit.applies_to(w) {
             return;

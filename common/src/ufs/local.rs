@@ -855,17 +855,33 @@ mod tests {
         assert_eq!(got, "inside-b");
         let head = none.head(&StorePath::from("sub/b.txt")).await.unwrap();
         assert_eq!(meta.e_tag, head.e_tag);
-        assert_eq!((meta.size, meta.last_modified), (head.size, head.last_modified));
+        assert_eq!(
+            (meta.size, meta.last_modified),
+            (head.size, head.last_modified)
+        );
         // Links: none followed by default; inside ones when allowed; leaving ones never.
         for p in ["in-link", "dir-in/b.txt", "out-link", "dir-out/secret"] {
             let e = open(&none, p).unwrap_err();
-            assert!(matches!(e, object_store::Error::NotFound { .. }), "{p}: {e:?}");
+            assert!(
+                matches!(e, object_store::Error::NotFound { .. }),
+                "{p}: {e:?}"
+            );
         }
         assert!(open(&inside, "in-link").is_ok());
         assert!(open(&inside, "dir-in/b.txt").is_ok());
-        for p in ["out-link", "dir-out/secret", "pipe", "sub", "missing", "../outside/secret"] {
+        for p in [
+            "out-link",
+            "dir-out/secret",
+            "pipe",
+            "sub",
+            "missing",
+            "../outside/secret",
+        ] {
             let e = open(&inside, p).unwrap_err();
-            assert!(matches!(e, object_store::Error::NotFound { .. }), "{p}: {e:?}");
+            assert!(
+                matches!(e, object_store::Error::NotFound { .. }),
+                "{p}: {e:?}"
+            );
         }
         assert!(t.outside.join("secret").exists());
     }

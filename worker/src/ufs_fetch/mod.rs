@@ -1085,13 +1085,14 @@ impl Run {
                 let (local, path) = (local.clone(), path.clone());
                 let expect = expect.cloned();
                 let file = file.clone();
+                let (f, op) = (f.clone(), op.clone());
                 tokio::task::spawn_blocking(move || {
                     // A failed step gives the slot back, so its readers get this error.
                     let file = match file {
                         Some(file) => file,
                         None => match open_checked(&local, &path, expect.as_ref()) {
                             Ok(file) => Arc::new(file),
-                            Err(e) => return Err((e, out)),
+                            Err(e) => return Err((Box::new(e), out)),
                         },
                     };
                     let data = match read_at_most(&file, at, want) {
@@ -1101,9 +1102,11 @@ impl Run {
                                 store: "LocalFileSystem",
                                 source: e.into(),
                             };
-                            return Err((e, out));
+                            return Err((Box::new(e), out));
                         }
                     };
+                    // Counted before its readers have it (a reader may look next).
+                    f.count_read(&op, data.len());
                     let data = match out {
                         Some(d) if data.len() as u64 == want => {
                             d.deliver(Bytes::from(data));
@@ -1122,7 +1125,7 @@ impl Run {
                     if let Some(slot) = slot {
                         self.put_back(slot);
                     }
-                    return Err(f.classify(loc.mount_id, &loc.path, e));
+                    return Err(f.classify(loc.mount_id, &loc.path, *e));
                 }
                 Ok(Err(e)) => {
                     let e = object_store::Error::Generic {
@@ -1135,10 +1138,7 @@ impl Run {
             };
             file = Some(opened);
             match data {
-                None => {
-                    at += want;
-                    f.count_read(op, want as usize);
-                }
+                None => at += want,
                 Some((data, slot)) => {
                     if let Some(slot) = slot {
                         self.put_back(slot);
@@ -1147,7 +1147,6 @@ impl Run {
                         return Ok(()); // shorter than recorded: the caller reports it
                     }
                     at += data.len() as u64;
-                    f.count_read(op, data.len());
                     self.feed(buf, &mut data.clone());
                 }
             }

@@ -204,17 +204,8 @@ async fn read_ahead_keeps_parts_in_flight_and_pages_are_fetched_once() {
     assert_eq!(r.metrics.ufs_read_bytes.get(), fetched);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_changed_object_fails_every_waiter_and_leaves_nothing_in_flight() {
-    let data = object(8);
-    let r = rig(&data, 8, 1).await;
-    let b = block(&r, data.len() as u64).await;
-    // Same size, other bytes: a new version under the same name.
-    let other: Vec<u8> = data.iter().map(|x| x.wrapping_add(1)).collect();
-    r.store
-        .put(&StorePath::from("f"), PutPayload::from(other))
-        .await
-        .unwrap();
+/// Readers of pages 0..4 of `b` at once all fail as changed, and nothing is cached.
+async fn every_reader_sees_it_changed(r: &Rig, b: &Arc<BlockRef>) {
     let reads: Vec<_> = (0..4)
         .map(|page| {
             let f = r.fetcher.clone();
@@ -232,6 +223,20 @@ async fn a_changed_object_fails_every_waiter_and_leaves_nothing_in_flight() {
         0,
         "no page of either version cached"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_object_fails_every_waiter_and_leaves_nothing_in_flight() {
+    let data = object(8);
+    let r = rig(&data, 8, 1).await;
+    let b = block(&r, data.len() as u64).await;
+    // Same size, other bytes: a new version under the same name.
+    let other: Vec<u8> = data.iter().map(|x| x.wrapping_add(1)).collect();
+    r.store
+        .put(&StorePath::from("f"), PutPayload::from(other))
+        .await
+        .unwrap();
+    every_reader_sees_it_changed(&r, &b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,13 +408,21 @@ async fn a_folder_store_serves_the_second_block_of_a_file_byte_for_byte() {
     let start = 8 * PS;
     let len = data.len() as u64 - start;
     let b = block_of_f(1, start, len, start, fingerprint(local.as_ref()).await);
-    let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
+    second_block_part_is_read_once(&r, &b, &data).await;
+}
+
+/// `b` is block 1 of `data` (from 8 pages in, ending 100 bytes short of a page): a miss of
+/// its page 1 reads pages 1..=3 (the rest of its part of 8 pages) with one GET, and each
+/// is then a cache hit with the file's bytes.
+async fn second_block_part_is_read_once(r: &Rig, b: &Arc<BlockRef>, data: &[u8]) {
+    let (start, len) = (b.start, b.len);
+    let (p1, src) = r.fetcher.page(b, 1, true).await.unwrap();
     assert_eq!(src, Source::UnderStore);
     let at = (start + PS) as usize;
     assert_eq!(&p1[..], &data[at..at + PS as usize]);
     wait_idle(&r.fetcher).await;
     for page in 1..4u64 {
-        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
+        let (bytes, src) = r.fetcher.page(b, page, true).await.unwrap();
         assert_eq!(src, Source::Cache, "page {page}");
         let at = (start + page * PS) as usize;
         assert_eq!(
@@ -465,23 +478,7 @@ async fn a_folder_read_in_place_serves_and_caches_every_page_of_its_part_once() 
     let start = 8 * PS;
     let len = data.len() as u64 - start;
     let b = block_of_f(1, start, len, start, print);
-    let (p1, src) = r.fetcher.page(&b, 1, true).await.unwrap();
-    assert_eq!(src, Source::UnderStore);
-    let at = (start + PS) as usize;
-    assert_eq!(&p1[..], &data[at..at + PS as usize]);
-    wait_idle(&r.fetcher).await;
-    for page in 1..4u64 {
-        let (bytes, src) = r.fetcher.page(&b, page, true).await.unwrap();
-        assert_eq!(src, Source::Cache, "page {page}");
-        let at = (start + page * PS) as usize;
-        assert_eq!(
-            &bytes[..],
-            &data[at..data.len().min(at + PS as usize)],
-            "page {page}"
-        );
-    }
-    assert_eq!(r.metrics.ufs_requests.get(), 1, "one GET for pages 1..=3");
-    assert_eq!(r.metrics.ufs_read_bytes.get(), len - PS, "each byte read once");
+    second_block_part_is_read_once(&r, &b, &data).await;
     // Page 0, read last, is its own GET; every page is cached once.
     let (p0, _) = r.fetcher.page(&b, 0, true).await.unwrap();
     assert_eq!(&p0[..], &data[start as usize..(start + PS) as usize]);
@@ -502,19 +499,7 @@ async fn a_folder_file_changed_since_its_listing_fails_every_waiter_and_caches_n
     let other: Vec<u8> = data.iter().map(|x| x.wrapping_add(1)).collect();
     std::fs::write(folder.path().join("g"), &other).unwrap();
     std::fs::rename(folder.path().join("g"), &path).unwrap();
-    let reads: Vec<_> = (0..4)
-        .map(|page| {
-            let f = r.fetcher.clone();
-            let b = b.clone();
-            tokio::spawn(async move { f.page(&b, page, true).await })
-        })
-        .collect();
-    for h in reads {
-        let e = h.await.unwrap().unwrap_err();
-        assert!(matches!(e, FetchError::Changed(_)), "{e}");
-    }
-    wait_idle(&r.fetcher).await;
-    assert_eq!(r.fetcher.store.page_count(), 0, "no page of either version cached");
+    every_reader_sees_it_changed(&r, &b).await;
     // Gone altogether: not found, and again nothing left in flight.
     std::fs::remove_file(&path).unwrap();
     let e = r.fetcher.page(&b, 0, true).await.unwrap_err();
