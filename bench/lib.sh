@@ -49,6 +49,13 @@ local_cleanup() {
   [ -n "${KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"
 }
 
+# fuse_unmount: stops the `granary fuse` process in $fuse_pid (if any) and unmounts
+# $work/mnt.
+fuse_unmount() {
+  [ -n "${fuse_pid:-}" ] && kill -INT "$fuse_pid" 2>/dev/null && wait "$fuse_pid" 2>/dev/null || true
+  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
+}
+
 # procs_workdir NAME: sets $work to a fresh folder under /tmp and $pids to an empty list;
 # at exit, stops every process whose PID is in $pids and removes the folder.
 procs_workdir() {
@@ -145,6 +152,13 @@ master_group() {
   peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
   addrs="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
   declare -gA mpid
+}
+# members: the group's members as `granary master list --json` gives them; leader: the
+# leader's id; applied ID: that member's applied index ("" if it does not answer).
+members() { "$bin" master list --json --master "$addrs" 2>/dev/null; }
+leader() { members | python3 -c 'import json,sys; print(next(m["id"] for m in json.load(sys.stdin) if m["role"]=="leader"))'; }
+applied() {
+  members | python3 -c 'import json,sys; print(next((m["applied_index"] for m in json.load(sys.stdin) if m["id"]==int(sys.argv[1])), ""))' "$1" 2>/dev/null || true
 }
 start_master() { # id
   local i=$1

@@ -28,10 +28,6 @@ trap cleanup EXIT
 
 master_group
 for i in 1 2 3; do start_master "$i"; done
-leader() {
-  "$bin" master list --json --master "$addrs" 2>/dev/null |
-    python3 -c 'import json,sys; print(next(m["id"] for m in json.load(sys.stdin) if m["role"]=="leader"))'
-}
 for _ in $(seq 1 200); do leader > /dev/null 2>&1 && break; sleep 0.1; done
 
 # The limit: synchronous small writes on the same file system.

@@ -29,11 +29,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 needs_root
 procs_workdir nsha
 fuse_pid=""
-unmount() {
-  [ -n "$fuse_pid" ] && kill -INT "$fuse_pid" 2>/dev/null && wait "$fuse_pid" 2>/dev/null || true
-  mountpoint -q "$work/mnt" && umount -l "$work/mnt" || true
-}
-trap 'unmount; procs_cleanup' EXIT
+trap 'fuse_unmount; procs_cleanup' EXIT
 mkdir -p "$work/ufs/tree" "$work/mnt"
 empty_tree "$work/ufs/tree" "$folders" "$per"
 stat_all() { find "$1" -type f -printf '%s\n' | wc -l; }
@@ -44,11 +40,6 @@ raw_find=$(timed stat_all "$work/ufs/tree")
 MASTER_LOG=info
 master_flags=(--snapshot-entries "${SNAPSHOT_ENTRIES:-10000}" --allow-local-root "$work/ufs")
 master_group
-members() { "$bin" master list --json --master "$addrs" 2>/dev/null; }
-leader() { members | python3 -c 'import json,sys; print(next(m["id"] for m in json.load(sys.stdin) if m["role"]=="leader"))'; }
-applied() { # id -> applied index of that member ("" if it does not answer)
-  members | python3 -c 'import json,sys; print(next((m["applied_index"] for m in json.load(sys.stdin) if m["id"]==int(sys.argv[1])), ""))' "$1" 2>/dev/null || true
-}
 for i in 1 2 3; do start_master "$i"; done
 for _ in $(seq 1 300); do leader > /dev/null 2>&1 && break; sleep 0.1; done
 "$bin" mount add --master "$addrs" /tree "$work/ufs/tree" > /dev/null
@@ -70,7 +61,7 @@ warm_leader=$(leader)
 for r in "$first" "$warm"; do
   [ "${r#* }" = "$total" ] || { echo "found ${r#* } files, not $total"; exit 1; }
 done
-unmount
+fuse_unmount
 fuse_pid=""
 
 per_master() {
