@@ -759,79 +759,68 @@ async fn a_raft_batch_is_checked_whole_against_its_senders_certificate() {
     let term = node.handle.status.term.load(Relaxed);
     let huge = u64::MAX / 2;
     let valid = msg(2, 1, MessageType::MsgHeartbeatResponse, term);
+    let batch = |from, to, messages| pb::RaftBatch { from, to, messages };
     let cases: Vec<(&Principal, pb::RaftBatch, tonic::Code)> = vec![
         // Another member's id in a message, after a valid one.
         (
             &master2,
-            pb::RaftBatch {
-                from: 2,
-                to: 1,
-                messages: vec![valid.clone(), msg(3, 1, MessageType::MsgRequestVote, huge)],
-            },
+            batch(
+                2,
+                1,
+                vec![valid.clone(), msg(3, 1, MessageType::MsgRequestVote, huge)],
+            ),
             tonic::Code::PermissionDenied,
         ),
         // Another member's id on the batch.
         (
             &master2,
-            pb::RaftBatch {
-                from: 3,
-                to: 1,
-                messages: vec![msg(3, 1, MessageType::MsgRequestVote, huge)],
-            },
+            batch(3, 1, vec![msg(3, 1, MessageType::MsgRequestVote, huge)]),
             tonic::Code::PermissionDenied,
         ),
         // A certificate that names no master.
         (
             &user,
-            pb::RaftBatch {
-                from: 2,
-                to: 1,
-                messages: vec![valid.clone()],
-            },
+            batch(2, 1, vec![valid.clone()]),
             tonic::Code::PermissionDenied,
         ),
         // For another master; a message for another master inside.
         (
             &master2,
-            pb::RaftBatch {
-                from: 2,
-                to: 7,
-                messages: vec![valid.clone()],
-            },
+            batch(2, 7, vec![valid.clone()]),
             tonic::Code::FailedPrecondition,
         ),
         (
             &master2,
-            pb::RaftBatch {
-                from: 2,
-                to: 1,
-                messages: vec![valid.clone(), msg(2, 3, MessageType::MsgRequestVote, huge)],
-            },
+            batch(
+                2,
+                1,
+                vec![valid.clone(), msg(2, 3, MessageType::MsgRequestVote, huge)],
+            ),
             tonic::Code::InvalidArgument,
         ),
         // Undecodable bytes, and a snapshot, after a forged term.
         (
             &master2,
-            pb::RaftBatch {
-                from: 2,
-                to: 1,
-                messages: vec![
+            batch(
+                2,
+                1,
+                vec![
                     msg(2, 1, MessageType::MsgRequestVote, huge),
                     bytes::Bytes::from_static(&[0xff; 9]),
                 ],
-            },
+            ),
             tonic::Code::InvalidArgument,
         ),
         (
             &master2,
-            pb::RaftBatch {
-                from: 2,
-                to: 1,
-                messages: vec![
+            batch(
+                2,
+                1,
+                vec![
                     msg(2, 1, MessageType::MsgRequestVote, huge),
                     msg(2, 1, MessageType::MsgSnapshot, huge),
                 ],
-            },
+            ),
             tonic::Code::InvalidArgument,
         ),
     ];

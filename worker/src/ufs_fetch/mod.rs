@@ -204,23 +204,9 @@ impl Run {
     /// Hands the next page to its readers, then to the cache (off the async threads; the
     /// page stays joinable in flight until it is cached, so nobody fetches it twice).
     fn deliver(&mut self, data: Bytes) {
-        let page = self.first + self.next as u64;
-        let key = (self.block.key, page as u32);
-        let (id, tx) = std::mem::replace(&mut self.slots[self.next], (0, watch::channel(None).0));
-        self.next += 1;
-        tx.send_replace(Some(Ok(data.clone())));
-        Fetcher::submit_commit(
-            &self.fetcher,
-            Commit {
-                key,
-                block_size: self.block.desc.block_size,
-                data,
-                id,
-                tx,
-                cache: self.cache,
-                node_copy: self.block.peers_only,
-            },
-        );
+        if let Some(c) = self.take_next().hand_out(data) {
+            Fetcher::submit_commit(&self.fetcher, c);
+        }
     }
 
     /// Takes the next page's slot out of the run, to be delivered by whoever reads it.
@@ -327,12 +313,11 @@ struct Delivery {
 }
 
 impl Delivery {
-    fn deliver(mut self, data: Bytes) {
-        let Some(tx) = self.tx.take() else {
-            return;
-        };
+    /// Hands `data` to the page's readers; what is left is its way into the cache.
+    fn hand_out(mut self, data: Bytes) -> Option<Commit> {
+        let tx = self.tx.take()?;
         tx.send_replace(Some(Ok(data.clone())));
-        let commit = Commit {
+        Some(Commit {
             key: self.key,
             block_size: self.block_size,
             data,
@@ -340,8 +325,15 @@ impl Delivery {
             tx,
             cache: self.cache,
             node_copy: self.node_copy,
-        };
-        commit.run(&self.fetcher);
+        })
+    }
+
+    /// Hands `data` to the page's readers, then writes it into the cache in this thread.
+    fn deliver(self, data: Bytes) {
+        let fetcher = self.fetcher.clone();
+        if let Some(c) = self.hand_out(data) {
+            c.run(&fetcher);
+        }
     }
 }
 

@@ -508,6 +508,31 @@ async fn a_folder_file_changed_since_its_listing_fails_every_waiter_and_caches_n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_longer_than_its_folder_file_caches_only_the_bytes_the_file_has() {
+    // A descriptor (a plaintext cluster's caller may send any) whose block runs two pages
+    // past the file's end, with the file's true fingerprint: pages the file fills are
+    // served; a page it fills in part or not at all fails as changed, and is not cached.
+    let data = object(2);
+    let folder = tempfile::tempdir().unwrap();
+    std::fs::write(folder.path().join("f"), &data).unwrap();
+    let (r, print) = folder_rig(folder.path()).await;
+    let b = block_of_f(0, 0, 4 * PS, 8 * PS, print);
+    let (p0, _) = r.fetcher.page(&b, 0, true).await.unwrap();
+    assert_eq!(&p0[..], &data[..PS as usize]);
+    for page in [1, 3] {
+        let e = r.fetcher.page(&b, page, true).await.unwrap_err();
+        assert!(matches!(e, FetchError::Changed(_)), "page {page}: {e}");
+    }
+    wait_idle(&r.fetcher).await;
+    assert_eq!(
+        r.fetcher.store.page_count(),
+        1,
+        "only the whole page cached"
+    );
+    assert!(r.fetcher.store.contains(&(b.key, 0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_folder_file_that_is_a_link_leaving_the_folder_is_not_read() {
     let data = object(2);
     let outside = tempfile::tempdir().unwrap();
