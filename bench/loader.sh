@@ -13,6 +13,7 @@
 #
 #   bench/loader.sh [FILES] [KIB] [LOADERS]   (default 4000 files of ~100 KiB, 4 loaders; root)
 #   ROUNDS=N  raw/bindfs/warm triples, alternating, medians reported (default 3)
+#   PERF_COLD=FILE  records `perf record -g` (DWARF stacks) of granary local's cold epoch
 #
 # Sample sizes vary ±15 % around KIB. Every sample of the cold epoch and of the first warm
 # epoch is checked against the SHA-256 of the source file. Reports samples/s, MB/s, the
@@ -66,7 +67,14 @@ pass() {
 }
 drop; rawcold=$(pass "$work/ufs/data" 1 "")
 ops0=$(ops)
-drop; cold=$(pass "$work/mnt/data" 1 "$pid")
+drop
+if [ -n "${PERF_COLD:-}" ]; then
+  perf record -F 1999 -g --call-graph dwarf,16384 -o "$PERF_COLD" -p "$pid" > /dev/null 2>&1 &
+  perf_pid=$!
+  sleep 1
+fi
+cold=$(pass "$work/mnt/data" 1 "$pid")
+if [ -n "${PERF_COLD:-}" ]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 warmed=$(metric_at "$mport" granary_client_warm_files_total)
 drop; first=$(pass "$work/mnt/data" 1 "$pid")
 for r in "$cold" "$first"; do

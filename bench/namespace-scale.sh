@@ -12,7 +12,9 @@
 #   bench/namespace-scale.sh [FOLDERS] [FILES_PER_FOLDER]   (default 200 × 1,000; root)
 #
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags to
-# `granary local`; FINDS=N repeats the warm find N times (each reported; the last counts).
+# `granary local`; FINDS=N repeats the warm find N times (each reported; the last counts);
+# PERF_WARM=FILE records `perf record -g` of granary local during each warm find (the last
+# one's stays).
 # The files are empty: this measures metadata only.
 set -euo pipefail
 folders="${1:-200}"
@@ -44,8 +46,14 @@ first=$(timed files_of "$work/mnt/tree")
 warms=""
 for _ in $(seq 1 "${FINDS:-1}"); do
   drop
+  if [ -n "${PERF_WARM:-}" ]; then
+    perf record -F 999 -g -o "$PERF_WARM" -p "$pid" > /dev/null 2>&1 &
+    perf_pid=$!
+    sleep 1
+  fi
   warm=$(timed stat_all "$work/mnt/tree")
   warms="$warms ${warm% *}"
+  if [ -n "${PERF_WARM:-}" ]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 done
 drop
 lsl=$(timed ls_l "$work/mnt/tree/d00000")

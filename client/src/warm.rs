@@ -10,9 +10,11 @@
 //! of what it read, and one sweeping the folder has it all cached ahead of it. Bytes are
 //! bounded per folder (`--warm-folder-bytes`, and half of the cluster's cache capacity).
 //!
-//! A warm is an ordinary read of one byte of each page, under the caller's own read grant:
-//! the worker fetches, checks and caches the page as it would for the reader. It gives the
-//! caller nothing it could not read itself.
+//! A warm asks each file's owner worker to cache it, many files in one `CacheBlocks`
+//! request, each under the caller's own read grant: the worker fetches, checks and caches
+//! the pages as it would for a reader of the whole file (an older worker gets an ordinary
+//! read of one byte of each page instead). It gives the caller nothing it could not read
+//! itself.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +35,10 @@ pub const FILES_PER_MISS: u64 = 100;
 pub const DEFAULT_WARM_FOLDER_BYTES: u64 = 4 << 30;
 /// Warm reads in flight at once, all folders together.
 const WARM_IN_FLIGHT: usize = 16;
+/// Owners a warm group's requests go to at once.
+const WARM_OWNERS_AT_ONCE: usize = 4;
+/// One file's warm, and why it failed (`None`: cached now).
+type Warmed = (pb::FileStatus, Option<crate::ClientError>);
 /// Listing page of a warm.
 const WARM_PAGE: u32 = 1000;
 /// After a folder was warmed through, misses there start counting again only after this
@@ -261,29 +267,12 @@ impl FileSystem {
             // while the next group is fetched.
             let mut keeping: Option<tokio::task::JoinHandle<()>> = None;
             for group in take.chunks(crate::fs::WARM_LEASE_GROUP) {
-                let done: Vec<Result<pb::FileStatus, (pb::FileStatus, crate::ClientError)>> =
-                    futures::stream::iter(group.to_vec())
-                        .map(|e| {
-                            let slots = slots.clone();
-                            let workers = &workers;
-                            async move {
-                                let Ok(_slot) = slots.acquire_owned().await else {
-                                    return Ok(e);
-                                };
-                                match me.warm_file(&e, workers).await {
-                                    Ok(()) => Ok(e),
-                                    Err(err) => Err((e, err)),
-                                }
-                            }
-                        })
-                        .buffer_unordered(WARM_IN_FLIGHT)
-                        .collect()
-                        .await;
+                let done = me.warm_group(group, &workers, &slots).await;
                 let mut warmed = Vec::new();
-                for r in done {
-                    match r {
-                        Ok(e) => warmed.push(e),
-                        Err((_, err)) => failed.push(err),
+                for (e, err) in done {
+                    match err {
+                        None => warmed.push(e),
+                        Some(err) => failed.push(err),
                     }
                 }
                 if let Some(k) = keeping.take() {
@@ -328,6 +317,148 @@ impl FileSystem {
                 Next::Pause | Next::Done => return,
             }
         }
+    }
+
+    /// Has every file of `group` (one-block files) cached by its owner worker: one
+    /// `CacheBlocks` request per owner, each file under the caller's grant. Holds as many
+    /// warm slots as the worker fetches files of the request at once.
+    async fn warm_group(
+        &self,
+        group: &[pb::FileStatus],
+        workers: &[pb::WorkerInfo],
+        slots: &Arc<tokio::sync::Semaphore>,
+    ) -> Vec<Warmed> {
+        let mut out = Vec::new();
+        let mut by_owner: HashMap<u64, (pb::WorkerInfo, Vec<pb::FileStatus>)> = HashMap::new();
+        for e in group {
+            match Self::owner_of(e, workers) {
+                Some(w) => by_owner
+                    .entry(w.worker_id)
+                    .or_insert((w, Vec::new()))
+                    .1
+                    .push(e.clone()),
+                None => out.push((
+                    e.clone(),
+                    Some(crate::ClientError::unavailable("no live worker")),
+                )),
+            }
+        }
+        let done: Vec<Vec<Warmed>> = futures::stream::iter(by_owner.into_values())
+            .map(|(w, files)| self.warm_on(w, files, workers, slots))
+            .buffer_unordered(WARM_OWNERS_AT_ONCE)
+            .collect()
+            .await;
+        out.extend(done.into_iter().flatten());
+        out
+    }
+
+    /// [`warm_group`](Self::warm_group)'s request to one owner. A worker that does not
+    /// know `CacheBlocks` (older) has each file read instead.
+    async fn warm_on(
+        &self,
+        w: pb::WorkerInfo,
+        files: Vec<pb::FileStatus>,
+        workers: &[pb::WorkerInfo],
+        slots: &Arc<tokio::sync::Semaphore>,
+    ) -> Vec<Warmed> {
+        let n = files.len().min(WARM_IN_FLIGHT) as u32;
+        let Ok(_slots) = slots.clone().acquire_many_owned(n).await else {
+            return files.into_iter().map(|f| (f, None)).collect();
+        };
+        let mut out = Vec::new();
+        let mut asked = Vec::with_capacity(files.len());
+        let mut blocks = Vec::with_capacity(files.len());
+        for f in files {
+            let grant = match self.grant_for(&f, false).await {
+                Ok(g) => g,
+                Err(e) => {
+                    out.push((f, Some(e)));
+                    continue;
+                }
+            };
+            match Self::descriptor(&f, 0) {
+                Ok(mut desc) => {
+                    Self::with_grant_terms(&mut desc, grant.as_ref());
+                    blocks.push(pb::CacheBlock {
+                        block: Some(desc),
+                        grant,
+                    });
+                    asked.push(f);
+                }
+                Err(e) => out.push((f, Some(e))),
+            }
+        }
+        if asked.is_empty() {
+            return out;
+        }
+        // Each round of the worker's fetches gets a read's deadline.
+        let rounds = 1 + blocks.len().div_ceil(WARM_IN_FLIGHT) as u32;
+        let timeout = self.read_timeout() * rounds;
+        let answer = match self.worker_client(&w.address) {
+            Ok(mut client) => {
+                let mut req = tonic::Request::new(pb::CacheBlocksRequest { blocks });
+                req.set_timeout(timeout);
+                match tokio::time::timeout(timeout, client.cache_blocks(req)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+                        "worker {} did not cache the files within {timeout:?}",
+                        w.address
+                    ))),
+                }
+            }
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        let results = match answer {
+            Ok(r) => r.into_inner().results,
+            Err(s) if s.code() == tonic::Code::Unimplemented => {
+                // An older worker: a read of each file, as many at once as the slots held.
+                let read: Vec<Warmed> = futures::stream::iter(asked)
+                    .map(|f| async move {
+                        let err = self.warm_file(&f, workers).await.err();
+                        (f, err)
+                    })
+                    .buffer_unordered(WARM_IN_FLIGHT)
+                    .collect()
+                    .await;
+                out.extend(read);
+                return out;
+            }
+            Err(s) => {
+                let e = crate::ClientError::from_status(s);
+                out.extend(asked.into_iter().map(|f| (f, Some(e.clone()))));
+                return out;
+            }
+        };
+        let by_file: HashMap<(u64, u64), pb::LoadResult> = results
+            .into_iter()
+            .filter_map(|r| r.block.map(|b| ((b.inode, b.version), r)))
+            .collect();
+        for f in asked {
+            match by_file.get(&(f.inode, f.version)) {
+                Some(r) if r.error.is_empty() => {
+                    self.metrics.warm_files.inc();
+                    self.metrics.warm_bytes.inc_by(f.length);
+                    out.push((f, None));
+                }
+                Some(r) => {
+                    let e = match pb::LoadError::try_from(r.code) {
+                        Ok(pb::LoadError::NotFound) => crate::ClientError::not_found(&r.error),
+                        Ok(pb::LoadError::Denied) => crate::ClientError::denied(&r.error),
+                        Ok(pb::LoadError::Invalid) => crate::ClientError::invalid(&r.error),
+                        Ok(pb::LoadError::Changed) => crate::ClientError::stale(&r.error),
+                        _ => crate::ClientError::unavailable(&r.error),
+                    };
+                    out.push((f, Some(e)));
+                }
+                None => out.push((
+                    f,
+                    Some(crate::ClientError::unavailable(
+                        "the worker gave no answer for this file",
+                    )),
+                )),
+            }
+        }
+        out
     }
 
     /// The worker that caches the first block of `file` (its placement owner).

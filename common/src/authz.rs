@@ -97,6 +97,8 @@ const POLICY: &[(&str, &[Role], usize)] = &[
     ("/granary.v1.WorkerService/ReadBlock", ANY, CONTROL),
     ("/granary.v1.WorkerService/GetCacheInfo", ANY, CONTROL),
     ("/granary.v1.WorkerService/LeaseLocalBlock", ANY, CONTROL),
+    // Whole blocks cached ahead of a client's readers, each under the caller's grant.
+    ("/granary.v1.WorkerService/CacheBlocks", ANY, CONTROL),
     ("/granary.v1.WorkerService/WriteFile", ANY, WRITE),
     // Load tasks come from the masters.
     ("/granary.v1.WorkerService/LoadBlocks", MASTER, BULK),

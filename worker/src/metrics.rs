@@ -117,6 +117,7 @@ pub struct WorkerMetrics {
     pub short_circuit_bytes: Counter<u64, AtomicU64>,
     pub active_leases: Gauge<i64, AtomicI64>,
     pub read_requests: Counter<u64, AtomicU64>,
+    pub cache_blocks_asked: Counter<u64, AtomicU64>,
     pub cache_used_bytes: Gauge<i64, AtomicI64>,
     pub cache_capacity_bytes: Gauge<i64, AtomicI64>,
     pub cache_pages: Gauge<i64, AtomicI64>,
@@ -339,6 +340,11 @@ impl WorkerMetrics {
                 "granary_worker_read_requests",
                 "Block read requests",
                 m.read_requests.clone(),
+            );
+            r.register(
+                "granary_worker_cache_blocks_asked",
+                "Blocks clients asked this worker to cache ahead of their readers (CacheBlocks: a folder warm's batches), each under a grant",
+                m.cache_blocks_asked.clone(),
             );
             r.register(
                 "granary_worker_cache_used_bytes",

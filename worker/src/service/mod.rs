@@ -26,6 +26,11 @@ const PAGE_PARALLELISM: usize = 4;
 const MAX_LOAD_BLOCKS: usize = 256;
 /// Blocks of one load task fetched at once.
 const LOAD_PARALLELISM: usize = 8;
+/// Blocks one `CacheBlocks` request may carry (a client's warm asks for 65 at a time).
+pub const MAX_CACHE_BLOCKS: usize = 128;
+/// Blocks of one `CacheBlocks` request fetched at once: what a client's warm kept in
+/// flight with a read each (a store's round trip, not the bytes, sets a small file's pace).
+const CACHE_PARALLELISM: usize = 16;
 
 /// Where a described block lies in its file: (first byte, length). Refuses, as
 /// INVALID_ARGUMENT, a descriptor without an id or an under-store location, with a block
@@ -127,6 +132,35 @@ async fn load_block(
     }
     Ok(fetched)
 }
+/// One block of a client's `CacheBlocks`: its grant checked as a read's that fills the
+/// cache (the caller, the file, the under-store object and the descriptor's terms), then
+/// cached as a load task's block is. A refused grant fetches nothing.
+async fn cache_block(
+    fetcher: &Arc<Fetcher>,
+    keys: &GrantKeys,
+    who: &Principal,
+    b: pb::CacheBlock,
+) -> Result<u64, (pb::LoadError, String)> {
+    let desc = b.block.ok_or_else(|| {
+        (
+            pb::LoadError::Invalid,
+            "the block descriptor is missing".to_string(),
+        )
+    })?;
+    block_extent(&desc).map_err(|e| (pb::LoadError::Invalid, e.to_string()))?;
+    check_grant(
+        keys,
+        who,
+        b.grant.as_ref(),
+        desc.id.as_ref().map_or(0, |id| id.inode),
+        desc.ufs.as_ref(),
+        Terms::Read(&desc),
+        true,
+    )
+    .map_err(|e| (pb::LoadError::Denied, e.to_string()))?;
+    load_block(fetcher, desc, None).await
+}
+
 /// How long a short-circuit lease holds a block's pages.
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
 /// Extra blocks one lease request may ask for (`more`).
@@ -500,6 +534,43 @@ impl WorkerService for WorkerRpc {
                 }
             })
             .buffer_unordered(LOAD_PARALLELISM)
+            .collect()
+            .await;
+        Ok(Response::new(pb::LoadBlocksResponse { results }))
+    }
+
+    async fn cache_blocks(
+        &self,
+        req: Request<pb::CacheBlocksRequest>,
+    ) -> Result<Response<pb::LoadBlocksResponse>, Status> {
+        let who = principal(&req)?;
+        let blocks = req.into_inner().blocks;
+        if blocks.len() > MAX_CACHE_BLOCKS {
+            return Err(RpcError::Invalid(format!(
+                "a request may ask for at most {MAX_CACHE_BLOCKS} blocks to be cached, not {}",
+                blocks.len()
+            ))
+            .into());
+        }
+        self.metrics.cache_blocks_asked.inc_by(blocks.len() as u64);
+        let fetcher = &self.fetcher;
+        let keys = &self.grant_keys;
+        let who = &who;
+        let results = futures::stream::iter(blocks)
+            .map(|b| async move {
+                let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
+                let (code, error, fetched_bytes) = match cache_block(fetcher, keys, who, b).await {
+                    Ok(n) => (pb::LoadError::Unspecified, String::new(), n),
+                    Err((code, e)) => (code, e, 0),
+                };
+                pb::LoadResult {
+                    block: Some(id),
+                    error,
+                    fetched_bytes,
+                    code: code as i32,
+                }
+            })
+            .buffer_unordered(CACHE_PARALLELISM)
             .collect()
             .await;
         Ok(Response::new(pb::LoadBlocksResponse { results }))

@@ -232,6 +232,8 @@ struct Op {
     from_peers: bool,
     /// A short-circuit lease of the block from this page instead of a read.
     lease: Option<(u32, bool)>,
+    /// A `CacheBlocks` request for the block instead of a read (a client's warm).
+    cache_blocks: bool,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -244,9 +246,10 @@ fn op() -> impl Strategy<Value = Op> {
         prop::bool::weighted(0.2),
         prop::bool::weighted(0.2),
         prop::option::weighted(0.15, (any::<u32>(), any::<bool>())),
+        prop::bool::weighted(0.15),
     )
         .prop_map(
-            |(tampers, index, offset, length, cache, cached_only, from_peers, lease)| Op {
+            |(
                 tampers,
                 index,
                 offset,
@@ -255,6 +258,17 @@ fn op() -> impl Strategy<Value = Op> {
                 cached_only,
                 from_peers,
                 lease,
+                cache_blocks,
+            )| Op {
+                tampers,
+                index,
+                offset,
+                length,
+                cache,
+                cached_only,
+                from_peers,
+                lease,
+                cache_blocks,
             },
         )
 }
@@ -305,6 +319,18 @@ async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<
         let res = r.rpc.lease_local_block(as_who(req, node)).await;
         return (Vec::new(), res.map(|_| ()));
     }
+    if op.cache_blocks {
+        let req = pb::CacheBlocksRequest {
+            blocks: vec![pb::CacheBlock {
+                block: Some(desc),
+                grant,
+            }],
+        };
+        return (
+            Vec::new(),
+            cached(r.rpc.cache_blocks(as_who(req, node)).await),
+        );
+    }
     let req = pb::ReadBlockRequest {
         block: Some(desc),
         offset: op.offset,
@@ -331,6 +357,23 @@ async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<
     .await
     .expect("a read did not end within 20 s");
     (got, drained)
+}
+
+/// How a `CacheBlocks` request of one block ended, as the status a read would have ended
+/// with.
+fn cached(res: Result<Response<pb::LoadBlocksResponse>, Status>) -> Result<(), Status> {
+    let results = res?.into_inner().results;
+    assert_eq!(results.len(), 1, "one result per block asked");
+    let r = &results[0];
+    if r.error.is_empty() {
+        return Ok(());
+    }
+    Err(match pb::LoadError::try_from(r.code) {
+        Ok(pb::LoadError::Denied) => Status::permission_denied(r.error.clone()),
+        Ok(pb::LoadError::Invalid) => Status::invalid_argument(r.error.clone()),
+        Ok(pb::LoadError::NotFound) => Status::not_found(r.error.clone()),
+        _ => Status::unavailable(r.error.clone()),
+    })
 }
 
 /// Every cached page of the file holds the source's bytes where the honest geometry puts
@@ -445,6 +488,7 @@ proptest! {
                             cached_only,
                             from_peers: false,
                             lease: None,
+                            cache_blocks: false,
                         };
                         let _ = run(&r, &honest, true).await;
                     }
@@ -470,6 +514,7 @@ fn a_node_without_a_grant_fills_nothing_where_grants_are_signed() {
             cached_only: false,
             from_peers: false,
             lease: None,
+            cache_blocks: false,
         };
         let (got, end) = run(&r, &fill, true).await;
         let e = end.expect_err("a node's grant-less fill was served");
@@ -485,6 +530,97 @@ fn a_node_without_a_grant_fills_nothing_where_grants_are_signed() {
         if let Err(e) = end {
             assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}"); // not cached: not refused
         }
+    });
+}
+
+/// A client's warm (`CacheBlocks`): every block whose grant holds is cached whole with the
+/// source's bytes; a block of another file under the caller's grant for this one, or one
+/// without a grant, is refused and fetches nothing, and the others are cached all the
+/// same; a request of too many blocks is refused whole, and a node needs grants too where
+/// they are signed.
+#[test]
+fn a_warm_request_caches_only_the_blocks_its_grants_cover() {
+    let src = source();
+    runtime().block_on(async {
+        let r = rig().await;
+        let block = |inode: u64, index: u32| {
+            let mut d = r.honest.clone();
+            let id = d.id.as_mut().unwrap();
+            id.inode = inode;
+            id.index = index;
+            d
+        };
+        let ask = |inode, index, grant: Option<&pb::ReadGrant>| pb::CacheBlock {
+            block: Some(block(inode, index)),
+            grant: grant.cloned(),
+        };
+        let g = Some(&r.grant);
+        let req = pb::CacheBlocksRequest {
+            blocks: vec![
+                ask(INODE, 0, g),
+                ask(INODE, 1, g),
+                ask(INODE + 1, 2, g),
+                ask(INODE, 3, None),
+            ],
+        };
+        let results = r
+            .rpc
+            .cache_blocks(as_who(req, false))
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        assert_eq!(results.len(), 4, "{results:?}");
+        for res in &results {
+            let id = res.block.unwrap();
+            if id.inode == INODE && id.index < 2 {
+                assert!(res.error.is_empty(), "{res:?}");
+                assert_eq!(res.fetched_bytes, BS, "{res:?}");
+            } else {
+                assert_eq!(res.code, pb::LoadError::Denied as i32, "{res:?}");
+                assert!(res.error.contains("grant"), "{res:?}");
+                assert_eq!(res.fetched_bytes, 0, "{res:?}");
+            }
+        }
+        let store = &r.rpc.fetcher.store;
+        for (inode, index) in [(INODE, 0), (INODE, 1), (INODE + 1, 2), (INODE, 3)] {
+            for page in 0..(BS / PS) as u32 {
+                let cached = store.contains(&((inode, VERSION, index), page));
+                assert_eq!(
+                    cached,
+                    inode == INODE && index < 2,
+                    "block {inode}/{index} page {page}"
+                );
+            }
+        }
+        cached_pages_are_the_source(&r, &src).unwrap();
+        assert_eq!(r.rpc.metrics.cache_blocks_asked.get(), 4);
+
+        // Asked again: already cached, nothing fetched.
+        let again = pb::CacheBlocksRequest {
+            blocks: vec![ask(INODE, 0, g)],
+        };
+        let results = r.rpc.cache_blocks(as_who(again, false)).await.unwrap();
+        let res = &results.into_inner().results[0];
+        assert!(res.error.is_empty() && res.fetched_bytes == 0, "{res:?}");
+
+        // Too many blocks: refused whole, nothing counted or fetched.
+        let many = pb::CacheBlocksRequest {
+            blocks: vec![ask(INODE, 3, g); MAX_CACHE_BLOCKS + 1],
+        };
+        let e = r.rpc.cache_blocks(as_who(many, false)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(!store.contains(&((INODE, VERSION, 3), 0)));
+
+        // A node's warm without a grant fills nothing where grants are signed.
+        let node = pb::CacheBlocksRequest {
+            blocks: vec![ask(INODE, 3, None)],
+        };
+        let results = r.rpc.cache_blocks(as_who(node, true)).await.unwrap();
+        let res = &results.into_inner().results[0];
+        assert_eq!(res.code, pb::LoadError::Denied as i32, "{res:?}");
+        assert!(!store.contains(&((INODE, VERSION, 3), 0)));
+        assert_eq!(r.rpc.metrics.cache_blocks_asked.get(), 6);
     });
 }
 
@@ -507,6 +643,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
             cached_only: false,
             from_peers: false,
             lease: None,
+            cache_blocks: false,
         };
         let (got, end) = run(&r, &short, true).await;
         assert!(end.is_ok(), "{end:?}");
@@ -533,6 +670,7 @@ fn a_page_cached_short_is_dropped_not_sliced() {
                 cached_only,
                 from_peers: false,
                 lease: None,
+                cache_blocks: false,
             };
             let (got, end) = run(&r, &honest, true).await;
             if cached_only {
@@ -569,6 +707,7 @@ fn a_node_copy_never_reads_the_store() {
             cached_only: false,
             from_peers: true,
             lease: None,
+            cache_blocks: false,
         };
         let (got, end) = run(&r, &copy, false).await;
         let e = end.expect_err("a node copy with no peer was served");
@@ -635,6 +774,7 @@ fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
                 cached_only: false,
                 from_peers: false,
                 lease: None,
+                cache_blocks: false,
             };
             let (_, end) = run(&r, &fill, false).await;
             assert!(end.is_ok(), "{end:?}");
