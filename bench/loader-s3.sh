@@ -28,7 +28,7 @@ mounts_workdir loader-s3
 mounts+=("$work/mnt")
 mkdir -p "$work/s3/bench" "$work/mnt"
 python3 "$here/make-samples.py" "$work/s3/bench/data" "$files" "$kib" "$work/manifest"
-sport=$(free_port); mport=$(free_port); fport=$(free_port)
+sport=$(free_port); mport=$(free_port); fport=$(free_port); wport=$(free_port)
 "$tools/bin/s3s-fs" --host 127.0.0.1 --port "$sport" --access-key bench --secret-key bench-secret \
   "$work/s3" > "$work/server.log" 2>&1 &
 pids+=($!); wait_port "$sport"
@@ -42,7 +42,8 @@ direct=$("$bin" bench get s3://bench/data/ --each "${opts[@]}" --json)
 GRANARY_LOG=warn "$bin" master --data-dir "$work/master" --listen "127.0.0.1:$mport" > "$work/master.log" 2>&1 &
 pids+=($!); wait_port "$mport"
 GRANARY_LOG=warn "$bin" worker --master "127.0.0.1:$mport" --listen 127.0.0.1:0 \
-  --cache-dir "$work/cache" --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" > "$work/worker.log" 2>&1 &
+  --cache-dir "$work/cache" --cache-size "$((files * kib * 2 / 1024 + 1024))MiB" \
+  --metrics-listen "127.0.0.1:$wport" > "$work/worker.log" 2>&1 &
 pids+=($!)
 "$bin" mount add /store s3://bench "${opts[@]}" -o sync_interval=never --master "127.0.0.1:$mport" > /dev/null
 GRANARY_LOG=warn "$bin" fuse --master "127.0.0.1:$mport" --mount "$work/mnt" \
@@ -59,6 +60,10 @@ for r in "$cold" "$warm"; do
   [ "$(echo "$r" | awk '{print $1}')" = "$files" ] || { echo "samples missing: $r"; exit 1; }
 done
 warmed=$(metric_at "$fport" granary_client_warm_files_total)
+if [ -n "${SHOW_METRICS:-}" ]; then
+  curl -s "127.0.0.1:$wport/metrics" | grep -E '^granary_worker_(ufs_op_requests|ufs_op_seconds_(sum|count)|read_requests|cache_blocks_asked|singleflight)' || true
+  curl -s "127.0.0.1:$fport/metrics" | grep -E '^granary_client_(warm|op_seconds_count|kept)' || true
+fi
 python3 - "$files" "$kib" "$loaders" "$direct" "$cold" "$warm" "${warmed:-0}" "${SHAPE_MBIT:-}" "${RTT_MS:-20}" <<'PY'
 import json, sys
 files, kib, loaders = int(sys.argv[1]), sys.argv[2], sys.argv[3]

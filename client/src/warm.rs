@@ -320,8 +320,8 @@ impl FileSystem {
     }
 
     /// Has every file of `group` (one-block files) cached by its owner worker: one
-    /// `CacheBlocks` request per owner, each file under the caller's grant. Holds as many
-    /// warm slots as the worker fetches files of the request at once.
+    /// `CacheBlocks` stream per owner, each file under the caller's grant and holding a warm
+    /// slot while the worker fetches it.
     async fn warm_group(
         &self,
         group: &[pb::FileStatus],
@@ -352,8 +352,9 @@ impl FileSystem {
         out
     }
 
-    /// [`warm_group`](Self::warm_group)'s request to one owner. A worker that does not
-    /// know `CacheBlocks` (older) has each file read instead.
+    /// [`warm_group`](Self::warm_group)'s stream to one owner: a file sent whenever a warm
+    /// slot is free, the slot held until the worker answers it. A worker that does not know
+    /// `CacheBlocks` (older) has each file read instead.
     async fn warm_on(
         &self,
         w: pb::WorkerInfo,
@@ -361,13 +362,8 @@ impl FileSystem {
         workers: &[pb::WorkerInfo],
         slots: &Arc<tokio::sync::Semaphore>,
     ) -> Vec<Warmed> {
-        let n = files.len().min(WARM_IN_FLIGHT) as u32;
-        let Ok(_slots) = slots.clone().acquire_many_owned(n).await else {
-            return files.into_iter().map(|f| (f, None)).collect();
-        };
         let mut out = Vec::new();
-        let mut asked = Vec::with_capacity(files.len());
-        let mut blocks = Vec::with_capacity(files.len());
+        let mut pending = std::collections::VecDeque::with_capacity(files.len());
         for f in files {
             let grant = match self.grant_for(&f, false).await {
                 Ok(g) => g,
@@ -379,41 +375,84 @@ impl FileSystem {
             match Self::descriptor(&f, 0) {
                 Ok(mut desc) => {
                     Self::with_grant_terms(&mut desc, grant.as_ref());
-                    blocks.push(pb::CacheBlock {
+                    let b = pb::CacheBlock {
                         block: Some(desc),
                         grant,
-                    });
-                    asked.push(f);
+                    };
+                    pending.push_back((f, b));
                 }
                 Err(e) => out.push((f, Some(e))),
             }
         }
-        if asked.is_empty() {
+        if pending.is_empty() {
             return out;
         }
         // Each round of the worker's fetches gets a read's deadline.
-        let rounds = 1 + blocks.len().div_ceil(WARM_IN_FLIGHT) as u32;
+        let rounds = 1 + pending.len().div_ceil(WARM_IN_FLIGHT) as u32;
         let timeout = self.read_timeout() * rounds;
-        let answer = match self.worker_client(&w.address) {
-            Ok(mut client) => {
-                let mut req = tonic::Request::new(pb::CacheBlocksRequest { blocks });
-                req.set_timeout(timeout);
-                match tokio::time::timeout(timeout, client.cache_blocks(req)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(tonic::Status::deadline_exceeded(format!(
-                        "worker {} did not cache the files within {timeout:?}",
-                        w.address
-                    ))),
+        // The files sent and not answered yet, each holding its warm slot.
+        let mut asked: HashMap<(u64, u64), (pb::FileStatus, tokio::sync::OwnedSemaphorePermit)> =
+            HashMap::new();
+        let answered = tokio::time::timeout(timeout, async {
+            let mut client = self
+                .worker_client(&w.address)
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            let (tx, rx) = tokio::sync::mpsc::channel(WARM_IN_FLIGHT);
+            let mut tx = Some(tx);
+            let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            req.set_timeout(timeout);
+            let mut results = client.cache_blocks(req).await?.into_inner();
+            loop {
+                tokio::select! {
+                    // A file is sent when a warm slot frees, so a folder's warm keeps as
+                    // many fetches in flight as there are slots, whatever the others do.
+                    slot = slots.clone().acquire_owned(), if !pending.is_empty() => {
+                        let (Ok(slot), Some((f, b)), Some(sender)) = (slot, pending.pop_front(), &tx) else {
+                            break;
+                        };
+                        if sender.send(b).await.is_err() {
+                            pending.push_front((f, pb::CacheBlock::default()));
+                            break;
+                        }
+                        asked.insert((f.inode, f.version), (f, slot));
+                        if pending.is_empty() {
+                            tx = None; // done asking
+                        }
+                    }
+                    r = results.message() => {
+                        let Some(r) = r? else { break };
+                        let Some((f, _slot)) = r.block.and_then(|b| asked.remove(&(b.inode, b.version))) else {
+                            continue;
+                        };
+                        out.push(self.warmed(f, &r));
+                        if asked.is_empty() && pending.is_empty() {
+                            break;
+                        }
+                    }
                 }
             }
-            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
-        };
-        let results = match answer {
-            Ok(r) => r.into_inner().results,
+            Ok::<_, tonic::Status>(())
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "worker {} did not cache the files within {timeout:?}",
+                w.address
+            )))
+        });
+        let left: Vec<pb::FileStatus> = asked
+            .into_values()
+            .map(|(f, _)| f)
+            .chain(pending.into_iter().map(|(f, _)| f))
+            .collect();
+        match answered {
             Err(s) if s.code() == tonic::Code::Unimplemented => {
-                // An older worker: a read of each file, as many at once as the slots held.
-                let read: Vec<Warmed> = futures::stream::iter(asked)
+                // An older worker: a read of each file, as many at once as warms may be.
+                let read: Vec<Warmed> = futures::stream::iter(left)
                     .map(|f| async move {
+                        let Ok(_slot) = slots.clone().acquire_owned().await else {
+                            return (f, None);
+                        };
                         let err = self.warm_file(&f, workers).await.err();
                         (f, err)
                     })
@@ -421,44 +460,34 @@ impl FileSystem {
                     .collect()
                     .await;
                 out.extend(read);
-                return out;
             }
             Err(s) => {
                 let e = crate::ClientError::from_status(s);
-                out.extend(asked.into_iter().map(|f| (f, Some(e.clone()))));
-                return out;
+                out.extend(left.into_iter().map(|f| (f, Some(e.clone()))));
             }
-        };
-        let by_file: HashMap<(u64, u64), pb::LoadResult> = results
-            .into_iter()
-            .filter_map(|r| r.block.map(|b| ((b.inode, b.version), r)))
-            .collect();
-        for f in asked {
-            match by_file.get(&(f.inode, f.version)) {
-                Some(r) if r.error.is_empty() => {
-                    self.metrics.warm_files.inc();
-                    self.metrics.warm_bytes.inc_by(f.length);
-                    out.push((f, None));
-                }
-                Some(r) => {
-                    let e = match pb::LoadError::try_from(r.code) {
-                        Ok(pb::LoadError::NotFound) => crate::ClientError::not_found(&r.error),
-                        Ok(pb::LoadError::Denied) => crate::ClientError::denied(&r.error),
-                        Ok(pb::LoadError::Invalid) => crate::ClientError::invalid(&r.error),
-                        Ok(pb::LoadError::Changed) => crate::ClientError::stale(&r.error),
-                        _ => crate::ClientError::unavailable(&r.error),
-                    };
-                    out.push((f, Some(e)));
-                }
-                None => out.push((
-                    f,
-                    Some(crate::ClientError::unavailable(
-                        "the worker gave no answer for this file",
-                    )),
-                )),
-            }
+            Ok(()) => out.extend(left.into_iter().map(|f| {
+                let e = crate::ClientError::unavailable("the worker gave no answer for this file");
+                (f, Some(e))
+            })),
         }
         out
+    }
+
+    /// A file's warm as its owner answered it.
+    fn warmed(&self, f: pb::FileStatus, r: &pb::LoadResult) -> Warmed {
+        if r.error.is_empty() {
+            self.metrics.warm_files.inc();
+            self.metrics.warm_bytes.inc_by(f.length);
+            return (f, None);
+        }
+        let e = match pb::LoadError::try_from(r.code) {
+            Ok(pb::LoadError::NotFound) => crate::ClientError::not_found(&r.error),
+            Ok(pb::LoadError::Denied) => crate::ClientError::denied(&r.error),
+            Ok(pb::LoadError::Invalid) => crate::ClientError::invalid(&r.error),
+            Ok(pb::LoadError::Changed) => crate::ClientError::stale(&r.error),
+            _ => crate::ClientError::unavailable(&r.error),
+        };
+        (f, Some(e))
     }
 
     /// The worker that caches the first block of `file` (its placement owner).

@@ -26,10 +26,10 @@ const PAGE_PARALLELISM: usize = 4;
 const MAX_LOAD_BLOCKS: usize = 256;
 /// Blocks of one load task fetched at once.
 const LOAD_PARALLELISM: usize = 8;
-/// Blocks one `CacheBlocks` request may carry (a client's warm asks for 65 at a time).
+/// Blocks one `CacheBlocks` stream may ask for (a client's warm asks for 65 at most).
 pub const MAX_CACHE_BLOCKS: usize = 128;
-/// Blocks of one `CacheBlocks` request fetched at once: what a client's warm kept in
-/// flight with a read each (a store's round trip, not the bytes, sets a small file's pace).
+/// Blocks of one `CacheBlocks` stream fetched at once: what a client's warm keeps in
+/// flight (a store's round trip, not the bytes, sets a small file's pace).
 const CACHE_PARALLELISM: usize = 16;
 
 /// Where a described block lies in its file: (first byte, length). Refuses, as
@@ -160,6 +160,33 @@ async fn cache_block(
     .map_err(|e| (pb::LoadError::Denied, e.to_string()))?;
     load_block(fetcher, desc, None).await
 }
+
+/// A load's outcome for one block, as the worker answers it.
+fn load_result(id: pb::BlockId, r: Result<u64, (pb::LoadError, String)>) -> pb::LoadResult {
+    let (code, error, fetched_bytes) = match r {
+        Ok(n) => (pb::LoadError::Unspecified, String::new(), n),
+        Err((code, e)) => (code, e, 0),
+    };
+    pb::LoadResult {
+        block: Some(id),
+        error,
+        fetched_bytes,
+        code: code as i32,
+    }
+}
+
+/// The result of a block whose task ended without one (it panicked).
+fn lost(id: pb::BlockId, e: &tokio::task::JoinError) -> pb::LoadResult {
+    load_result(
+        id,
+        Err((
+            pb::LoadError::Unavailable,
+            format!("the block's task failed: {e}"),
+        )),
+    )
+}
+
+type CacheStream = Pin<Box<dyn Stream<Item = Result<pb::LoadResult, Status>> + Send>>;
 
 /// How long a short-circuit lease holds a block's pages.
 pub const LEASE_DURATION: std::time::Duration = std::time::Duration::from_secs(5);
@@ -292,6 +319,57 @@ fn piece(
 impl WorkerRpc {
     /// Checks a read request (its geometry, its flags, the caller's grant) as every path
     /// that serves one does; the descriptor and the byte range it covers.
+    /// `CacheBlocks`: the blocks `asked` names, each cached under its grant, answered as
+    /// each is done; at most [`CACHE_PARALLELISM`] at once and [`MAX_CACHE_BLOCKS`] in all.
+    pub(crate) fn cache_stream<S>(&self, who: Arc<Principal>, mut asked: S) -> CacheStream
+    where
+        S: Stream<Item = Result<pb::CacheBlock, Status>> + Send + Unpin + 'static,
+    {
+        let fetcher = self.fetcher.clone();
+        let keys = self.grant_keys.clone();
+        let metrics = self.metrics.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(CACHE_PARALLELISM);
+        tokio::spawn(async move {
+            let mut running = futures::stream::FuturesUnordered::new();
+            let (mut taken, mut open) = (0usize, true);
+            loop {
+                tokio::select! {
+                    m = asked.next(), if open && running.len() < CACHE_PARALLELISM => {
+                        let Some(Ok(b)) = m else {
+                            // The caller is done asking (or its stream broke): what runs is
+                            // still answered.
+                            open = false;
+                            continue;
+                        };
+                        taken += 1;
+                        if taken > MAX_CACHE_BLOCKS {
+                            let _ = tx.send(Err(RpcError::Invalid(format!(
+                                "a stream may ask for at most {MAX_CACHE_BLOCKS} blocks to be cached"
+                            )).into())).await;
+                            return;
+                        }
+                        metrics.cache_blocks_asked.inc();
+                        // A task per block: the fetches' work spreads over the runtime's
+                        // threads.
+                        let (fetcher, keys, who) = (fetcher.clone(), keys.clone(), who.clone());
+                        let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
+                        let task = tokio::spawn(async move {
+                            load_result(id, cache_block(&fetcher, &keys, &who, b).await)
+                        });
+                        running.push(async move { task.await.unwrap_or_else(|e| lost(id, &e)) });
+                    }
+                    Some(r) = running.next(), if !running.is_empty() => {
+                        if tx.send(Ok(r)).await.is_err() {
+                            return; // the caller went away
+                        }
+                    }
+                    else => return,
+                }
+            }
+        });
+        Box::pin(ReceiverStream::new(rx))
+    }
+
     pub(crate) fn admit_read(
         &self,
         who: &Principal,
@@ -520,17 +598,7 @@ impl WorkerService for WorkerRpc {
                 let fetcher = fetcher.clone();
                 async move {
                     let id = desc.id.unwrap_or_default();
-                    let (code, error, fetched_bytes) =
-                        match load_block(&fetcher, desc, holders).await {
-                            Ok(n) => (pb::LoadError::Unspecified, String::new(), n),
-                            Err((code, e)) => (code, e, 0),
-                        };
-                    pb::LoadResult {
-                        block: Some(id),
-                        error,
-                        fetched_bytes,
-                        code: code as i32,
-                    }
+                    load_result(id, load_block(&fetcher, desc, holders).await)
                 }
             })
             .buffer_unordered(LOAD_PARALLELISM)
@@ -539,41 +607,14 @@ impl WorkerService for WorkerRpc {
         Ok(Response::new(pb::LoadBlocksResponse { results }))
     }
 
+    type CacheBlocksStream = CacheStream;
+
     async fn cache_blocks(
         &self,
-        req: Request<pb::CacheBlocksRequest>,
-    ) -> Result<Response<pb::LoadBlocksResponse>, Status> {
+        req: Request<tonic::Streaming<pb::CacheBlock>>,
+    ) -> Result<Response<CacheStream>, Status> {
         let who = principal(&req)?;
-        let blocks = req.into_inner().blocks;
-        if blocks.len() > MAX_CACHE_BLOCKS {
-            return Err(RpcError::Invalid(format!(
-                "a request may ask for at most {MAX_CACHE_BLOCKS} blocks to be cached, not {}",
-                blocks.len()
-            ))
-            .into());
-        }
-        self.metrics.cache_blocks_asked.inc_by(blocks.len() as u64);
-        let fetcher = &self.fetcher;
-        let keys = &self.grant_keys;
-        let who = &who;
-        let results = futures::stream::iter(blocks)
-            .map(|b| async move {
-                let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
-                let (code, error, fetched_bytes) = match cache_block(fetcher, keys, who, b).await {
-                    Ok(n) => (pb::LoadError::Unspecified, String::new(), n),
-                    Err((code, e)) => (code, e, 0),
-                };
-                pb::LoadResult {
-                    block: Some(id),
-                    error,
-                    fetched_bytes,
-                    code: code as i32,
-                }
-            })
-            .buffer_unordered(CACHE_PARALLELISM)
-            .collect()
-            .await;
-        Ok(Response::new(pb::LoadBlocksResponse { results }))
+        Ok(Response::new(self.cache_stream(who, req.into_inner())))
     }
 
     async fn lease_local_block(

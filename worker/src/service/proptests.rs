@@ -320,16 +320,11 @@ async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<
         return (Vec::new(), res.map(|_| ()));
     }
     if op.cache_blocks {
-        let req = pb::CacheBlocksRequest {
-            blocks: vec![pb::CacheBlock {
-                block: Some(desc),
-                grant,
-            }],
-        };
-        return (
-            Vec::new(),
-            cached(r.rpc.cache_blocks(as_who(req, node)).await),
-        );
+        let asked = vec![pb::CacheBlock {
+            block: Some(desc),
+            grant,
+        }];
+        return (Vec::new(), cached(warm(r, asked, node)).await);
     }
     let req = pb::ReadBlockRequest {
         block: Some(desc),
@@ -359,10 +354,21 @@ async fn run(r: &Rig, op: &Op, node: bool) -> (Vec<(u64, bytes::Bytes)>, Result<
     (got, drained)
 }
 
-/// How a `CacheBlocks` request of one block ended, as the status a read would have ended
+/// A `CacheBlocks` stream asking for `asked`, as alice (or a node).
+fn warm(r: &Rig, asked: Vec<pb::CacheBlock>, node: bool) -> CacheStream {
+    let who = as_who((), node)
+        .extensions()
+        .get::<Arc<Principal>>()
+        .cloned()
+        .unwrap();
+    r.rpc
+        .cache_stream(who, futures::stream::iter(asked.into_iter().map(Ok)))
+}
+
+/// How a `CacheBlocks` stream of one block ended, as the status a read would have ended
 /// with.
-fn cached(res: Result<Response<pb::LoadBlocksResponse>, Status>) -> Result<(), Status> {
-    let results = res?.into_inner().results;
+async fn cached(answer: CacheStream) -> Result<(), Status> {
+    let results = results_of(answer).await?;
     assert_eq!(results.len(), 1, "one result per block asked");
     let r = &results[0];
     if r.error.is_empty() {
@@ -374,6 +380,14 @@ fn cached(res: Result<Response<pb::LoadBlocksResponse>, Status>) -> Result<(), S
         Ok(pb::LoadError::NotFound) => Status::not_found(r.error.clone()),
         _ => Status::unavailable(r.error.clone()),
     })
+}
+
+/// Every result of a `CacheBlocks` answer (which ends within 20 s), or how it failed.
+async fn results_of(answer: CacheStream) -> Result<Vec<pb::LoadResult>, Status> {
+    let all = tokio::time::timeout(Duration::from_secs(20), answer.collect::<Vec<_>>())
+        .await
+        .expect("a CacheBlocks answer did not end within 20 s");
+    all.into_iter().collect()
 }
 
 /// Every cached page of the file holds the source's bytes where the honest geometry puts
@@ -555,21 +569,13 @@ fn a_warm_request_caches_only_the_blocks_its_grants_cover() {
             grant: grant.cloned(),
         };
         let g = Some(&r.grant);
-        let req = pb::CacheBlocksRequest {
-            blocks: vec![
-                ask(INODE, 0, g),
-                ask(INODE, 1, g),
-                ask(INODE + 1, 2, g),
-                ask(INODE, 3, None),
-            ],
-        };
-        let results = r
-            .rpc
-            .cache_blocks(as_who(req, false))
-            .await
-            .unwrap()
-            .into_inner()
-            .results;
+        let asked = vec![
+            ask(INODE, 0, g),
+            ask(INODE, 1, g),
+            ask(INODE + 1, 2, g),
+            ask(INODE, 3, None),
+        ];
+        let results = results_of(warm(&r, asked, false)).await.unwrap();
         assert_eq!(results.len(), 4, "{results:?}");
         for res in &results {
             let id = res.block.unwrap();
@@ -597,30 +603,32 @@ fn a_warm_request_caches_only_the_blocks_its_grants_cover() {
         assert_eq!(r.rpc.metrics.cache_blocks_asked.get(), 4);
 
         // Asked again: already cached, nothing fetched.
-        let again = pb::CacheBlocksRequest {
-            blocks: vec![ask(INODE, 0, g)],
-        };
-        let results = r.rpc.cache_blocks(as_who(again, false)).await.unwrap();
-        let res = &results.into_inner().results[0];
+        let results = results_of(warm(&r, vec![ask(INODE, 0, g)], false))
+            .await
+            .unwrap();
+        let res = &results[0];
         assert!(res.error.is_empty() && res.fetched_bytes == 0, "{res:?}");
 
-        // Too many blocks: refused whole, nothing counted or fetched.
-        let many = pb::CacheBlocksRequest {
-            blocks: vec![ask(INODE, 3, g); MAX_CACHE_BLOCKS + 1],
-        };
-        let e = r.rpc.cache_blocks(as_who(many, false)).await.unwrap_err();
+        // Past the most a stream may ask for: the stream ends INVALID_ARGUMENT, and the
+        // blocks after the limit are neither counted nor fetched.
+        let mut many = vec![ask(INODE, 0, g); MAX_CACHE_BLOCKS];
+        many.push(ask(INODE, 3, g));
+        let e = results_of(warm(&r, many, false)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("at most 128"), "{e:?}");
         assert!(!store.contains(&((INODE, VERSION, 3), 0)));
 
         // A node's warm without a grant fills nothing where grants are signed.
-        let node = pb::CacheBlocksRequest {
-            blocks: vec![ask(INODE, 3, None)],
-        };
-        let results = r.rpc.cache_blocks(as_who(node, true)).await.unwrap();
-        let res = &results.into_inner().results[0];
+        let results = results_of(warm(&r, vec![ask(INODE, 3, None)], true))
+            .await
+            .unwrap();
+        let res = &results[0];
         assert_eq!(res.code, pb::LoadError::Denied as i32, "{res:?}");
         assert!(!store.contains(&((INODE, VERSION, 3), 0)));
-        assert_eq!(r.rpc.metrics.cache_blocks_asked.get(), 6);
+        assert_eq!(
+            r.rpc.metrics.cache_blocks_asked.get(),
+            4 + 1 + MAX_CACHE_BLOCKS as u64 + 1
+        );
     });
 }
 
