@@ -1317,3 +1317,81 @@ async fn masters_send_a_call_per_batch_to_peers_that_refuse_raft_streams() -> Re
     );
     Ok(())
 }
+
+/// A folder read at random while uncached is warmed ahead of its reader: after a few misses
+/// every other file of it reaches the worker's cache, each fetched from the store once,
+/// through `CacheBlocks` streams (one per group of files, not a read each). A worker that
+/// does not know `CacheBlocks` (an older one: the call answers UNIMPLEMENTED) gets a read
+/// of each file instead, with the same outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_read_at_random_is_warmed_by_cache_blocks_or_by_reads_of_an_older_worker(
+) -> Result<()> {
+    const FILES: u64 = 150;
+    let c = Cluster::start(Shape::default()).await?;
+    let mut want = std::collections::HashMap::new();
+    for folder in ["new", "old"] {
+        std::fs::create_dir_all(c.store.join(folder))?;
+        for i in 0..FILES {
+            let bytes: Vec<u8> = (0..1_000 + i).map(|b| (b * 7 + i) as u8).collect();
+            std::fs::write(c.store.join(format!("{folder}/f{i:03}")), &bytes)?;
+            want.insert(format!("/data/{folder}/f{i:03}"), bytes);
+        }
+    }
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let worker = c.worker(0).context("worker 0")?;
+    let gets = || worker.metrics.ufs_requests.get();
+    // Out of name order: misses that earn a warm.
+    let order = [140u64, 3, 77, 20, 111, 58, 9, 131, 45, 88];
+    let warm = |folder: &'static str, fetched_before: u64| {
+        let fs = fs.clone();
+        let want = &want;
+        async move {
+            for i in order {
+                let path = format!("/data/{folder}/f{i:03}");
+                let st = fs.stat(&path).await?;
+                let got = fs.read(&st, 0, st.length).await?;
+                assert_eq!(got, want[&path], "{path}");
+            }
+            let warmed = eventually("the folder warmed through", Duration::from_secs(30), || {
+                let n = fs.metrics.warm_files.get();
+                async move { (n >= fetched_before + FILES).then_some(n) }
+            })
+            .await?;
+            assert_eq!(
+                warmed,
+                fetched_before + FILES,
+                "{folder}: every file warmed once"
+            );
+            Ok::<_, anyhow::Error>(())
+        }
+    };
+    warm("new", 0).await?;
+    assert_eq!(worker.metrics.cache_blocks_asked.get(), FILES);
+    assert_eq!(gets(), FILES, "each file fetched from the store once");
+    let reads = worker.metrics.read_requests.get();
+    assert!(
+        reads <= order.len() as u64,
+        "{reads} reads: the warm read no file"
+    );
+
+    let older = c
+        .faults(Node::Client)
+        .add(Rule::new(Fault::Error(tonic::Code::Unimplemented)).method("CacheBlocks"));
+    warm("old", FILES).await?;
+    assert!(c.faults(Node::Client).fired(older) > 0);
+    assert_eq!(
+        worker.metrics.cache_blocks_asked.get(),
+        FILES,
+        "no stream reached it"
+    );
+    assert_eq!(gets(), 2 * FILES, "each file fetched from the store once");
+    assert!(worker.metrics.read_requests.get() >= reads + FILES - order.len() as u64);
+    // Every file of both folders is cached: reading them all costs no store request.
+    for (path, bytes) in &want {
+        let st = fs.stat(path).await?;
+        assert_eq!(&fs.read(&st, 0, st.length).await?, bytes, "{path}");
+    }
+    assert_eq!(gets(), 2 * FILES);
+    c.stop().await
+}
