@@ -248,29 +248,17 @@ fn op() -> impl Strategy<Value = Op> {
         prop::option::weighted(0.15, (any::<u32>(), any::<bool>())),
         prop::bool::weighted(0.15),
     )
-        .prop_map(
-            |(
-                tampers,
-                index,
-                offset,
-                length,
-                cache,
-                cached_only,
-                from_peers,
-                lease,
-                cache_blocks,
-            )| Op {
-                tampers,
-                index,
-                offset,
-                length,
-                cache,
-                cached_only,
-                from_peers,
-                lease,
-                cache_blocks,
-            },
-        )
+        .prop_map(|t| Op {
+            tampers: t.0,
+            index: t.1,
+            offset: t.2,
+            length: t.3,
+            cache: t.4,
+            cached_only: t.5,
+            from_peers: t.6,
+            lease: t.7,
+            cache_blocks: t.8,
+        })
 }
 
 fn describe(honest: &pb::BlockDescriptor, op: &Op) -> pb::BlockDescriptor {
