@@ -365,16 +365,8 @@ impl FileSystem {
         let mut out = Vec::new();
         let mut pending = std::collections::VecDeque::with_capacity(files.len());
         for f in files {
-            let grant = match self.grant_for(&f, false).await {
-                Ok(g) => g,
-                Err(e) => {
-                    out.push((f, Some(e)));
-                    continue;
-                }
-            };
-            match Self::descriptor(&f, 0) {
-                Ok(mut desc) => {
-                    Self::with_grant_terms(&mut desc, grant.as_ref());
+            match self.warm_descriptor(&f).await {
+                Ok((desc, grant)) => {
                     let b = pb::CacheBlock {
                         block: Some(desc),
                         grant,
@@ -410,8 +402,8 @@ impl FileSystem {
                         let (Ok(slot), Some((f, b)), Some(sender)) = (slot, pending.pop_front(), &tx) else {
                             break;
                         };
-                        if sender.send(b).await.is_err() {
-                            pending.push_front((f, pb::CacheBlock::default()));
+                        if let Err(unsent) = sender.send(b).await {
+                            pending.push_front((f, unsent.0));
                             break;
                         }
                         asked.insert((f.inode, f.version), (f, slot));
@@ -490,6 +482,18 @@ impl FileSystem {
         (f, Some(e))
     }
 
+    /// The first block of a one-block file as a warm names it, with the caller's grant (its
+    /// terms in the descriptor).
+    async fn warm_descriptor(
+        &self,
+        file: &pb::FileStatus,
+    ) -> Result<(pb::BlockDescriptor, Option<pb::ReadGrant>), crate::ClientError> {
+        let mut desc = Self::descriptor(file, 0)?;
+        let grant = self.grant_for(file, false).await?;
+        Self::with_grant_terms(&mut desc, grant.as_ref());
+        Ok((desc, grant))
+    }
+
     /// The worker that caches the first block of `file` (its placement owner).
     fn owner_of(file: &pb::FileStatus, workers: &[pb::WorkerInfo]) -> Option<pb::WorkerInfo> {
         let id = pb::BlockId {
@@ -507,11 +511,9 @@ impl FileSystem {
         file: &pb::FileStatus,
         workers: &[pb::WorkerInfo],
     ) -> Result<(), crate::ClientError> {
-        let mut desc = Self::descriptor(file, 0)?;
         let owner = Self::owner_of(file, workers)
             .ok_or_else(|| crate::ClientError::unavailable("no live worker"))?;
-        let grant = self.grant_for(file, false).await?;
-        Self::with_grant_terms(&mut desc, grant.as_ref());
+        let (desc, grant) = self.warm_descriptor(file).await?;
         let ps = self.short_circuit_page_size().max(1);
         let mut pos = 0;
         while pos < file.length {

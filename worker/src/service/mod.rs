@@ -148,16 +148,8 @@ async fn cache_block(
         )
     })?;
     block_extent(&desc).map_err(|e| (pb::LoadError::Invalid, e.to_string()))?;
-    check_grant(
-        keys,
-        who,
-        b.grant.as_ref(),
-        desc.id.as_ref().map_or(0, |id| id.inode),
-        desc.ufs.as_ref(),
-        Terms::Read(&desc),
-        true,
-    )
-    .map_err(|e| (pb::LoadError::Denied, e.to_string()))?;
+    check_read_grant(keys, who, b.grant.as_ref(), &desc, true)
+        .map_err(|e| (pb::LoadError::Denied, e.to_string()))?;
     load_block(fetcher, desc, None).await
 }
 
@@ -245,6 +237,27 @@ fn check_grant(
     };
     keys.check(grant, &want, granary_common::now_ms().max(0) as u64)
         .map_err(RpcError::GrantRefused)
+}
+
+/// [`check_grant`] for reading the block `desc` describes (its file, its under-store
+/// object, its terms); `fills`: the read may fill the cache.
+fn check_read_grant(
+    keys: &GrantKeys,
+    who: &Principal,
+    grant: Option<&pb::ReadGrant>,
+    desc: &pb::BlockDescriptor,
+    fills: bool,
+) -> Result<(), RpcError> {
+    let inode = desc.id.as_ref().map_or(0, |id| id.inode);
+    check_grant(
+        keys,
+        who,
+        grant,
+        inode,
+        desc.ufs.as_ref(),
+        Terms::Read(desc),
+        fills,
+    )
 }
 
 type WriteStream = Pin<Box<dyn Stream<Item = Result<pb::WriteFileResponse, Status>> + Send>>;
@@ -382,13 +395,11 @@ impl WorkerRpc {
         if r.from_peers && !self.node_copies {
             return Err(RpcError::Precondition("this worker keeps no node copies of blocks it does not own (--locality cluster): read the block from its owner".into()));
         }
-        check_grant(
+        check_read_grant(
             &self.grant_keys,
             who,
             r.grant.as_ref(),
-            desc.id.as_ref().map_or(0, |id| id.inode),
-            desc.ufs.as_ref(),
-            Terms::Read(&desc),
+            &desc,
             !r.cached_only,
         )?;
         Ok((desc, p))
