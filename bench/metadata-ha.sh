@@ -44,15 +44,27 @@ print(f"{n / (time.time() - t0):.0f}")
 PY
 )
 
-run() { # concurrency dir [extra args] -> json
-  "$bin" bench metadata --master "$addrs" --dir "$2" --duration "${secs}s" --concurrency "$1" --json "${@:3}"
+# CPU seconds a process has used so far (user + system, from /proc).
+cpu_of() { awk -v t="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$1/stat" 2>/dev/null || echo 0; }
+declare -A cpu_note
+run() { # concurrency dir [extra args] -> json; notes the CPU seconds each process used in $cpu_note[dir]
+  local before=() i
+  for i in 1 2 3; do before+=("$(cpu_of "${mpid[$i]}")"); done
+  /usr/bin/time -f "%U %S" -o "$work/client-cpu" \
+    "$bin" bench metadata --master "$addrs" --dir "$2" --duration "${secs}s" --concurrency "$1" --json "${@:3}"
+  local note=""
+  for i in 1 2 3; do
+    note+="m$i $(python3 -c "print(f'{$(cpu_of "${mpid[$i]}") - ${before[$((i - 1))]}:.1f}')") s, "
+  done
+  cpu_note[$2]="${note}client $(awk '{ printf "%.1f", $1 + $2 }' "$work/client-cpu") s"
 }
 field() { python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['$2']))" "$1"; }
-c1=$(run 1 /b1)
-c1l=$(run 1 /b1l --reads-at-leader)
-c16=$(run 16 /b16)
-c64=$(run 64 /b64)
-c64l=$(run 64 /b64l --reads-at-leader)
+run 1 /b1 > "$work/c1"
+run 1 /b1l --reads-at-leader > "$work/c1l"
+run 16 /b16 > "$work/c16"
+run 64 /b64 > "$work/c64"
+run 64 /b64l --reads-at-leader > "$work/c64l"
+c1=$(cat "$work/c1") c1l=$(cat "$work/c1l") c16=$(cat "$work/c16") c64=$(cat "$work/c64") c64l=$(cat "$work/c64l")
 
 # Failover: kill -9 the leader a third into a create run; the longest gap between two
 # acknowledged creates is the time the group could not accept writes.
@@ -73,4 +85,6 @@ echo "creates/s, 64 callers:    $(field "$c64" creates_per_s)"
 echo "stats/s, 1 caller:        $(field "$c1" stats_per_s)  (all at the leader: $(field "$c1l" stats_per_s))"
 echo "stats/s, 16 callers:      $(field "$c16" stats_per_s)"
 echo "stats/s, 64 callers:      $(field "$c64" stats_per_s)  (all at the leader: $(field "$c64l" stats_per_s))"
+echo "CPU, 64 callers, spread:   ${cpu_note[/b64]}  (leader: m$l; creates and stats, $secs s each)"
+echo "CPU, 64 callers, leader:   ${cpu_note[/b64l]}"
 echo "failover (leader kill -9): longest pause between acknowledged creates $(field "$fo" max_create_gap_ms) ms; $(field "$fo" create_errors) creates failed"

@@ -1023,6 +1023,7 @@ pub async fn bench(net: &Net, cmd: BenchCommand) -> anyhow::Result<()> {
             concurrency,
             ack_log,
             reads_at_leader,
+            stat_existing,
             json,
             master: addr,
         } => {
@@ -1033,6 +1034,7 @@ pub async fn bench(net: &Net, cmd: BenchCommand) -> anyhow::Result<()> {
                 concurrency,
                 ack_log,
                 reads_at_leader,
+                stat_existing,
             };
             bench_metadata(net, load, json, &addr).await
         }
@@ -1047,6 +1049,7 @@ struct MetadataLoad {
     concurrency: usize,
     ack_log: Option<std::path::PathBuf>,
     reads_at_leader: bool,
+    stat_existing: Option<u64>,
 }
 
 /// `granary bench metadata`: creates then stats through the master group.
@@ -1063,6 +1066,7 @@ async fn bench_metadata(
         concurrency,
         ack_log,
         reads_at_leader,
+        stat_existing,
     } = load;
     let client = MasterClient::new(net.clone(), &addr.master)?.with_spread_reads(!reads_at_leader);
     client
@@ -1080,7 +1084,10 @@ async fn bench_metadata(
         None => None,
     };
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let limit = ops.unwrap_or(u64::MAX);
+    let limit = match stat_existing {
+        Some(_) => 0,
+        None => ops.unwrap_or(u64::MAX),
+    };
     let start = std::time::Instant::now();
     let deadline = start + duration;
     let mut tasks = Vec::new();
@@ -1132,6 +1139,12 @@ async fn bench_metadata(
         max_gap = max_gap.max(t.duration_since(last));
         last = *t;
     }
+    let created = made.len() as u64;
+    if let Some(n) = stat_existing {
+        made = (0..n)
+            .map(|i| granary_common::paths::join(&dir, &format!("d{i}")))
+            .collect();
+    }
     // Stats, spread over the same number of callers.
     let stat_start = std::time::Instant::now();
     let made = std::sync::Arc::new(made);
@@ -1160,9 +1173,9 @@ async fn bench_metadata(
     let stat_secs = stat_start.elapsed().as_secs_f64();
     let per_s = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let v = json!({
-        "creates": made.len(),
+        "creates": created,
         "create_errors": errors,
-        "creates_per_s": per_s(made.len() as u64, create_secs),
+        "creates_per_s": per_s(created, create_secs),
         "stats": stats,
         "stats_per_s": per_s(stats, stat_secs),
         "max_create_gap_ms": max_gap.as_millis() as u64,
@@ -1173,9 +1186,9 @@ async fn bench_metadata(
     } else {
         println!(
             "{} creates in {:.1}s ({:.0}/s, {} failed), {} stats ({:.0}/s), longest pause between creates {} ms",
-            made.len(),
+            created,
             create_secs,
-            per_s(made.len() as u64, create_secs),
+            per_s(created, create_secs),
             errors,
             stats,
             per_s(stats, stat_secs),

@@ -686,6 +686,10 @@ pub enum BenchCommand {
         /// compare the two).
         #[arg(long)]
         reads_at_leader: bool,
+        /// Create nothing: stat DIR/d0 … DIR/d{N-1}, made by an earlier run, to time and
+        /// profile reads alone.
+        #[arg(long, value_name = "N")]
+        stat_existing: Option<u64>,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
