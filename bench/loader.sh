@@ -10,6 +10,8 @@
 #   cold    Granary's first epoch, every file from the under-store (once, first)
 #   raw-cold the raw folder's first read after a drop (the limit of `cold`; its loaders
 #           check every sample's SHA-256 as the cold epoch's do, so both do the same work)
+#   copy    the same first read, each sample also written once to a new file on the disk
+#           the cache is on: the least any cache that keeps what it reads does
 #
 #   bench/loader.sh [FILES] [KIB] [LOADERS]   (default 4000 files of ~100 KiB, 4 loaders; root)
 #   ROUNDS=N  raw/bindfs/warm triples, alternating, medians reported (default 3)
@@ -57,15 +59,19 @@ ops() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_op_seconds_co
 counters() { curl -s "127.0.0.1:$mport/metrics" | awk '/^granary_client_fuse_requests_total|^granary_client_op_seconds_count|^granary_client_kept_reads_total|^granary_client_parked_opens_total/ { print $1, $2 }'; }
 epoch=0
 # pass TARGET_DIR CHECK PID -> "samples bytes seconds bad cpu_ticks"
-pass() {
+pass() { # TARGET_DIR CHECK PID [COPY_DIR]
   epoch=$((epoch + 1))
   local c0 c1 out
   c0=$(cpu_of "$3")
-  out=$(python3 "$here/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2")
+  out=$(python3 "$here/loader.py" "$1" "$work/manifest" "$loaders" "$epoch" "$2" ${4:+"$4"})
   c1=$(cpu_of "$3")
   echo "$out $((c1 - c0))"
 }
 drop; rawcold=$(pass "$work/ufs/data" 1 "")
+mkdir -p "$work/copy"
+# Kept to the end: deleting thousands of files just before the cold epoch would slow its
+# cache file creation (ext4 without a journal scans recently deleted inodes).
+drop; copied=$(pass "$work/ufs/data" 1 "" "$work/copy")
 ops0=$(ops)
 drop
 if [ -n "${PERF_COLD:-}" ]; then
@@ -91,7 +97,7 @@ for _ in $(seq 1 "$rounds"); do
   triples="$triples$r|$b|$w;"
 done
 warm1=$(counters)
-python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" "$warm0" "$warm1" "$rounds" "${warmed:-0}" <<'PY'
+python3 - "$files" "$kib" "$loaders" "$rawcold" "$cold" "$triples" "$(getconf CLK_TCK)" "$ops0" "$ops1" "$warm0" "$warm1" "$rounds" "${warmed:-0}" "$copied" <<'PY'
 import statistics, sys
 files, kib, loaders = sys.argv[1], sys.argv[2], sys.argv[3]
 tck = int(sys.argv[7])
@@ -117,6 +123,8 @@ for name, xs, ts in [("raw", raw, [t[0] for t in triples]), ("bindfs", bind, [t[
 print(f"  warm/bindfs   {statistics.median(w / b for w, b in zip(warm, bind)):.2f}x   warm/raw {statistics.median(w / r for w, r in zip(warm, raw)):.2f}x")
 rc, c = rate(sys.argv[4])[0], rate(sys.argv[5])[0]
 print(f"  cold (first epoch from the store) {c:.0f} samples/s, raw first read {rc:.0f}: {c / rc:.2f}x, {cpu_per_k(sys.argv[5]):.2f} CPU s / 1,000 samples, files warmed ahead of the loaders {float(sys.argv[13]):.0f}")
+cp = rate(sys.argv[14])[0]
+print(f"  raw first read writing each sample once to the cache's disk (copy) {cp:.0f} samples/s ({cp / rc:.2f}x the raw first read): cold / copy {c / cp:.2f}x")
 def opmap(s):
     out = {}
     for line in s.splitlines():

@@ -14,7 +14,8 @@
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds; GRANARY_FLAGS adds flags to
 # `granary local`; FINDS=N repeats the warm find N times (each reported; the last counts);
 # PERF_WARM=FILE records `perf record -g` of granary local during each warm find (the last
-# one's stays).
+# one's stays; PERF_CALLGRAPH=dwarf for stacks through code without frame pointers,
+# PERF_FREQ=HZ, default 999).
 # The files are empty: this measures metadata only.
 set -euo pipefail
 folders="${1:-200}"
@@ -47,7 +48,7 @@ warms=""
 for _ in $(seq 1 "${FINDS:-1}"); do
   drop
   if [ -n "${PERF_WARM:-}" ]; then
-    perf record -F 999 -g -o "$PERF_WARM" -p "$pid" > /dev/null 2>&1 &
+    perf record -F "${PERF_FREQ:-999}" --call-graph "${PERF_CALLGRAPH:-fp}" -o "$PERF_WARM" -p "$pid" > /dev/null 2>&1 &
     perf_pid=$!
     sleep 1
   fi
