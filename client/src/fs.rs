@@ -444,13 +444,14 @@ impl FileSystem {
         });
     }
 
-    /// One page of a directory listing, in name order after `after`.
+    /// One page of a directory listing, in name order after `after`. The statuses are
+    /// shared with the metadata cache, which keeps them for lookups and opens.
     pub async fn list_page(
         &self,
         target: pb::path_or_id::Target,
         after: &str,
         page_size: u32,
-    ) -> Result<(Vec<pb::FileStatus>, String), ClientError> {
+    ) -> Result<(Vec<Arc<pb::FileStatus>>, String), ClientError> {
         let since = self.meta.watch.since();
         let r = self
             .master
@@ -459,8 +460,9 @@ impl FileSystem {
         for e in &r.entries {
             self.note_grant(e);
         }
-        self.meta.remember_page(&r.entries, since);
-        Ok((r.entries, r.next_page_token))
+        let entries: Vec<Arc<pb::FileStatus>> = r.entries.into_iter().map(Arc::new).collect();
+        self.meta.remember_page(&entries, since);
+        Ok((entries, r.next_page_token))
     }
 
     /// The whole listing of a directory (all pages).

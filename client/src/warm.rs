@@ -257,7 +257,7 @@ impl FileSystem {
                     continue;
                 }
                 bytes_left -= e.length;
-                take.push(e.clone());
+                take.push((**e).clone());
             }
             let bytes: u64 = take.iter().map(|e| e.length).sum();
             let slots = self.warmer.slots();

@@ -825,8 +825,9 @@ impl Filesystem for GranaryFs {
             {
                 return reply.error(errno(&e));
             }
-            for (i, (name, s)) in h.entries.iter().enumerate().skip(offset as usize) {
-                if reply.add(INodeNo(s.inode), (i + 1) as u64, kind_of(s), name) {
+            for (i, e) in h.entries.iter().enumerate().skip(offset as usize) {
+                let s = &e.status;
+                if reply.add(INodeNo(s.inode), (i + 1) as u64, kind_of(s), e.name()) {
                     break;
                 }
             }
@@ -863,7 +864,8 @@ impl Filesystem for GranaryFs {
             {
                 return reply.error(errno(&e));
             }
-            for (i, (name, s)) in h.entries.iter().enumerate().skip(offset as usize) {
+            for (i, e) in h.entries.iter().enumerate().skip(offset as usize) {
+                let (s, name) = (&e.status, e.name());
                 let mut attr = attr_of(s, uid, gid);
                 if let Some(n) = writes.size_of(s.inode) {
                     attr.size = n;

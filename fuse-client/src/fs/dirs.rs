@@ -14,7 +14,7 @@ const DIR_PAGE: u32 = 1000;
 /// of them in memory before the first reply).
 pub(super) struct DirHandle {
     /// ".", ".." and the entries listed so far, in order (offset i+1 follows entry i).
-    pub(super) entries: Vec<(String, pb::FileStatus)>,
+    pub(super) entries: Vec<Entry>,
     /// Where the next page starts ("" once every page is fetched).
     pub(super) next: String,
     pub(super) done: bool,
@@ -25,7 +25,20 @@ pub(super) struct DirHandle {
     walk: Arc<DirWalk>,
 }
 
-type Page = Result<(Vec<pb::FileStatus>, String), granary_client::ClientError>;
+type Page = Result<(Vec<Arc<pb::FileStatus>>, String), granary_client::ClientError>;
+
+/// An entry of an open directory: "." or "..", or a listed status (shared with the
+/// client's metadata cache, named by its own name).
+pub(super) struct Entry {
+    dots: Option<&'static str>,
+    pub(super) status: Arc<pb::FileStatus>,
+}
+
+impl Entry {
+    pub(super) fn name(&self) -> &str {
+        self.dots.unwrap_or(&self.status.name)
+    }
+}
 
 /// A page being fetched ahead; stopped when the directory is closed first.
 pub(super) struct Ahead(tokio::task::JoinHandle<Page>);
@@ -71,7 +84,7 @@ struct WalkState {
 
 impl DirWalk {
     /// Notes the order of the folders in a listing page.
-    pub(super) fn listed(&self, entries: &[pb::FileStatus]) {
+    pub(super) fn listed(&self, entries: &[Arc<pb::FileStatus>]) {
         let dir = pb::FileKind::Directory as i32;
         let mut folders = entries.iter().filter(|e| e.kind == dir).map(|e| e.inode);
         let Some(mut prev) = folders.next() else {
@@ -146,7 +159,16 @@ impl DirHandle {
             ..Default::default()
         };
         DirHandle {
-            entries: vec![(".".into(), dir), ("..".into(), parent)],
+            entries: vec![
+                Entry {
+                    dots: Some("."),
+                    status: Arc::new(dir),
+                },
+                Entry {
+                    dots: Some(".."),
+                    status: Arc::new(parent),
+                },
+            ],
             next: String::new(),
             done: false,
             ahead: None,
@@ -177,8 +199,11 @@ impl DirHandle {
         };
         let (entries, next) = page?;
         self.walk.listed(&entries);
-        self.entries
-            .extend(entries.into_iter().map(|e| (e.name.clone(), e)));
+        self.entries.extend(
+            entries
+                .into_iter()
+                .map(|status| Entry { dots: None, status }),
+        );
         self.done = next.is_empty();
         self.next = next;
         if !self.done {
