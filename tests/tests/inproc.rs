@@ -1395,3 +1395,98 @@ async fn a_folder_read_at_random_is_warmed_by_cache_blocks_or_by_reads_of_an_old
     assert_eq!(gets(), 2 * FILES);
     c.stop().await
 }
+
+/// A local folder is one listing page, recorded in batches of 2,000 entries of which
+/// several are in flight at once through the 3-master group: a folder of 11,001 files (six
+/// batches) lists exactly, on every member; a re-listing that removes 4,000 and adds 2,500
+/// (batches of removals and additions, in flight together) leaves exactly the store's
+/// names; and with the store's listing failing nothing of what was known is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_listed_in_batches_in_flight_together_is_exact_on_every_member() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape {
+        masters: 3,
+        workers: 0,
+        ..Shape::default()
+    })
+    .await?;
+    let wide = c.store.join("wide");
+    std::fs::create_dir_all(&wide)?;
+    let mut want: Vec<String> = (0..11_001).map(|i| format!("f{i:05}")).collect();
+    for n in &want {
+        std::fs::write(wide.join(n), b"")?;
+    }
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let target = || pb::path_or_id::Target::Path("/data/wide".into());
+    // Each member's own applied state: every name of the store, once.
+    let on_every_member = |want: Vec<String>| {
+        let cores: Vec<_> = (0..3)
+            .map(|i| c.master(i).expect("started").core.clone())
+            .collect();
+        async move {
+            eventually(
+                "every member to hold exactly the store's names",
+                Duration::from_secs(30),
+                || {
+                    let (cores, want) = (cores.clone(), want.clone());
+                    async move {
+                        for core in &cores {
+                            let sm = &core.namespace().sm;
+                            let dir = sm.child(1, "data").ok()??;
+                            let dir = sm.child(dir.id, "wide").ok()??;
+                            let mut got: Vec<String> = sm
+                                .children(dir.id, None, usize::MAX)
+                                .ok()?
+                                .into_iter()
+                                .map(|i| i.name)
+                                .collect();
+                            got.sort();
+                            if got != want {
+                                return None;
+                            }
+                        }
+                        Some(())
+                    }
+                },
+            )
+            .await
+        }
+    };
+    assert_eq!(names(&fs.list(target()).await?), want);
+    on_every_member(want.clone()).await?;
+
+    for n in want.iter().take(8_000).skip(1).step_by(2) {
+        std::fs::remove_file(wide.join(n))?;
+    }
+    for i in 0..2_500 {
+        std::fs::write(wide.join(format!("g{i:05}")), b"")?;
+    }
+    let store_names = || -> Result<Vec<String>> {
+        let mut v: Vec<String> = std::fs::read_dir(&wide)?
+            .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_>>()?;
+        v.sort();
+        Ok(v)
+    };
+    want = store_names()?;
+    assert_eq!(want.len(), 11_001 - 4_000 + 2_500);
+
+    let rule = c
+        .store_faults
+        .add(StoreRule::new(StoreOp::List, StoreFault::Unavailable));
+    let synced = fs.master.sync_metadata("/data/wide", false).await?;
+    assert_eq!(synced.failures.len(), 1, "{synced:?}");
+    c.store_faults.remove(rule);
+    assert_eq!(
+        fs.list(target()).await?.len(),
+        11_001,
+        "a failed re-listing keeps what was known"
+    );
+
+    let synced = fs.master.sync_metadata("/data/wide", false).await?;
+    assert!(synced.failures.is_empty(), "{synced:?}");
+    assert_eq!(names(&fs.list(target()).await?), want);
+    on_every_member(want).await?;
+    c.stop().await
+}

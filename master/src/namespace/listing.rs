@@ -208,6 +208,7 @@ impl Namespace {
             .max(removed.len().div_ceil(SYNC_BATCH))
             .max(1);
         let (mut ups, mut rems) = (upserts.into_iter(), removed.into_iter());
+        let mut in_flight = std::collections::VecDeque::new();
         for i in 0..chunks {
             let part: Vec<UfsEntry> = ups.by_ref().take(SYNC_BATCH).collect();
             let gone: Vec<String> = rems.by_ref().take(SYNC_BATCH).collect();
@@ -217,6 +218,7 @@ impl Namespace {
                 .chain(gone.iter().map(String::as_str))
                 .filter_map(|n| seen.get(n).map(|v| (n.to_string(), *v)))
                 .collect();
+            let marks = last && i + 1 == chunks;
             let cmd = Command::SyncDir {
                 dir: dir.id,
                 mount_id,
@@ -226,10 +228,30 @@ impl Namespace {
                 seen: Some(part_seen),
                 batch: Some(crate::state::SyncBatch {
                     removed: gone,
-                    last: last && i + 1 == chunks,
+                    last: marks,
                 }),
             };
-            self.raft.propose(&cmd).await?;
+            if marks {
+                // The batch that marks the folder listed goes once every other batch has
+                // applied: a listing that fails part-way never marks a folder listed with
+                // a batch missing.
+                while let Some(w) = in_flight.pop_front() {
+                    w.await?;
+                }
+                self.raft.propose(&cmd).await?;
+                continue;
+            }
+            // Batches are disjoint (names, in order), so several are in flight at once:
+            // the next is encoded and sent while the last is replicated and applied.
+            if in_flight.len() >= SYNC_IN_FLIGHT {
+                if let Some(w) = in_flight.pop_front() {
+                    w.await?;
+                }
+            }
+            in_flight.push_back(self.raft.start_proposal(&cmd)?);
+        }
+        while let Some(w) = in_flight.pop_front() {
+            w.await?;
         }
         for (name, inode, version) in files {
             match self.sm.child(dir.id, &name)? {

@@ -965,6 +965,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Entries per `SyncDir` batch.
 const SYNC_BATCH: usize = 2000;
+/// A listing's batches proposed at once (see `propose_changes`).
+const SYNC_IN_FLIGHT: usize = 4;
 
 type DirLocks = Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>;
 

@@ -134,6 +134,22 @@ impl RaftHandle {
         self.wait(rx).await?
     }
 
+    /// Proposes `cmd` now and returns what waits for it to apply: proposals started one
+    /// after another enter the log in that order, and several can be in flight at once
+    /// (Raft appends what is queued in one round).
+    pub fn start_proposal(
+        &self,
+        cmd: &Command,
+    ) -> Result<impl std::future::Future<Output = Result<ApplyOutput, MasterError>> + '_, MasterError>
+    {
+        let data = self
+            .entry_format
+            .encode(0, granary_common::now_ms(), cmd)?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::Propose { data, reply })?;
+        Ok(async move { self.wait(rx).await? })
+    }
+
     /// Waits until this master has applied everything committed before the call, as
     /// confirmed by a quorum (ReadIndex). Only the leader answers.
     pub async fn read_barrier(&self) -> Result<(), MasterError> {
