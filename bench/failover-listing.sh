@@ -13,6 +13,7 @@
 #   bench/failover-listing.sh [FILES] [LISTED_PAGES]   (default 1,000,000 and 100; root)
 #   LISTED_PAGES 0: the same listing with no failover (the comparison)
 #
+# PERF=FILE records `perf record` (DWARF stacks) of the first leader during the listing.
 # Uses $GRANARY_BIN, else the debug binary scripts/test builds.
 set -euo pipefail
 files="${1:-1000000}"
@@ -55,6 +56,11 @@ cpu0=($(ticks "${mpid[1]}") $(ticks "${mpid[2]}") $(ticks "${mpid[3]}") $(ticks 
 s=$(date +%s.%N)
 (ls -f "$work/mnt/tree/big" > "$work/got" 2> "$work/ls.err"; echo $? > "$work/ls.rc") &
 lister=$!
+perf_pid=""
+if [ -n "${PERF:-}" ]; then
+  perf record -F 500 --call-graph dwarf -o "$PERF" -p "${mpid[$first]}" > /dev/null 2>&1 &
+  perf_pid=$!
+fi
 # Wait until the leader has applied LISTED_PAGES more entries (listing pages), then kill it
 # (LISTED_PAGES 0: no kill, the same listing without a failover, for comparison).
 for _ in $(seq 1 6000); do
@@ -79,6 +85,7 @@ fi
 elected=$(date +%s.%N)
 wait "$lister" || true
 e=$(date +%s.%N)
+[ -n "$perf_pid" ] && { kill -INT "$perf_pid"; wait "$perf_pid" || true; }
 cpu1=($(ticks "${mpid[1]}") $(ticks "${mpid[2]}") $(ticks "${mpid[3]}") $(ticks "$fuse_pid"))
 cpu=$(python3 -c "import sys; a, b, hz = sys.argv[1].split(), sys.argv[2].split(), int(sys.argv[3]); d = [f'{(int(y) - int(x)) / hz:.1f}' if int(y) >= int(x) else 'killed' for x, y in zip(a, b)]; print(f'masters {d[0]} / {d[1]} / {d[2]} s, mount {d[3]} s')" "${cpu0[*]}" "${cpu1[*]}" "$(getconf CLK_TCK)")
 rc=$(cat "$work/ls.rc")
