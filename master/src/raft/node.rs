@@ -126,12 +126,7 @@ impl RaftHandle {
         cmd: &Command,
         request_id: u64,
     ) -> Result<ApplyOutput, MasterError> {
-        let data = self
-            .entry_format
-            .encode(request_id, granary_common::now_ms(), cmd)?;
-        let (reply, rx) = oneshot::channel();
-        self.send(Msg::Propose { data, reply })?;
-        self.wait(rx).await?
+        self.start(cmd, request_id)?.await
     }
 
     /// Proposes `cmd` now and returns what waits for it to apply: proposals started one
@@ -142,9 +137,18 @@ impl RaftHandle {
         cmd: &Command,
     ) -> Result<impl std::future::Future<Output = Result<ApplyOutput, MasterError>> + '_, MasterError>
     {
+        self.start(cmd, 0)
+    }
+
+    fn start(
+        &self,
+        cmd: &Command,
+        request_id: u64,
+    ) -> Result<impl std::future::Future<Output = Result<ApplyOutput, MasterError>> + '_, MasterError>
+    {
         let data = self
             .entry_format
-            .encode(0, granary_common::now_ms(), cmd)?;
+            .encode(request_id, granary_common::now_ms(), cmd)?;
         let (reply, rx) = oneshot::channel();
         self.send(Msg::Propose { data, reply })?;
         Ok(async move { self.wait(rx).await? })
