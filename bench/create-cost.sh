@@ -12,18 +12,7 @@ set -euo pipefail
 secs="${1:-8}"
 [ "$secs" -ge 4 ] || { echo "SECONDS must be at least 4"; exit 2; }
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-create-XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-master_group
-for i in 1 2 3; do start_master "$i"; done
-for _ in $(seq 1 200); do "$bin" master list --master "$addrs" > /dev/null 2>&1 && break; sleep 0.1; done
+bench_group create
 # Warm up (leader elected, connections open).
 "$bin" bench metadata --master "$addrs" --dir /warm --duration 2s --concurrency 1 --json > /dev/null
 

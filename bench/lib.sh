@@ -171,6 +171,24 @@ start_master() { # id
   return 0
 }
 
+# A benchmark's 3-master group on loopback: $work (a new folder /tmp/granary-bench-NAME-*),
+# the three masters started (start_master) and a leader elected; at exit every process in
+# $pids is killed, the CPU groups removed and $work deleted.
+bench_group() { # name
+  work="$(mktemp -d "/tmp/granary-bench-$1-XXXXXX")"
+  pids=()
+  trap bench_group_cleanup EXIT
+  master_group
+  for i in 1 2 3; do start_master "$i"; done
+  for _ in $(seq 1 200); do leader > /dev/null 2>&1 && break; sleep 0.1; done
+}
+bench_group_cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  master_cpu_cleanup
+  rm -rf "$work"
+}
+
 # MASTER_CPU=F (e.g. 0.4): each master gets at most F of a core (a cgroup v1 CPU quota of
 # its own), as if each ran on a machine of its own with that much CPU: on this 2-core
 # machine three masters and the benchmark client otherwise take CPU from each other, so

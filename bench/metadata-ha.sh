@@ -16,19 +16,7 @@
 set -euo pipefail
 secs="${1:-10}"
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-meta-XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  master_cpu_cleanup
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-master_group
-for i in 1 2 3; do start_master "$i"; done
-for _ in $(seq 1 200); do leader > /dev/null 2>&1 && break; sleep 0.1; done
+bench_group meta
 
 # The limit: synchronous small writes on the same file system.
 fsync_per_s=$(python3 - "$work" <<'PY'

@@ -13,19 +13,7 @@ set -euo pipefail
 n="${1:-60000}"
 callers="${2:-64}"
 . "$(dirname "$0")/lib.sh"
-work="$(mktemp -d /tmp/granary-bench-read-XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  master_cpu_cleanup
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-master_group
-for i in 1 2 3; do start_master "$i"; done
-for _ in $(seq 1 200); do leader > /dev/null 2>&1 && break; sleep 0.1; done
+bench_group read
 l=$(leader)
 cpu_of() { awk -v t="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$1/stat"; }
 bench() { "$bin" bench metadata --master "$addrs" --dir /r --concurrency "$callers" --json "$@"; }
