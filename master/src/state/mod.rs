@@ -487,6 +487,10 @@ struct Txn<'a> {
     /// Key prefixes deleted whole (one range tombstone each, written before `pending`,
     /// which holds only writes made after the deletion).
     deleted_prefixes: Vec<Vec<u8>>,
+    /// Whether what the command writes is kept in the state cache at commit (else only
+    /// dropped from it): a listing's batch writes thousands of inodes no request asked
+    /// for, and keeping them evicted the folders paths resolve through.
+    fill_cache: bool,
 }
 
 impl<'a> Txn<'a> {
@@ -499,6 +503,7 @@ impl<'a> Txn<'a> {
             written: BTreeMap::new(),
             quiet: Vec::new(),
             deleted_prefixes: Vec::new(),
+            fill_cache: true,
         }
     }
 
@@ -598,11 +603,17 @@ impl<'a> Txn<'a> {
         for (k, v) in self.pending {
             if let Some(id) = keys::inode_id_of(&k) {
                 // Written by `put_inode` (decoded at hand), or raw: then forgotten.
-                let inode = v.as_ref().and_then(|_| self.written.remove(&id));
+                let inode = v
+                    .as_ref()
+                    .filter(|_| self.fill_cache)
+                    .and_then(|_| self.written.remove(&id));
                 cached.inodes.push((id, inode));
             } else if k.len() > 9 && k[0] == b'c' {
                 // A value that is not an id is written as before, and not cached.
-                let id = v.as_deref().and_then(|v| u64_of(v).ok());
+                let id = v
+                    .as_deref()
+                    .filter(|_| self.fill_cache)
+                    .and_then(|v| u64_of(v).ok());
                 cached.entries.push((k.clone(), id));
             }
             match v {
@@ -816,6 +827,9 @@ impl<'a> Txn<'a> {
     }
 
     fn apply(&mut self, cmd: &Command) -> Result<ApplyOutput, MasterError> {
+        if matches!(cmd, Command::SyncDir { .. } | Command::LoadDir { .. }) {
+            self.fill_cache = false;
+        }
         match cmd {
             Command::AddMount { path, spec, now_ms } => self.add_mount(path, spec, *now_ms),
             Command::RemoveMount { path } => self.remove_mount(path),

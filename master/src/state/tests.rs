@@ -877,3 +877,80 @@ fn the_pins_of_a_page_are_found_by_one_scan_or_one_by_one() {
     assert_eq!(found(&[ids[3], u64::MAX - 1]), [(ids[3], 3)].into());
     assert!(found(&[]).is_empty());
 }
+
+/// A listing's batches leave the state cache as they found it, less what they changed:
+/// the inodes and entries they make are not cached (a first listing of a million files
+/// evicted every folder paths resolve through), and an inode they change is dropped from
+/// the cache, never left there in its old version; a request's writes are still cached.
+#[test]
+fn listing_batches_drop_what_they_change_from_the_state_cache_and_fill_nothing() {
+    let (_d, sm) = open();
+    let ApplyOutput::Mount(m) = sm
+        .apply(
+            1,
+            &Command::AddMount {
+                path: "/m".into(),
+                spec: spec("file:///a"),
+                now_ms: 1,
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    let sync = |entries: Vec<UfsEntry>, now_ms: i64| Command::SyncDir {
+        dir: m.inode,
+        mount_id: m.id,
+        entries,
+        now_ms,
+        block_size: 1 << 20,
+        seen: None,
+        batch: None,
+    };
+    let sub = UfsEntry {
+        name: "sub".into(),
+        kind: Kind::Directory,
+        fingerprint: None,
+    };
+    sm.apply(2, &sync(vec![file("a", 3), file("b", 4), sub.clone()], 2))
+        .unwrap();
+    // (A scan keeps nothing in the cache; a point read keeps what it decoded.)
+    let listed = sm.children(m.inode, None, 10).unwrap();
+    assert_eq!(listed.len(), 3);
+    assert!(listed.iter().all(|i| sm.cache.inode(i.id).is_err()));
+    let a = sm.resolve_loaded("/m/a").unwrap().unwrap();
+    let b = sm.resolve_loaded("/m/b").unwrap().unwrap();
+    assert_eq!(sm.cache.inode(a.id).ok().map(|i| i.length), Some(3));
+    let ApplyOutput::Inode(made) = sm.apply(3, &mkdir_cmd("/m/made")).unwrap() else {
+        panic!()
+    };
+    assert!(
+        sm.cache.inode(made.id).is_ok(),
+        "a request's inode is cached"
+    );
+
+    // The store changed `a`: the next listing drops the cached old version.
+    sm.apply(4, &sync(vec![file("a", 30), file("b", 4), sub], 3))
+        .unwrap();
+    assert!(sm.cache.inode(a.id).is_err(), "the old version is dropped");
+    let a2 = sm.resolve_loaded("/m/a").unwrap().unwrap();
+    assert_eq!((a2.id, a2.length), (a.id, 30));
+    assert!(a2.version > a.version);
+    assert_eq!(sm.inode(b.id).unwrap().unwrap().length, 4);
+    // A folder listed for the first time by `LoadDir` caches none of its entries either.
+    let sub = sm.resolve_loaded("/m/sub").unwrap().unwrap();
+    sm.apply(
+        6,
+        &Command::LoadDir {
+            dir: sub.id,
+            mount_id: m.id,
+            entries: vec![file("deep", 1)],
+            now_ms: 4,
+            block_size: 1 << 20,
+        },
+    )
+    .unwrap();
+    let deep = sm.children(sub.id, None, 10).unwrap();
+    assert_eq!(deep.len(), 1);
+    assert!(sm.cache.inode(deep[0].id).is_err());
+}
