@@ -22,6 +22,22 @@ fn spec(uri: &str) -> UfsSpec {
     }
 }
 
+/// `file:///a` mounted at `path` (the first applied entry).
+fn mounted(sm: &StateMachine, path: &str) -> Mount {
+    let out = sm.apply(
+        1,
+        &Command::AddMount {
+            path: path.into(),
+            spec: spec("file:///a"),
+            now_ms: 1,
+        },
+    );
+    match out {
+        Ok(ApplyOutput::Mount(m)) => m,
+        other => panic!("mounting {path}: {other:?}"),
+    }
+}
+
 fn file(name: &str, size: u64) -> UfsEntry {
     UfsEntry {
         name: name.into(),
@@ -552,19 +568,7 @@ fn entries_from_before_request_ids_still_decode() {
 #[test]
 fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
     let (_d, sm) = open();
-    let ApplyOutput::Mount(m) = sm
-        .apply(
-            1,
-            &Command::AddMount {
-                path: "/m".into(),
-                spec: spec("file:///a"),
-                now_ms: 1,
-            },
-        )
-        .unwrap()
-    else {
-        panic!()
-    };
+    let m = mounted(&sm, "/m");
     let dir = |name: &str| UfsEntry {
         name: name.into(),
         kind: Kind::Directory,
@@ -692,19 +696,7 @@ fn sync_dir_adds_removes_and_reversions_without_touching_unchanged_entries() {
 #[test]
 fn a_batched_sync_marks_the_directory_listed_only_with_its_last_batch() {
     let (_d, sm) = open();
-    let ApplyOutput::Mount(m) = sm
-        .apply(
-            1,
-            &Command::AddMount {
-                path: "/b".into(),
-                spec: spec("file:///a"),
-                now_ms: 1,
-            },
-        )
-        .unwrap()
-    else {
-        panic!()
-    };
+    let m = mounted(&sm, "/b");
     let batch = |entries: Vec<UfsEntry>, removed: Vec<&str>, last: bool| Command::SyncDir {
         dir: m.inode,
         mount_id: m.id,
@@ -885,19 +877,7 @@ fn the_pins_of_a_page_are_found_by_one_scan_or_one_by_one() {
 #[test]
 fn listing_batches_drop_what_they_change_from_the_state_cache_and_fill_nothing() {
     let (_d, sm) = open();
-    let ApplyOutput::Mount(m) = sm
-        .apply(
-            1,
-            &Command::AddMount {
-                path: "/m".into(),
-                spec: spec("file:///a"),
-                now_ms: 1,
-            },
-        )
-        .unwrap()
-    else {
-        panic!()
-    };
+    let m = mounted(&sm, "/m");
     let sync = |entries: Vec<UfsEntry>, now_ms: i64| Command::SyncDir {
         dir: m.inode,
         mount_id: m.id,
