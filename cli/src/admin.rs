@@ -1140,23 +1140,24 @@ async fn bench_metadata(
         last = *t;
     }
     let created = made.len() as u64;
-    if let Some(n) = stat_existing {
-        made = (0..n)
-            .map(|i| granary_common::paths::join(&dir, &format!("d{i}")))
-            .collect();
-    }
-    // Stats, spread over the same number of callers.
+    // Stats, spread over the same number of callers: of what was made, or of DIR/d0 …
+    // DIR/d{N-1} (each path made when its stat is sent: N may be large).
     let stat_start = std::time::Instant::now();
-    let made = std::sync::Arc::new(made);
+    let total = stat_existing.unwrap_or(created);
+    let (made, dir) = (std::sync::Arc::new(made), std::sync::Arc::new(dir));
     let mut tasks = Vec::new();
     let workers = concurrency.max(1);
     for w in 0..workers {
-        let (client, made) = (client.clone(), made.clone());
+        let (client, made, dir) = (client.clone(), made.clone(), dir.clone());
         tasks.push(tokio::spawn(async move {
             let mut ok = 0u64;
-            for p in made.iter().skip(w).step_by(workers) {
+            for i in (w as u64..total).step_by(workers) {
+                let p = match stat_existing {
+                    Some(_) => granary_common::paths::join(&dir, &format!("d{i}")),
+                    None => made[i as usize].clone(),
+                };
                 if client
-                    .get_status(pb::path_or_id::Target::Path(p.clone()))
+                    .get_status(pb::path_or_id::Target::Path(p))
                     .await
                     .is_ok()
                 {

@@ -231,19 +231,12 @@ impl Namespace {
                     last: marks,
                 }),
             };
-            if marks {
-                // The batch that marks the folder listed goes once every other batch has
-                // applied: a listing that fails part-way never marks a folder listed with
-                // a batch missing.
-                while let Some(w) = in_flight.pop_front() {
-                    w.await?;
-                }
-                self.raft.propose(&cmd).await?;
-                continue;
-            }
             // Batches are disjoint (names, in order), so several are in flight at once:
-            // the next is encoded and sent while the last is replicated and applied.
-            if in_flight.len() >= SYNC_IN_FLIGHT {
+            // the next is encoded and sent while the last is replicated and applied. The
+            // batch that marks the folder listed goes once every other batch has applied:
+            // a listing that fails part-way never marks a folder listed with a batch missing.
+            let ahead = if marks { 0 } else { SYNC_IN_FLIGHT - 1 };
+            while in_flight.len() > ahead {
                 if let Some(w) = in_flight.pop_front() {
                     w.await?;
                 }
