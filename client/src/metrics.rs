@@ -88,6 +88,8 @@ pub struct ClientMetrics {
     /// This daemon's place in its mount's line of daemons (0: it mounted; each takeover, after
     /// an upgrade or a crash, adds one).
     pub fuse_generation: Gauge,
+    /// Read handles the kernel holds open through the mount.
+    pub fuse_open_files: Gauge,
     /// Mounts this daemon took over from a running daemon or its holder.
     pub fuse_takeovers: Counter<u64, AtomicU64>,
     /// Requests the kernel sent again after a takeover (read but not answered before).
@@ -257,6 +259,11 @@ impl ClientMetrics {
             "granary_client_fuse_generation",
             "This daemon's place in its mount's line of daemons: 0 for the one that mounted, one more at each takeover (upgrade or crash recovery)",
             self.fuse_generation.clone(),
+        );
+        r.register(
+            "granary_client_fuse_open_files",
+            "Read handles the kernel holds open through the mount (files being written are not counted); handed on at a takeover",
+            self.fuse_open_files.clone(),
         );
         r.register(
             "granary_client_fuse_takeovers",

@@ -26,7 +26,7 @@ mod handles;
 mod open;
 use dirs::{DirHandle, DirWalk, Dirs};
 pub use handles::Donor;
-use handles::{tagged, FH_WRITER};
+use handles::{tagged, OpenFiles, FH_WRITER};
 use open::{small_via_lease, Passthrough};
 
 /// The mount's deadline on an operation's network work: on expiry the operation fails (EIO),
@@ -164,7 +164,7 @@ pub struct GranaryFs {
     quiesce: Arc<Quiesce>,
     /// The kernel's INIT as this mount began, and what was granted (for a successor).
     kernel: Arc<Mutex<Option<pb::FuseHandover>>>,
-    files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    files: Arc<OpenFiles>,
     /// What the kernel's page cache holds of each file, and small files pushed into it.
     cache: Arc<PageCache>,
     /// Passthrough asked for and granted by the kernel at mount.
@@ -198,7 +198,7 @@ pub struct GranaryFs {
 /// runtime) while pages of another version of the file are being stored.
 fn opened_file(
     cache: &Arc<PageCache>,
-    files: &Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    files: &Arc<OpenFiles>,
     pt: Passthrough,
     fh: u64,
     s: pb::FileStatus,
@@ -225,7 +225,7 @@ fn opened_file(
     };
     if let Some(id) = joined {
         lock(&pt.fhs).insert(fh, s.inode);
-        lock(files).insert(fh, Arc::new(s));
+        files.insert(fh, Arc::new(s));
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
         return;
     }
@@ -234,7 +234,7 @@ fn opened_file(
     } else {
         FopenFlags::empty()
     };
-    lock(files).insert(fh, Arc::new(s));
+    files.insert(fh, Arc::new(s));
     // Nothing to flush in a read-only handle: the kernel skips the FLUSH round trip at
     // every close (Linux 5.16+; older kernels ignore the flag).
     reply.opened(FileHandle(fh), flags | FopenFlags::FOPEN_NOFLUSH);
@@ -312,7 +312,7 @@ impl GranaryFs {
             gate: Arc::new(Gate::default()),
             quiesce: Quiesce::new(config.threads),
             kernel: Arc::new(Mutex::new(None)),
-            files: Arc::new(Mutex::new(HashMap::new())),
+            files: Arc::new(OpenFiles::new(client.metrics.fuse_open_files.clone())),
             cache: Arc::new(cache),
             passthrough: Arc::new(AtomicBool::new(false)),
             passthrough_wanted: config.passthrough,
@@ -348,6 +348,7 @@ impl GranaryFs {
             on: self.passthrough.clone(),
             backings: self.backings.clone(),
             fhs: self.passthrough_fhs.clone(),
+            files: self.files.clone(),
         }
     }
 
@@ -602,16 +603,13 @@ impl Filesystem for GranaryFs {
                         && (s.length >= pt_min
                             || small_checked == Some(s.inode)
                             || small_via_lease(&client, &writes, &s));
-                    let reply = if pt.on.load(Ordering::Relaxed) && via_lease {
-                        match pt.try_open(&client, &s, fh, reply).await {
-                            Some(r) => r,
-                            None => {
-                                lock(&files).insert(fh, Arc::new(s));
-                                return;
-                            }
+                    let (reply, s) = if pt.on.load(Ordering::Relaxed) && via_lease {
+                        match pt.try_open(&client, s, fh, reply).await {
+                            Some(back) => back,
+                            None => return,
                         }
                     } else {
-                        reply
+                        (reply, s)
                     };
                     opened_file(&cache, &files, pt, fh, s, reply);
                 }
@@ -726,7 +724,7 @@ impl Filesystem for GranaryFs {
         self.requests.release.inc();
         self.note_resent(req);
         let _pass = self.gate.pass();
-        let file = lock(&self.files).remove(&fh.0);
+        let file = self.files.remove(fh.0);
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         let passthrough = lock(&self.passthrough_fhs).remove(&fh.0);
@@ -1352,7 +1350,7 @@ impl GranaryFs {
         // The kernel's reference holds the block file now: its descriptor is not needed.
         self.client.short_circuit.drop_kept(&id);
         lock(&self.passthrough_fhs).insert(fh, s.inode);
-        lock(&self.files).insert(fh, Arc::new(s.clone()));
+        self.files.insert(fh, Arc::new(s.clone()));
         self.client.count_passthrough_open(s, None);
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
         None

@@ -366,6 +366,16 @@ fn ordinary_programs_read_twenty_thousand_small_files_correctly() {
         log_tail(&root.join("fuse.log"), 30)
     );
 
+    // Every handle the loaders and `dd` opened is gone once they closed it: the mount keeps
+    // no entry of its own for a handle the kernel released (one entered after its release
+    // stayed forever; a daemon that took the mount over then refused the file passthrough).
+    poll(
+        "the mount's open files to be released",
+        Duration::from_secs(10),
+        || (m("granary_client_fuse_open_files") == 0.0).then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}: {} open", m("granary_client_fuse_open_files")));
+
     // Python, 8 readers: open().read() of every small file, SHA-256 against the source.
     let digests = |d: &std::path::Path| {
         sh(&format!(

@@ -434,6 +434,21 @@ fn a_new_daemon_takes_the_mount_over_while_programs_read_and_hold_files_open() {
         .parse()
         .unwrap();
     assert!(n >= 900, "the loader read {n} files");
+    // Every handle opened, before the takeover or after, is released: none outlives its
+    // program (a handle entered after the kernel released it was handed over as one still
+    // open, and the file it named was then refused passthrough: EIO for a program holding
+    // it open in passthrough).
+    poll(
+        "the mount's open files to be released",
+        Duration::from_secs(10),
+        || (metric_at(&metrics, "granary_client_fuse_open_files") == 0.0).then_some(()),
+    )
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e:#}: {} open",
+            metric_at(&metrics, "granary_client_fuse_open_files")
+        )
+    });
     assert_eq!(
         metric_at(&metrics, "granary_client_fuse_takeovers_total"),
         1.0

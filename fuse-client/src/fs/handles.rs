@@ -5,6 +5,58 @@
 
 use super::*;
 
+/// The read handles open through the mount, by handle, counted in
+/// `granary_client_fuse_open_files`. A handle is entered before the kernel has the open's
+/// reply: the kernel may send its RELEASE as soon as it has it, and a handle entered after
+/// its release would stay forever (a successor would even take it for a program still
+/// reading the file through the daemon, and refuse that file passthrough).
+pub(crate) struct OpenFiles {
+    map: Mutex<HashMap<u64, Arc<pb::FileStatus>>>,
+    count: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl OpenFiles {
+    pub(crate) fn new(count: prometheus_client::metrics::gauge::Gauge) -> Self {
+        count.set(0);
+        Self {
+            map: Mutex::new(HashMap::new()),
+            count,
+        }
+    }
+
+    fn counted<T>(&self, f: impl FnOnce(&mut HashMap<u64, Arc<pb::FileStatus>>) -> T) -> T {
+        let mut m = lock(&self.map);
+        let out = f(&mut m);
+        self.count.set(i64::try_from(m.len()).unwrap_or(i64::MAX));
+        out
+    }
+
+    pub(crate) fn insert(&self, fh: u64, s: Arc<pb::FileStatus>) {
+        self.counted(|m| m.insert(fh, s));
+    }
+
+    /// The handle's file, entered now unless it was already.
+    pub(crate) fn get_or_insert(&self, fh: u64, s: Arc<pb::FileStatus>) -> Arc<pb::FileStatus> {
+        self.counted(|m| m.entry(fh).or_insert(s).clone())
+    }
+
+    pub(crate) fn remove(&self, fh: u64) -> Option<Arc<pb::FileStatus>> {
+        self.counted(|m| m.remove(&fh))
+    }
+
+    pub(crate) fn get(&self, fh: u64) -> Option<Arc<pb::FileStatus>> {
+        lock(&self.map).get(&fh).cloned()
+    }
+
+    /// Every handle and its file (for a handover).
+    pub(crate) fn all(&self) -> Vec<(u64, Arc<pb::FileStatus>)> {
+        lock(&self.map)
+            .iter()
+            .map(|(fh, s)| (*fh, s.clone()))
+            .collect()
+    }
+}
+
 /// File handles carry the generation of the daemon that gave them (so handles of an earlier
 /// daemon of the mount are told apart after a takeover), whether they write, and a tag of
 /// the file version they read: `[generation: 12][writer: 1][version tag: 11][count: 40]`.
@@ -56,8 +108,8 @@ impl GranaryFs {
     /// must still carry the handle's tag, else the handle is stale (ESTALE, never bytes of
     /// another version).
     pub(super) fn file_of(&self, ino: u64, fh: u64) -> Result<Arc<pb::FileStatus>, Errno> {
-        if let Some(f) = lock(&self.files).get(&fh) {
-            return Ok(f.clone());
+        if let Some(f) = self.files.get(fh) {
+            return Ok(f);
         }
         if !self.earlier(fh) || fh & FH_WRITER != 0 {
             return Err(Errno::EBADF);
@@ -78,7 +130,7 @@ impl GranaryFs {
         let s = Arc::new(s);
         // Read through the daemon: a handle of the kernel's cached I/O mode.
         lock(&self.backings).opened_cached(s.inode, fh);
-        Ok(lock(&self.files).entry(fh).or_insert(s).clone())
+        Ok(self.files.get_or_insert(fh, s))
     }
 
     /// Directory handle `fh` of `ino`; one an earlier daemon of the mount gave is opened
@@ -139,12 +191,11 @@ impl GranaryFs {
     /// Takes on the open handles, backing files and leases the previous daemon of the mount
     /// handed over.
     pub fn adopt(&self, h: &pb::FuseHandover) {
-        let mut files = lock(&self.files);
         let mut fhs = lock(&self.passthrough_fhs);
         let mut cached = Vec::new();
         for f in &h.files {
             if let Some(s) = &f.status {
-                files.insert(f.fh, Arc::new(s.clone()));
+                self.files.insert(f.fh, Arc::new(s.clone()));
                 if f.passthrough {
                     fhs.insert(f.fh, s.inode);
                 } else {
@@ -159,7 +210,7 @@ impl GranaryFs {
                 fhs.insert(*fh, b.inode);
             }
         }
-        drop((files, fhs));
+        drop(fhs);
         // After a crash only the holder knows the dead daemon's handles.
         cached.extend(h.cached.iter().map(|c| (c.inode, c.fh)));
         let mut b = lock(&self.backings);
@@ -209,7 +260,7 @@ fn adopt_backings(
 #[derive(Clone)]
 pub struct Donor {
     client: Arc<FileSystem>,
-    files: Arc<Mutex<HashMap<u64, Arc<pb::FileStatus>>>>,
+    files: Arc<OpenFiles>,
     fhs: Arc<Mutex<HashMap<u64, u64>>>,
     backings: Arc<Mutex<crate::backing::Backings>>,
     pub gate: Arc<Gate>,
@@ -260,12 +311,14 @@ impl Donor {
         (h.page_inodes, h.page_versions, h.pages_forgot) = self.cache.hand_over();
         h.pages_known = true;
         let fhs = lock(&self.fhs).clone();
-        h.files = lock(&self.files)
-            .iter()
+        h.files = self
+            .files
+            .all()
+            .into_iter()
             .map(|(fh, s)| pb::FuseOpenFile {
-                fh: *fh,
-                status: Some((**s).clone()),
-                passthrough: fhs.contains_key(fh),
+                fh,
+                status: Some((*s).clone()),
+                passthrough: fhs.contains_key(&fh),
             })
             .collect();
         h.cached = lock(&self.backings).cached_handles();

@@ -26,18 +26,21 @@ pub(super) struct Passthrough {
     pub(super) on: Arc<AtomicBool>,
     pub(super) backings: Arc<Mutex<crate::backing::Backings>>,
     pub(super) fhs: Arc<Mutex<HashMap<u64, u64>>>,
+    /// The mount's open handles: a handle opened here is entered before the kernel has
+    /// it, since the kernel may release it as soon as it has the reply.
+    pub(super) files: Arc<OpenFiles>,
 }
 
 impl Passthrough {
     /// Opens `s` in passthrough mode when it is wholly cached on this node's worker; gives
-    /// the reply back (`Some`) when it is not, or the kernel refuses.
+    /// the reply and the status back (`Some`) when it is not, or the kernel refuses.
     pub(super) async fn try_open(
         &self,
         client: &Arc<FileSystem>,
-        s: &pb::FileStatus,
+        s: pb::FileStatus,
         fh: u64,
         reply: ReplyOpen,
-    ) -> Option<ReplyOpen> {
+    ) -> Option<(ReplyOpen, pb::FileStatus)> {
         let fh = tagged(fh, s.version);
         // A backing file parked since an earlier open.
         let parked =
@@ -45,8 +48,8 @@ impl Passthrough {
                 None::<(std::fs::File, Option<granary_client::local::Parkable>)>
             });
         if let Some(id) = parked {
-            lock(&self.fhs).insert(fh, s.inode);
-            client.count_passthrough_open(s, None);
+            client.count_passthrough_open(&s, None);
+            self.opened(fh, s);
             reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
             return None;
         }
@@ -54,8 +57,8 @@ impl Passthrough {
             inode = s.inode,
             "no parked backing file: a lease for passthrough"
         );
-        let Some(pf) = client.open_passthrough(s).await else {
-            return Some(reply);
+        let Some(pf) = client.open_passthrough(&s).await else {
+            return Some((reply, s));
         };
         let id = lock(&self.backings).open(
             &self.on,
@@ -66,11 +69,19 @@ impl Passthrough {
         );
         let Some(id) = id else {
             client.close_passthrough(pf.handle);
-            return Some(reply);
+            return Some((reply, s));
         };
-        lock(&self.fhs).insert(fh, s.inode);
-        client.count_passthrough_open(s, Some(pf.worker_id));
+        client.count_passthrough_open(&s, Some(pf.worker_id));
+        self.opened(fh, s);
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
         None
+    }
+
+    /// Enters a handle about to be answered in passthrough (before the reply: a RELEASE
+    /// the kernel sends right after must find it, or the entry would outlive the handle
+    /// and a successor would take it for one still reading the file through the daemon).
+    fn opened(&self, fh: u64, s: pb::FileStatus) {
+        lock(&self.fhs).insert(fh, s.inode);
+        self.files.insert(fh, Arc::new(s));
     }
 }
