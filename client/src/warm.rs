@@ -34,7 +34,7 @@ pub const FILES_PER_MISS: u64 = 100;
 /// Default bytes warmed per folder (`--warm-folder-bytes`).
 pub const DEFAULT_WARM_FOLDER_BYTES: u64 = 4 << 30;
 /// Warm reads in flight at once, all folders together.
-const WARM_IN_FLIGHT: usize = 16;
+const WARM_IN_FLIGHT: usize = 64;
 /// Owners a warm group's requests go to at once.
 const WARM_OWNERS_AT_ONCE: usize = 4;
 /// One file's warm, and why it failed (`None`: cached now).
