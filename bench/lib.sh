@@ -83,6 +83,13 @@ wait_live() {
 # $work and $pids.
 shape_port() {
   if [ -z "${SHAPE_MBIT:-}" ]; then cport=$1; return; fi
+  if [ ! -x "$shaper" ]; then
+    # A release GRANARY_BIN has no flow-shaper beside it unless built so: the debug one
+    # (scripts/test builds it) shapes the same.
+    local debug="${CARGO_TARGET_DIR:-$HOME/.cache/granary/target}/debug/flow-shaper"
+    [ -x "$debug" ] || { echo "SHAPE_MBIT needs flow-shaper, not found at $shaper (cargo build --release --bin flow-shaper, or SHAPER_BIN=…)"; exit 1; }
+    shaper=$debug
+  fi
   "$shaper" 127.0.0.1:0 "127.0.0.1:$1" "$SHAPE_MBIT" "${RTT_MS:-20}" > "$work/shaper.addr" &
   pids+=($!)
   for _ in $(seq 1 100); do [ -s "$work/shaper.addr" ] && break; sleep 0.1; done
