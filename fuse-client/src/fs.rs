@@ -224,8 +224,7 @@ fn opened_file(
         return reply.error(Errno::EBUSY);
     };
     if let Some(id) = joined {
-        lock(&pt.fhs).insert(fh, s.inode);
-        files.insert(fh, Arc::new(s));
+        open::enter_passthrough(&pt.fhs, files, fh, s);
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
         return;
     }
@@ -1349,9 +1348,8 @@ impl GranaryFs {
         };
         // The kernel's reference holds the block file now: its descriptor is not needed.
         self.client.short_circuit.drop_kept(&id);
-        lock(&self.passthrough_fhs).insert(fh, s.inode);
-        self.files.insert(fh, Arc::new(s.clone()));
         self.client.count_passthrough_open(s, None);
+        open::enter_passthrough(&self.passthrough_fhs, &self.files, fh, s.clone());
         reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
         None
     }

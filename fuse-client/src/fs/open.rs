@@ -77,11 +77,21 @@ impl Passthrough {
         None
     }
 
-    /// Enters a handle about to be answered in passthrough (before the reply: a RELEASE
-    /// the kernel sends right after must find it, or the entry would outlive the handle
-    /// and a successor would take it for one still reading the file through the daemon).
     fn opened(&self, fh: u64, s: pb::FileStatus) {
-        lock(&self.fhs).insert(fh, s.inode);
-        self.files.insert(fh, Arc::new(s));
+        enter_passthrough(&self.fhs, &self.files, fh, s);
     }
+}
+
+/// Enters a handle about to be answered in passthrough, in both tables (before the reply:
+/// a RELEASE the kernel sends right after must find it, or the entry would outlive the
+/// handle and a successor would take it for one still reading the file through the
+/// daemon).
+pub(super) fn enter_passthrough(
+    fhs: &Mutex<HashMap<u64, u64>>,
+    files: &OpenFiles,
+    fh: u64,
+    s: pb::FileStatus,
+) {
+    lock(fhs).insert(fh, s.inode);
+    files.insert(fh, Arc::new(s));
 }
