@@ -158,8 +158,10 @@ fn signed_bytes(g: &pb::ReadGrant) -> Vec<u8> {
 /// What a request says about the bytes of the file it uses.
 #[derive(Clone, Copy)]
 pub enum Terms<'a> {
-    /// Nothing (short-circuit leases: they hand out pages already cached, fetch nothing).
-    None,
+    /// Pages of the file's `version` already cached (short-circuit leases: they fetch
+    /// nothing): the grant must be for that version, as a grant for a file's new contents
+    /// does not reach pages of its old ones still cached.
+    Cached { version: u64 },
     /// A block read: the descriptor's version, block size, file length and fingerprint
     /// must be those the grant binds (they decide which bytes the block holds).
     Read(&'a pb::BlockDescriptor),
@@ -189,7 +191,14 @@ impl Use<'_> {
 /// it, may help: the file changed since the client looked).
 fn terms_mismatch(g: &pb::ReadGrant, terms: &Terms) -> Option<String> {
     let (version, block_size) = match terms {
-        Terms::None => return None,
+        Terms::Cached { version } => {
+            return (*version != g.version).then(|| {
+                format!(
+                    "the grant for file {} is for version {:x}, not {version:x}",
+                    g.inode, g.version
+                )
+            });
+        }
         Terms::Read(d) => (d.id.as_ref().map_or(0, |id| id.version), d.block_size),
         Terms::Write {
             version,
@@ -419,7 +428,7 @@ mod tests {
                     block_size: 4096,
                 }
             } else {
-                Terms::None
+                Terms::Cached { version: 0x77 }
             },
         }
     }

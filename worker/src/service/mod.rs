@@ -16,7 +16,7 @@ use granary_common::tls::{Principal, Role};
 use crate::error::RpcError;
 use crate::metrics::WorkerMetrics;
 use crate::store::block_key;
-use crate::ufs_fetch::{BlockRef, FetchError, Fetcher, Source};
+use crate::ufs_fetch::{BlockRef, FetchError, Fetcher, Source, CACHE_BLOCK_PERMITS};
 
 /// Largest single read request (one block at the default block size).
 pub const MAX_READ_LENGTH: u64 = 256 * 1024 * 1024;
@@ -165,6 +165,19 @@ fn load_result(id: pb::BlockId, r: Result<u64, (pb::LoadError, String)>) -> pb::
         fetched_bytes,
         code: code as i32,
     }
+}
+
+/// The worker's [`CACHE_BLOCK_PERMITS`] a `CacheBlocks` block holds while it is cached: one
+/// per started MiB of the block (one for a descriptor that names no valid block: it is
+/// refused at once), at most all of them.
+fn cache_permits(b: &pb::CacheBlock) -> u32 {
+    let len = b
+        .block
+        .as_ref()
+        .and_then(|d| block_extent(d).ok())
+        .map_or(0, |(_, len)| len);
+    len.div_ceil(1 << 20)
+        .clamp(1, u64::from(CACHE_BLOCK_PERMITS)) as u32
 }
 
 /// The result of a block whose task ended without one (it panicked).
@@ -334,6 +347,11 @@ impl WorkerRpc {
     /// that serves one does; the descriptor and the byte range it covers.
     /// `CacheBlocks`: the blocks `asked` names, each cached under its grant, answered as
     /// each is done; at most [`CACHE_PARALLELISM`] at once and [`MAX_CACHE_BLOCKS`] in all.
+    /// Each block also holds its share of the worker's [`CACHE_BLOCK_PERMITS`] until it is
+    /// cached (or failed), whether or not its caller is still there: a block waits for its
+    /// share before it starts, so no number of streams, or callers going away and coming
+    /// back, makes the worker fetch and hold more at once. A caller that goes away starts
+    /// nothing more.
     pub(crate) fn cache_stream<S>(&self, who: Arc<Principal>, mut asked: S) -> CacheStream
     where
         S: Stream<Item = Result<pb::CacheBlock, Status>> + Send + Unpin + 'static,
@@ -346,6 +364,9 @@ impl WorkerRpc {
             let mut running = futures::stream::FuturesUnordered::new();
             let (mut taken, mut open) = (0usize, true);
             loop {
+                if !open && running.is_empty() {
+                    return;
+                }
                 tokio::select! {
                     m = asked.next(), if open && running.len() < CACHE_PARALLELISM => {
                         let Some(Ok(b)) = m else {
@@ -362,12 +383,24 @@ impl WorkerRpc {
                             return;
                         }
                         metrics.cache_blocks_asked.inc();
+                        let slots = fetcher.cache_slots.clone();
+                        let permit = tokio::select! {
+                            p = slots.acquire_many_owned(cache_permits(&b)) => match p {
+                                Ok(p) => p,
+                                Err(_) => return, // closed: the worker is stopping
+                            },
+                            // Gone while the block waited for its share: it never starts.
+                            _ = tx.closed() => return,
+                        };
                         // A task per block: the fetches' work spreads over the runtime's
-                        // threads.
+                        // threads. It runs to its end even if the caller goes away (its
+                        // pages may be half fetched), holding its share until then.
                         let (fetcher, keys, who) = (fetcher.clone(), keys.clone(), who.clone());
                         let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
                         let task = tokio::spawn(async move {
-                            load_result(id, cache_block(&fetcher, &keys, &who, b).await)
+                            let r = cache_block(&fetcher, &keys, &who, b).await;
+                            drop(permit);
+                            load_result(id, r)
                         });
                         running.push(async move { task.await.unwrap_or_else(|e| lost(id, &e)) });
                     }
@@ -376,7 +409,8 @@ impl WorkerRpc {
                             return; // the caller went away
                         }
                     }
-                    else => return,
+                    // The caller went away: nothing more starts (what runs finishes).
+                    _ = tx.closed() => return,
                 }
             }
         });
@@ -634,21 +668,29 @@ impl WorkerService for WorkerRpc {
     ) -> Result<Response<pb::LeaseLocalBlockResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
-        // Leases of cached pages name no under-store object: a grant for the file will do.
-        let granted = |inode: u64| {
-            let grant = r.grants.iter().find(|g| g.inode == inode);
+        // Leases of cached pages name no under-store object: a grant for the file's version
+        // will do (each block's own: a grant for other contents of the file is not one for
+        // these).
+        let granted = |id: &pb::BlockId| {
+            let grant = r
+                .grants
+                .iter()
+                .find(|g| g.inode == id.inode && g.version == id.version)
+                .or_else(|| r.grants.iter().find(|g| g.inode == id.inode));
             check_grant(
                 &self.grant_keys,
                 &who,
                 grant,
-                inode,
+                id.inode,
                 None,
-                Terms::None,
+                Terms::Cached {
+                    version: id.version,
+                },
                 false,
             )
         };
         if let Some(id) = &r.block {
-            granted(id.inode)?;
+            granted(id)?;
         }
         self.metrics.short_circuit_bytes.inc_by(r.bytes_read);
         let store = &self.fetcher.store;
@@ -723,7 +765,7 @@ impl WorkerService for WorkerRpc {
         // The blocks the client expects to read next: leased now when cached, each its own
         // lease (no cached page: simply left out).
         for more in r.more.iter().take(MAX_MORE_LEASES) {
-            if granted(more.inode).is_err() {
+            if granted(more).is_err() {
                 continue;
             }
             let until = std::time::Instant::now() + hold;

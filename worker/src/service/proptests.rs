@@ -433,6 +433,10 @@ proptest! {
                     && desc.fingerprint == r.honest.fingerprint
                     && desc.ufs == r.honest.ufs
                     && desc.id.map(|id| (id.inode, id.version)) == Some((INODE, VERSION));
+                if op.lease.is_some() && desc.id.map(|id| id.version) != Some(VERSION) {
+                    let e = end.as_ref().expect_err("a lease of another version was granted");
+                    prop_assert_eq!(e.code(), tonic::Code::PermissionDenied, "{:?}", e);
+                }
                 if !honest_terms && op.lease.is_none() {
                     let e = end.as_ref().expect_err("a tampered descriptor was served");
                     prop_assert!(
@@ -813,6 +817,128 @@ fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
             .read_exact_at(&mut got, second.block_offset)
             .unwrap();
         assert_eq!(got, src[BS as usize..2 * BS as usize]);
+    });
+}
+
+/// A grant for one version of a file leases none of another version's cached pages (the
+/// file's earlier contents may have been written where the caller could not read them),
+/// neither as the block asked for nor among the `more` blocks.
+#[test]
+fn a_lease_needs_a_grant_for_the_version_it_names() {
+    runtime().block_on(async {
+        let r = rig().await;
+        let fill = Op {
+            tampers: Vec::new(),
+            index: 0,
+            offset: 0,
+            length: BS,
+            cache: true,
+            cached_only: false,
+            from_peers: false,
+            lease: None,
+            cache_blocks: false,
+        };
+        let (_, end) = run(&r, &fill, false).await;
+        assert!(end.is_ok(), "{end:?}");
+        let store = &r.rpc.fetcher.store;
+        // A page of another version of the file, cached.
+        let other = VERSION + 1;
+        let key = ((INODE, other, 0), 0);
+        let room = store.reserve(&key, PS).expect("room for a page");
+        store.commit(room, key, BS, &[7u8; PS as usize]).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !(0..4).all(|p| store.contains(&((INODE, VERSION, 0), p))) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "block 0 was never cached"
+            );
+            tokio::task::yield_now().await;
+        }
+        let id = |version| pb::BlockId {
+            inode: INODE,
+            version,
+            index: 0,
+        };
+        let lease = |block: pb::BlockId, more: Vec<pb::BlockId>| {
+            let req = pb::LeaseLocalBlockRequest {
+                block: Some(block),
+                more,
+                grants: vec![r.grant.clone()],
+                reads_block_offset: true,
+                ..Default::default()
+            };
+            r.rpc.lease_local_block(as_who(req, false))
+        };
+        let e = lease(id(other), Vec::new()).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("version"), "{e:?}");
+        assert_eq!(store.lease_stats(), (0, 0), "a refused lease holds pages");
+        let granted = lease(id(VERSION), vec![id(other)])
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(granted.pages.len(), 4, "{granted:?}");
+        assert!(granted.more.is_empty(), "{:?}", granted.more);
+    });
+}
+
+/// A `CacheBlocks` block waits for its share of the worker's bytes in flight before it
+/// starts; a caller that goes away meanwhile starts nothing; a cached block gives its
+/// share back.
+#[test]
+fn a_warm_waits_for_its_share_of_the_worker_and_a_caller_gone_starts_nothing() {
+    runtime().block_on(async {
+        let r = rig().await;
+        let slots = r.rpc.fetcher.cache_slots.clone();
+        let held = slots
+            .clone()
+            .acquire_many_owned(CACHE_BLOCK_PERMITS)
+            .await
+            .unwrap();
+        let who = as_who((), false)
+            .extensions()
+            .get::<Arc<Principal>>()
+            .cloned()
+            .unwrap();
+        let asked = pb::CacheBlock {
+            block: Some(r.honest.clone()),
+            grant: Some(r.grant.clone()),
+        };
+        let idle = Arc::strong_count(&r.rpc.fetcher);
+        // The caller keeps its request stream open (a warm still asking).
+        let answer = r.rpc.cache_stream(
+            who.clone(),
+            futures::stream::iter([Ok(asked.clone())]).chain(futures::stream::pending()),
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while r.rpc.metrics.cache_blocks_asked.get() < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the block was never taken"
+            );
+            tokio::task::yield_now().await;
+        }
+        // Gone while its block waits: the stream's task ends without starting it.
+        drop(answer);
+        while Arc::strong_count(&r.rpc.fetcher) > idle {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the stream's task did not end when its caller went away"
+            );
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        let store = &r.rpc.fetcher.store;
+        assert!(
+            (0..4).all(|p| !store.contains(&((INODE, VERSION, 0), p))),
+            "a block was fetched for a caller that had gone"
+        );
+        assert_eq!(slots.available_permits(), CACHE_BLOCK_PERMITS as usize);
+        // With room, the same block is cached, and its share comes back.
+        let results = results_of(warm(&r, vec![asked], false)).await.unwrap();
+        assert!(results[0].error.is_empty(), "{results:?}");
+        assert_eq!(results[0].fetched_bytes, BS);
+        assert_eq!(slots.available_permits(), CACHE_BLOCK_PERMITS as usize);
     });
 }
 

@@ -26,6 +26,11 @@ use crate::store::{BlockKey, BlockStore, PageKey};
 
 /// Read-ahead parts in flight at most, across all readers of this worker.
 pub const PREFETCH_IN_FLIGHT: usize = 32;
+/// MiB of clients' `CacheBlocks` blocks cached at once by this worker, all callers and
+/// streams together (a block takes a permit per started MiB, at least one): what a caller
+/// asking for many blocks, on many streams, or going away and coming back can make the
+/// worker hold and fetch at a time. A client's folder warm keeps 64 small files in flight.
+pub const CACHE_BLOCK_PERMITS: u32 = 256;
 
 /// How long a ranged GET may go without a byte (for its answer, then between body
 /// chunks) before it counts as stalled. A slow store that keeps sending is never cut off:
@@ -146,6 +151,9 @@ pub enum Source {
 pub struct Fetcher {
     /// Bounds the read-ahead parts in flight across all readers.
     prefetch_slots: Arc<Semaphore>,
+    /// Bounds the bytes of clients' `CacheBlocks` blocks being cached at once, all callers
+    /// together: a permit per started MiB ([`CACHE_BLOCK_PERMITS`]).
+    pub(crate) cache_slots: Arc<Semaphore>,
     master: MasterClient,
     pub(crate) stores: MountStores,
     inflight: Mutex<HashMap<PageKey, Pending>>,
@@ -251,13 +259,37 @@ struct Commit {
     block_size: u64,
     data: Bytes,
     id: u64,
-    tx: watch::Sender<Outcome>,
+    /// Held until the page is settled (cached, kept uncached or refused): dropping it tells
+    /// those waiting for that.
+    _settles: watch::Sender<Outcome>,
     cache: bool,
     node_copy: bool,
 }
 
+/// Ends a page's time in flight when dropped: however [`Commit::run`] ends (a panic in the
+/// store included), the page is no longer in flight, so a later reader fetches it again
+/// instead of finding an entry nobody will settle.
+struct Settled<'a> {
+    fetcher: &'a Fetcher,
+    key: PageKey,
+    id: u64,
+}
+
+impl Drop for Settled<'_> {
+    fn drop(&mut self) {
+        self.fetcher.forget(self.key, self.id);
+    }
+}
+
 impl Commit {
     fn run(self, f: &Fetcher) {
+        // Dropped before `self` (a function's locals before its parameters): the page
+        // leaves the in-flight table, then its sender goes, which tells waiters it settled.
+        let _settled = Settled {
+            fetcher: f,
+            key: self.key,
+            id: self.id,
+        };
         if self.cache {
             let len = self.data.len() as u64;
             let reserved = if self.node_copy {
@@ -294,8 +326,6 @@ impl Commit {
                 }
             }
         }
-        f.forget(self.key, self.id);
-        drop(self.tx);
     }
 }
 
@@ -322,7 +352,7 @@ impl Delivery {
             block_size: self.block_size,
             data,
             id: self.id,
-            tx,
+            _settles: tx,
             cache: self.cache,
             node_copy: self.node_copy,
         })
@@ -365,6 +395,7 @@ impl Fetcher {
     pub fn new(master: MasterClient, store: Arc<dyn BlockStore>, metrics: WorkerMetrics) -> Self {
         Self {
             prefetch_slots: Arc::new(Semaphore::new(PREFETCH_IN_FLIGHT)),
+            cache_slots: Arc::new(Semaphore::new(CACHE_BLOCK_PERMITS as usize)),
             master,
             stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
@@ -1072,19 +1103,26 @@ impl Run {
             // A page the step completes goes out from the blocking thread itself: its
             // readers first, then the cache.
             let whole = buf.is_empty() && want == page_len;
-            let out = whole.then(|| self.take_next());
+            // Shared with the step: whichever comes first takes it (the step to deliver the
+            // page, the run to fail it when the step has hung past the deadline).
+            let out = whole.then(|| Arc::new(Mutex::new(Some(self.take_next()))));
+            let take = |out: &Option<Arc<Mutex<Option<Delivery>>>>| {
+                out.as_ref().and_then(|o| lock(o).take())
+            };
             let step = {
                 let (local, path) = (local.clone(), path.clone());
                 let expect = expect.cloned();
                 let file = file.clone();
                 let (f, op) = (f.clone(), op.clone());
+                let out = out.clone();
                 tokio::task::spawn_blocking(move || {
-                    // A failed step gives the slot back, so its readers get this error.
+                    // A failed step leaves the slot to the run, so its readers get this
+                    // error.
                     let file = match file {
                         Some(file) => file,
                         None => match open_checked(&local, &path, expect.as_ref()) {
                             Ok(file) => Arc::new(file),
-                            Err(e) => return Err((Box::new(e), out)),
+                            Err(e) => return Err(Box::new(e)),
                         },
                     };
                     let data = match read_at_most(&file, at, want) {
@@ -1094,18 +1132,18 @@ impl Run {
                                 store: "LocalFileSystem",
                                 source: e.into(),
                             };
-                            return Err((Box::new(e), out));
+                            return Err(Box::new(e));
                         }
                     };
                     // Counted before its readers have it (a reader may look next).
                     f.count_read(&op, data.len());
-                    let data = match out {
+                    let data = match take(&out) {
                         Some(d) if data.len() as u64 == want => {
                             d.deliver(Bytes::from(data));
                             None
                         }
                         // Short (the file shrank): the slot goes back to the run, which
-                        // reports it.
+                        // reports it. (None: the run has given up on this step already.)
                         d => Some((Bytes::from(data), d)),
                     };
                     Ok((file, data))
@@ -1113,8 +1151,8 @@ impl Run {
             };
             let (opened, data) = match tokio::time::timeout(UFS_TIMEOUT, step).await {
                 Ok(Ok(Ok(x))) => x,
-                Ok(Ok(Err((e, slot)))) => {
-                    if let Some(slot) = slot {
+                Ok(Ok(Err(e))) => {
+                    if let Some(slot) = take(&out) {
                         self.put_back(slot);
                     }
                     return Err(f.classify(loc.mount_id, &loc.path, *e));
@@ -1126,7 +1164,15 @@ impl Run {
                     };
                     return Err(f.classify(loc.mount_id, &loc.path, e));
                 }
-                Err(_) => return Err(stalled(&f, loc)),
+                Err(_) => {
+                    // The step hangs (a stuck network file system): its page's readers
+                    // are failed now, not whenever the blocking thread returns, and the
+                    // page may be fetched again.
+                    if let Some(slot) = take(&out) {
+                        self.put_back(slot);
+                    }
+                    return Err(stalled(&f, loc));
+                }
             };
             file = Some(opened);
             match data {
