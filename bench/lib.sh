@@ -66,6 +66,7 @@ procs_workdir() {
 procs_cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  cpu_groups_cleanup
   [ -n "${KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"
 }
 
@@ -99,7 +100,8 @@ shape_port() {
 # start_nodes NODES CACHE_MIB [FUSE_FLAG...]: one master (at $maddr) and, per node n, a
 # worker and a FUSE mount at $work/m$n sharing the node name n$n, over the folder
 # $work/ufs/data mounted at /data. Worker n serves metrics at 127.0.0.1:${wport[n]}, mount
-# n at 127.0.0.1:${fport[n]}. Appends to $pids and $mounts (unmount those at exit).
+# n at 127.0.0.1:${fport[n]}; their PIDs are ${wpid[n]} and ${fpid[n]}. Appends to $pids
+# and $mounts (unmount those at exit).
 declare -gA wport fport
 start_nodes() {
   local nodes=$1 cache_mib=$2 n mport; shift 2
@@ -110,7 +112,7 @@ start_nodes() {
     wport[$n]=$(free_port)
     GRANARY_LOG=warn "$bin" worker --master "$maddr" --listen 127.0.0.1:0 --node-name "n$n" \
       --metrics-listen "127.0.0.1:${wport[$n]}" --cache-dir "$work/w$n" --cache-size "${cache_mib}MiB" > "$work/w$n.log" 2>&1 &
-    pids+=($!)
+    wpid[$n]=$!; pids+=($!)
   done
   wait_live "$maddr" "$nodes"
   "$bin" mount add /data "file://$work/ufs/data" --master "$maddr" > /dev/null
@@ -118,7 +120,7 @@ start_nodes() {
     mkdir -p "$work/m$n"; fport[$n]=$(free_port)
     GRANARY_LOG=warn "$bin" fuse --master "$maddr" --mount "$work/m$n" --node-name "n$n" \
       --metrics-listen "127.0.0.1:${fport[$n]}" "$@" > "$work/m$n.log" 2>&1 &
-    pids+=($!); mounts+=("$work/m$n")
+    fpid[$n]=$!; pids+=($!); mounts+=("$work/m$n")
     for _ in $(seq 1 100); do mountpoint -q "$work/m$n" && break; sleep 0.1; done
     mountpoint -q "$work/m$n" || { cat "$work/m$n.log"; exit 1; }
   done
@@ -202,18 +204,33 @@ bench_group_cleanup() {
 # what a group of masters on their own machines does (followers serving reads) cannot
 # show. The masters still share the disk. The groups are removed at exit (master_cpu_cleanup).
 master_cpu() { # id pid
-  local g="/sys/fs/cgroup/cpu/granary-bench-$$-m$1"
-  [ -d /sys/fs/cgroup/cpu ] || { echo "MASTER_CPU needs the cgroup v1 cpu controller"; exit 1; }
+  cpu_group "m$1" "$MASTER_CPU" "$2"
+}
+master_cpu_cleanup() { cpu_groups_cleanup; }
+
+# cpu_group NAME F PID...: the processes (and the children they start from now on) get at
+# most F of a core together: a cgroup v1 CPU quota of their own, as if on a machine of
+# their own. Removed at exit (cpu_groups_cleanup, from procs_cleanup).
+cpu_group() {
+  local g f=$2 p
+  g=$(cpu_group_path "$1"); shift 2
+  [ -d /sys/fs/cgroup/cpu ] || { echo "a CPU budget needs the cgroup v1 cpu controller"; exit 1; }
   mkdir -p "$g"
   echo 100000 > "$g/cpu.cfs_period_us"
   local quota
-  quota=$(python3 -c "print(int(float('$MASTER_CPU') * 100000))")
+  quota=$(python3 -c "print(int(float('$f') * 100000))")
   echo "$quota" > "$g/cpu.cfs_quota_us"
-  echo "$2" > "$g/cgroup.procs"
+  for p in "$@"; do echo "$p" > "$g/cgroup.procs"; done
 }
-master_cpu_cleanup() {
+cpu_group_path() { echo "/sys/fs/cgroup/cpu/granary-bench-$$-$1"; }
+# in_cpu_group NAME CMD...: runs CMD inside group NAME (made by cpu_group).
+in_cpu_group() {
+  local g; g=$(cpu_group_path "$1"); shift
+  bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$g" "$@"
+}
+cpu_groups_cleanup() {
   local g
-  for g in /sys/fs/cgroup/cpu/granary-bench-$$-m*; do
+  for g in /sys/fs/cgroup/cpu/granary-bench-$$-*; do
     [ -d "$g" ] && rmdir "$g" 2>/dev/null || true
   done
 }
