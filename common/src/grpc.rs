@@ -92,6 +92,35 @@ pub fn server_with(tls: Option<&TlsMaterial>) -> Result<Server, tonic::transport
     Ok(builder.layer(AuthLayer::new(tls.is_none())))
 }
 
+/// How long a server, asked to stop, waits for its connections to end before it drops
+/// them: a client that has stopped reading a stream (an HTTP/2 window of 0 keeps its
+/// answer's last bytes, and so the stream and its connection, open) must not keep a
+/// process from stopping.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Runs a server (`serve`: `serve_with_incoming_shutdown` ending on `stop`) until it ends,
+/// or until [`STOP_GRACE`] after `stop`, when it is dropped with the connections it still
+/// holds.
+pub async fn serve_until_stopped<E>(
+    serve: impl std::future::Future<Output = Result<(), E>>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(), E> {
+    tokio::pin!(serve);
+    tokio::select! {
+        r = &mut serve => r,
+        _ = async {
+            stop.cancelled().await;
+            tokio::time::sleep(STOP_GRACE).await;
+        } => {
+            tracing::warn!(
+                grace = ?STOP_GRACE,
+                "connections were still open after the stop was asked for; closing them"
+            );
+            Ok(())
+        }
+    }
+}
+
 /// Accepted connections of a bound listener, with Nagle off (a server given its own
 /// listener does not apply `Server::tcp_nodelay`; small replies would wait ~40 ms for ACKs).
 pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {

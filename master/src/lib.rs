@@ -420,11 +420,12 @@ pub async fn start(
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
-        let served = server
+        let stop = sd.clone();
+        let serve = server
             .add_service(svc)
             .add_service(raft_svc)
-            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
-            .await;
+            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await });
+        let served = granary_common::grpc::serve_until_stopped(serve, stop).await;
         raft_handle.shutdown();
         let _ = tokio::task::spawn_blocking(move || raft_join.join()).await;
         drop(db);

@@ -1023,6 +1023,44 @@ async fn touching_many_due_folders_starts_a_bounded_number_of_listings() -> Resu
     c.stop().await
 }
 
+/// Callers asking at once for a folder to be listed again now (`SyncMetadata`) share
+/// listings: each is answered by a listing that started after it asked, so eight callers
+/// cost at most two store listings, not eight in a row (a write to the folder would wait
+/// behind all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_syncing_a_folder_at_once_share_its_listings() -> Result<()> {
+    use granary_common::ufs::faults::{StoreFault, StoreOp, StoreRule};
+    let c = Cluster::start(Shape::default()).await?;
+    std::fs::create_dir_all(c.store.join("dir"))?;
+    std::fs::write(c.store.join("dir/f"), "x")?;
+    c.mount_store_with(&[("sync_interval", "1h")]).await?;
+    let fs = c.client()?;
+    let dir = pb::path_or_id::Target::Path("/data/dir".into());
+    assert_eq!(names(&fs.list(dir.clone()).await?), ["f"]);
+    std::fs::write(c.store.join("dir/g"), "y")?;
+    let slow = c.store_faults.add(StoreRule::new(
+        StoreOp::List,
+        StoreFault::Delay(Duration::from_secs(1)),
+    ));
+    let syncs: Vec<_> = (0..8)
+        .map(|_| {
+            let fs = fs.clone();
+            tokio::spawn(async move { fs.master.sync_metadata("/data/dir", false).await })
+        })
+        .collect();
+    for s in syncs {
+        s.await??;
+    }
+    let listed = c.store_faults.fired(slow);
+    assert!(
+        (1..=2).contains(&listed),
+        "{listed} listings for eight callers at once"
+    );
+    c.store_faults.remove(slow);
+    assert_eq!(names(&fs.list(dir).await?), ["f", "g"]);
+    c.stop().await
+}
+
 /// Reads every file of `files` whole through a new client (no bytes kept from an earlier
 /// pass) and checks them against the source; returns the client's read counters.
 async fn read_exact(

@@ -519,6 +519,76 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
             .unwrap()
             .into_inner();
         assert_eq!(mounts.mounts.len(), 1);
+        // Paged listings above the subtree, a page of one entry at a time: only the way
+        // down, and no page token names a sibling (`team-b`, `top.txt`).
+        for (folder, way_down) in [("/", "data"), ("/data", "team-a")] {
+            let (mut shown, mut token) = (Vec::new(), String::new());
+            for _ in 0..10 {
+                let page = c
+                    .list_status(pb::ListStatusRequest {
+                        target: target(folder),
+                        page_size: 1,
+                        page_token: token.clone(),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                shown.extend(page.entries.iter().map(|e| e.name.clone()));
+                assert!(
+                    page.next_page_token.is_empty() || page.next_page_token == way_down,
+                    "{folder}: a page token names {:?}",
+                    page.next_page_token
+                );
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                token = page.next_page_token;
+            }
+            assert_eq!(shown, [way_down], "{folder}");
+        }
+    });
+    // Jobs: a load an admin started beside the subtree is neither listed nor shown to the
+    // subtree's user (its path and its failed files are not theirs to learn); one inside
+    // is.
+    let job_id = |path: &str| {
+        let out = granary(&["load", path, "--master", &master.addr, "--json"]);
+        assert!(
+            out.status.success(),
+            "load {path}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["id"].as_u64().unwrap()
+    };
+    let (beside, inside) = (job_id("/data/team-b"), job_id("/data/team-a"));
+    rt().block_on(async {
+        let mut c = MasterServiceClient::new(channel(&master.addr, Some(&creds)));
+        let jobs = c
+            .list_jobs(pb::ListJobsRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .jobs;
+        let ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+        assert_eq!(ids, [inside], "{jobs:?}");
+        let e = c
+            .get_job(pb::GetJobRequest {
+                id: beside,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        let shown = c
+            .get_job(pb::GetJobRequest {
+                id: inside,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(shown.path, "/data/team-a");
     });
     assert!(src.join("team-b/y.bin").exists() && src.join("team-a/x.bin").exists());
 }
@@ -1808,4 +1878,46 @@ fn a_watcher_that_never_reads_stalls_nothing_and_hears_only_inode_numbers() {
     assert!(granary_ok(&["fs", "ls", "/d", "--master", addr])
         .unwrap()
         .contains("a.bin"));
+}
+
+/// A watcher that reads nothing (an HTTP/2 window of 0: the answers of its stream can
+/// never be sent, which keeps the stream and its connection open) does not keep a master
+/// from stopping: SIGTERM ends it within the server's grace for open connections.
+#[test]
+fn a_watcher_that_reads_nothing_does_not_keep_a_master_from_stopping() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-lazy-watch-")
+        .tempdir()
+        .unwrap();
+    let mut master = Master::start(tmp.path()).unwrap();
+    let c = creds_in(&TestTls::get().issue("lazy", &["--role", "user"]).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _watch = rt.block_on(async {
+        let ch = Endpoint::from_shared(format!("https://{}", master.addr))
+            .unwrap()
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(&c.ca))
+                    .identity(Identity::from_pem(&c.cert, &c.key))
+                    .domain_name(tls::NODE_SERVER_NAME),
+            )
+            .unwrap()
+            .initial_stream_window_size(0)
+            .connect()
+            .await
+            .unwrap();
+        MasterServiceClient::new(ch)
+            .watch_namespace(pb::WatchNamespaceRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    // The stream is open and its first answer waits for a window that never comes.
+    let code = master.proc.stop("TERM", Duration::from_secs(60)).unwrap();
+    assert_eq!(code, Some(0), "{}", master.proc.log_text());
 }

@@ -316,9 +316,11 @@ pub async fn start(
     let incoming = granary_common::grpc::incoming(listener);
     let sd = shutdown.clone();
     let done = tokio::spawn(async move {
-        server
+        let stop = sd.clone();
+        let serve = server
             .add_service(svc)
-            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await })
+            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await });
+        granary_common::grpc::serve_until_stopped(serve, stop)
             .await
             .map_err(|e| WorkerError::Serve(e.to_string()))
     });

@@ -220,7 +220,7 @@ impl Namespace {
                 }
                 return match self.check_object(&mount, c.clone()).await {
                     Ok(fresh) => {
-                        self.record_success(c.id, Duration::ZERO);
+                        self.record_success(c.id, Instant::now());
                         Ok(Some(fresh))
                     }
                     Err(MasterError::NotFound { .. }) => Ok(None),
@@ -241,7 +241,7 @@ impl Namespace {
                     message: format!("looking up {name} did not finish within {UFS_DEADLINE:?}"),
                 })??;
             match &found {
-                Some(c) => self.record_success(c.id, Duration::ZERO),
+                Some(c) => self.record_success(c.id, Instant::now()),
                 None => self.note_missing(dir.id, name),
             }
             return Ok(found);
@@ -381,7 +381,14 @@ impl Namespace {
         } else {
             (inode.kind == Kind::File && self.due(inode, policy)).then_some(inode.id)
         }?;
-        lock(&self.checking).insert(key).then_some(key)
+        let mut checking = lock(&self.checking);
+        if checking.len() >= CHECKS_AT_ONCE && !checking.contains(&key) {
+            // Callers asking about many entries at once cannot have the leader check them
+            // all at once: this one stays due, and a later request starts its check.
+            self.metrics.relists_deferred.inc();
+            return None;
+        }
+        checking.insert(key).then_some(key)
     }
 
     /// The background check marked by [`Self::check_due`] ended.
@@ -537,6 +544,7 @@ impl Namespace {
     }
 
     async fn sync(&self, dir: Inode, due: Due) -> Result<Inode, MasterError> {
+        let asked = Instant::now();
         let Some(mount_id) = dir.mount_id else {
             return Ok(dir);
         };
@@ -578,6 +586,13 @@ impl Namespace {
         if dir.children_loaded && !force && !self.due(&dir, policy) {
             return Ok(dir);
         }
+        // A forced listing asked for while others of the folder waited or ran: one that
+        // started after it was asked for, and succeeded, is its listing (callers asking at
+        // once cost one listing, not one each, and a write to the folder waits behind
+        // that one only).
+        if force && dir.children_loaded && self.listed_since(dir.id, asked) {
+            return Ok(dir);
+        }
         let label = MountLabel {
             mount: mount.path.clone(),
         };
@@ -589,7 +604,7 @@ impl Namespace {
             Ok(true) => {}
             // Nothing changed: the usual outcome of a periodic re-listing.
             Ok(false) => {
-                self.record_success(dir.id, started.elapsed());
+                self.record_success(dir.id, started);
                 self.record_unchanged_listing(dir.id, mount_id).await;
                 return Ok(dir);
             }
@@ -606,7 +621,7 @@ impl Namespace {
                 return if dir.children_loaded { Ok(dir) } else { Err(e) };
             }
         }
-        self.record_success(dir.id, started.elapsed());
+        self.record_success(dir.id, started);
         self.inode(dir.id)
     }
 
@@ -728,7 +743,17 @@ impl Namespace {
         s.failures
     }
 
-    fn record_success(&self, dir: u64, took: Duration) {
+    /// Whether a listing of `dir` that started at `t` or later has succeeded.
+    fn listed_since(&self, dir: u64, t: Instant) -> bool {
+        lock(&self.sync_state)
+            .get(&dir)
+            .and_then(|s| s.started_at)
+            .is_some_and(|started| started >= t)
+    }
+
+    /// A successful listing (or check) of `dir` that started at `started`.
+    fn record_success(&self, dir: u64, started: Instant) {
+        let took = started.elapsed();
         let mut state = lock(&self.sync_state);
         let s = state.entry(dir).or_default();
         let was_failing = s.failures > 0;
@@ -741,6 +766,7 @@ impl Namespace {
         }
         *s = DirSync {
             synced_at: Some(Instant::now()),
+            started_at: Some(started),
             took,
             ..Default::default()
         };
@@ -859,6 +885,11 @@ pub const UFS_DEADLINE: Duration = Duration::from_secs(120);
 /// [`Namespace::relist_in_background`]).
 const RELISTS_AT_ONCE: usize = 16;
 
+/// Background checks of due entries (a folder's re-listing, or a file's own check in a
+/// folder never listed) started by status requests by inode, running at once (see
+/// [`Namespace::check_due`]).
+const CHECKS_AT_ONCE: usize = 64;
+
 /// First retry of a failed listing after this long, doubling up to [`SYNC_RETRY_MAX`].
 pub const SYNC_RETRY_MIN: Duration = Duration::from_millis(500);
 pub const SYNC_RETRY_MAX: Duration = Duration::from_secs(60);
@@ -867,6 +898,8 @@ pub const SYNC_RETRY_MAX: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Default)]
 pub struct DirSync {
     pub synced_at: Option<Instant>,
+    /// When the last successful listing started.
+    pub started_at: Option<Instant>,
     /// How long the last successful listing took: the next one is not due sooner (a folder
     /// slower to list than its interval would be listed all the time).
     pub took: Duration,
@@ -930,7 +963,7 @@ impl NsMetrics {
             );
             r.register(
                 "granary_master_relists_deferred",
-                "Due re-listings not started because as many were running already (the folder stays due; a later access starts it)",
+                "Due re-listings and entry checks not started because as many were running already (the folder or file stays due; a later access starts it)",
                 self.relists_deferred.clone(),
             );
             r.register(

@@ -44,6 +44,24 @@ pub fn reach(who: &Principal, path: &str) -> Result<Reach, Status> {
     }
 }
 
+/// The name of the entry of folder `dir` (a normalised path above the principal's
+/// subtree) on the way down to the subtree; `None` when `dir` is not above it.
+pub fn way_down(who: &Principal, dir: &str) -> Option<String> {
+    let top = who.subtree.as_deref()?;
+    if top == dir || !is_within(top, dir) {
+        return None;
+    }
+    let rest = if dir == "/" {
+        &top[1..]
+    } else {
+        &top[dir.len() + 1..]
+    };
+    rest.split('/')
+        .next()
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+}
+
 /// Refuses unless `path` lies in the principal's subtree (changes, reads of file data).
 pub fn full(who: &Principal, path: &str) -> Result<(), Status> {
     match reach(who, path)? {

@@ -85,6 +85,9 @@ static WATCHES: granary_common::authz::CallLimit =
     granary_common::authz::CallLimit::new("namespace watches", MAX_WATCHES);
 /// A watch hears from the leader at least this often (a heartbeat when nothing changed).
 const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(500);
+/// A watch whose next message has waited this long for room (its watcher reads none of
+/// the 64 before it) ends: its task and its slot are not held by a watcher that stopped.
+const WATCH_STALL: std::time::Duration = std::time::Duration::from_secs(30);
 
 type WatchStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::NamespaceChanges, Status>> + Send>>;
@@ -125,6 +128,12 @@ fn fill_perms(s: &mut pb::FileStatus, spec: Option<&granary_common::ufs::UfsSpec
             crate::state::DEFAULT_FILE_MODE
         };
     }
+}
+
+/// Whether `who` may see job `j` (its path and its failed files': all below the path): a
+/// caller confined to a subtree sees the jobs inside it.
+fn job_shown(who: &Principal, j: &pb::JobInfo) -> bool {
+    matches!(access::reach(who, &j.path), Ok(Reach::Full))
 }
 
 fn status_of(core: &MasterCore, inode: &Inode) -> Result<pb::FileStatus, MasterError> {
@@ -539,20 +548,25 @@ impl MasterService for MasterRpc {
                 inodes: Vec::new(),
             };
             loop {
-                if tx.send(Ok(msg)).await.is_err() {
-                    return; // the watcher went away
+                // A watcher that has stopped reading (its messages waiting a whole
+                // WATCH_STALL) is ended, as is every watch when the master stops: a send
+                // never waits on the watcher beyond that.
+                let sent = tokio::select! {
+                    r = tokio::time::timeout(WATCH_STALL, tx.send(Ok(msg))) => matches!(r, Ok(Ok(()))),
+                    _ = shutdown.cancelled() => false,
+                };
+                if !sent {
+                    return; // the watcher went away or stopped reading
                 }
                 if !core.is_leader() || !leadership.confirm(&core).await {
-                    let _ = tx
-                        .send(Err(Status::unavailable(
-                            "this master is no longer the leader; watch the new one",
-                        )))
-                        .await;
+                    let _ = tx.try_send(Err(Status::unavailable(
+                        "this master is no longer the leader; watch the new one",
+                    )));
                     return;
                 }
                 let next = tokio::select! {
                     _ = shutdown.cancelled() => {
-                        let _ = tx.send(Err(Status::unavailable("the master is stopping"))).await;
+                        let _ = tx.try_send(Err(Status::unavailable("the master is stopping")));
                         return;
                     }
                     next = tokio::time::timeout(WATCH_HEARTBEAT, changes.recv()) => next,
@@ -683,12 +697,26 @@ impl MasterService for MasterRpc {
             let shown = status_of(&self.core, &dir)?;
             access::posix(caller, &shown, access::READ, "list")?;
         }
-        let children = self.core.namespace().list(dir, after, limit).await?;
+        let children = if is_dir && reach == Reach::Ancestor {
+            // Above the caller's subtree only the way down is shown, and nothing else is
+            // read: no entry, and no page token, names a sibling.
+            match access::way_down(&who, &dir_path).filter(|n| after.is_none_or(|a| a < n.as_str()))
+            {
+                Some(name) => match self.core.namespace().lookup(dir.id, &name).await {
+                    Ok(child) => vec![child],
+                    Err(MasterError::NotFound { .. }) => Vec::new(),
+                    Err(e) => return Err(e.into()),
+                },
+                None => Vec::new(),
+            }
+        } else {
+            self.core.namespace().list(dir, after, limit).await?
+        };
         let page_mount = children.first().and_then(|c| c.mount_id);
         let spec = mount_spec(&self.core, page_mount);
         // One mount for the whole page: does it validate every open?
         let validated = spec.as_ref().is_some_and(|m| m.validate_on_open());
-        let next_page_token = if is_dir && children.len() == limit {
+        let next_page_token = if is_dir && reach == Reach::Full && children.len() == limit {
             children.last().map(|c| c.name.clone()).unwrap_or_default()
         } else {
             String::new()
@@ -1222,6 +1250,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::JobInfo>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
         self.core.ensure_leader()?;
         self.core.read_barrier().await?;
@@ -1230,18 +1259,25 @@ impl MasterService for MasterRpc {
         } else {
             r.max_failed as usize
         };
-        Ok(Response::new(self.core.job_info(r.id, max)?))
+        let info = self.core.job_info(r.id, max)?;
+        if !job_shown(&who, &info) {
+            // As if there were none: a job's path (and its failed files') outside the
+            // caller's subtree is not the caller's to learn.
+            return Err(MasterError::NoSuchJob { id: r.id }.into());
+        }
+        Ok(Response::new(info))
     }
 
     async fn list_jobs(
         &self,
-        _req: Request<pb::ListJobsRequest>,
+        req: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let who = principal(&req)?;
         self.core.ensure_leader()?;
         self.core.read_barrier().await?;
-        Ok(Response::new(pb::ListJobsResponse {
-            jobs: self.core.job_list()?,
-        }))
+        let mut jobs = self.core.job_list()?;
+        jobs.retain(|j| job_shown(&who, j));
+        Ok(Response::new(pb::ListJobsResponse { jobs }))
     }
 
     async fn cancel_job(
