@@ -26,13 +26,24 @@ pub fn open(path: &Path) -> Option<File> {
 
 /// Opens a block file for reading (with `flags` added) without updating its access time:
 /// reading cached pages should not dirty the worker's inodes. Where that is not allowed (a
-/// reader that neither owns the file nor has `CAP_FOWNER`), it opens it as usual.
+/// reader that neither owns the file nor has `CAP_FOWNER`), it opens it as usual. The path
+/// comes from a worker's lease: a link, a FIFO or a device there is refused (opened
+/// without blocking and without following a link, then checked to be a regular file).
 pub fn open_for_reading(path: &Path, flags: i32) -> std::io::Result<File> {
+    use nix::fcntl::OFlag;
+    let flags = flags | (OFlag::O_NONBLOCK | OFlag::O_NOFOLLOW).bits();
     let open = |flags: i32| OpenOptions::new().read(true).custom_flags(flags).open(path);
-    match open(flags | nix::fcntl::OFlag::O_NOATIME.bits()) {
+    let file = match open(flags | OFlag::O_NOATIME.bits()) {
         Err(e) if e.raw_os_error() == Some(nix::libc::EPERM) => open(flags),
         opened => opened,
+    }?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not a regular file", path.display()),
+        ));
     }
+    Ok(file)
 }
 
 /// A buffer with an aligned window in it; the bytes handed out are `buf[off..off + len]`.
@@ -126,6 +137,27 @@ mod tests {
         std::fs::write(&path, data).ok()?;
         let f = open(&path)?;
         Some((dir, f))
+    }
+
+    /// A lease naming a FIFO (which would block the opening thread until a writer comes),
+    /// a device or a link is refused at once; a regular file opens.
+    #[test]
+    fn a_leased_path_opens_only_as_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("block");
+        std::fs::write(&file, b"pages").unwrap();
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert!(open_for_reading(&file, 0).is_ok());
+        for bad in [fifo.as_path(), link.as_path(), Path::new("/dev/zero")] {
+            assert!(
+                open_for_reading(bad, 0).is_err(),
+                "{} opened",
+                bad.display()
+            );
+        }
     }
 
     #[test]

@@ -236,9 +236,22 @@ fn terms_mismatch(g: &pb::ReadGrant, terms: &Terms) -> Option<String> {
 
 /// The keys a worker accepts grants of.
 #[derive(Default)]
-pub struct GrantKeys(Mutex<VecDeque<GrantKey>>);
+pub struct GrantKeys(Mutex<VecDeque<GrantKey>>, std::sync::atomic::AtomicBool);
 
 impl GrantKeys {
+    /// Keys for a worker of a cluster whose masters sign grants (one with TLS): until the
+    /// first key arrives, [`signed`](Self::signed) already says so.
+    pub fn expected() -> Self {
+        Self(Mutex::default(), std::sync::atomic::AtomicBool::new(true))
+    }
+
+    /// Does this worker's cluster sign grants: a key has come, or keys are expected (a
+    /// worker with TLS that has not registered yet must not take a node's grant-less fill
+    /// for one of a plaintext cluster).
+    pub fn signed(&self) -> bool {
+        self.1.load(std::sync::atomic::Ordering::Relaxed) || self.any()
+    }
+
     /// Has the master sent any key (a cluster whose masters sign grants)?
     pub fn any(&self) -> bool {
         !self.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()

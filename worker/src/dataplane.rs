@@ -43,6 +43,8 @@ const SEND_LEASE: Duration = Duration::from_secs(30);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection with no request for this long is closed (clients open a new one).
 const IDLE_CLOSE: Duration = Duration::from_secs(300);
+/// Time a request's body may take to arrive once its length has.
+const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// The method whose roles may use the data plane.
 const READ_METHOD: &str = "/granary.v1.WorkerService/ReadBlock";
 
@@ -166,7 +168,11 @@ pub(crate) async fn connection<S: Wire>(
             return end(&mut sock, Some(&s)).await; // the stream is out of step: close it
         }
         let mut buf = vec![0u8; n];
-        sock.read_exact(&mut buf).await?;
+        // A request's body follows its length at once: a caller that stops part-way is
+        // not waited for (its connection would hold a task for as long as it liked).
+        tokio::time::timeout(BODY_TIMEOUT, sock.read_exact(&mut buf))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
         match pb::ReadBlockRequest::decode(&buf[..]) {
             Ok(r) => serve_one(&mut sock, rpc, &who, r).await?,
             Err(e) => {

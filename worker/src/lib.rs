@@ -279,7 +279,13 @@ pub async fn start(
         );
     }
     let (data_listener, data_address) = bind_data_plane(&config, addr, &advertise).await?;
-    let grant_keys = Arc::new(granary_common::grant::GrantKeys::default());
+    // With TLS the masters sign grants: a node's grant-less fill or write is refused from
+    // the start, not only once the first key has come with a registration.
+    let grant_keys = Arc::new(if config.net.tls().is_some() {
+        granary_common::grant::GrantKeys::expected()
+    } else {
+        granary_common::grant::GrantKeys::default()
+    });
     let hb = heartbeat::Heartbeat {
         master,
         store: store.clone(),

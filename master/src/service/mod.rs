@@ -85,6 +85,8 @@ static WATCHES: granary_common::authz::CallLimit =
     granary_common::authz::CallLimit::new("namespace watches", MAX_WATCHES);
 /// A watch hears from the leader at least this often (a heartbeat when nothing changed).
 const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(500);
+/// Longest address, host or data address a worker registers with.
+const MAX_WORKER_NAME: usize = 256;
 /// A watch whose next message has waited this long for room (its watcher reads none of
 /// the 64 before it) ends: its task and its slot are not held by a watcher that stopped.
 const WATCH_STALL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -916,6 +918,16 @@ impl MasterService for MasterRpc {
         let fp = r.fingerprint.ok_or_else(|| {
             Status::invalid_argument("the uploaded object's fingerprint is missing")
         })?;
+        // The object a worker uploaded holds the whole file: a fingerprint of another
+        // size (or of nothing a reader could check a fill against) is not that upload.
+        if let Some(file) = self.core.namespace().sm.inode(r.inode)? {
+            if fp.size != file.length || (fp.etag.is_empty() && fp.mtime_ms == 0) {
+                return Err(Status::invalid_argument(format!(
+                    "the fingerprint of file {}'s upload ({} bytes) is not one of its {} bytes",
+                    r.inode, fp.size, file.length
+                )));
+            }
+        }
         let out = self
             .core
             .propose(Command::FilePersisted {
@@ -1112,6 +1124,15 @@ impl MasterService for MasterRpc {
             return Err(Status::invalid_argument(
                 "worker id and address are required to register",
             ));
+        }
+        // Kept for every worker and sent to every client: names, not payloads.
+        if [&r.address, &r.host, &r.data_address]
+            .iter()
+            .any(|s| s.len() > MAX_WORKER_NAME)
+        {
+            return Err(Status::invalid_argument(format!(
+                "a worker's address, host and data address are at most {MAX_WORKER_NAME} bytes each"
+            )));
         }
         self.core.ensure_leader()?;
         tracing::info!(worker = r.worker_id, address = %r.address, blocks = r.blocks.len(), "worker registered");

@@ -536,6 +536,14 @@ fn a_node_without_a_grant_fills_nothing_where_grants_are_signed() {
         if let Err(e) = end {
             assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}"); // not cached: not refused
         }
+        // A worker with TLS that has not registered yet (no key has come): the same.
+        let mut r = rig_with(false).await;
+        r.rpc.grant_keys = Arc::new(GrantKeys::expected());
+        let (got, end) = run(&r, &fill, true).await;
+        let e = end.expect_err("a node's grant-less fill was served before the first key");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(got.is_empty());
+        assert!(!r.rpc.fetcher.store.contains(&((INODE, VERSION, 0), 0)));
     });
 }
 

@@ -96,6 +96,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
+/// The free space a write's journal leaves on the cache's disk: 1 % of the disk, at most
+/// 1 GiB. A journal not counted against `--cache-size` (a cache-through or through write
+/// until it is uploaded, an async-through one past the cache's room) stops with
+/// `NO_SPACE` there rather than fill the disk the cache, the other journals and the
+/// worker's own files need.
+fn disk_reserve(disk_bytes: u64) -> u64 {
+    (disk_bytes / 100).min(1 << 30)
+}
+
+/// Whether `n` more bytes fit on the disk of `dir` above [`disk_reserve`] (true when the
+/// disk cannot be asked: the write's own I/O reports a full disk then).
+fn disk_takes(dir: &Path, n: u64) -> bool {
+    let Ok(s) = nix::sys::statvfs::statvfs(dir) else {
+        return true;
+    };
+    let unit = s.fragment_size() as u64;
+    let free = (s.blocks_available() as u64).saturating_mul(unit);
+    let size = (s.blocks() as u64).saturating_mul(unit);
+    free >= n.saturating_add(disk_reserve(size))
+}
+
 /// The writer's stream broke.
 fn went_away(e: Status) -> RpcError {
     RpcError::Aborted(format!("the client went away: {}", e.message()))
@@ -423,6 +444,13 @@ impl Writes {
                     "the file would be longer than {max_length} bytes (the most a file of \
                      {block_size}-byte blocks may have)"
                 )));
+            }
+            if n > 0 && !disk_takes(&self.dir, n) {
+                return Err(RpcError::NoSpace(
+                    "the worker's cache disk is nearly full: this write's journal would leave \
+                     less than its reserve (1 % of the disk, at most 1 GiB) free"
+                        .to_string(),
+                ));
             }
             if pinned && n > 0 && !uncounted {
                 uncounted = !self.hold_room(n, &mut room);
@@ -971,6 +999,78 @@ mod tests {
             last = a;
         }
         last
+    }
+
+    /// A tmpfs of `mib` MiB mounted on a new temp dir (root), unmounted when dropped.
+    struct Tmpfs(tempfile::TempDir);
+
+    impl Tmpfs {
+        fn new(mib: u32) -> Self {
+            let d = tempfile::tempdir().unwrap();
+            let st = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+                .arg(d.path())
+                .status()
+                .unwrap();
+            assert!(st.success(), "mounting a tmpfs (the test needs root)");
+            Self(d)
+        }
+
+        fn free(&self) -> u64 {
+            let s = nix::sys::statvfs::statvfs(self.0.path()).unwrap();
+            s.blocks_available() as u64 * s.fragment_size() as u64
+        }
+    }
+
+    impl Drop for Tmpfs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg(self.0.path())
+                .status();
+        }
+    }
+
+    /// A write whose journal is not counted against the cache (cache-through: kept until
+    /// it is uploaded) stops with NO_SPACE before the disk is full, whatever its length:
+    /// the disk keeps its reserve, and a small write fits afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_never_fills_the_cache_disk() {
+        let disk = Tmpfs::new(8);
+        let w = writes(disk.0.path(), 16);
+        let header = pb::WriteFileHeader {
+            inode: 30,
+            version: 1,
+            block_size: 4 * PS,
+            ufs: Some(pb::UfsLocation {
+                mount_id: 1,
+                path: "big".into(),
+            }),
+            mode: pb::WriteMode::CacheThrough as i32,
+            persist: true,
+            grant: None,
+        };
+        let chunk = pb::WriteFileRequest {
+            data: vec![7u8; 1 << 20].into(),
+            ..Default::default()
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        w.clone()
+            .receive(header, futures::stream::iter(vec![Ok(chunk); 16]), tx)
+            .await;
+        let mut last = Err(Status::internal("no answer"));
+        while let Some(a) = rx.recv().await {
+            last = a;
+        }
+        let e = last.expect_err("16 MiB were journaled on an 8 MiB disk");
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert!(e.message().contains("nearly full"), "{e:?}");
+        assert!(
+            disk.free() >= disk_reserve(8 << 20),
+            "{} bytes left",
+            disk.free()
+        );
+        let a = write(&w, 31, 2 * PS as usize, pb::WriteMode::CacheThrough, true).await;
+        assert!(a.as_ref().is_ok_and(|a| a.done), "{a:?}");
     }
 
     fn mode_of(p: &Path) -> u32 {
