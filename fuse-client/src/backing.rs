@@ -191,6 +191,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Backings {
+    /// Whether programs hold `inode` open in passthrough (as far as this daemon knows:
+    /// its own handles and those handed over to it): the kernel then fails any open of the
+    /// inode that is not in passthrough with EIO, after the daemon has answered it.
+    pub fn open_in_passthrough(&self, inode: u64) -> bool {
+        self.map.get(&inode).is_some_and(|b| b.opens > 0)
+            || self.adopted.iter().any(|a| a.inode == inode && a.opens > 0)
+    }
+
     pub fn new(metrics: ClientMetrics) -> Self {
         Self {
             map: HashMap::new(),

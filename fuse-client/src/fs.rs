@@ -191,7 +191,17 @@ pub struct GranaryFs {
     prefetch_budget: crate::prefetch::Budget,
     /// Adaptive prefetch state of each open file handle.
     readahead: Arc<Mutex<HashMap<u64, Arc<Mutex<crate::prefetch::Readahead>>>>>,
+    /// Handles of an earlier daemon found stale or not a file's, and how they are answered
+    /// (see `file_of`); at most [`DEAD_FHS`].
+    dead_fhs: Mutex<HashMap<u64, Errno>>,
 }
+
+/// Handles of earlier daemons remembered as stale at most (all are forgotten past this).
+const DEAD_FHS: usize = 4096;
+
+/// How long an open waits for the pages of another version of its file to be stored
+/// (a push of the old version ending) before it fails with EIO.
+const STORING_WAIT: Duration = Duration::from_secs(30);
 
 /// Ends an open of `s` for reading: the handle's status is kept, and the kernel keeps its
 /// page cache of the file when the pages it may hold are of this version. Waits (on the
@@ -199,20 +209,29 @@ pub struct GranaryFs {
 fn opened_file(
     cache: &Arc<PageCache>,
     files: &Arc<OpenFiles>,
-    pt: Passthrough,
+    (pt, quiesce): (Passthrough, &Arc<Quiesce>),
     fh: u64,
     s: pb::FileStatus,
     reply: ReplyOpen,
 ) {
     let fh = tagged(fh, s.version);
     let Some(keep) = cache.open(&s) else {
-        let (cache, files) = (cache.clone(), files.clone());
-        cache.runtime().clone().spawn(async move {
-            while cache.storing_other_version(&s) {
-                tokio::time::sleep(Duration::from_millis(1)).await;
+        let (cache, files, q) = (cache.clone(), files.clone(), quiesce.clone());
+        // Counted as a reply in flight (a handover waits for it) and bounded: the
+        // program's open is answered whatever the push storing the other version does.
+        cache.runtime().clone().spawn(quiesce.track(async move {
+            let waited = tokio::time::timeout(STORING_WAIT, async {
+                while cache.storing_other_version(&s) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+            if waited.is_err() {
+                tracing::warn!(inode = s.inode, path = %s.path, "an open waited too long for the pages of another version of the file to be stored");
+                return reply.error(Errno::EIO);
             }
-            opened_file(&cache, &files, pt, fh, s, reply);
-        });
+            opened_file(&cache, &files, (pt, &q), fh, s, reply);
+        }));
         return;
     };
     // Another handle of the file reads it in passthrough: this one must name the same
@@ -318,6 +337,7 @@ impl GranaryFs {
             passthrough_min: config.passthrough_min_size,
             backings,
             passthrough_fhs: Arc::new(Mutex::new(HashMap::new())),
+            dead_fhs: Mutex::new(HashMap::new()),
             budget: budget.clone(),
             deadline: Deadline {
                 limit: config.op_timeout,
@@ -579,7 +599,14 @@ impl Filesystem for GranaryFs {
                 let via_lease =
                     pt && (s.length >= pt_min || small_via_lease(&self.client, &self.writes, &s));
                 if !via_lease {
-                    return opened_file(&self.cache, &self.files, self.pt(), fh, s, reply);
+                    return opened_file(
+                        &self.cache,
+                        &self.files,
+                        (self.pt(), &self.quiesce),
+                        fh,
+                        s,
+                        reply,
+                    );
                 }
                 small_checked = Some(s.inode);
             }
@@ -590,6 +617,7 @@ impl Filesystem for GranaryFs {
         let writes = self.writes.clone();
         let pt = self.pt();
         let dl = self.deadline.clone();
+        let quiesce = self.quiesce.clone();
         self.spawn(async move {
             let _pass = pass; // held until the reply is sent
             match dl.run("open", client.open_inode(ino.0)).await {
@@ -610,7 +638,7 @@ impl Filesystem for GranaryFs {
                     } else {
                         (reply, s)
                     };
-                    opened_file(&cache, &files, pt, fh, s, reply);
+                    opened_file(&cache, &files, (pt, &quiesce), fh, s, reply);
                 }
                 Err(e) => reply.error(errno(&e)),
             }
@@ -724,6 +752,7 @@ impl Filesystem for GranaryFs {
         self.note_resent(req);
         let _pass = self.gate.pass();
         let file = self.files.remove(fh.0);
+        self.forget_dead(fh.0);
         lock(&self.readahead).remove(&fh.0); // frees what was fetched ahead
         self.writes.release(fh.0, &self.rt);
         let passthrough = lock(&self.passthrough_fhs).remove(&fh.0);
@@ -822,9 +851,9 @@ impl Filesystem for GranaryFs {
             {
                 return reply.error(errno(&e));
             }
-            for (i, e) in h.entries.iter().enumerate().skip(offset as usize) {
+            for (next, e) in h.from(offset) {
                 let s = &e.status;
-                if reply.add(INodeNo(s.inode), (i + 1) as u64, kind_of(s), e.name()) {
+                if reply.add(INodeNo(s.inode), next, kind_of(s), e.name()) {
                     break;
                 }
             }
@@ -861,20 +890,13 @@ impl Filesystem for GranaryFs {
             {
                 return reply.error(errno(&e));
             }
-            for (i, e) in h.entries.iter().enumerate().skip(offset as usize) {
+            for (next, e) in h.from(offset) {
                 let (s, name) = (&e.status, e.name());
                 let mut attr = attr_of(s, uid, gid);
                 if let Some(n) = writes.size_of(s.inode) {
                     attr.size = n;
                 }
-                if reply.add(
-                    INodeNo(s.inode),
-                    (i + 1) as u64,
-                    name,
-                    &ttl,
-                    &attr,
-                    Generation(0),
-                ) {
+                if reply.add(INodeNo(s.inode), next, name, &ttl, &attr, Generation(0)) {
                     break;
                 }
             }
@@ -1357,6 +1379,16 @@ impl GranaryFs {
     fn open_for_write(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen, pass: Pass) {
         if let Err(e) = self.writable() {
             return reply.error(e);
+        }
+        // While programs read the file in passthrough the kernel fails this open (EIO)
+        // once answered, and the file would already be replaced by an empty version: it is
+        // refused before anything changes.
+        if lock(&self.backings).open_in_passthrough(ino.0) {
+            tracing::info!(
+                inode = ino.0,
+                "open for writing refused: programs read the file in passthrough"
+            );
+            return reply.error(Errno::EBUSY);
         }
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let append = flags.0 & libc::O_APPEND != 0;

@@ -866,3 +866,88 @@ fn a_walk_of_folders_in_order_lists_each_next_one_ahead_and_exactly() {
         b"made elsewhere"
     );
 }
+
+/// Reads a folder with libc's `readdir` through ctypes: every name in order, then
+/// `seekdir` back to where entry 10 was and every name from there again, then a seek
+/// far past the end (which must read as the end). Prints one line per pass: the count
+/// and a checksum of the names.
+const SEEKDIR: &str = r#"
+import ctypes, hashlib, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.opendir.restype = ctypes.c_void_p
+libc.readdir.restype = ctypes.c_void_p
+libc.readdir.argtypes = [ctypes.c_void_p]
+libc.telldir.restype = ctypes.c_long
+libc.telldir.argtypes = [ctypes.c_void_p]
+libc.seekdir.argtypes = [ctypes.c_void_p, ctypes.c_long]
+d = libc.opendir(sys.argv[1].encode())
+assert d, ctypes.get_errno()
+def rest():
+    names = []
+    while True:
+        ctypes.set_errno(0)
+        e = libc.readdir(d)
+        if not e:
+            assert ctypes.get_errno() == 0, ctypes.get_errno()
+            return names
+        names.append(ctypes.string_at(e + 19).decode())
+def line(names):
+    return "%d %s" % (len(names), hashlib.sha256("\n".join(names).encode()).hexdigest())
+first, at = [], None
+while True:
+    if len(first) == 10:
+        at = libc.telldir(d)
+    e = libc.readdir(d)
+    if not e:
+        break
+    first.append(ctypes.string_at(e + 19).decode())
+print(line(first))
+libc.seekdir(d, at)
+print(line(rest()))
+print(line(first[10:]))
+libc.seekdir(d, 1 << 40)
+print(line(rest()))
+"#;
+
+/// A folder of 9,000 files (more than an open directory holds: it lets go of the entries
+/// the kernel has passed) lists whole and in order with `ls -f` and with `readdir`; a
+/// `seekdir` back lists the rest again exactly, and a seek far past the end reads as the
+/// end, not as a listing of the whole folder held in the daemon.
+#[test]
+fn a_big_folder_lists_whole_and_seeks_back_exactly() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-seekdir-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("ufs");
+    std::fs::create_dir_all(src.join("big")).unwrap();
+    for f in 0..9_000 {
+        std::fs::write(src.join(format!("big/f{f:05}")), b"").unwrap();
+    }
+    let (_master, _w, reader, _writer) = reader_and_writer(root, &src);
+    let big = reader.mountpoint.join("data/big");
+    let want = sh(&format!("ls -f '{}' | sort", src.join("big").display())).unwrap();
+    assert_eq!(want.lines().count(), 9_002); // with . and ..
+    assert_eq!(
+        sh(&format!("ls -f '{}' | sort", big.display())).unwrap(),
+        want
+    );
+    let script = root.join("seekdir.py");
+    std::fs::write(&script, SEEKDIR).unwrap();
+    let out = sh(&format!(
+        "python3 '{}' '{}'",
+        script.display(),
+        big.display()
+    ))
+    .unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert!(lines[0].starts_with("9002 "), "{out}");
+    assert_eq!(lines[1], lines[2], "the names after a seek back differ");
+    assert!(lines[1].starts_with("8992 "), "{out}");
+    assert!(
+        lines[3].starts_with("0 "),
+        "a seek past the end read entries: {out}"
+    );
+}

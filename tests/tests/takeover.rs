@@ -947,9 +947,18 @@ fn a_file_open_in_one_io_mode_opens_again_while_held() {
         let want = sh(&format!("cd '{}' && sha256sum s1/*", src.display())).unwrap();
         assert_eq!(sums, want);
     }
-    pt.send("go");
-    assert_eq!(
-        pt.expect("sha", Duration::from_secs(60)),
-        sha_of(&src.join("s1/f001.bin"))
+    // A write's open (O_TRUNC) while the sample is read in passthrough: refused with
+    // EBUSY before anything changes (the kernel failed it with EIO once it was answered,
+    // and by then the file was an empty new version).
+    let before = sha_of(&src.join("s1/f001.bin"));
+    let err = sh(&format!("printf x > '{}'", sample.display()))
+        .expect_err("a write opened a file held open in passthrough");
+    assert!(
+        format!("{err:#}").contains("Device or resource busy"),
+        "{err:#}"
     );
+    pt.send("go");
+    assert_eq!(pt.expect("sha", Duration::from_secs(60)), before);
+    assert_eq!(sha_of(&src.join("s1/f001.bin")), before);
+    assert_eq!(sha_of(&sample), before);
 }

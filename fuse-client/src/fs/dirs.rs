@@ -8,13 +8,22 @@ use super::*;
 
 /// Entries fetched per page of a directory listing.
 const DIR_PAGE: u32 = 1000;
+/// Entries an open directory holds before it lets go of those the kernel has passed: a
+/// listing of millions of names, or a seek far ahead, holds a few pages, not the folder.
+const KEPT_ENTRIES: usize = 4 * DIR_PAGE as usize;
 
 /// An open directory: its entries fetched so far, page by page as `readdir` gets to them
 /// (a directory of millions of names shows its first entries at once and never needs all
 /// of them in memory before the first reply).
 pub(super) struct DirHandle {
-    /// ".", ".." and the entries listed so far, in order (offset i+1 follows entry i).
-    pub(super) entries: Vec<Entry>,
+    /// ".", ".." and the entries listed so far, in order, from offset `base` (offset
+    /// `base + i + 1` follows entry i); those before the kernel's position go once more
+    /// than [`KEPT_ENTRIES`] are held.
+    entries: Vec<Entry>,
+    /// The offset of `entries[0]`.
+    base: u64,
+    /// The statuses of "." and "..", for a listing started again.
+    dots: [Arc<pb::FileStatus>; 2],
     /// Where the next page starts ("" once every page is fetched).
     pub(super) next: String,
     pub(super) done: bool,
@@ -158,17 +167,11 @@ impl DirHandle {
             kind: pb::FileKind::Directory as i32,
             ..Default::default()
         };
+        let dots = [Arc::new(dir), Arc::new(parent)];
         DirHandle {
-            entries: vec![
-                Entry {
-                    dots: Some("."),
-                    status: Arc::new(dir),
-                },
-                Entry {
-                    dots: Some(".."),
-                    status: Arc::new(parent),
-                },
-            ],
+            entries: Self::dot_entries(&dots),
+            base: 0,
+            dots,
             next: String::new(),
             done: false,
             ahead: None,
@@ -217,16 +220,57 @@ impl DirHandle {
         Ok(())
     }
 
-    /// Fetches pages until entry `offset` is known (or the listing ends).
+    fn dot_entries(dots: &[Arc<pb::FileStatus>; 2]) -> Vec<Entry> {
+        vec![
+            Entry {
+                dots: Some("."),
+                status: dots[0].clone(),
+            },
+            Entry {
+                dots: Some(".."),
+                status: dots[1].clone(),
+            },
+        ]
+    }
+
+    /// Fetches pages until entry `offset` is known (or the listing ends). An offset before
+    /// the entries held (a program gone back with `seekdir` or `rewinddir`) lists the
+    /// folder again from its start.
     pub(super) async fn fetch_past(
         &mut self,
         client: &Arc<FileSystem>,
         dir: u64,
         offset: u64,
     ) -> Result<(), granary_client::ClientError> {
-        while !self.done && self.entries.len() as u64 <= offset {
+        if offset < self.base {
+            self.entries = Self::dot_entries(&self.dots);
+            self.base = 0;
+            self.next.clear();
+            self.done = false;
+            self.ahead = None;
+        }
+        while !self.done && self.base + self.entries.len() as u64 <= offset {
             self.fetch_page(client, dir).await?;
+            if self.entries.len() > KEPT_ENTRIES {
+                // Entries before the kernel's position are not asked for again (but
+                // after a seek back, which starts over).
+                let passed = (offset - self.base).min(self.entries.len() as u64);
+                self.entries.drain(..passed as usize);
+                self.base += passed;
+            }
         }
         Ok(())
+    }
+
+    /// The entries from `offset` on (after [`fetch_past`](Self::fetch_past) of it), each
+    /// with the offset that follows it.
+    pub(super) fn from(&self, offset: u64) -> impl Iterator<Item = (u64, &Entry)> {
+        let skip = offset.saturating_sub(self.base) as usize;
+        let base = self.base;
+        self.entries
+            .iter()
+            .enumerate()
+            .skip(skip)
+            .map(move |(i, e)| (base + i as u64 + 1, e))
     }
 }

@@ -97,6 +97,13 @@ impl GranaryFs {
         }
     }
 
+    /// Forgets what was found of handle `fh` of an earlier daemon (its release).
+    pub(super) fn forget_dead(&self, fh: u64) {
+        if self.earlier(fh) {
+            lock(&self.dead_fhs).remove(&fh);
+        }
+    }
+
     /// Whether `fh` is a handle an earlier daemon of this mount gave.
     fn earlier(&self, fh: u64) -> bool {
         generation_of(fh) != self.generation & 0xfff
@@ -114,17 +121,30 @@ impl GranaryFs {
         if !self.earlier(fh) || fh & FH_WRITER != 0 {
             return Err(Errno::EBADF);
         }
+        // Found stale (or not a file) once: answered so at once from then on, not with a
+        // call to the master on this kernel thread for every read of a program that loops.
+        if let Some(e) = lock(&self.dead_fhs).get(&fh) {
+            return Err(*e);
+        }
+        let dead = |e: Errno| {
+            let mut d = lock(&self.dead_fhs);
+            if d.len() >= DEAD_FHS {
+                d.clear();
+            }
+            d.insert(fh, e);
+            Err(e)
+        };
         let client = self.client.clone();
         let s = self
             .rt
             .block_on(self.deadline.run("open", client.open_inode(ino)))
             .map_err(|e| errno(&e))?;
         if s.kind != pb::FileKind::File as i32 {
-            return Err(Errno::EBADF);
+            return dead(Errno::EBADF);
         }
         if !tag_matches(fh, s.version) {
             tracing::warn!(inode = ino, path = %s.path, "a file open before the mount's daemon was replaced has changed since: its handle is stale");
-            return Err(Errno::ESTALE);
+            return dead(Errno::ESTALE);
         }
         self.client.metrics.fuse_recovered_handles.inc();
         let s = Arc::new(s);
