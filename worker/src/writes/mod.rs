@@ -111,9 +111,9 @@ fn disk_takes(dir: &Path, n: u64) -> bool {
     let Ok(s) = nix::sys::statvfs::statvfs(dir) else {
         return true;
     };
-    let unit = s.fragment_size() as u64;
-    let free = (s.blocks_available() as u64).saturating_mul(unit);
-    let size = (s.blocks() as u64).saturating_mul(unit);
+    let unit = s.fragment_size();
+    let free = s.blocks_available().saturating_mul(unit);
+    let size = s.blocks().saturating_mul(unit);
     free >= n.saturating_add(disk_reserve(size))
 }
 
@@ -1018,7 +1018,7 @@ mod tests {
 
         fn free(&self) -> u64 {
             let s = nix::sys::statvfs::statvfs(self.0.path()).unwrap();
-            s.blocks_available() as u64 * s.fragment_size() as u64
+            s.blocks_available() * s.fragment_size()
         }
     }
 
