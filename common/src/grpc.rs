@@ -92,11 +92,13 @@ pub fn server_with(tls: Option<&TlsMaterial>) -> Result<Server, tonic::transport
     Ok(builder.layer(AuthLayer::new(tls.is_none())))
 }
 
-/// How long a server, asked to stop, waits for its connections to end before it drops
-/// them: a client that has stopped reading a stream (an HTTP/2 window of 0 keeps its
-/// answer's last bytes, and so the stream and its connection, open) must not keep a
-/// process from stopping.
-pub const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long a server, asked to stop, waits for its connections to end before it stops
+/// waiting (the process then ends, and with it what they still held): a client that has
+/// stopped reading a stream (an HTTP/2 window of 0 keeps its answer's last bytes, and so
+/// the stream and its connection, open) must not keep a process from stopping. Within a
+/// Kubernetes pod's default 30 s of grace; streams still running then (a write, a read)
+/// fail and their clients retry.
+pub const STOP_GRACE: Duration = Duration::from_secs(20);
 
 /// Runs a server (`serve`: `serve_with_incoming_shutdown` ending on `stop`) until it ends,
 /// or until [`STOP_GRACE`] after `stop`, when it is dropped with the connections it still

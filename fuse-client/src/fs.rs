@@ -199,6 +199,10 @@ pub struct GranaryFs {
 /// Handles of earlier daemons remembered as stale at most (all are forgotten past this).
 const DEAD_FHS: usize = 4096;
 
+/// How long an open for writing waits for passthrough readers' closes to reach the daemon
+/// before it is refused with EBUSY.
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
+
 /// How long an open waits for the pages of another version of its file to be stored
 /// (a push of the old version ending) before it fails with EIO.
 const STORING_WAIT: Duration = Duration::from_secs(30);
@@ -1380,24 +1384,31 @@ impl GranaryFs {
         if let Err(e) = self.writable() {
             return reply.error(e);
         }
-        // While programs read the file in passthrough the kernel fails this open (EIO)
-        // once answered, and the file would already be replaced by an empty version: it is
-        // refused before anything changes.
-        if lock(&self.backings).open_in_passthrough(ino.0) {
-            tracing::info!(
-                inode = ino.0,
-                "open for writing refused: programs read the file in passthrough"
-            );
-            return reply.error(Errno::EBUSY);
-        }
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let append = flags.0 & libc::O_APPEND != 0;
         let writes = self.writes.clone();
         let fh = self.new_fh() | FH_WRITER;
         let cache = self.cache.clone();
         let dl = self.deadline.clone();
+        let backings = self.backings.clone();
         self.spawn(async move {
             let _pass = pass; // held until the reply is sent
+            // While programs read the file in passthrough the kernel fails this open (EIO)
+            // once answered, and the file would already be an empty new version: it is
+            // refused before anything changes. A reader's close reaches the daemon a little
+            // after the kernel let go of the file (RELEASE is sent in the background): a
+            // moment is waited for that first.
+            let until = std::time::Instant::now() + RELEASE_WAIT;
+            while lock(&backings).open_in_passthrough(ino.0) {
+                if std::time::Instant::now() >= until {
+                    tracing::info!(
+                        inode = ino.0,
+                        "open for writing refused: programs read the file in passthrough"
+                    );
+                    return reply.error(Errno::EBUSY);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             let open = async {
                 let s = writes.client.stat_inode(ino.0).await?;
                 if s.kind == pb::FileKind::Directory as i32 {

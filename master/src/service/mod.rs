@@ -920,8 +920,11 @@ impl MasterService for MasterRpc {
         })?;
         // The object a worker uploaded holds the whole file: a fingerprint of another
         // size (or of nothing a reader could check a fill against) is not that upload.
+        // (A file rewritten since has another version: the apply ignores such a report.)
         if let Some(file) = self.core.namespace().sm.inode(r.inode)? {
-            if fp.size != file.length || (fp.etag.is_empty() && fp.mtime_ms == 0) {
+            let this_version = file.version == r.version;
+            if this_version && (fp.size != file.length || (fp.etag.is_empty() && fp.mtime_ms == 0))
+            {
                 return Err(Status::invalid_argument(format!(
                     "the fingerprint of file {}'s upload ({} bytes) is not one of its {} bytes",
                     r.inode, fp.size, file.length

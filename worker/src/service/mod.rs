@@ -168,14 +168,18 @@ fn load_result(id: pb::BlockId, r: Result<u64, (pb::LoadError, String)>) -> pb::
 }
 
 /// The worker's [`CACHE_BLOCK_PERMITS`] a `CacheBlocks` block holds while it is cached: one
-/// per started MiB of the block (one for a descriptor that names no valid block: it is
-/// refused at once), at most all of them.
-fn cache_permits(b: &pb::CacheBlock) -> u32 {
-    let len = b
-        .block
-        .as_ref()
-        .and_then(|d| block_extent(d).ok())
-        .map_or(0, |(_, len)| len);
+/// per started MiB of the block, at most all of them; none for a block that will be
+/// refused (no valid descriptor, or no grant for it: [`cache_block`] answers so at once).
+fn cache_permits(keys: &GrantKeys, who: &Principal, b: &pb::CacheBlock) -> u32 {
+    let Some(desc) = b.block.as_ref() else {
+        return 0;
+    };
+    let Ok((_, len)) = block_extent(desc) else {
+        return 0;
+    };
+    if check_read_grant(keys, who, b.grant.as_ref(), desc, true).is_err() {
+        return 0;
+    }
     len.div_ceil(1 << 20)
         .clamp(1, u64::from(CACHE_BLOCK_PERMITS)) as u32
 }
@@ -383,14 +387,18 @@ impl WorkerRpc {
                             return;
                         }
                         metrics.cache_blocks_asked.inc();
-                        let slots = fetcher.cache_slots.clone();
-                        let permit = tokio::select! {
-                            p = slots.acquire_many_owned(cache_permits(&b)) => match p {
-                                Ok(p) => p,
-                                Err(_) => return, // closed: the worker is stopping
+                        // Checked before it waits for its share: a block that will be
+                        // refused takes none (nor the turn of those asking after it).
+                        let permit = match cache_permits(&keys, &who, &b) {
+                            0 => None,
+                            n => tokio::select! {
+                                p = fetcher.cache_slots.clone().acquire_many_owned(n) => match p {
+                                    Ok(p) => Some(p),
+                                    Err(_) => return, // closed: the worker is stopping
+                                },
+                                // Gone while the block waited for its share: it never starts.
+                                _ = tx.closed() => return,
                             },
-                            // Gone while the block waited for its share: it never starts.
-                            _ = tx.closed() => return,
                         };
                         // A task per block: the fetches' work spreads over the runtime's
                         // threads. It runs to its end even if the caller goes away (its

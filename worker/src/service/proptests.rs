@@ -378,6 +378,37 @@ async fn results_of(answer: CacheStream) -> Result<Vec<pb::LoadResult>, Status> 
     all.into_iter().collect()
 }
 
+/// An honest user's read of block `index` whole, caching it.
+fn read_whole(index: u32) -> Op {
+    Op {
+        tampers: Vec::new(),
+        index,
+        offset: 0,
+        length: BS,
+        cache: true,
+        cached_only: false,
+        from_peers: false,
+        lease: None,
+        cache_blocks: false,
+    }
+}
+
+/// Reads block `index` whole as an honest user and waits until all its pages are cached
+/// (a fetched page reaches its reader before the cache).
+async fn cache_whole(r: &Rig, index: u32) {
+    let (_, end) = run(r, &read_whole(index), false).await;
+    assert!(end.is_ok(), "{end:?}");
+    let store = &r.rpc.fetcher.store;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(0..4).all(|p| store.contains(&((INODE, VERSION, index), p))) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "block {index} was never cached"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Every cached page of the file holds the source's bytes where the honest geometry puts
 /// it.
 fn cached_pages_are_the_source(r: &Rig, src: &[u8]) -> Result<(), TestCaseError> {
@@ -707,15 +738,8 @@ fn a_node_copy_never_reads_the_store() {
     runtime().block_on(async {
         let r = rig().await;
         let copy = Op {
-            tampers: Vec::new(),
-            index: 0,
-            offset: 0,
-            length: BS,
-            cache: true,
-            cached_only: false,
             from_peers: true,
-            lease: None,
-            cache_blocks: false,
+            ..read_whole(0)
         };
         let (got, end) = run(&r, &copy, false).await;
         let e = end.expect_err("a node copy with no peer was served");
@@ -773,29 +797,9 @@ fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
     runtime().block_on(async {
         let r = rig().await;
         for index in [0, 1] {
-            let fill = Op {
-                tampers: Vec::new(),
-                index,
-                offset: 0,
-                length: BS,
-                cache: true,
-                cached_only: false,
-                from_peers: false,
-                lease: None,
-                cache_blocks: false,
-            };
-            let (_, end) = run(&r, &fill, false).await;
-            assert!(end.is_ok(), "{end:?}");
+            cache_whole(&r, index).await;
         }
         let store = &r.rpc.fetcher.store;
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !(0..4).all(|p| store.contains(&((INODE, VERSION, 1), p))) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "block 1 was never cached"
-            );
-            tokio::task::yield_now().await;
-        }
         let lease = |index: u32, reads_block_offset: bool| {
             let req = pb::LeaseLocalBlockRequest {
                 block: Some(pb::BlockId {
@@ -835,33 +839,13 @@ fn a_lease_names_its_blocks_offset_and_older_clients_get_first_blocks_only() {
 fn a_lease_needs_a_grant_for_the_version_it_names() {
     runtime().block_on(async {
         let r = rig().await;
-        let fill = Op {
-            tampers: Vec::new(),
-            index: 0,
-            offset: 0,
-            length: BS,
-            cache: true,
-            cached_only: false,
-            from_peers: false,
-            lease: None,
-            cache_blocks: false,
-        };
-        let (_, end) = run(&r, &fill, false).await;
-        assert!(end.is_ok(), "{end:?}");
+        cache_whole(&r, 0).await;
         let store = &r.rpc.fetcher.store;
         // A page of another version of the file, cached.
         let other = VERSION + 1;
         let key = ((INODE, other, 0), 0);
         let room = store.reserve(&key, PS).expect("room for a page");
         store.commit(room, key, BS, &[7u8; PS as usize]).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !(0..4).all(|p| store.contains(&((INODE, VERSION, 0), p))) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "block 0 was never cached"
-            );
-            tokio::task::yield_now().await;
-        }
         let id = |version| pb::BlockId {
             inode: INODE,
             version,

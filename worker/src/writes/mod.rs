@@ -97,12 +97,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The free space a write's journal leaves on the cache's disk: 1 % of the disk, at most
-/// 1 GiB. A journal not counted against `--cache-size` (a cache-through or through write
+/// 256 MiB. A journal not counted against `--cache-size` (a cache-through or through write
 /// until it is uploaded, an async-through one past the cache's room) stops with
 /// `NO_SPACE` there rather than fill the disk the cache, the other journals and the
 /// worker's own files need.
 fn disk_reserve(disk_bytes: u64) -> u64 {
-    (disk_bytes / 100).min(1 << 30)
+    (disk_bytes / 100).min(256 << 20)
 }
 
 /// Whether `n` more bytes fit on the disk of `dir` above [`disk_reserve`] (true when the
@@ -378,6 +378,39 @@ impl Writes {
         }
     }
 
+    /// Room for `n` more bytes of a write's journal. An async-through journal (`pinned`)
+    /// counts against the cache until uploaded while the cache has room (a replica is
+    /// refused beyond it; the persisting worker goes on `uncounted`, uploading before it
+    /// answers). A journal counted nowhere (cache-through and through until uploaded, an
+    /// async-through one past the cache's room) must leave the disk its reserve.
+    fn room_for(
+        &self,
+        n: u64,
+        pinned: bool,
+        persist: bool,
+        room: &mut Option<crate::store::Reservation>,
+        uncounted: &mut bool,
+    ) -> Result<(), RpcError> {
+        if pinned && !*uncounted {
+            *uncounted = !self.hold_room(n, room);
+            if *uncounted && !persist {
+                return Err(RpcError::NoSpace(
+                    "the worker's cache cannot hold this replica of an async-through write \
+                     (its pages and its journal count against --cache-size until uploaded)"
+                        .to_string(),
+                ));
+            }
+        }
+        if (!pinned || *uncounted) && !disk_takes(&self.dir, n) {
+            return Err(RpcError::NoSpace(
+                "the worker's cache disk is nearly full: this write's journal would leave \
+                 less than its reserve (1 % of the disk, at most 256 MiB) free"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
     async fn receive_inner<S>(
         self: Arc<Self>,
         h: pb::WriteFileHeader,
@@ -445,22 +478,8 @@ impl Writes {
                      {block_size}-byte blocks may have)"
                 )));
             }
-            if n > 0 && !disk_takes(&self.dir, n) {
-                return Err(RpcError::NoSpace(
-                    "the worker's cache disk is nearly full: this write's journal would leave \
-                     less than its reserve (1 % of the disk, at most 1 GiB) free"
-                        .to_string(),
-                ));
-            }
-            if pinned && n > 0 && !uncounted {
-                uncounted = !self.hold_room(n, &mut room);
-                if uncounted && !journal.persist {
-                    return Err(RpcError::NoSpace(
-                        "the worker's cache cannot hold this replica of an async-through write \
-                         (its pages and its journal count against --cache-size until uploaded)"
-                            .to_string(),
-                    ));
-                }
+            if n > 0 {
+                self.room_for(n, pinned, journal.persist, &mut room, &mut uncounted)?;
             }
             if n > 0 || sync {
                 blocking(&mut sink, move |s| {
