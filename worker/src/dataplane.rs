@@ -43,6 +43,9 @@ const SEND_LEASE: Duration = Duration::from_secs(30);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection with no request for this long is closed (clients open a new one).
 const IDLE_CLOSE: Duration = Duration::from_secs(300);
+/// Data plane connections served at once (each a task, and the pages of its answer in
+/// flight).
+pub const MAX_CONNECTIONS: usize = 512;
 /// Time a request's body may take to arrive once its length has.
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// The method whose roles may use the data plane.
@@ -99,6 +102,19 @@ pub async fn serve(
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
 ) {
+    serve_at_most(listener, rpc, tls, shutdown, MAX_CONNECTIONS).await;
+}
+
+/// [`serve`] with at most `max` connections at once.
+pub(crate) async fn serve_at_most(
+    listener: TcpListener,
+    rpc: Arc<WorkerRpc>,
+    tls: Option<TlsAcceptor>,
+    shutdown: CancellationToken,
+    max: usize,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max));
+    let mut refused_logged: Option<Instant> = None;
     loop {
         let sock = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -111,9 +127,25 @@ pub async fn serve(
                 }
             },
         };
+        // Callers holding connections (idle, or not reading their answers) take no more
+        // than MAX_CONNECTIONS tasks and their pages: one past that is closed at once, and
+        // its client reads over gRPC for a while.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            rpc.metrics.data_plane_refused.inc();
+            if refused_logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                tracing::warn!(
+                    max,
+                    "data plane: as many connections as it serves are open; closing new ones (their clients read over gRPC)"
+                );
+                refused_logged = Some(Instant::now());
+            }
+            drop(sock);
+            continue;
+        };
         let _ = sock.set_nodelay(true);
         let (rpc, sd, tls) = (rpc.clone(), shutdown.clone(), tls.clone());
         tokio::spawn(async move {
+            let _slot = slot;
             let served = async {
                 match tls {
                     None => connection(sock, &rpc, Principal::unauthenticated()).await,

@@ -113,6 +113,7 @@ pub struct WorkerMetrics {
     pub node_copy_bytes: Counter<u64, AtomicU64>,
     pub peer_served_bytes: Counter<u64, AtomicU64>,
     pub data_plane_bytes: Counter<u64, AtomicU64>,
+    pub data_plane_refused: Counter<u64, AtomicU64>,
     pub short_circuit_leases: Counter<u64, AtomicU64>,
     pub short_circuit_bytes: Counter<u64, AtomicU64>,
     pub active_leases: Gauge<i64, AtomicI64>,
@@ -255,6 +256,11 @@ impl WorkerMetrics {
                 "granary_worker_data_plane_bytes",
                 "Bytes this worker sent over its block data plane (--data-listen), whole cached pages by sendfile",
                 m.data_plane_bytes.clone(),
+            );
+            r.register(
+                "granary_worker_data_plane_refused",
+                "Data plane connections closed at once because as many as it serves were open (their clients read over gRPC meanwhile)",
+                m.data_plane_refused.clone(),
             );
             r.register(
                 "granary_worker_short_circuit_leases",

@@ -1047,3 +1047,38 @@ fn data_plane_answers_are_flushed_to_their_end() {
         }
     });
 }
+
+/// A data plane serves so many connections at once and closes the next one at once (its
+/// client reads over gRPC): callers holding connections idle cannot make the worker hold
+/// a task and pages for each of as many as they like.
+#[test]
+fn a_data_plane_closes_connections_past_its_limit_at_once() {
+    use tokio::io::AsyncReadExt;
+    runtime().block_on(async {
+        let r = rig_with(false).await;
+        let metrics = r.rpc.metrics.clone();
+        let rpc = Arc::new(r.rpc);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(crate::dataplane::serve_at_most(
+            listener,
+            rpc,
+            None,
+            stop.clone(),
+            4,
+        ));
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut past = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut b = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), past.read(&mut b))
+            .await
+            .expect("a connection past the limit was kept open");
+        assert!(matches!(read, Ok(0)) || read.is_err(), "{read:?}");
+        assert_eq!(metrics.data_plane_refused.get(), 1);
+        stop.cancel();
+    });
+}
