@@ -175,7 +175,17 @@ impl Principal {
             for gn in &san.value.general_names {
                 if let x509_parser::extensions::GeneralName::URI(uri) = gn {
                     if let Some(p) = uri.strip_prefix(SUBTREE_URI) {
-                        subtree = Some(percent_decode(p)?);
+                        // One subtree, written as Granary writes paths: an empty one, one
+                        // with `..` or a trailing slash, or two, would otherwise reach more
+                        // than it says (an empty one reached the whole namespace).
+                        let p = percent_decode(p)?;
+                        let normal = crate::paths::normalize(&p).is_ok_and(|n| n == p);
+                        if !normal || subtree.is_some() {
+                            return Err(TlsError::Invalid(format!(
+                                "the certificate of {name} names a subtree that is not one normalised absolute path ({p:?})"
+                            )));
+                        }
+                        subtree = Some(p);
                     } else if let Some(id) = uri.strip_prefix(MASTER_URI) {
                         master_ids.push(parse_master_id(id)?);
                     }
@@ -629,6 +639,17 @@ mod tests {
         assert!(m.principal.has(Role::Node) && m.principal.has(Role::Admin));
         assert!(!m.principal.has(Role::User));
         assert_eq!(m.principal.subtree, None);
+
+        // A subtree that is not one normalised absolute path is refused, never widened.
+        for bad in ["", "data", "/data/", "/data/../etc", "/data//x"] {
+            let mut spec = LeafSpec::new("team-b", &[Role::User], 1);
+            spec.subtree = Some(bad.into());
+            let leaf = issue(&ca, &spec).unwrap();
+            assert!(
+                TlsMaterial::from_pems(ca.cert.clone(), leaf).is_err(),
+                "subtree {bad:?} was taken"
+            );
+        }
     }
 
     #[test]
