@@ -590,6 +590,24 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
             .into_inner();
         assert_eq!(shown.path, "/data/team-a");
     });
+    // An admin confined to the subtree cancels no job beside it (as if there were none).
+    let sub_admin = TestTls::get()
+        .issue(
+            "team-a-admin",
+            &["--role", "admin", "--subtree", "/data/team-a"],
+        )
+        .unwrap();
+    rt().block_on(async {
+        let mut c = MasterServiceClient::new(channel(&master.addr, Some(&creds_in(&sub_admin))));
+        let e = c
+            .cancel_job(pb::GetJobRequest {
+                id: beside,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    });
     assert!(src.join("team-b/y.bin").exists() && src.join("team-a/x.bin").exists());
 }
 

@@ -1308,7 +1308,15 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::JobInfo>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
+        // An admin confined to a subtree cancels the jobs inside it only (others are as
+        // if there were none, as for GetJob).
+        self.core.ensure_leader()?;
+        self.core.read_barrier().await?;
+        if !job_shown(&who, &self.core.job_info(r.id, 0)?) {
+            return Err(MasterError::NoSuchJob { id: r.id }.into());
+        }
         let job = self.core.cancel_job(r.id).await?;
         Ok(Response::new(self.core.job_info(job.id, 1000)?))
     }
