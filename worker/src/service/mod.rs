@@ -132,25 +132,29 @@ async fn load_block(
     }
     Ok(fetched)
 }
-/// One block of a client's `CacheBlocks`: its grant checked as a read's that fills the
-/// cache (the caller, the file, the under-store object and the descriptor's terms), then
-/// cached as a load task's block is. A refused grant fetches nothing.
-async fn cache_block(
-    fetcher: &Arc<Fetcher>,
+/// One block of a client's `CacheBlocks`, admitted: its descriptor's shape and its grant
+/// checked as a read's that fills the cache (the caller, the file, the under-store object
+/// and the descriptor's terms), and the worker's [`CACHE_BLOCK_PERMITS`] it holds while it
+/// is cached (one per started MiB of the block, at most all of them). A refused block
+/// fetches nothing and takes no share.
+fn admit_cache_block(
     keys: &GrantKeys,
     who: &Principal,
     b: pb::CacheBlock,
-) -> Result<u64, (pb::LoadError, String)> {
+) -> Result<(pb::BlockDescriptor, u32), (pb::LoadError, String)> {
     let desc = b.block.ok_or_else(|| {
         (
             pb::LoadError::Invalid,
             "the block descriptor is missing".to_string(),
         )
     })?;
-    block_extent(&desc).map_err(|e| (pb::LoadError::Invalid, e.to_string()))?;
+    let (_, len) = block_extent(&desc).map_err(|e| (pb::LoadError::Invalid, e.to_string()))?;
     check_read_grant(keys, who, b.grant.as_ref(), &desc, true)
         .map_err(|e| (pb::LoadError::Denied, e.to_string()))?;
-    load_block(fetcher, desc, None).await
+    let permits = len
+        .div_ceil(1 << 20)
+        .clamp(1, u64::from(CACHE_BLOCK_PERMITS)) as u32;
+    Ok((desc, permits))
 }
 
 /// A load's outcome for one block, as the worker answers it.
@@ -165,23 +169,6 @@ fn load_result(id: pb::BlockId, r: Result<u64, (pb::LoadError, String)>) -> pb::
         fetched_bytes,
         code: code as i32,
     }
-}
-
-/// The worker's [`CACHE_BLOCK_PERMITS`] a `CacheBlocks` block holds while it is cached: one
-/// per started MiB of the block, at most all of them; none for a block that will be
-/// refused (no valid descriptor, or no grant for it: [`cache_block`] answers so at once).
-fn cache_permits(keys: &GrantKeys, who: &Principal, b: &pb::CacheBlock) -> u32 {
-    let Some(desc) = b.block.as_ref() else {
-        return 0;
-    };
-    let Ok((_, len)) = block_extent(desc) else {
-        return 0;
-    };
-    if check_read_grant(keys, who, b.grant.as_ref(), desc, true).is_err() {
-        return 0;
-    }
-    len.div_ceil(1 << 20)
-        .clamp(1, u64::from(CACHE_BLOCK_PERMITS)) as u32
 }
 
 /// The result of a block whose task ended without one (it panicked).
@@ -387,12 +374,14 @@ impl WorkerRpc {
                             return;
                         }
                         metrics.cache_blocks_asked.inc();
-                        // Checked before it waits for its share: a block that will be
-                        // refused takes none (nor the turn of those asking after it).
-                        let permit = match cache_permits(&keys, &who, &b) {
-                            0 => None,
-                            n => tokio::select! {
-                                p = fetcher.cache_slots.clone().acquire_many_owned(n) => match p {
+                        // Checked before it waits for its share: a block refused takes
+                        // none (nor the turn of those asking after it).
+                        let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
+                        let admitted = admit_cache_block(&keys, &who, b);
+                        let permit = match &admitted {
+                            Err(_) => None,
+                            Ok((_, n)) => tokio::select! {
+                                p = fetcher.cache_slots.clone().acquire_many_owned(*n) => match p {
                                     Ok(p) => Some(p),
                                     Err(_) => return, // closed: the worker is stopping
                                 },
@@ -403,10 +392,12 @@ impl WorkerRpc {
                         // A task per block: the fetches' work spreads over the runtime's
                         // threads. It runs to its end even if the caller goes away (its
                         // pages may be half fetched), holding its share until then.
-                        let (fetcher, keys, who) = (fetcher.clone(), keys.clone(), who.clone());
-                        let id = b.block.as_ref().and_then(|d| d.id).unwrap_or_default();
+                        let fetcher = fetcher.clone();
                         let task = tokio::spawn(async move {
-                            let r = cache_block(&fetcher, &keys, &who, b).await;
+                            let r = match admitted {
+                                Ok((desc, _)) => load_block(&fetcher, desc, None).await,
+                                Err(e) => Err(e),
+                            };
                             drop(permit);
                             load_result(id, r)
                         });
