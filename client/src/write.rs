@@ -125,7 +125,8 @@ impl Sink {
 }
 
 /// A file being written. Call [`FileWriter::close`] to commit it; dropping it abandons the
-/// write (the file stays incomplete, its journal is removed by the workers).
+/// write (the file stays incomplete; the workers, whose streams end without the finish
+/// `close` sends, neither cache nor upload what they received and remove its journal).
 pub struct FileWriter {
     fs: Arc<FileSystem>,
     pub status: pb::FileStatus,
@@ -335,7 +336,14 @@ impl FileWriter {
         }
         let mut answers = Vec::with_capacity(self.sinks.len());
         for s in &mut self.sinks {
-            s.tx = None; // ends the stream: the worker finishes the file
+            s.send(pb::WriteFileRequest {
+                finish: true,
+                ..Default::default()
+            })
+            .await?;
+        }
+        for s in &mut self.sinks {
+            s.tx = None; // ends the stream after the finish: the worker finishes the file
         }
         for s in &mut self.sinks {
             answers.push(s.answer(self.written, true).await?);

@@ -964,6 +964,62 @@ async fn a_cached_file_renamed_into_a_pinned_folder_is_pinned_where_it_is_held()
     c.stop().await
 }
 
+/// A writer dropped part-way (a copy whose source failed, a close that timed out) ends its
+/// stream without the finish `close` sends: the worker gives the write up instead of
+/// caching and uploading the partial file under the file's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_dropped_part_way_uploads_nothing() -> Result<()> {
+    let c = Cluster::start(Shape {
+        masters: 1,
+        workers: 1,
+        ..Shape::default()
+    })
+    .await?;
+    c.mount_store().await?;
+    let fs = c.client()?;
+    let worker = c.worker(0).expect("started");
+    let failures = || worker.metrics.write_failures.get();
+    for mode in [
+        granary_client::WriteMode::CacheThrough,
+        granary_client::WriteMode::Through,
+    ] {
+        let before = failures();
+        let name = format!("partial-{}.bin", mode.name());
+        let mut w = fs
+            .create_writer(&format!("/data/{name}"), 0o644, false, mode, 1)
+            .await?;
+        w.write(0, bytes::Bytes::from(vec![7u8; 100_000])).await?;
+        drop(w);
+        eventually(
+            "the worker to give the dropped write up",
+            Duration::from_secs(20),
+            || async move { (failures() > before).then_some(()) },
+        )
+        .await?;
+        assert!(
+            !c.store.join(&name).exists(),
+            "{name}: a partial file reached the store"
+        );
+    }
+    // A writer closed as it should still writes the file.
+    let mut w = fs
+        .create_writer(
+            "/data/whole.bin",
+            0o644,
+            false,
+            granary_client::WriteMode::CacheThrough,
+            1,
+        )
+        .await?;
+    w.write(0, bytes::Bytes::from(vec![7u8; 100_000])).await?;
+    w.close().await?;
+    assert_eq!(
+        std::fs::read(c.store.join("whole.bin"))?,
+        vec![7u8; 100_000]
+    );
+    c.stop().await
+}
+
 /// A caller touching many due folders at once gets answers at once, but the leader lists
 /// at most 16 of them from the store at a time; the others stay due and are listed by a
 /// later access.

@@ -308,6 +308,7 @@ async fn write_file(
         },
         pb::WriteFileRequest {
             data: data.to_vec().into(),
+            finish: true,
             ..Default::default()
         },
     ];

@@ -466,11 +466,18 @@ impl Writes {
             cache_full: false,
         });
         let mut offset = 0u64;
+        let mut finished = false;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(went_away)?;
             if msg.abort {
                 return Err(RpcError::Aborted("the client gave the write up".into()));
             }
+            if finished {
+                return Err(RpcError::Invalid(
+                    "a message followed the write's finish".into(),
+                ));
+            }
+            finished = msg.finish;
             let (n, sync) = (msg.data.len() as u64, msg.sync);
             if offset.saturating_add(n) > max_length {
                 return Err(RpcError::Invalid(format!(
@@ -502,6 +509,13 @@ impl Writes {
                     }))
                     .await;
             }
+        }
+        if !finished {
+            // The client dropped its writer or stopped part-way: what arrived is not the
+            // file, and is neither cached nor uploaded.
+            return Err(RpcError::Aborted(
+                "the write stream ended before the client finished the file".into(),
+            ));
         }
         blocking(&mut sink, |s| {
             s.finish();
@@ -1007,6 +1021,7 @@ mod tests {
         };
         let data = pb::WriteFileRequest {
             data: vec![7u8; len].into(),
+            finish: true,
             ..Default::default()
         };
         let (tx, mut rx) = mpsc::channel(8);
