@@ -73,10 +73,31 @@ impl FromStr for WriteMode {
     }
 }
 
+/// What a caller holds while a message's bytes wait in a sink's queue (a share of a memory
+/// budget): dropped when the stream takes the message from the queue.
+pub type Held = Arc<dyn std::any::Any + Send + Sync>;
+
+/// A sink's queue as its stream takes from it: what was held for a message is let go as
+/// the message is taken.
+struct Unheld(ReceiverStream<(pb::WriteFileRequest, Option<Held>)>);
+
+impl futures::Stream for Unheld {
+    type Item = pb::WriteFileRequest;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.0)
+            .poll_next(cx)
+            .map(|m| m.map(|(msg, _held)| msg))
+    }
+}
+
 /// One worker receiving the file.
 struct Sink {
     worker: pb::WorkerInfo,
-    tx: Option<mpsc::Sender<pb::WriteFileRequest>>,
+    tx: Option<mpsc::Sender<(pb::WriteFileRequest, Option<Held>)>>,
     rx: tonic::Streaming<pb::WriteFileResponse>,
 }
 
@@ -93,10 +114,18 @@ impl Sink {
     }
 
     async fn send(&mut self, msg: pb::WriteFileRequest) -> Result<(), ClientError> {
+        self.send_held(msg, None).await
+    }
+
+    async fn send_held(
+        &mut self,
+        msg: pb::WriteFileRequest,
+        held: Option<Held>,
+    ) -> Result<(), ClientError> {
         let Some(tx) = &self.tx else {
             return Err(ClientError::internal("the file is already closed"));
         };
-        if tx.send(msg).await.is_err() {
+        if tx.send((msg, held)).await.is_err() {
             return Err(self.failure().await);
         }
         Ok(())
@@ -172,15 +201,18 @@ impl FileSystem {
                 grant: status.grant.clone(),
             };
             let (tx, rx) = mpsc::channel(QUEUE);
-            tx.send(pb::WriteFileRequest {
-                header: Some(header),
-                ..Default::default()
-            })
+            tx.send((
+                pb::WriteFileRequest {
+                    header: Some(header),
+                    ..Default::default()
+                },
+                None,
+            ))
             .await
             .map_err(|_| ClientError::internal("write queue closed"))?;
             let mut client = self.worker_client(&w.address)?;
             let rx = client
-                .write_file(ReceiverStream::new(rx))
+                .write_file(Unheld(ReceiverStream::new(rx)))
                 .await
                 .map_err(ClientError::from_status)?
                 .into_inner();
@@ -244,6 +276,17 @@ impl FileWriter {
 
     /// Appends `data` at `offset`, which must be where the file ends now.
     pub async fn write(&mut self, offset: u64, data: Bytes) -> Result<(), ClientError> {
+        self.write_held(offset, data, None).await
+    }
+
+    /// [`FileWriter::write`], `held` kept until every worker's stream has taken the bytes
+    /// from its queue (a caller's share of a memory budget for them).
+    pub async fn write_held(
+        &mut self,
+        offset: u64,
+        data: Bytes,
+        held: Option<Held>,
+    ) -> Result<(), ClientError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -260,10 +303,13 @@ impl FileWriter {
         }
         for s in &mut self.sinks {
             let r = s
-                .send(pb::WriteFileRequest {
-                    data: data.clone(),
-                    ..Default::default()
-                })
+                .send_held(
+                    pb::WriteFileRequest {
+                        data: data.clone(),
+                        ..Default::default()
+                    },
+                    held.clone(),
+                )
                 .await;
             if let Err(e) = r {
                 self.failed = Some(e.clone());
@@ -314,10 +360,13 @@ impl FileWriter {
         for s in &mut self.sinks {
             if let Some(tx) = s.tx.take() {
                 let _ = tx
-                    .send(pb::WriteFileRequest {
-                        abort: true,
-                        ..Default::default()
-                    })
+                    .send((
+                        pb::WriteFileRequest {
+                            abort: true,
+                            ..Default::default()
+                        },
+                        None,
+                    ))
                     .await;
             }
         }

@@ -92,9 +92,9 @@ macro_rules! quiesced {
 }
 
 /// Largest read/readahead the kernel is asked to send (1 MiB requests).
-const MAX_IO: u32 = 1024 * 1024;
+pub(crate) const MAX_IO: u32 = 1024 * 1024;
 /// The memory budget's unit.
-const BUDGET_UNIT: u64 = 4096;
+pub(crate) const BUDGET_UNIT: u64 = 4096;
 /// Longest file name, in bytes (as on Linux file systems; statfs says the same).
 const NAME_MAX: usize = 255;
 /// Cluster cache capacity, used bytes and inode count (what statfs reports).
@@ -287,12 +287,7 @@ impl GranaryFs {
         let (uid, gid) = std::fs::metadata("/proc/self")
             .map(|m| (m.uid(), m.gid()))
             .unwrap_or((0, 0));
-        let writes = crate::write::Writes::new(
-            client.clone(),
-            config.write_mode,
-            config.async_replicas.max(1),
-            config.op_timeout,
-        );
+        let writes = crate::write::Writes::for_mount(client.clone(), config, budget.clone());
         let prefetch_budget = crate::prefetch::Budget {
             memory: budget.clone(),
             unit: BUDGET_UNIT,

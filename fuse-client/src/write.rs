@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fuser::Errno;
+use granary_client::write::Held;
 use granary_client::{ClientError, FileSystem, FileWriter, WriteMode};
 use granary_proto as pb;
 
@@ -22,6 +23,8 @@ use crate::error::errno;
 pub struct WriteHandle {
     pub inode: u64,
     writer: Option<FileWriter>,
+    /// Its place among the files this mount writes at once, until committed.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The outcome of the commit, once flushed.
     done: Option<Result<(), Errno>>,
     /// Bytes written so far (what getattr reports while the file is open).
@@ -39,6 +42,65 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
+/// The share of the mount's memory budget (`--max-memory`) that writes may use: bytes
+/// waiting in a write's queues hold units of the budget (at most half of it, so reads
+/// always have the other half) until the worker's stream takes them; and as each file open
+/// for writing may also hold about two writes' worth in the streams below the queues, at
+/// most half the budget divided by that many files are written at once (`ENFILE` past it).
+#[derive(Clone)]
+pub struct WriteMemory {
+    /// The mount's whole budget (shared with reads), in units.
+    pub budget: Arc<tokio::sync::Semaphore>,
+    /// Half of it: what writes may hold at once.
+    pub cap: Arc<tokio::sync::Semaphore>,
+    /// Files written at once.
+    pub slots: Arc<tokio::sync::Semaphore>,
+    pub slots_total: usize,
+    /// Bytes per unit.
+    pub unit: u64,
+    /// Units in `cap`.
+    half: u64,
+}
+
+impl WriteMemory {
+    /// Budget `units` units of `unit` bytes; `per_file` bytes held by a file being written
+    /// outside its queues.
+    pub fn new(budget: Arc<tokio::sync::Semaphore>, units: u64, unit: u64, per_file: u64) -> Self {
+        let half = (units / 2).clamp(1, u64::from(u32::MAX >> 3));
+        let slots = ((half * unit) / per_file.max(1)).clamp(1, 1 << 20) as usize;
+        Self {
+            budget,
+            cap: Arc::new(tokio::sync::Semaphore::new(half as usize)),
+            slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            slots_total: slots,
+            unit,
+            half,
+        }
+    }
+
+    /// Room for `n` bytes queued for the workers: waits for the writes' share, then for the
+    /// budget (always in that order, so writers never wait on each other in a circle).
+    async fn room(&self, n: usize) -> Result<Held, ClientError> {
+        // A write larger than the writes' share takes all of it.
+        let units = (n as u64).div_ceil(self.unit).clamp(1, self.half);
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        let closed = |e: tokio::sync::AcquireError| ClientError::internal(e.to_string());
+        let cap = self
+            .cap
+            .clone()
+            .acquire_many_owned(units)
+            .await
+            .map_err(closed)?;
+        let budget = self
+            .budget
+            .clone()
+            .acquire_many_owned(units)
+            .await
+            .map_err(closed)?;
+        Ok(Arc::new((cap, budget)))
+    }
+}
+
 /// What every write operation of the mount needs.
 #[derive(Clone)]
 pub struct Writes {
@@ -51,16 +113,39 @@ pub struct Writes {
     pub op_timeout: Duration,
     /// Mount id → its `write_mode` option (looked up once).
     mount_modes: Arc<Mutex<HashMap<u64, WriteMode>>>,
+    pub memory: WriteMemory,
 }
 
 impl Writes {
+    /// The writes of a mount with `config`, drawing on its memory `budget` (a semaphore of
+    /// 4 KiB units, all of them free now).
+    pub fn for_mount(
+        client: Arc<FileSystem>,
+        config: &crate::FuseConfig,
+        budget: Arc<tokio::sync::Semaphore>,
+    ) -> Self {
+        let replicas = config.async_replicas.max(1);
+        let units = budget.available_permits() as u64;
+        let per_file = 2 * u64::from(crate::fs::MAX_IO) * replicas as u64;
+        let memory = WriteMemory::new(budget, units, crate::fs::BUDGET_UNIT, per_file);
+        Self::new(
+            client,
+            config.write_mode,
+            replicas,
+            config.op_timeout,
+            memory,
+        )
+    }
+
     pub fn new(
         client: Arc<FileSystem>,
         mode: Option<WriteMode>,
         replicas: usize,
         op_timeout: Duration,
+        memory: WriteMemory,
     ) -> Self {
         Self {
+            memory,
             client,
             handles: Arc::new(Mutex::new(HashMap::new())),
             sizes: Arc::new(Mutex::new(HashMap::new())),
@@ -117,6 +202,17 @@ impl Writes {
         overwrite: bool,
         mount_id: Option<u64>,
     ) -> Result<pb::FileStatus, ClientError> {
+        // Before anything changes: a file replaced by an open refused here keeps its bytes.
+        let slot = self.memory.slots.clone().try_acquire_owned().map_err(|_| {
+            ClientError::posix(
+                libc::ENFILE,
+                format!(
+                    "{path}: this mount already writes {} files at once, the most its \
+                     --max-memory allows; close one first",
+                    self.memory.slots_total
+                ),
+            )
+        })?;
         let mode = self.mode_for(mount_id).await;
         let w = self
             .client
@@ -130,6 +226,7 @@ impl Writes {
             Arc::new(tokio::sync::Mutex::new(WriteHandle {
                 inode: status.inode,
                 writer: Some(w),
+                slot: Some(slot),
                 done: None,
                 size,
             })),
@@ -165,7 +262,12 @@ impl Writes {
         let Some(w) = h.writer.as_mut() else {
             return Err(Errno::EBADF);
         };
-        let r = tokio::time::timeout(self.op_timeout, w.write(offset, data)).await;
+        let memory = &self.memory;
+        let write = async {
+            let held = memory.room(data.len()).await?;
+            w.write_held(offset, data, Some(held)).await
+        };
+        let r = tokio::time::timeout(self.op_timeout, write).await;
         match r {
             Ok(Ok(())) => {
                 let written = w.written();
@@ -239,6 +341,7 @@ impl Writes {
             }
         };
         h.done = Some(out);
+        h.slot = None;
         lock(&self.sizes).remove(&h.inode);
         out
     }
@@ -253,5 +356,40 @@ impl Writes {
         rt.spawn(async move {
             let _ = me.commit(&h).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+
+    #[tokio::test]
+    async fn queued_write_bytes_hold_the_budget_until_taken() {
+        // 100 units of 4 KiB: writes may hold 50; a file costs 100 KiB outside the queues.
+        let budget = Arc::new(tokio::sync::Semaphore::new(100));
+        let m = WriteMemory::new(budget.clone(), 100, 4096, 100 << 10);
+        assert_eq!(m.slots_total, 2);
+        let a = m.room(8192).now_or_never().unwrap().unwrap();
+        assert_eq!(
+            (m.cap.available_permits(), budget.available_permits()),
+            (48, 98)
+        );
+        // A write larger than the writes' share waits for all of it, then takes it all.
+        let big = m.room(1 << 20);
+        futures::pin_mut!(big);
+        assert!(big.as_mut().now_or_never().is_none());
+        drop(a);
+        let b = big.now_or_never().unwrap().unwrap();
+        assert_eq!(
+            (m.cap.available_permits(), budget.available_permits()),
+            (0, 50)
+        );
+        // Reads keep the other half.
+        drop(b);
+        assert_eq!(
+            (m.cap.available_permits(), budget.available_permits()),
+            (50, 100)
+        );
     }
 }

@@ -242,7 +242,13 @@ fn namespace_changes_through_the_mount_reach_the_store_and_bad_writes_change_not
         "python3 -c \"f = open('out/sparse.bin', 'wb'); f.write(b'a' * 10); f.flush(); f.seek(4096); f.write(b'b'); f.close()\"",
     );
     assert!(err.contains("Operation not supported"), "{err}");
-    assert!(!store("out/sparse.bin").exists());
+    if store("out/sparse.bin").exists() {
+        // Seen once in CI and never reproduced since: say what each process logged.
+        let logs = [&fuse.proc, &_w.proc, &master.proc]
+            .map(|p| p.log_text())
+            .join("\n---\n");
+        panic!("the failed write reached the store; logs:\n{logs}");
+    }
     assert!(!m.join("out/sparse.bin").exists());
     assert_eq!(
         std::fs::read_to_string(store("out/note.txt")).unwrap(),
@@ -475,4 +481,78 @@ fn a_pending_upload_completes_across_a_master_restart() {
         Some(out[0].as_str())
     );
     assert_eq!(w.metric("granary_worker_persisted_files_total"), 1.0);
+}
+
+/// Writes stay inside the mount's `--max-memory`: bytes queued for the workers hold part of
+/// its budget, and the mount writes at most as many files at once as half the budget
+/// allows (about 2 MiB each): an open for writing past that gets `ENFILE` before anything
+/// changes (a file it would replace keeps its bytes, a new one is not created). A file far
+/// larger than the budget still goes through whole.
+#[test]
+fn writes_stay_inside_the_mounts_memory_budget() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-wmem-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let src = root.join("src");
+    random_file(&src.join("old.bin"), MIB + 7).unwrap();
+    let old = sha_of(&src.join("old.bin")).unwrap();
+    let s3 = TestStore::s3(root, "mem", "mem-access", "mem-secret-key-1").unwrap();
+    s3.load(&src).unwrap();
+    let master = Master::start(root).unwrap();
+    let _w = Worker::start(root, "w1", &master.addr, "1GiB").unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    s3.mount(&master.addr, "/s3", &[]).unwrap();
+    // 8 MiB: 4 MiB for writes, two files at once.
+    let fuse = Fuse::start_opts(
+        root,
+        "mnt",
+        &master.addr,
+        &["--no-passthrough", "--max-memory", "8MiB"],
+    )
+    .unwrap();
+    let m = fuse.mountpoint.join("s3");
+    let store = |k: &str| s3.object_file(k).unwrap();
+    let script = r#"
+import errno, os
+def refused(name):
+    try:
+        open(name, "wb")
+        return "opened"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+a = open("a.bin", "wb"); a.write(b"a" * 1000); a.flush()
+b = open("b.bin", "wb"); b.write(b"b" * 1000); b.flush()
+print(refused("old.bin"), refused("c.bin"), os.path.exists("c.bin"))
+a.close()
+c = open("c.bin", "wb"); c.write(b"c" * 1000); c.close()
+b.close()
+"#;
+    let out = sh(&format!(
+        "cd '{}' && python3 -c '{}'",
+        m.display(),
+        script.replace('\'', "\"")
+    ))
+    .unwrap();
+    assert_eq!(out.trim(), "ENFILE ENFILE False");
+    assert_eq!(sha_of(&store("old.bin")).as_deref(), Some(old.as_str()));
+    for (name, byte) in [("a.bin", b'a'), ("b.bin", b'b'), ("c.bin", b'c')] {
+        assert_eq!(
+            std::fs::read(store(name)).unwrap(),
+            vec![byte; 1000],
+            "{name}"
+        );
+    }
+
+    // 64 MiB through an 8 MiB budget.
+    random_file(&root.join("big.bin"), 64 * MIB + 3).unwrap();
+    let want = sha_of(&root.join("big.bin")).unwrap();
+    sh(&format!(
+        "dd if='{}' of='{}' bs=1M status=none",
+        root.join("big.bin").display(),
+        m.join("big.bin").display()
+    ))
+    .unwrap();
+    assert_eq!(sha_of(&store("big.bin")).as_deref(), Some(want.as_str()));
 }

@@ -118,6 +118,21 @@ fn disk_takes(dir: &Path, n: u64) -> bool {
 }
 
 /// The writer's stream broke.
+/// A write's message in its place: an abort gives the write up, nothing may follow the
+/// finish.
+fn in_order(msg: &pb::WriteFileRequest, finished: &mut bool) -> Result<(), RpcError> {
+    if msg.abort {
+        return Err(RpcError::Aborted("the client gave the write up".into()));
+    }
+    if *finished {
+        return Err(RpcError::Invalid(
+            "a message followed the write's finish".into(),
+        ));
+    }
+    *finished = msg.finish;
+    Ok(())
+}
+
 fn went_away(e: Status) -> RpcError {
     RpcError::Aborted(format!("the client went away: {}", e.message()))
 }
@@ -469,15 +484,7 @@ impl Writes {
         let mut finished = false;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(went_away)?;
-            if msg.abort {
-                return Err(RpcError::Aborted("the client gave the write up".into()));
-            }
-            if finished {
-                return Err(RpcError::Invalid(
-                    "a message followed the write's finish".into(),
-                ));
-            }
-            finished = msg.finish;
+            in_order(&msg, &mut finished)?;
             let (n, sync) = (msg.data.len() as u64, msg.sync);
             if offset.saturating_add(n) > max_length {
                 return Err(RpcError::Invalid(format!(
@@ -514,7 +521,7 @@ impl Writes {
             // The client dropped its writer or stopped part-way: what arrived is not the
             // file, and is neither cached nor uploaded.
             return Err(RpcError::Aborted(
-                "the write stream ended before the client finished the file".into(),
+                "the write ended before its finish".into(),
             ));
         }
         blocking(&mut sink, |s| {
