@@ -488,3 +488,58 @@ fn masters_mount_local_folders_only_below_allowed_roots() {
         ""
     );
 }
+
+/// A `file://` folder the master cannot read (here a FUSE mount inside the store folder
+/// whose daemon died: ENOTCONN, as a network file system's stale handle answers EIO or
+/// ESTALE) fails its listing: the master keeps what it knew of the folder instead of
+/// taking it for empty and removing every file in it from the namespace.
+#[test]
+fn a_folder_the_store_cannot_read_keeps_what_the_master_knew() {
+    let tmp = tempfile::Builder::new()
+        .prefix("granary-unreadable-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let (src, other) = (root.join("src"), root.join("other"));
+    random_file(&other.join("a.bin"), 1000).unwrap();
+    random_file(&other.join("b.bin"), 2000).unwrap();
+    let inner_mp = src.join("nfs");
+    std::fs::create_dir_all(&inner_mp).unwrap();
+    let mut inner = Proc::spawn(
+        "inner",
+        root,
+        &[
+            "local",
+            "--ufs",
+            &other.to_string_lossy(),
+            "--mount",
+            &inner_mp.to_string_lossy(),
+        ],
+    )
+    .unwrap();
+    poll("the inner mount", Duration::from_secs(60), || {
+        inner_mp.join("a.bin").exists().then_some(())
+    })
+    .unwrap();
+    let master = Master::start(root).unwrap();
+    mount_local("/data", &src, &master.addr).unwrap();
+    let ls = || granary_ok(&["fs", "ls", "/data/nfs", "--master", &master.addr]).unwrap();
+    let known = ls();
+    assert!(
+        known.contains("a.bin") && known.contains("b.bin"),
+        "{known}"
+    );
+
+    inner.kill9().unwrap();
+    let gone = std::fs::metadata(&inner_mp).unwrap_err();
+    assert_eq!(gone.raw_os_error(), Some(libc::ENOTCONN), "{gone}");
+    let out = granary(&["fs", "sync", "/data/nfs", "--master", &master.addr]);
+    let _ = Command::new("umount").arg("-l").arg(&inner_mp).status();
+    assert!(
+        !out.status.success(),
+        "a sync of an unreadable folder succeeded"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not connected"), "{err}");
+    assert_eq!(ls(), known);
+}

@@ -73,6 +73,8 @@ enum Last {
 struct Refused {
     path: PathBuf,
     why: String,
+    /// An I/O error (not a refusal by the policy): nothing can be said of what is there.
+    failed: bool,
 }
 
 impl std::fmt::Display for Refused {
@@ -99,6 +101,7 @@ impl Root {
             let s = part.as_ref();
             if s.is_empty() || s == "." || s == ".." || s.contains('/') || s.contains('\0') {
                 return Err(Refused {
+                    failed: false,
                     path: p.join(s),
                     why: "is not a plain name".into(),
                 });
@@ -118,6 +121,7 @@ impl Root {
         // user's `mkfifo` and a few lookups would hold the master's blocking threads).
         match &md {
             Some(m) if last == Last::Object && !m.is_file() && !m.is_dir() => Err(Refused {
+                failed: false,
                 path: path.to_path_buf(),
                 why: "is not a regular file or a folder".into(),
             }),
@@ -131,10 +135,12 @@ impl Root {
         last: Last,
     ) -> std::result::Result<Option<Metadata>, Refused> {
         let io = |p: &Path, e: std::io::Error| Refused {
+            failed: true,
             path: p.to_path_buf(),
             why: format!("cannot be checked: {e}"),
         };
         let rel = path.strip_prefix(&self.dir).map_err(|_| Refused {
+            failed: false,
             path: path.to_path_buf(),
             why: "is outside the mount's root".into(),
         })?;
@@ -143,6 +149,7 @@ impl Root {
         for (i, c) in parts.iter().enumerate() {
             let std::path::Component::Normal(name) = c else {
                 return Err(Refused {
+                    failed: false,
                     path: path.to_path_buf(),
                     why: "is not a plain path".into(),
                 });
@@ -165,6 +172,7 @@ impl Root {
             }
             if self.links == Symlinks::None {
                 return Err(Refused {
+                    failed: false,
                     path: cur,
                     why: "is a symbolic link, and this mount follows none (the mount option symlinks=inside follows links that stay inside its root)".into(),
                 });
@@ -176,6 +184,7 @@ impl Root {
             };
             if !target.starts_with(&self.dir) {
                 return Err(Refused {
+                    failed: false,
                     path: cur,
                     why: "is a symbolic link leaving the mount's root".into(),
                 });
@@ -297,10 +306,13 @@ impl ConfinedLocal {
             path: loc.to_string(),
             source: why.to_string().into(),
         };
-        let Some(md) = self
-            .root
-            .check(&path, Last::Object)
-            .map_err(|e| not_found(loc, e))?
+        let Some(md) = self.root.check(&path, Last::Object).map_err(|e| {
+            if e.failed {
+                refused_error(e)
+            } else {
+                not_found(loc, e)
+            }
+        })?
         else {
             return Err(gone("no such file"));
         };
@@ -338,6 +350,9 @@ impl ConfinedLocal {
         let loc2 = loc.clone();
         blocking(move || {
             root.check(&path, last).map_err(|e| match last {
+                // An I/O error is no answer: not "not found" (a master would drop the
+                // file) and not a refusal.
+                _ if e.failed => refused_error(e),
                 Last::Object => not_found(&loc2, e),
                 Last::Entry => denied(&loc2, e),
             })
@@ -367,6 +382,9 @@ impl Root {
     fn list_folder(&self, dir: &Path, top: &StorePath) -> Result<ListResult> {
         match self.check(dir, Last::Object) {
             Ok(Some(md)) if md.is_dir() => {}
+            // An I/O error says nothing of what is there: the listing fails, and what the
+            // master knows of the folder stays (an empty answer would remove it all).
+            Err(e) if e.failed => return Err(refused_error(e)),
             // Missing, a file, or behind a refused link: nothing to list.
             _ => return Ok(empty_listing()),
         }
@@ -382,7 +400,7 @@ impl Root {
             let Ok(name) = entry.file_name().into_string() else {
                 continue;
             };
-            let Some(what) = self.entry_of(&entry) else {
+            let Some(what) = self.entry_of(&entry).map_err(|e| walk_error(dir, e))? else {
                 continue;
             };
             // As `LocalFileSystem` names it: the name as it is, not percent-encoded. One
@@ -408,31 +426,37 @@ impl Root {
     }
 
     /// What a folder's entry is to a listing, as the policy lets it through (blocking):
-    /// `None` for a link the policy does not follow or that dangles, for what is neither
-    /// a file nor a folder, and for an entry gone or replaced since the folder was read
-    /// (a file swapped for a link is never described by the link's own metadata).
-    fn entry_of(&self, entry: &std::fs::DirEntry) -> Option<Entry> {
-        let ft = entry.file_type().ok()?;
+    /// `None` for a link the policy does not follow or that dangles (or loops), for what
+    /// is neither a file nor a folder, and for an entry gone or replaced since the folder
+    /// was read (a file swapped for a link is never described by the link's own
+    /// metadata). An error reading an entry of its own (EIO, a stale handle) fails the
+    /// listing: leaving the entry out would remove the file from the namespace.
+    fn entry_of(&self, entry: &std::fs::DirEntry) -> std::io::Result<Option<Entry>> {
+        let Some(ft) = present(entry.file_type())? else {
+            return Ok(None);
+        };
         if ft.is_symlink() {
             let path = entry.path();
             if !self.entry_ok(&path) {
-                return None;
+                return Ok(None);
             }
-            let md = std::fs::metadata(&path).ok()?;
-            return if md.is_dir() {
+            let Ok(md) = std::fs::metadata(&path) else {
+                return Ok(None);
+            };
+            return Ok(if md.is_dir() {
                 Some(Entry::Folder { linked: true })
             } else {
                 md.is_file().then_some(Entry::Object { md, linked: true })
-            };
+            });
         }
         if ft.is_dir() {
-            return Some(Entry::Folder { linked: false });
+            return Ok(Some(Entry::Folder { linked: false }));
         }
         if !ft.is_file() {
-            return None;
+            return Ok(None);
         }
-        let md = entry.metadata().ok().filter(Metadata::is_file)?;
-        Some(Entry::Object { md, linked: false })
+        let md = present(entry.metadata())?.filter(Metadata::is_file);
+        Ok(md.map(|md| Entry::Object { md, linked: false }))
     }
 }
 
@@ -473,11 +497,14 @@ impl Walk {
             let Ok(top) = self.root.fs_path(&self.top) else {
                 return Ok(());
             };
-            // Missing, a file, or behind a refused link: nothing below it.
-            if let Ok(Some(md)) = self.root.check(&top, Last::Object) {
-                if md.is_dir() {
+            // Missing, a file, or behind a refused link: nothing below it. An I/O error
+            // fails the listing.
+            match self.root.check(&top, Last::Object) {
+                Ok(Some(md)) if md.is_dir() => {
                     self.dirs.push_back((top, self.top.as_ref().to_string()));
                 }
+                Err(e) if e.failed => return Err(refused_error(e)),
+                _ => {}
             }
         }
         let mut budget = n;
@@ -512,7 +539,11 @@ impl Walk {
             } else {
                 format!("{prefix}/{name}")
             };
-            let md = match self.root.entry_of(&entry) {
+            let what = self
+                .root
+                .entry_of(&entry)
+                .map_err(|e| walk_error(&entry.path(), e))?;
+            let md = match what {
                 Some(Entry::Folder { linked: false }) => {
                     self.dirs.push_back((entry.path(), loc));
                     continue;
@@ -529,6 +560,23 @@ impl Walk {
             self.ready.push_back(object_meta(location, &md));
         }
         Ok(())
+    }
+}
+
+/// `Ok(None)` for what is not there (gone since its folder was read).
+fn present<T>(r: std::io::Result<T>) -> std::io::Result<Option<T>> {
+    match r {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// A listing that cannot say what is at `e.path` (an I/O error checking it).
+fn refused_error(e: Refused) -> object_store::Error {
+    object_store::Error::Generic {
+        store: STORE,
+        source: Box::new(e),
     }
 }
 
