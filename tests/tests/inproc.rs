@@ -1020,6 +1020,48 @@ async fn a_writer_dropped_part_way_uploads_nothing() -> Result<()> {
     c.stop().await
 }
 
+/// A version not in the under-store (a must-cache write over an object of the store, as
+/// an async-through one is until uploaded) whose cached copies cannot be reached is not
+/// read from the store: what lies at its path is the object it replaced. The read fails
+/// instead of answering the old bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_version_is_never_read_from_the_object_it_replaced() -> Result<()> {
+    let mut c = Cluster::start(Shape {
+        masters: 1,
+        workers: 1,
+        ..Shape::default()
+    })
+    .await?;
+    std::fs::write(c.store.join("f.bin"), vec![1u8; 10_000])?;
+    c.mount_store().await?;
+    let fs = c.client()?;
+    assert_eq!(fs.stat("/data/f.bin").await?.length, 10_000);
+    let mut w = fs
+        .create_writer(
+            "/data/f.bin",
+            0o644,
+            true,
+            granary_client::WriteMode::MustCache,
+            1,
+        )
+        .await?;
+    w.write(0, bytes::Bytes::from(vec![2u8; 4_000])).await?;
+    let written = w.close().await?;
+    assert!(written.fingerprint.is_none(), "{written:?}");
+    c.stop_worker(0).await?;
+    let st = fs.stat("/data/f.bin").await?;
+    assert_eq!((st.version, st.length), (written.version, 4_000));
+    let e = fs
+        .read(&st, 0, st.length)
+        .await
+        .expect_err("a pending version was read from the store");
+    assert!(e.to_string().contains("does not have this version"), "{e}");
+    // The store still holds the old object, untouched.
+    let old = std::fs::read(c.store.join("f.bin"))?;
+    assert!(old.len() == 10_000 && old.iter().all(|b| *b == 1));
+    c.stop().await
+}
+
 /// A caller touching many due folders at once gets answers at once, but the leader lists
 /// at most 16 of them from the store at a time; the others stay due and are listed by a
 /// later access.

@@ -293,6 +293,12 @@ impl FileSystem {
             self.routes.grpc.read(address, req, deadline).await
         };
         match tokio::time::timeout(self.read_timeout(), fut).await {
+            // A stream that ended cleanly but short (a worker's page task that died) is a
+            // failed read of this source: the next one is tried, never short bytes served.
+            Ok(Ok((got, _))) if got.len() as u64 != len => Err(ClientError::unavailable(format!(
+                "worker {address} answered {} of the {len} bytes asked for",
+                got.len()
+            ))),
             Ok(r) => r,
             Err(_) => Err(ClientError::timeout(format!(
                 "worker {address} did not finish a read within {:?}",
@@ -315,11 +321,18 @@ impl FileSystem {
                 file.path
             ))
         })?;
+        // A version without a fingerprint is not in the under-store (yet): an async-through
+        // or must-cache file whose cached copies are gone. What lies at its path is another
+        // version (the object it replaced), never to be served for this one.
+        let Some(fingerprint) = file.fingerprint.as_ref() else {
+            return Err(ClientError::unavailable(format!(
+                "no worker can serve {} (version {}) and the under-store does not have this \
+                 version yet",
+                file.path, file.version
+            )));
+        };
         let ufs = self.ufs.get(&self.master, loc.mount_id).await?;
-        let expect = file
-            .fingerprint
-            .as_ref()
-            .map(granary_common::ufs::Expected::from);
+        let expect = Some(granary_common::ufs::Expected::from(fingerprint));
         let fut = async {
             Ok::<_, ClientError>(
                 ufs.read_range(&loc.path, expect.as_ref(), offset..offset + len)
