@@ -369,8 +369,9 @@ pub struct FuseOpts {
     #[arg(long, env = "GRANARY_OP_TIMEOUT", value_parser = duration, default_value = "60s")]
     pub op_timeout: Duration,
     /// Memory that reads in flight may hold at once, all open files together (their
-    /// buffers); further reads wait for room. Written bytes not yet sent hold up to half of
-    /// it, and at most half of it ÷ 2 MiB files are written at once (ENFILE past that).
+    /// buffers); further reads wait for room. Written bytes not yet sent hold up to a
+    /// quarter of it, and at most a quarter of it ÷ 2 MiB files are written at once (ENFILE
+    /// past that).
     /// At least 1 MiB.
     #[arg(long, env = "GRANARY_MAX_MEMORY", value_parser = size, default_value = "1GiB")]
     pub max_memory: u64,

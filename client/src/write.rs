@@ -199,6 +199,7 @@ impl FileSystem {
                 mode: mode.to_proto() as i32,
                 persist: i == 0,
                 grant: status.grant.clone(),
+                finishes: true,
             };
             let (tx, rx) = mpsc::channel(QUEUE);
             tx.send((
@@ -272,6 +273,12 @@ impl FileWriter {
 
     pub fn mode(&self) -> WriteMode {
         self.mode
+    }
+
+    /// Marks the write failed (a write that did not finish in time may have reached some
+    /// workers and not others): later writes fail, `close` gives the file up.
+    pub fn fail(&mut self, e: ClientError) {
+        self.failed.get_or_insert(e);
     }
 
     /// Appends `data` at `offset`, which must be where the file ends now.
@@ -384,18 +391,32 @@ impl FileWriter {
             return Err(e);
         }
         let mut answers = Vec::with_capacity(self.sinks.len());
-        for s in &mut self.sinks {
-            s.send(pb::WriteFileRequest {
+        for i in 0..self.sinks.len() {
+            let finish = pb::WriteFileRequest {
                 finish: true,
                 ..Default::default()
-            })
-            .await?;
+            };
+            if let Err(e) = self.sinks[i].send(finish).await {
+                // The workers told to finish before it are told to give up too (nothing
+                // may follow a finish: they refuse the file).
+                self.abort().await;
+                return Err(e);
+            }
         }
         for s in &mut self.sinks {
             s.tx = None; // ends the stream after the finish: the worker finishes the file
         }
         for s in &mut self.sinks {
             answers.push(s.answer(self.written, true).await?);
+        }
+        if let Some(a) = answers.iter().find(|a| a.synced != self.written) {
+            // A worker holds another length than was written: the file is not committed.
+            let e = ClientError::internal(format!(
+                "{}: a worker finished the file with {} bytes, {} were written",
+                self.status.path, a.synced, self.written
+            ));
+            self.abort().await;
+            return Err(e);
         }
         let first = &answers[0];
         let primary = self.sinks[0].worker.worker_id;

@@ -43,15 +43,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The share of the mount's memory budget (`--max-memory`) that writes may use: bytes
-/// waiting in a write's queues hold units of the budget (at most half of it, so reads
-/// always have the other half) until the worker's stream takes them; and as each file open
-/// for writing may also hold about two writes' worth in the streams below the queues, at
-/// most half the budget divided by that many files are written at once (`ENFILE` past it).
+/// waiting in a write's queues hold units of the budget (at most a quarter of it: prefetch
+/// holds at most half, so reads always have the rest) until the worker's stream takes
+/// them; and as each file open for writing may also hold about two writes' worth in the
+/// streams below the queues, at most a quarter of the budget divided by that many files
+/// are written at once (`ENFILE` past it).
 #[derive(Clone)]
 pub struct WriteMemory {
     /// The mount's whole budget (shared with reads), in units.
     pub budget: Arc<tokio::sync::Semaphore>,
-    /// Half of it: what writes may hold at once.
+    /// A quarter of it: what writes may hold at once.
     pub cap: Arc<tokio::sync::Semaphore>,
     /// Files written at once.
     pub slots: Arc<tokio::sync::Semaphore>,
@@ -59,22 +60,22 @@ pub struct WriteMemory {
     /// Bytes per unit.
     pub unit: u64,
     /// Units in `cap`.
-    half: u64,
+    share: u64,
 }
 
 impl WriteMemory {
     /// Budget `units` units of `unit` bytes; `per_file` bytes held by a file being written
     /// outside its queues.
     pub fn new(budget: Arc<tokio::sync::Semaphore>, units: u64, unit: u64, per_file: u64) -> Self {
-        let half = (units / 2).clamp(1, u64::from(u32::MAX >> 3));
-        let slots = ((half * unit) / per_file.max(1)).clamp(1, 1 << 20) as usize;
+        let share = (units / 4).clamp(1, u64::from(u32::MAX >> 3));
+        let slots = ((share * unit) / per_file.max(1)).clamp(1, 1 << 20) as usize;
         Self {
             budget,
-            cap: Arc::new(tokio::sync::Semaphore::new(half as usize)),
+            cap: Arc::new(tokio::sync::Semaphore::new(share as usize)),
             slots: Arc::new(tokio::sync::Semaphore::new(slots)),
             slots_total: slots,
             unit,
-            half,
+            share,
         }
     }
 
@@ -82,7 +83,7 @@ impl WriteMemory {
     /// budget (always in that order, so writers never wait on each other in a circle).
     async fn room(&self, n: usize) -> Result<Held, ClientError> {
         // A write larger than the writes' share takes all of it.
-        let units = (n as u64).div_ceil(self.unit).clamp(1, self.half);
+        let units = (n as u64).div_ceil(self.unit).clamp(1, self.share);
         let units = u32::try_from(units).unwrap_or(u32::MAX);
         let closed = |e: tokio::sync::AcquireError| ClientError::internal(e.to_string());
         let cap = self
@@ -258,7 +259,7 @@ impl Writes {
         data: bytes::Bytes,
     ) -> Result<u32, Errno> {
         let mut h = h.lock().await;
-        let n = data.len() as u32;
+        let (n, inode) = (data.len() as u32, h.inode);
         let Some(w) = h.writer.as_mut() else {
             return Err(Errno::EBADF);
         };
@@ -275,11 +276,17 @@ impl Writes {
                 Ok(n)
             }
             Ok(Err(e)) => {
-                tracing::warn!(inode = h.inode, offset, error = %e, "write failed");
+                tracing::warn!(inode, offset, error = %e, "write failed");
+                w.fail(e.clone());
                 Err(errno(&e))
             }
             Err(_) => {
-                tracing::warn!(inode = h.inode, offset, "write did not finish in time");
+                // Its bytes may have reached some workers and not others: the file is given
+                // up at close (a retried write would land twice on some).
+                tracing::warn!(inode, offset, "write did not finish in time");
+                w.fail(ClientError::timeout(
+                    "a write did not finish in time".to_string(),
+                ));
                 Err(Errno::EIO)
             }
         }
@@ -324,6 +331,9 @@ impl Writes {
         let Some(w) = h.writer.take() else {
             return Ok(());
         };
+        // Every byte is queued or sent by now: the file's place among those written at once
+        // goes to the next (a cache-through close may wait minutes for its upload).
+        h.slot = None;
         let (path, written, mode) = (w.status.path.clone(), w.written(), w.mode());
         let limit = w.close_deadline(self.op_timeout);
         let out = match tokio::time::timeout(limit, w.close()).await {
@@ -341,7 +351,6 @@ impl Writes {
             }
         };
         h.done = Some(out);
-        h.slot = None;
         lock(&self.sizes).remove(&h.inode);
         out
     }
@@ -366,14 +375,14 @@ mod tests {
 
     #[tokio::test]
     async fn queued_write_bytes_hold_the_budget_until_taken() {
-        // 100 units of 4 KiB: writes may hold 50; a file costs 100 KiB outside the queues.
+        // 100 units of 4 KiB: writes may hold 25; a file costs 50 KiB outside the queues.
         let budget = Arc::new(tokio::sync::Semaphore::new(100));
-        let m = WriteMemory::new(budget.clone(), 100, 4096, 100 << 10);
+        let m = WriteMemory::new(budget.clone(), 100, 4096, 50 << 10);
         assert_eq!(m.slots_total, 2);
         let a = m.room(8192).now_or_never().unwrap().unwrap();
         assert_eq!(
             (m.cap.available_permits(), budget.available_permits()),
-            (48, 98)
+            (23, 98)
         );
         // A write larger than the writes' share waits for all of it, then takes it all.
         let big = m.room(1 << 20);
@@ -383,13 +392,13 @@ mod tests {
         let b = big.now_or_never().unwrap().unwrap();
         assert_eq!(
             (m.cap.available_permits(), budget.available_permits()),
-            (0, 50)
+            (0, 75)
         );
-        // Reads keep the other half.
+        // Reads keep the rest.
         drop(b);
         assert_eq!(
             (m.cap.available_permits(), budget.available_permits()),
-            (50, 100)
+            (25, 100)
         );
     }
 }

@@ -519,6 +519,46 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
             .unwrap()
             .into_inner();
         assert_eq!(mounts.mounts.len(), 1);
+        // Where blocks are cached: asked of a file inside, answered; of a file beside (its
+        // inode learned by an admin), refused as an inode that does not exist.
+        let admin = creds_in(&TestTls::get().identity("admin"));
+        let mut a = MasterServiceClient::new(channel(&master.addr, Some(&admin)));
+        let mut block0 = Vec::new();
+        for (client, path) in [
+            (&mut c, "/data/team-a/x.bin"),
+            (&mut a, "/data/team-b/y.bin"),
+        ] {
+            let s = client
+                .get_status(pb::GetStatusRequest {
+                    target: target(path),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+                .unwrap();
+            block0.push(pb::BlockId {
+                inode: s.inode,
+                version: s.version,
+                index: 0,
+            });
+        }
+        let locations = |blocks: Vec<pb::BlockId>| pb::GetBlockLocationsRequest { blocks };
+        let inside = c
+            .get_block_locations(locations(vec![block0[0]]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(inside.locations.len(), 1, "{inside:?}");
+        for blocks in [vec![block0[1]], vec![block0[0], block0[1]]] {
+            let e = c.get_block_locations(locations(blocks)).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            assert!(
+                e.message().contains(&format!("inode {}", block0[1].inode)),
+                "{e:?}"
+            );
+        }
         // Paged listings above the subtree, a page of one entry at a time: only the way
         // down, and no page token names a sibling (`team-b`, `top.txt`).
         for (folder, way_down) in [("/", "data"), ("/data", "team-a")] {
@@ -773,6 +813,7 @@ fn a_worker_serves_blocks_only_with_a_valid_grant() {
             mode: pb::WriteMode::CacheThrough as i32,
             persist: true,
             grant: Some(ga.clone()),
+            finishes: true,
         };
         let first = pb::WriteFileRequest {
             header: Some(header),

@@ -300,6 +300,7 @@ async fn write_file(
         mode: pb::WriteMode::CacheThrough as i32,
         persist: true,
         grant: status.grant.clone(),
+        finishes: true,
     };
     let msgs = vec![
         pb::WriteFileRequest {

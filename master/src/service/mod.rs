@@ -879,6 +879,16 @@ impl MasterService for MasterRpc {
             access::full(&who, &path)?;
         }
         may_complete(&who, &inode, r.version)?;
+        // The store's object of a persisted file has the file's length (readers check their
+        // fills against this fingerprint).
+        if let Some(fp) = &r.fingerprint {
+            if fp.size != r.length {
+                return Err(Status::invalid_argument(format!(
+                    "the fingerprint names an object of {} bytes, the file has {}",
+                    fp.size, r.length
+                )));
+            }
+        }
         // A file not in the store is kept (and pinned) by the worker it names: one that is
         // not registered would leave it pending, and its replicas pinned, for good. (A new
         // leader knows the workers after a few heartbeats; until then it believes the writer.)
@@ -1096,6 +1106,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::GetBlockLocationsRequest>,
     ) -> Result<Response<pb::GetBlockLocationsResponse>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
         if r.blocks.len() > MAX_LOCATION_BLOCKS {
             return Err(Status::invalid_argument(format!(
@@ -1104,6 +1115,16 @@ impl MasterService for MasterRpc {
             )));
         }
         self.core.ensure_leader()?;
+        if who.subtree.is_some() {
+            // A caller confined to a subtree learns where its subtree's blocks are, and
+            // nothing of other inodes (not even whether they exist).
+            let mut checked = std::collections::HashSet::new();
+            for b in &r.blocks {
+                if checked.insert(b.inode) {
+                    self.named_inode(&who, b.inode)?;
+                }
+            }
+        }
         let locations = r
             .blocks
             .into_iter()

@@ -117,7 +117,6 @@ fn disk_takes(dir: &Path, n: u64) -> bool {
     free >= n.saturating_add(disk_reserve(size))
 }
 
-/// The writer's stream broke.
 /// A write's message in its place: an abort gives the write up, nothing may follow the
 /// finish.
 fn in_order(msg: &pb::WriteFileRequest, finished: &mut bool) -> Result<(), RpcError> {
@@ -133,6 +132,7 @@ fn in_order(msg: &pb::WriteFileRequest, finished: &mut bool) -> Result<(), RpcEr
     Ok(())
 }
 
+/// The writer's stream broke.
 fn went_away(e: Status) -> RpcError {
     RpcError::Aborted(format!("the client went away: {}", e.message()))
 }
@@ -517,7 +517,7 @@ impl Writes {
                     .await;
             }
         }
-        if !finished {
+        if h.finishes && !finished {
             // The client dropped its writer or stopped part-way: what arrived is not the
             // file, and is neither cached nor uploaded.
             return Err(RpcError::Aborted(
@@ -1025,6 +1025,7 @@ mod tests {
             mode: mode as i32,
             persist,
             grant: None,
+            finishes: true,
         };
         let data = pb::WriteFileRequest {
             data: vec![7u8; len].into(),
@@ -1040,6 +1041,61 @@ mod tests {
             last = a;
         }
         last
+    }
+
+    /// A stream ends a write as its client says: a client that sends `finish` (its header
+    /// says so) has a stream that ends without one given up, nothing may follow the finish,
+    /// and an older client's stream still finishes the file by ending.
+    #[tokio::test]
+    async fn a_stream_ends_a_write_only_as_its_client_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = writes(dir.path(), 64);
+        let data = |finish: bool| pb::WriteFileRequest {
+            data: vec![7u8; 1000].into(),
+            finish,
+            ..Default::default()
+        };
+        for (inode, finishes, msgs, want) in [
+            (1, true, vec![data(false)], Err(tonic::Code::Aborted)),
+            (
+                2,
+                true,
+                vec![data(true), data(false)],
+                Err(tonic::Code::InvalidArgument),
+            ),
+            (3, true, vec![data(false), data(true)], Ok(2000)),
+            (4, false, vec![data(false)], Ok(1000)),
+        ] {
+            let header = pb::WriteFileHeader {
+                inode,
+                version: 1,
+                block_size: 4 * PS,
+                ufs: Some(pb::UfsLocation {
+                    mount_id: 1,
+                    path: format!("f{inode}"),
+                }),
+                mode: pb::WriteMode::CacheThrough as i32,
+                persist: true,
+                grant: None,
+                finishes,
+            };
+            let (tx, mut rx) = mpsc::channel(8);
+            let msgs: Vec<Result<_, Status>> = msgs.into_iter().map(Ok).collect();
+            w.clone()
+                .receive(header, futures::stream::iter(msgs), tx)
+                .await;
+            let mut last = Err(Status::internal("no answer"));
+            while let Some(a) = rx.recv().await {
+                last = a;
+            }
+            let got = last.map(|a| a.synced).map_err(|e| e.code());
+            assert_eq!(got, want, "inode {inode}");
+            let (data, meta) = w.paths(inode, 1);
+            assert!(
+                !data.exists() && !meta.exists(),
+                "inode {inode}: a journal was kept"
+            );
+        }
     }
 
     /// A tmpfs of `mib` MiB mounted on a new temp dir (root), unmounted when dropped.
@@ -1089,6 +1145,7 @@ mod tests {
             mode: pb::WriteMode::CacheThrough as i32,
             persist: true,
             grant: None,
+            finishes: true,
         };
         let chunk = pb::WriteFileRequest {
             data: vec![7u8; 1 << 20].into(),
@@ -1232,6 +1289,7 @@ mod tests {
                 mode: pb::WriteMode::MustCache as i32,
                 persist: true,
                 grant: None,
+                finishes: true,
             };
             let (tx, mut rx) = mpsc::channel(8);
             let data = pb::WriteFileRequest {
