@@ -394,6 +394,7 @@ impl FileWriter {
         for i in 0..self.sinks.len() {
             let finish = pb::WriteFileRequest {
                 finish: true,
+                length: self.written,
                 ..Default::default()
             };
             if let Err(e) = self.sinks[i].send(finish).await {

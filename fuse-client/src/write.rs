@@ -263,12 +263,21 @@ impl Writes {
         let Some(w) = h.writer.as_mut() else {
             return Err(Errno::EBADF);
         };
-        let memory = &self.memory;
-        let write = async {
-            let held = memory.room(data.len()).await?;
-            w.write_held(offset, data, Some(held)).await
+        // Waiting for room sends nothing: a write that times out there fails alone.
+        let until = tokio::time::Instant::now() + self.op_timeout;
+        let held = match tokio::time::timeout_at(until, self.memory.room(data.len())).await {
+            Ok(Ok(held)) => held,
+            Ok(Err(e)) => return Err(errno(&e)),
+            Err(_) => {
+                tracing::warn!(
+                    inode,
+                    offset,
+                    "a write found no room in --max-memory in time"
+                );
+                return Err(Errno::EIO);
+            }
         };
-        let r = tokio::time::timeout(self.op_timeout, write).await;
+        let r = tokio::time::timeout_at(until, w.write_held(offset, data, Some(held))).await;
         match r {
             Ok(Ok(())) => {
                 let written = w.written();

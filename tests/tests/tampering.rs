@@ -310,6 +310,7 @@ async fn write_file(
         pb::WriteFileRequest {
             data: data.to_vec().into(),
             finish: true,
+            length: data.len() as u64,
             ..Default::default()
         },
     ];

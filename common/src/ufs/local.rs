@@ -134,8 +134,10 @@ impl Root {
         path: &Path,
         last: Last,
     ) -> std::result::Result<Option<Metadata>, Refused> {
+        // Only an error that may clear up says nothing of what is there; any other is
+        // the path's answer (refused, as before: a folder of it lists empty).
         let io = |p: &Path, e: std::io::Error| Refused {
-            failed: true,
+            failed: passing(&e),
             path: p.to_path_buf(),
             why: format!("cannot be checked: {e}"),
         };
@@ -158,7 +160,7 @@ impl Root {
             let is_last = i + 1 == parts.len();
             let md = match std::fs::symlink_metadata(&cur) {
                 Ok(m) => m,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) if absent(&e) => return Ok(None),
                 Err(e) => return Err(io(&cur, e)),
             };
             if !md.file_type().is_symlink() {
@@ -179,7 +181,7 @@ impl Root {
             }
             let target = match std::fs::canonicalize(&cur) {
                 Ok(t) => t,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) if absent(&e) => return Ok(None),
                 Err(e) => return Err(io(&cur, e)),
             };
             if !target.starts_with(&self.dir) {
@@ -191,10 +193,14 @@ impl Root {
             }
             cur = target;
             if is_last {
-                return std::fs::metadata(&cur).map(Some).map_err(|e| io(&cur, e));
+                break;
             }
         }
-        std::fs::metadata(&cur).map(Some).map_err(|e| io(&cur, e))
+        match std::fs::metadata(&cur) {
+            Ok(md) => Ok(Some(md)),
+            Err(e) if absent(&e) => Ok(None),
+            Err(e) => Err(io(&cur, e)),
+        }
     }
 
     /// Is the entry at `path` (whose folder was checked) one the policy lets through?
@@ -515,8 +521,10 @@ impl Walk {
                 };
                 match std::fs::read_dir(&path) {
                     Ok(rd) => self.current = Some((rd, prefix)),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(walk_error(&path, e)),
+                    // One folder below that can never be read (gone, EACCES) is left out,
+                    // as an entry is; one that may clear up fails the walk.
+                    Err(e) if passing(&e) => return Err(walk_error(&path, e)),
+                    Err(_) => {}
                 }
                 continue;
             };
@@ -563,12 +571,45 @@ impl Walk {
     }
 }
 
-/// `Ok(None)` for what is not there (gone since its folder was read).
+/// Nothing is there: no such entry, a file where a folder was expected (ENOTDIR), a link
+/// that loops.
+fn absent(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP))
+}
+
+/// An error that may clear up (a disk's or a network file system's: EIO, a stale NFS
+/// handle, a timeout, a FUSE mount whose daemon is gone): it says nothing of what is
+/// there, so a listing that meets it fails rather than leaving the entry out.
+fn passing(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EIO
+                | libc::ESTALE
+                | libc::ETIMEDOUT
+                | libc::ENOMEM
+                | libc::EAGAIN
+                | libc::EINTR
+                | libc::ENOTCONN
+                | libc::ENOBUFS
+                | libc::EHOSTDOWN
+                | libc::EHOSTUNREACH
+                | libc::ECONNRESET
+                | libc::ECONNABORTED
+        )
+    )
+}
+
+/// An entry's metadata: `Ok(None)` for one not there (gone since its folder was read) or
+/// unreadable for good (EACCES, ELOOP, ENAMETOOLONG: left out, as the listing always did,
+/// so that one such entry cannot keep its folder from being listed); `Err` only for an
+/// error that may clear up ([`passing`]).
 fn present<T>(r: std::io::Result<T>) -> std::io::Result<Option<T>> {
     match r {
         Ok(t) => Ok(Some(t)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+        Err(e) if passing(&e) => Err(e),
+        Err(_) => Ok(None),
     }
 }
 
@@ -882,6 +923,31 @@ mod tests {
         let (_, files) = names(&s, None).await;
         assert!(!files.iter().any(|f| f == "pipe"), "{files:?}");
         assert!(!all(&s, None).await.iter().any(|f| f == "pipe"));
+    }
+
+    /// What is simply not there stays "not found" and never fails a listing: a path
+    /// through a file (ENOTDIR), a link that loops, a name too long; the folder's other
+    /// entries are listed.
+    #[tokio::test]
+    async fn what_is_not_there_is_not_found_and_lists_nothing() {
+        let t = setup("absent");
+        symlink("loop", t.root.join("loop")).unwrap();
+        let s = ConfinedLocal::new(&t.root, Symlinks::Inside).unwrap();
+        let long = "x".repeat(300);
+        for p in ["a.txt/below", "loop", "loop/below", long.as_str()] {
+            let head = s.head(&StorePath::from(p)).await;
+            assert!(
+                matches!(head, Err(object_store::Error::NotFound { .. })),
+                "{p}: {head:?}"
+            );
+            let (dirs, files) = names(&s, Some(p)).await;
+            assert!(
+                dirs.is_empty() && files.is_empty(),
+                "{p}: {dirs:?} {files:?}"
+            );
+        }
+        assert_eq!(names(&s, None).await.1, vec!["a.txt", "in-link"]);
+        assert_eq!(all(&s, None).await, vec!["a.txt", "in-link", "sub/b.txt"]);
     }
 
     /// Opening in place checks what a GET checks and reports the metadata a GET reports

@@ -118,18 +118,36 @@ fn disk_takes(dir: &Path, n: u64) -> bool {
 }
 
 /// A write's message in its place: an abort gives the write up, nothing may follow the
-/// finish.
-fn in_order(msg: &pb::WriteFileRequest, finished: &mut bool) -> Result<(), RpcError> {
+/// finish; `finished`: the length a finish named.
+fn in_order(msg: &pb::WriteFileRequest, finished: &mut Option<u64>) -> Result<(), RpcError> {
     if msg.abort {
         return Err(RpcError::Aborted("the client gave the write up".into()));
     }
-    if *finished {
+    if finished.is_some() {
         return Err(RpcError::Invalid(
             "a message followed the write's finish".into(),
         ));
     }
-    *finished = msg.finish;
+    if msg.finish {
+        *finished = Some(msg.length);
+    }
     Ok(())
+}
+
+/// A write's stream ended after `arrived` bytes: finished as its client said (`finishes`:
+/// it sends a finish, `finished`: the length its finish named), else given up.
+fn ended(finishes: bool, finished: Option<u64>, arrived: u64) -> Result<(), RpcError> {
+    match finished {
+        // The client dropped its writer or stopped part-way: what arrived is not the file,
+        // and is neither cached nor uploaded.
+        None if finishes => Err(RpcError::Aborted(
+            "the write ended before its finish".into(),
+        )),
+        Some(n) if n != arrived => Err(RpcError::Invalid(format!(
+            "the client finished the file at {n} bytes, {arrived} arrived"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The writer's stream broke.
@@ -481,7 +499,7 @@ impl Writes {
             cache_full: false,
         });
         let mut offset = 0u64;
-        let mut finished = false;
+        let mut finished = None;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(went_away)?;
             in_order(&msg, &mut finished)?;
@@ -517,13 +535,7 @@ impl Writes {
                     .await;
             }
         }
-        if h.finishes && !finished {
-            // The client dropped its writer or stopped part-way: what arrived is not the
-            // file, and is neither cached nor uploaded.
-            return Err(RpcError::Aborted(
-                "the write ended before its finish".into(),
-            ));
-        }
+        ended(h.finishes, finished, offset)?;
         blocking(&mut sink, |s| {
             s.finish();
             s.file.sync_all()
@@ -1006,15 +1018,10 @@ mod tests {
         Writes::open(dir, fetcher, master, metrics, 1).unwrap()
     }
 
-    /// Writes `len` bytes as file `inode` (version 1) in `mode`; the last answer.
-    async fn write(
-        w: &Arc<Writes>,
-        inode: u64,
-        len: usize,
-        mode: pb::WriteMode,
-        persist: bool,
-    ) -> Result<pb::WriteFileResponse, Status> {
-        let header = pb::WriteFileHeader {
+    /// The header of file `inode` (version 1) of mount 1 in `mode`, from a client that
+    /// finishes its writes.
+    fn header(inode: u64, mode: pb::WriteMode, persist: bool) -> pb::WriteFileHeader {
+        pb::WriteFileHeader {
             inode,
             version: 1,
             block_size: 4 * PS,
@@ -1026,10 +1033,22 @@ mod tests {
             persist,
             grant: None,
             finishes: true,
-        };
+        }
+    }
+
+    /// Writes `len` bytes as file `inode` (version 1) in `mode`; the last answer.
+    async fn write(
+        w: &Arc<Writes>,
+        inode: u64,
+        len: usize,
+        mode: pb::WriteMode,
+        persist: bool,
+    ) -> Result<pb::WriteFileResponse, Status> {
+        let header = header(inode, mode, persist);
         let data = pb::WriteFileRequest {
             data: vec![7u8; len].into(),
             finish: true,
+            length: len as u64,
             ..Default::default()
         };
         let (tx, mut rx) = mpsc::channel(8);
@@ -1045,39 +1064,30 @@ mod tests {
 
     /// A stream ends a write as its client says: a client that sends `finish` (its header
     /// says so) has a stream that ends without one given up, nothing may follow the finish,
-    /// and an older client's stream still finishes the file by ending.
+    /// a finish naming another length than arrived is refused, and an older client's stream
+    /// still finishes the file by ending.
     #[tokio::test]
     async fn a_stream_ends_a_write_only_as_its_client_says() {
         let dir = tempfile::tempdir().unwrap();
         let w = writes(dir.path(), 64);
-        let data = |finish: bool| pb::WriteFileRequest {
+        // 1,000 bytes; with a finish naming the file's length.
+        let data = |finish: Option<u64>| pb::WriteFileRequest {
             data: vec![7u8; 1000].into(),
-            finish,
+            finish: finish.is_some(),
+            length: finish.unwrap_or(0),
             ..Default::default()
         };
+        let invalid = Err(tonic::Code::InvalidArgument);
         for (inode, finishes, msgs, want) in [
-            (1, true, vec![data(false)], Err(tonic::Code::Aborted)),
-            (
-                2,
-                true,
-                vec![data(true), data(false)],
-                Err(tonic::Code::InvalidArgument),
-            ),
-            (3, true, vec![data(false), data(true)], Ok(2000)),
-            (4, false, vec![data(false)], Ok(1000)),
+            (1, true, vec![data(None)], Err(tonic::Code::Aborted)),
+            (2, true, vec![data(Some(1000)), data(None)], invalid),
+            (3, true, vec![data(None), data(Some(2000))], Ok(2000)),
+            (4, false, vec![data(None)], Ok(1000)),
+            (5, true, vec![data(None), data(Some(1500))], invalid),
         ] {
             let header = pb::WriteFileHeader {
-                inode,
-                version: 1,
-                block_size: 4 * PS,
-                ufs: Some(pb::UfsLocation {
-                    mount_id: 1,
-                    path: format!("f{inode}"),
-                }),
-                mode: pb::WriteMode::CacheThrough as i32,
-                persist: true,
-                grant: None,
                 finishes,
+                ..header(inode, pb::WriteMode::CacheThrough, true)
             };
             let (tx, mut rx) = mpsc::channel(8);
             let msgs: Vec<Result<_, Status>> = msgs.into_iter().map(Ok).collect();
