@@ -648,6 +648,50 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     });
+    // Nor does it act anywhere else: TTLs, frees, pins, loads and mounts beside or above
+    // the subtree, and changes to the whole cluster, are refused; inside they work.
+    let sa = sub_admin.to_string_lossy().to_string();
+    let as_sub_admin = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--master", &master.addr, "--tls-dir", &sa]);
+        granary(&all)
+    };
+    for (args, why) in [
+        (
+            &["ttl", "set", "/data/team-b", "1s", "--action", "delete"][..],
+            "outside the subtree",
+        ),
+        (
+            &["free", "/data/team-b", "-R", "--force"][..],
+            "outside the subtree",
+        ),
+        (
+            &["pin", "/data/team-b", "--detach"][..],
+            "outside the subtree",
+        ),
+        (
+            &["load", "/data/team-b", "--detach"][..],
+            "outside the subtree",
+        ),
+        (&["mount", "remove", "/data"][..], "outside the subtree"),
+        (
+            &["worker", "decommission", "1"][..],
+            "changes the whole cluster",
+        ),
+    ] {
+        let out = as_sub_admin(args);
+        assert_one_sentence_error(&out, &args.join(" "));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+    let out = as_sub_admin(&["free", "/data/team-a", "-R"]);
+    assert!(
+        out.status.success(),
+        "free inside: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mounts = granary_ok(&["mount", "list", "--master", &master.addr]).unwrap();
+    assert!(mounts.contains("/data"), "{mounts}");
     assert!(src.join("team-b/y.bin").exists() && src.join("team-a/x.bin").exists());
 }
 

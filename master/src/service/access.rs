@@ -70,6 +70,18 @@ pub fn full(who: &Principal, path: &str) -> Result<(), Status> {
     }
 }
 
+/// A change to the whole cluster (its workers, its masters): refused to a caller confined
+/// to a subtree, whatever its role.
+pub fn whole_cluster(who: &Principal, what: &str) -> Result<(), Status> {
+    match who.subtree.as_deref() {
+        None => Ok(()),
+        Some(top) => Err(Status::permission_denied(format!(
+            "{what} changes the whole cluster, and {} is confined to the subtree {top}",
+            who.name
+        ))),
+    }
+}
+
 /// [`full`] for a path as a request gives it (normalised first; a malformed path is left
 /// to the namespace's own error).
 pub fn full_raw(who: &Principal, path: &str) -> Result<(), Status> {

@@ -1042,6 +1042,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::AddMountResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         let id = scoped(&who, "AddMount", r.request_id, &r);
         let mount = self.core.add_mount(&r.path, &r.uri, &r.options, id).await?;
         Ok(Response::new(pb::AddMountResponse {
@@ -1055,6 +1056,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::RemoveMountResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         let id = scoped(&who, "RemoveMount", r.request_id, &r);
         self.core.remove_mount(&r.path, id).await?;
         Ok(Response::new(pb::RemoveMountResponse {}))
@@ -1221,6 +1223,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::SetTtlResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         let action = pb::TtlAction::requested(r.action_code, &r.action).ok_or_else(|| {
             Status::invalid_argument(format!(
                 "unknown TTL action {:?} (code {}; free or delete)",
@@ -1245,7 +1248,9 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::FreeRequest>,
     ) -> Result<Response<pb::FreeResponse>, Status> {
+        let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         Ok(Response::new(
             self.core.free(&r.path, r.recursive, r.force).await?,
         ))
@@ -1257,6 +1262,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::JobInfo>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         let job = self
             .core
             .set_pin(
@@ -1277,6 +1283,7 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::JobInfo>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
+        access::full_raw(&who, &r.path)?;
         let kind = pb::JobKind::requested(r.kind_code, &r.kind).ok_or_else(|| {
             Status::invalid_argument(format!(
                 "unknown job kind {:?} (code {}; known: load)",
@@ -1346,6 +1353,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::DecommissionWorkerRequest>,
     ) -> Result<Response<pb::DecommissionWorkerResponse>, Status> {
+        access::whole_cluster(&*principal(&req)?, "decommissioning a worker")?;
         self.set_decommissioned(req.into_inner().worker_id, true)
             .await?;
         Ok(Response::new(pb::DecommissionWorkerResponse {}))
@@ -1355,6 +1363,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RecommissionWorkerRequest>,
     ) -> Result<Response<pb::RecommissionWorkerResponse>, Status> {
+        access::whole_cluster(&*principal(&req)?, "recommissioning a worker")?;
         self.set_decommissioned(req.into_inner().worker_id, false)
             .await?;
         Ok(Response::new(pb::RecommissionWorkerResponse {}))
@@ -1364,6 +1373,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::AddMasterRequest>,
     ) -> Result<Response<pb::ChangeMastersResponse>, Status> {
+        access::whole_cluster(&*principal(&req)?, "adding a master")?;
         let r = req.into_inner();
         self.core.add_master(r.id, &r.address).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
@@ -1380,6 +1390,7 @@ impl MasterService for MasterRpc {
         &self,
         req: Request<pb::RemoveMasterRequest>,
     ) -> Result<Response<pb::ChangeMastersResponse>, Status> {
+        access::whole_cluster(&*principal(&req)?, "removing a master")?;
         let r = req.into_inner();
         self.core.remove_master(r.id).await?;
         Ok(Response::new(pb::ChangeMastersResponse {
