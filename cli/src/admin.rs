@@ -197,9 +197,13 @@ pub async fn mount(net: &Net, cmd: MountCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        MountCommand::Remove { path, master: addr } => {
+        MountCommand::Remove {
+            path,
+            force,
+            master: addr,
+        } => {
             master(net, &addr)?
-                .remove_mount(&path)
+                .remove_mount(&path, force)
                 .await
                 .with_context(|| format!("cannot remove the mount at {path}"))?;
             println!("removed the mount at {path}");

@@ -905,8 +905,13 @@ pub enum MountCommand {
         master: MasterAddr,
     },
     /// Remove a mount (cached metadata under it is dropped; the under-store is untouched).
+    /// Refused while files under it are not in the under-store yet (written through
+    /// Granary and not uploaded, or still being written).
     Remove {
         path: String,
+        /// Remove it anyway: files not in the under-store yet lose their only copies.
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         master: MasterAddr,
     },

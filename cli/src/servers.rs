@@ -445,7 +445,8 @@ pub async fn local(net: Net, a: LocalArgs) -> anyhow::Result<()> {
         });
     if !already {
         for mnt in &mounts {
-            admin.remove_mount(&mnt.path).await?;
+            // Refused while files of the old mount are not in its store yet.
+            admin.remove_mount(&mnt.path, false).await?;
         }
         admin
             .add_mount("/", &spec.uri, options)

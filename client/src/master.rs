@@ -589,12 +589,14 @@ impl MasterClient {
             .ok_or_else(|| ClientError::internal("master returned no mount"))
     }
 
-    pub async fn remove_mount(&self, path: &str) -> Result<(), ClientError> {
+    /// Removes the mount at `path` (`force`: even with files not in its store yet).
+    pub async fn remove_mount(&self, path: &str, force: bool) -> Result<(), ClientError> {
         let request_id = Self::request_id();
         self.call(|mut c| {
             let req = self.request(pb::RemoveMountRequest {
                 path: path.to_string(),
                 request_id,
+                force,
             });
             async move { c.remove_mount(req).await }
         })

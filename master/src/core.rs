@@ -259,8 +259,17 @@ impl MasterCore {
         }
     }
 
-    pub async fn remove_mount(&self, path: &str, request_id: u64) -> Result<Mount, MasterError> {
+    pub async fn remove_mount(
+        &self,
+        path: &str,
+        force: bool,
+        request_id: u64,
+    ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
+        if !force {
+            self.refuse_losing_writes(&path, "removing the mount")
+                .await?;
+        }
         match self
             .propose_request(Command::RemoveMount { path }, request_id)
             .await?

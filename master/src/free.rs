@@ -14,6 +14,47 @@ use crate::state::{Kind, Persist};
 const EXAMPLES: usize = 3;
 
 impl MasterCore {
+    /// Refuses `what` at `path` while files below it (as far as the namespace is listed)
+    /// are not in the under-store yet: written through Granary and not uploaded, or still
+    /// being written. Their only copies are the workers'.
+    pub async fn refuse_losing_writes(&self, path: &str, what: &str) -> Result<(), MasterError> {
+        self.ensure_leader()?;
+        self.read_barrier().await?;
+        let root = match self.namespace().resolve(path).await {
+            Ok(r) => r,
+            // Nothing there: the change itself says what is wrong.
+            Err(_) => return Ok(()),
+        };
+        let mut examples: Vec<String> = Vec::new();
+        let mut count = 0u64;
+        for entry in self.namespace().sm.walk(root, path.to_string()) {
+            // A namespace that cannot be walked (a record left broken) is not checked:
+            // removing its mount is the repair.
+            let (node, p) = match entry {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(%path, error = %e, "cannot check for unpersisted files below");
+                    return Ok(());
+                }
+            };
+            if node.kind != Kind::Directory
+                && (!node.complete || node.persist != Persist::Persisted)
+            {
+                count += 1;
+                if examples.len() < EXAMPLES {
+                    examples.push(p);
+                }
+            }
+        }
+        if count > 0 {
+            return Err(MasterError::precondition(format!(
+                "{count} file(s) under {path} are not in the under-store yet or still being written (e.g. {}): {what} would lose their only copies; wait until they are persisted (granary fs stat shows it) or use --force",
+                examples.join(", ")
+            )));
+        }
+        Ok(())
+    }
+
     pub async fn free(
         &self,
         path: &str,

@@ -357,6 +357,30 @@ fn must_cache_files_stay_out_of_the_store_and_are_read_from_the_writer() {
     let store_reads = w1.metric("granary_worker_ufs_read_bytes_total")
         + w2.metric("granary_worker_ufs_read_bytes_total");
     assert_eq!(store_reads, 0.0);
+
+    // The mount cannot be removed from under the file's only copies (a remount to change
+    // options would drop them): refused, nothing changes; --force removes it.
+    let out = granary(&["mount", "remove", "/s3", "--master", &master.addr]);
+    assert_one_sentence_error(&out, "mount remove with a must-cache file");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("1 file(s) under /s3 are not in the under-store yet")
+            && err.contains("/s3/tmp.bin"),
+        "{err}"
+    );
+    drop_page_cache(&dst).unwrap();
+    assert_eq!(sha_of(&dst).as_deref(), Some(want.as_str()));
+    granary_ok(&[
+        "mount",
+        "remove",
+        "/s3",
+        "--force",
+        "--master",
+        &master.addr,
+    ])
+    .unwrap();
+    let mounts = granary_ok(&["mount", "list", "--master", &master.addr]).unwrap();
+    assert!(!mounts.contains("/s3"), "{mounts}");
 }
 
 #[test]

@@ -1058,7 +1058,7 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         access::full_raw(&who, &r.path)?;
         let id = scoped(&who, "RemoveMount", r.request_id, &r);
-        self.core.remove_mount(&r.path, id).await?;
+        self.core.remove_mount(&r.path, r.force, id).await?;
         Ok(Response::new(pb::RemoveMountResponse {}))
     }
 
