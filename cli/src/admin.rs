@@ -941,9 +941,13 @@ fn print_masters(masters: &[pb::MasterInfo], as_json: bool) -> anyhow::Result<()
 /// `granary master list|add|remove`.
 pub async fn workers(net: &Net, action: WorkerAction) -> anyhow::Result<()> {
     match action {
-        WorkerAction::Decommission { id, master: addr } => {
+        WorkerAction::Decommission {
+            id,
+            force,
+            master: addr,
+        } => {
             master(net, &addr)?
-                .decommission_worker(id)
+                .decommission_worker(id, force)
                 .await
                 .with_context(|| format!("cannot decommission worker {id}"))?;
             eprintln!(

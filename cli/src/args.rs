@@ -780,6 +780,10 @@ pub enum WorkerAction {
     Decommission {
         /// The worker's id (see `granary report`).
         id: u64,
+        /// Even when it is the last live worker in service (nothing could then take new
+        /// blocks, writes or loads).
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         master: MasterAddr,
     },

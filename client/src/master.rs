@@ -799,9 +799,14 @@ impl MasterClient {
         .await
     }
 
-    pub async fn decommission_worker(&self, worker_id: u64) -> Result<(), ClientError> {
+    /// Decommissions a worker (`force`: even the last one in service).
+    pub async fn decommission_worker(
+        &self,
+        worker_id: u64,
+        force: bool,
+    ) -> Result<(), ClientError> {
         self.call(|mut c| {
-            let req = self.request(pb::DecommissionWorkerRequest { worker_id });
+            let req = self.request(pb::DecommissionWorkerRequest { worker_id, force });
             async move { c.decommission_worker(req).await }
         })
         .await

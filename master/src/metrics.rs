@@ -22,6 +22,7 @@ pub struct MasterMetrics {
     raft_snapshot_index: Gauge<i64, AtomicI64>,
     raft_voters: Gauge<i64, AtomicI64>,
     raft_log_syncs: Gauge<i64, AtomicI64>,
+    raft_voters_answering: Gauge<i64, AtomicI64>,
 }
 
 impl MasterMetrics {
@@ -93,6 +94,11 @@ impl MasterMetrics {
                 "Synced writes of this master's Raft log since it started (new entries, a new term or vote; a round of the Raft loop makes at most one)",
                 m.raft_log_syncs.clone(),
             );
+            r.register(
+                "granary_master_raft_voters_answering",
+                "On the leader: voting members heard from within the last 2 s, itself included (0 on followers); a removal that would leave fewer than a majority answering is refused",
+                m.raft_voters_answering.clone(),
+            );
         }
         m
     }
@@ -119,5 +125,7 @@ impl MasterMetrics {
             .set(s.snapshot_index.load(Relaxed) as i64);
         self.raft_voters.set(s.voters().len() as i64);
         self.raft_log_syncs.set(s.log_syncs.load(Relaxed) as i64);
+        self.raft_voters_answering
+            .set(s.answering.load(Relaxed) as i64);
     }
 }

@@ -496,6 +496,49 @@ fn membership_grows_to_four_and_back_to_three_under_writes() {
     g.assert_one_leader_per_term();
 }
 
+/// A removal that would leave the group without a majority that answers is refused: with
+/// master 3 down, removing master 2 would leave {1, 3}, one answering of two, and the group
+/// could decide nothing more. Removing the silent master 3 is what works.
+#[test]
+fn a_removal_keeps_a_majority_of_masters_that_answer() {
+    let root = workdir();
+    let mut g = MasterGroup::start(root.path(), 3, 1000).unwrap();
+    g.wait_leader(Duration::from_secs(30)).unwrap();
+    let addrs12 = format!("{},{}", g.addr(1), g.addr(2));
+    g.stop(3).unwrap();
+    // Once the leader has not heard from master 3 for a while (its metric says so).
+    let answering = |id: u64| -> Option<u64> {
+        let (_, body) = http_get(&metrics_addr(&g, id), "/metrics").ok()?;
+        body.lines()
+            .find_map(|l| l.strip_prefix("granary_master_raft_voters_answering "))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    poll(
+        "the leader to hear from two masters only",
+        Duration::from_secs(30),
+        || [1, 2].into_iter().find(|id| answering(*id) == Some(2)),
+    )
+    .unwrap();
+    let out = granary(&["master", "remove", "2", "--master", &addrs12]);
+    assert_one_sentence_error(&out, "a removal leaving no majority");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a majority"), "{err}");
+    let ids = |v: Vec<serde_json::Value>| -> BTreeSet<u64> {
+        v.iter().filter_map(|e| e["id"].as_u64()).collect()
+    };
+    assert_eq!(ids(g.list(&addrs12).unwrap()), BTreeSet::from([1, 2, 3]));
+    granary_ok(&["master", "remove", "3", "--master", &addrs12])
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));
+    poll(
+        "master 3 to leave the group",
+        Duration::from_secs(60),
+        || (ids(g.list(&addrs12).ok()?) == BTreeSet::from([1, 2])).then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", g.logs()));
+    // The two decide on: a folder made now is there.
+    mkdir_p(&addrs12, "/after-removal");
+}
+
 /// The metrics address a master printed at start.
 fn metrics_addr(g: &MasterGroup, id: u64) -> String {
     g.log_text(id)

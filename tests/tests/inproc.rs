@@ -1307,7 +1307,7 @@ async fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() -> 
     let w0 = c.worker(0).context("w0")?.worker_id;
     // Ids no worker has (0, the largest, a neighbour of a real one) change nothing.
     for id in [0, u64::MAX, w0.wrapping_add(999)] {
-        let unknown = fs.master.decommission_worker(id).await.unwrap_err();
+        let unknown = fs.master.decommission_worker(id, false).await.unwrap_err();
         assert_eq!(unknown.code(), ErrorCode::NotFound, "{id}: {unknown}");
         let never = fs.master.recommission_worker(id).await.unwrap_err();
         assert_eq!(never.code(), ErrorCode::FailedPrecondition, "{id}: {never}");
@@ -1318,13 +1318,19 @@ async fn a_decommissioned_worker_hands_its_blocks_over_without_store_reads() -> 
         ErrorCode::FailedPrecondition,
         "{in_service}"
     );
-    fs.master.decommission_worker(w0).await?;
+    fs.master.decommission_worker(w0, false).await?;
     let info = fs.master.cluster_info(false).await?;
     let state = info.workers.iter().find(|w| w.worker_id == w0);
     assert_eq!(
         state.map(|w| w.state_code()),
         Some(pb::WorkerState::Draining)
     );
+    // The last worker in service is not decommissioned (nothing could take new blocks,
+    // writes or loads) unless forced.
+    let w1 = c.worker(1).context("w1")?.worker_id;
+    let last = fs.master.decommission_worker(w1, false).await.unwrap_err();
+    assert_eq!(last.code(), ErrorCode::FailedPrecondition, "{last}");
+    assert!(last.to_string().contains("last live worker"), "{last}");
 
     // Clients place nothing on w0 once their worker list refreshes; w1 copies w0's pages
     // from w0, not from the store.

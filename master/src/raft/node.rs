@@ -30,6 +30,8 @@ use crate::state::{ApplyOutput, Command, Proposal, StateMachine};
 /// Raft tick period; election timeout is 10 ticks (randomised up to 20), heartbeats every 2.
 pub const TICK: Duration = Duration::from_millis(100);
 const ELECTION_TICKS: usize = 10;
+/// A member heard from within this long answers (see `RaftStatus::answering`).
+const ANSWERING_WITHIN: Duration = Duration::from_secs(2);
 /// How long a follower waits for the leader to confirm a read it forwarded.
 const FORWARDED_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -77,6 +79,9 @@ pub struct RaftStatus {
     pub voters: Mutex<Vec<u64>>,
     /// Synced writes of the Raft log made for ready rounds (new entries, term or vote).
     pub log_syncs: AtomicU64,
+    /// On the leader: voters heard from within [`ANSWERING_WITHIN`], itself included (0
+    /// elsewhere).
+    pub answering: AtomicU64,
 }
 
 impl RaftStatus {
@@ -327,6 +332,7 @@ pub fn start(
         quiet_until,
         warned_lost_log: false,
         snapshot_requested_at: None,
+        heard: HashMap::new(),
     };
     driver.publish_status();
     let join = std::thread::Builder::new()
@@ -402,6 +408,8 @@ struct Driver {
     quiet_until: Option<Instant>,
     warned_lost_log: bool,
     snapshot_requested_at: Option<Instant>,
+    /// When each member's last message arrived (to judge who answers before a removal).
+    heard: HashMap<u64, Instant>,
 }
 
 impl Driver {
@@ -505,6 +513,7 @@ impl Driver {
     }
 
     fn step(&mut self, mut m: Message) {
+        self.heard.insert(m.from, Instant::now());
         use raft::eraftpb::MessageType as T;
         let mut lost_log_at = None;
         if matches!(m.get_msg_type(), T::MsgRequestVote | T::MsgRequestPreVote) && self.quiet() {
@@ -659,6 +668,25 @@ impl Driver {
                     let _ = reply.send(Err(MasterError::precondition(
                         "cannot remove the last master of the group",
                     )));
+                    return;
+                }
+                // The group left must still have a majority that answers (here: heard from
+                // within two election timeouts), or nothing could be decided again until
+                // the silent ones come back.
+                let remaining: Vec<u64> = voters
+                    .iter()
+                    .copied()
+                    .filter(|v| *v != cc.node_id)
+                    .collect();
+                let answering = self.answering(&remaining);
+                if answering < remaining.len() / 2 + 1 {
+                    let _ = reply.send(Err(MasterError::precondition(format!(
+                        "removing master {} would leave {answering} of the {} other masters \
+                         answering, not a majority: the group could decide nothing more; \
+                         bring the silent ones back (or remove them) first",
+                        cc.node_id,
+                        remaining.len()
+                    ))));
                     return;
                 }
                 if cc.node_id == self.config.id {
@@ -817,6 +845,20 @@ impl Driver {
         }
     }
 
+    /// How many of `ids` answer: this master, and those heard from within
+    /// [`ANSWERING_WITHIN`].
+    fn answering(&self, ids: &[u64]) -> usize {
+        ids.iter()
+            .filter(|v| {
+                **v == self.config.id
+                    || self
+                        .heard
+                        .get(*v)
+                        .is_some_and(|t| t.elapsed() < ANSWERING_WITHIN)
+            })
+            .count()
+    }
+
     fn publish_status(&self) {
         let r = &self.node.raft;
         self.status.term.store(r.term, Ordering::Relaxed);
@@ -838,6 +880,14 @@ impl Driver {
         };
         self.status.role.store(role, Ordering::Relaxed);
         let voters: Vec<u64> = r.prs().conf().voters().ids().iter().collect();
+        let answering = if role == 2 {
+            self.answering(&voters)
+        } else {
+            0
+        };
+        self.status
+            .answering
+            .store(answering as u64, Ordering::Relaxed);
         if let Ok(mut g) = self.status.voters.lock() {
             if *g != voters {
                 let mut v = voters;

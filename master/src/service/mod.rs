@@ -1354,8 +1354,27 @@ impl MasterService for MasterRpc {
         req: Request<pb::DecommissionWorkerRequest>,
     ) -> Result<Response<pb::DecommissionWorkerResponse>, Status> {
         access::whole_cluster(&*principal(&req)?, "decommissioning a worker")?;
-        self.set_decommissioned(req.into_inner().worker_id, true)
-            .await?;
+        let r = req.into_inner();
+        if !r.force {
+            self.core.ensure_leader()?;
+            let decommissioned = self.core.namespace().sm.decommissioned()?;
+            let others = self
+                .core
+                .fleet()
+                .placement_targets(&decommissioned)
+                .iter()
+                .filter(|w| w.worker_id != r.worker_id)
+                .count();
+            if others == 0 && self.core.fleet().get(r.worker_id).is_some() {
+                return Err(Status::failed_precondition(format!(
+                    "worker {} is the last live worker in service: with it decommissioned \
+                     nothing could take new blocks, writes or loads; start another first, or \
+                     use --force",
+                    r.worker_id
+                )));
+            }
+        }
+        self.set_decommissioned(r.worker_id, true).await?;
         Ok(Response::new(pb::DecommissionWorkerResponse {}))
     }
 
