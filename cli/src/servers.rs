@@ -445,8 +445,13 @@ pub async fn local(net: Net, a: LocalArgs) -> anyhow::Result<()> {
         });
     if !already {
         for mnt in &mounts {
-            // Refused while files of the old mount are not in its store yet.
-            admin.remove_mount(&mnt.path, false).await?;
+            // Refused while files of the old mount are only on the worker.
+            admin.remove_mount(&mnt.path, false).await.with_context(|| {
+                format!(
+                    "cannot switch this cache to {}: run again with the earlier --ufs ({}) until its files are uploaded (or delete them through the mount), or use another --cache-dir",
+                    spec.uri, mnt.uri
+                )
+            })?;
         }
         admin
             .add_mount("/", &spec.uri, options)

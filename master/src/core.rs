@@ -267,8 +267,7 @@ impl MasterCore {
     ) -> Result<Mount, MasterError> {
         let path = granary_common::paths::normalize(path)?;
         if !force {
-            self.refuse_losing_writes(&path, "removing the mount")
-                .await?;
+            self.refuse_losing_writes(&path).await?;
         }
         match self
             .propose_request(Command::RemoveMount { path }, request_id)

@@ -14,20 +14,23 @@ use crate::state::{Kind, Persist};
 const EXAMPLES: usize = 3;
 
 impl MasterCore {
-    /// Refuses `what` at `path` while files below it (as far as the namespace is listed)
-    /// are not in the under-store yet: written through Granary and not uploaded, or still
-    /// being written. Their only copies are the workers'.
-    pub async fn refuse_losing_writes(&self, path: &str, what: &str) -> Result<(), MasterError> {
+    /// Refuses removing the mount at `path` while files of it are readable only from
+    /// workers: complete, and not in its under-store (an async-through file whose upload
+    /// is pending, a must-cache file). A file still being written (or left unfinished by
+    /// a writer that died) holds nothing readable and does not count; a path that is no
+    /// mount is left to the removal's own error.
+    pub async fn refuse_losing_writes(&self, path: &str) -> Result<(), MasterError> {
         self.ensure_leader()?;
         self.read_barrier().await?;
-        let root = match self.namespace().resolve(path).await {
-            Ok(r) => r,
-            // Nothing there: the change itself says what is wrong.
-            Err(_) => return Ok(()),
+        let sm = &self.namespace().sm;
+        let Some(mount) = sm.mounts()?.into_iter().find(|m| m.path == path) else {
+            return Ok(());
         };
-        let mut examples: Vec<String> = Vec::new();
-        let mut count = 0u64;
-        for entry in self.namespace().sm.walk(root, path.to_string()) {
+        let Ok(root) = self.namespace().resolve(path).await else {
+            return Ok(());
+        };
+        let (mut pending, mut cached_only, mut examples) = (0u64, 0u64, Vec::new());
+        for entry in sm.walk(root, path.to_string()) {
             // A namespace that cannot be walked (a record left broken) is not checked:
             // removing its mount is the repair.
             let (node, p) = match entry {
@@ -37,18 +40,26 @@ impl MasterCore {
                     return Ok(());
                 }
             };
-            if node.kind != Kind::Directory
-                && (!node.complete || node.persist != Persist::Persisted)
+            if node.kind == Kind::Directory
+                || !node.complete
+                || node.persist == Persist::Persisted
+                || node.mount_id != Some(mount.id)
             {
-                count += 1;
-                if examples.len() < EXAMPLES {
-                    examples.push(p);
-                }
+                continue;
+            }
+            if node.persist == Persist::Pending {
+                pending += 1;
+            } else {
+                cached_only += 1;
+            }
+            if examples.len() < EXAMPLES {
+                examples.push(p);
             }
         }
-        if count > 0 {
+        if pending + cached_only > 0 {
             return Err(MasterError::precondition(format!(
-                "{count} file(s) under {path} are not in the under-store yet or still being written (e.g. {}): {what} would lose their only copies; wait until they are persisted (granary fs stat shows it) or use --force",
+                "{} file(s) of the mount at {path} are only on workers (e.g. {}; {pending} waiting for their upload, {cached_only} written must-cache): removing the mount would lose them; wait for the uploads (granary fs stat shows persisted), delete the others (granary fs rm), or use --force",
+                pending + cached_only,
                 examples.join(", ")
             )));
         }

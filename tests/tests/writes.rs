@@ -364,8 +364,8 @@ fn must_cache_files_stay_out_of_the_store_and_are_read_from_the_writer() {
     assert_one_sentence_error(&out, "mount remove with a must-cache file");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("1 file(s) under /s3 are not in the under-store yet")
-            && err.contains("/s3/tmp.bin"),
+        err.contains("1 file(s) of the mount at /s3 are only on workers")
+            && err.contains("/s3/tmp.bin; 0 waiting for their upload, 1 written must-cache"),
         "{err}"
     );
     drop_page_cache(&dst).unwrap();

@@ -333,6 +333,7 @@ pub fn start(
         warned_lost_log: false,
         snapshot_requested_at: None,
         heard: HashMap::new(),
+        led_since: None,
     };
     driver.publish_status();
     let join = std::thread::Builder::new()
@@ -410,6 +411,8 @@ struct Driver {
     snapshot_requested_at: Option<Instant>,
     /// When each member's last message arrived (to judge who answers before a removal).
     heard: HashMap<u64, Instant>,
+    /// Since when this master leads (None: it does not).
+    led_since: Option<Instant>,
 }
 
 impl Driver {
@@ -679,6 +682,16 @@ impl Driver {
                     .filter(|v| *v != cc.node_id)
                     .collect();
                 let answering = self.answering(&remaining);
+                let settled = self
+                    .led_since
+                    .is_some_and(|t| t.elapsed() >= ANSWERING_WITHIN);
+                if answering < remaining.len() / 2 + 1 && !settled {
+                    // A new leader has not heard from everyone yet: the client retries.
+                    let _ = reply.send(Err(MasterError::Unavailable {
+                        message: "this master leads for less than 2 s and cannot yet tell which masters answer; retry".into(),
+                    }));
+                    return;
+                }
                 if answering < remaining.len() / 2 + 1 {
                     let _ = reply.send(Err(MasterError::precondition(format!(
                         "removing master {} would leave {answering} of the {} other masters \
@@ -910,6 +923,7 @@ impl Driver {
                 );
                 tracing::info!(term = r.term, "this master is now the leader");
                 self.was_leader_in = Some(r.term);
+                self.led_since = Some(Instant::now());
             }
             (Some(term), false) => {
                 tracing::info!(
@@ -919,6 +933,7 @@ impl Driver {
                     "this master is no longer the leader"
                 );
                 self.was_leader_in = None;
+                self.led_since = None;
                 let err = MasterError::Unavailable {
                     message: "leadership changed before the request was confirmed; retry".into(),
                 };

@@ -1357,15 +1357,18 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         if !r.force {
             self.core.ensure_leader()?;
+            if !self.core.fleet().settled() {
+                return Err(Status::unavailable(
+                    "a new leader is still hearing from its workers; retry",
+                ));
+            }
             let decommissioned = self.core.namespace().sm.decommissioned()?;
-            let others = self
-                .core
-                .fleet()
-                .placement_targets(&decommissioned)
+            let targets = self.core.fleet().placement_targets(&decommissioned);
+            let others = targets
                 .iter()
                 .filter(|w| w.worker_id != r.worker_id)
                 .count();
-            if others == 0 && self.core.fleet().get(r.worker_id).is_some() {
+            if others == 0 && targets.iter().any(|w| w.worker_id == r.worker_id) {
                 return Err(Status::failed_precondition(format!(
                     "worker {} is the last live worker in service: with it decommissioned \
                      nothing could take new blocks, writes or loads; start another first, or \
