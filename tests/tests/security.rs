@@ -675,6 +675,10 @@ fn a_subtree_certificate_reaches_only_its_subtree() {
         ),
         (&["mount", "remove", "/data"][..], "outside the subtree"),
         (
+            &["mount", "add", "/data/team-a/b", "file:///tmp"][..],
+            "changes the whole cluster",
+        ),
+        (
             &["worker", "decommission", "1"][..],
             "changes the whole cluster",
         ),

@@ -9,6 +9,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use futures::StreamExt;
 use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
 use granary_proto::worker_service_client::WorkerServiceClient;
@@ -283,6 +284,20 @@ fn a_tampered_descriptor_is_refused_and_the_block_keeps_the_source_bytes() {
     assert_eq!(std::fs::read(src.join("a.bin")).unwrap(), bytes);
 }
 
+/// The header of a cache-through write of `status`'s file at its version, with its grant.
+fn write_header(status: &pb::FileStatus) -> pb::WriteFileHeader {
+    pb::WriteFileHeader {
+        inode: status.inode,
+        version: status.version,
+        block_size: status.block_size,
+        ufs: status.ufs.clone(),
+        mode: pb::WriteMode::CacheThrough as i32,
+        persist: true,
+        grant: status.grant.clone(),
+        finishes: true,
+    }
+}
+
 /// Writes `data` as version `status.version` of `status`'s file to `worker` as `creds`
 /// (cache-through), answering the last message or the refusal.
 async fn write_file(
@@ -292,19 +307,9 @@ async fn write_file(
     data: &[u8],
 ) -> Result<pb::WriteFileResponse, tonic::Status> {
     let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
-    let header = pb::WriteFileHeader {
-        inode: status.inode,
-        version: status.version,
-        block_size: status.block_size,
-        ufs: status.ufs.clone(),
-        mode: pb::WriteMode::CacheThrough as i32,
-        persist: true,
-        grant: status.grant.clone(),
-        finishes: true,
-    };
     let msgs = vec![
         pb::WriteFileRequest {
-            header: Some(header),
+            header: Some(write_header(status)),
             ..Default::default()
         },
         pb::WriteFileRequest {
@@ -325,6 +330,29 @@ async fn write_file(
     last.ok_or_else(|| tonic::Status::internal("no answer"))
 }
 
+/// Opens a write stream of `status`'s file to `worker` as `creds`, sends `data` and keeps
+/// the stream open (no finish); its answers.
+async fn open_write(
+    worker: &str,
+    creds: &Creds,
+    status: &pb::FileStatus,
+    data: &[u8],
+) -> Result<tonic::Streaming<pb::WriteFileResponse>, tonic::Status> {
+    let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
+    let msgs = vec![
+        pb::WriteFileRequest {
+            header: Some(write_header(status)),
+            ..Default::default()
+        },
+        pb::WriteFileRequest {
+            data: data.to_vec().into(),
+            ..Default::default()
+        },
+    ];
+    let open = futures::stream::iter(msgs).chain(futures::stream::pending());
+    Ok(wc.write_file(open).await?.into_inner())
+}
+
 #[test]
 fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
     if std::env::var("GRANARY_TEST_INSECURE").is_ok_and(|v| v == "1") {
@@ -341,7 +369,8 @@ fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
     let m = master(root);
     let w1 = Worker::start(root, "w1", &m.addr, "64MiB").unwrap();
     let w2 = Worker::start(root, "w2", &m.addr, "64MiB").unwrap();
-    wait_live_workers(&m.addr, 2).unwrap();
+    let w3 = Worker::start(root, "w3", &m.addr, "64MiB").unwrap();
+    wait_live_workers(&m.addr, 3).unwrap();
     mount_local("/d", &src, &m.addr).unwrap();
     let mallory = creds_in(
         &TestTls::get()
@@ -389,10 +418,36 @@ fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
                 assert_eq!(e.code(), Code::PermissionDenied, "{what}: {e:?}");
                 assert!(e.message().contains(what), "{what}: {e:?}");
             }
+            // A stream to a third worker, opened while the file is being written and
+            // kept open: its bytes are cached as they arrive.
+            let mut rogue = open_write(&w3.addr, &mallory, &created, &vec![0xa5; 2 << 20])
+                .await
+                .unwrap();
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while cached_pages(&w3.addr, &mallory).await == 0 {
+                assert!(std::time::Instant::now() < deadline, "no page cached");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
             // The honest write, completed.
             let done = write_file(&w1.addr, &mallory, &created, &honest)
                 .await
                 .unwrap();
+            // A fingerprint naming a megabyte ETag (kept in the record, sent with every
+            // listing of the folder): refused, the file stays incomplete.
+            let mut huge = done.fingerprint.clone().unwrap();
+            huge.etag = "e".repeat(1 << 20);
+            let e = mc
+                .complete_file(pb::CompleteFileRequest {
+                    inode: created.inode,
+                    length: honest.len() as u64,
+                    fingerprint: Some(huge),
+                    version: created.version,
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+            assert!(e.message().contains("at most 1024"), "{e:?}");
             let complete = mc
                 .complete_file(pb::CompleteFileRequest {
                     inode: created.inode,
@@ -407,6 +462,22 @@ fn a_write_grant_does_not_rewrite_a_completed_file_on_any_worker() {
                 .status
                 .unwrap();
             assert!(complete.complete);
+            // The open stream learns of the completion and ends, and what it cached goes:
+            // its pages were named as the completed version's.
+            let e = tokio::time::timeout(Duration::from_secs(30), async {
+                loop {
+                    match rogue.message().await {
+                        Ok(Some(_)) => continue,
+                        Ok(None) => panic!("the stream ended without an error"),
+                        Err(e) => return e,
+                    }
+                }
+            })
+            .await
+            .expect("the stream open past the completion was not ended");
+            assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+            assert!(e.message().contains("complete"), "{e:?}");
+            assert_eq!(cached_pages(&w3.addr, &mallory).await, 0);
             // The same write grant, other bytes: refused by the worker that took the file
             // and by one that never saw it.
             for w in [&w1, &w2] {

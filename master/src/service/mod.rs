@@ -206,6 +206,24 @@ fn cache_ms(core: &MasterCore, inode: &Inode, spec: Option<&granary_common::ufs:
     }
 }
 
+/// The longest ETag or object version id a fingerprint may name (stores use a few dozen
+/// bytes; each is kept in the file's record and sent with every status of it).
+const MAX_FINGERPRINT_FIELD: usize = 1024;
+
+/// Refuses a fingerprint whose ETag or version id is longer than any store's: a caller
+/// completing files with megabyte ETags made every listing of their folder cost gigabytes.
+fn check_fingerprint(f: &pb::Fingerprint) -> Result<(), Status> {
+    for (what, v) in [("etag", &f.etag), ("version_id", &f.version_id)] {
+        if v.len() > MAX_FINGERPRINT_FIELD {
+            return Err(Status::invalid_argument(format!(
+                "the fingerprint's {what} is {} bytes long, at most {MAX_FINGERPRINT_FIELD} are allowed",
+                v.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn fingerprint_of(f: pb::Fingerprint) -> crate::state::Fingerprint {
     crate::state::Fingerprint {
         etag: f.etag,
@@ -314,7 +332,14 @@ fn status_for_at(
     inode: &Inode,
     path: String,
 ) -> Result<pb::FileStatus, MasterError> {
+    let above = matches!(access::reach(who, &path), Ok(Reach::Ancestor));
     let mut s = status_at(core, inode, path)?;
+    if above {
+        // A folder above the caller's subtree is only its way down: its listing's last
+        // error may name entries beside the subtree.
+        s.sync_error.clear();
+        (s.sync_failures, s.synced_ms_ago) = (0, 0);
+    }
     grant(core, who, &mut s, false)?;
     Ok(s)
 }
@@ -882,6 +907,7 @@ impl MasterService for MasterRpc {
         // The store's object of a persisted file has the file's length (readers check their
         // fills against this fingerprint).
         if let Some(fp) = &r.fingerprint {
+            check_fingerprint(fp)?;
             if fp.size != r.length {
                 return Err(Status::invalid_argument(format!(
                     "the fingerprint names an object of {} bytes, the file has {}",
@@ -928,6 +954,7 @@ impl MasterService for MasterRpc {
         let fp = r.fingerprint.ok_or_else(|| {
             Status::invalid_argument("the uploaded object's fingerprint is missing")
         })?;
+        check_fingerprint(&fp)?;
         // The object a worker uploaded holds the whole file: a fingerprint of another
         // size (or of nothing a reader could check a fill against) is not that upload.
         // (A file rewritten since has another version: the apply ignores such a report.)
@@ -1042,7 +1069,13 @@ impl MasterService for MasterRpc {
     ) -> Result<Response<pb::AddMountResponse>, Status> {
         let who = principal(&req)?;
         let r = req.into_inner();
-        access::full_raw(&who, &r.path)?;
+        // Not for a confined admin even inside its subtree: a mount's store is read and
+        // written with the cluster's credentials (or its local root), so a mount of
+        // another team's bucket would hand its data to the subtree.
+        access::whole_cluster(
+            &who,
+            "adding a mount (its store is read with the cluster's credentials)",
+        )?;
         let id = scoped(&who, "AddMount", r.request_id, &r);
         let mount = self.core.add_mount(&r.path, &r.uri, &r.options, id).await?;
         Ok(Response::new(pb::AddMountResponse {
@@ -1306,18 +1339,20 @@ impl MasterService for MasterRpc {
         let r = req.into_inner();
         self.core.ensure_leader()?;
         self.core.read_barrier().await?;
-        let max = if r.max_failed == 0 {
-            1000
-        } else {
-            r.max_failed as usize
+        // At most this many failed files per answer (each up to a 4 KiB path): a job with
+        // millions of failures made every GetJob asking for all of them cost gigabytes.
+        const MOST_FAILED: usize = 10_000;
+        let max = match r.max_failed {
+            0 => 1000,
+            n => (n as usize).min(MOST_FAILED),
         };
-        let info = self.core.job_info(r.id, max)?;
-        if !job_shown(&who, &info) {
+        // Whether the caller may see the job at all, before reading its failed list.
+        if !job_shown(&who, &self.core.job_info(r.id, 0)?) {
             // As if there were none: a job's path (and its failed files') outside the
             // caller's subtree is not the caller's to learn.
             return Err(MasterError::NoSuchJob { id: r.id }.into());
         }
-        Ok(Response::new(info))
+        Ok(Response::new(self.core.job_info(r.id, max)?))
     }
 
     async fn list_jobs(

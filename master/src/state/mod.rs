@@ -1304,6 +1304,9 @@ impl<'a> Txn<'a> {
         if parent.mount_id != inode.mount_id {
             return Err(MasterError::CrossMount { src, dst });
         }
+        if inode.kind == Kind::Directory && dst.len() > src.len() {
+            self.refuse_paths_too_long(&inode, &src, &dst)?;
+        }
         if let Some(existing) = self.child(parent.id, last)? {
             // POSIX rename: a file replaces a file, a directory an empty directory.
             match (inode.kind, existing.kind) {
@@ -1341,6 +1344,34 @@ impl<'a> Txn<'a> {
             self.rebase_ufs_paths(&inode)?;
         }
         Ok(ApplyOutput::Inode(inode))
+    }
+
+    /// Refuses moving directory `dir` from `src` to the longer `dst` when a path below it
+    /// would then pass `MAX_PATH_LEN`: such entries could no longer be named (their
+    /// parent chains outgrow every walk), and renames that each deepen a tree made every
+    /// later one rewrite ever longer store paths in one apply on every master.
+    fn refuse_paths_too_long(&self, dir: &Inode, src: &str, dst: &str) -> Result<(), MasterError> {
+        let mut stack = vec![(dir.id, dst.len())];
+        while let Some((id, len)) = stack.pop() {
+            for cid in self.child_ids(id)? {
+                let Some(c) = self.inode(cid)? else {
+                    continue;
+                };
+                let below = len + 1 + c.name.len();
+                if below > paths::MAX_PATH_LEN {
+                    return Err(MasterError::invalid(format!(
+                        "moving {} to {} would make paths below it longer than {} bytes",
+                        paths::shown(src),
+                        paths::shown(dst),
+                        paths::MAX_PATH_LEN
+                    )));
+                }
+                if c.kind == Kind::Directory {
+                    stack.push((c.id, below));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// After a directory of a mount moved: every entry below takes its new store path.

@@ -934,3 +934,46 @@ fn listing_batches_drop_what_they_change_from_the_state_cache_and_fill_nothing()
     assert_eq!(deep.len(), 1);
     assert!(sm.cache.inode(deep[0].id).is_err());
 }
+
+#[test]
+fn a_rename_never_makes_a_path_longer_than_the_limit() {
+    let (_d, sm) = open();
+    let mkdir = |path: String| Command::Mkdir {
+        path,
+        recursive: true,
+        mode: 0,
+        now_ms: 1,
+        owner: None,
+    };
+    let rename = |src: &str, dst: String| Command::Rename {
+        src: src.into(),
+        dst,
+        now_ms: 2,
+    };
+    // Two chains of 2,000 folders, each path inside the limit on its own.
+    let chain = |top: &str| format!("/{top}{}", "/a".repeat(2000));
+    sm.apply(1, &mkdir(chain("f1"))).unwrap();
+    sm.apply(2, &mkdir(chain("f2"))).unwrap();
+    let before = sm.inode_count().unwrap();
+    // Moving one chain to the bottom of the other would make a path of 8,000 bytes (and
+    // each such move deeper trees for the next one to rewrite).
+    let err = sm
+        .apply(3, &rename("/f1", format!("{}/x", chain("f2"))))
+        .unwrap_err();
+    assert!(
+        matches!(err, MasterError::InvalidArgument { .. })
+            && err.to_string().contains("longer than 4096 bytes"),
+        "{err}"
+    );
+    assert!(sm.resolve_loaded(&chain("f1")).unwrap().is_some());
+    assert!(sm
+        .resolve_loaded(&format!("{}/x", chain("f2")))
+        .unwrap()
+        .is_none());
+    assert_eq!(sm.inode_count().unwrap(), before);
+    // A move that keeps every path inside the limit goes ahead, to a longer name too.
+    sm.apply(4, &rename("/f1", "/f2/a-longer-name".into()))
+        .unwrap();
+    let moved = format!("/f2/a-longer-name{}", "/a".repeat(2000));
+    assert!(sm.resolve_loaded(&moved).unwrap().is_some());
+}

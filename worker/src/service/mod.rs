@@ -515,14 +515,17 @@ impl WorkerService for WorkerRpc {
             },
             true,
         )?;
-        if !who.has(Role::Node) || header.grant.is_some() {
-            // Only a file the master still has being written at this version.
+        let recheck = !who.has(Role::Node) || header.grant.is_some();
+        if recheck {
+            // Only a file the master still has being written at this version (asked
+            // again while the stream lasts and at its finish).
             self.writes
                 .being_written(header.inode, header.version)
                 .await?;
         }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tokio::spawn(self.writes.clone().receive(header, inbound, tx));
+        let writes = self.writes.clone();
+        tokio::spawn(writes.receive_as(header, recheck, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -561,10 +564,16 @@ impl WorkerService for WorkerRpc {
         tokio::spawn(async move {
             let block = &block;
             let fetcher = &fetcher;
+            let who = &who.name;
+            // Each page holds room of the caller's and the worker's read budget from
+            // before it is fetched until it leaves for the connection.
             let mut pages = futures::stream::iter(first..=last)
-                .map(|page| async move { (page, fetcher.page(block, page, cache).await) })
+                .map(|page| async move {
+                    let room = fetcher.read_room(who).await;
+                    (page, fetcher.page(block, page, cache).await, room)
+                })
                 .buffered(PAGE_PARALLELISM);
-            while let Some((page, res)) = pages.next().await {
+            while let Some((page, res, room)) = pages.next().await {
                 let msg = match res {
                     Ok((data, source)) => piece(&data, page, ps, p)
                         .map(|(offset, slice)| {
@@ -585,12 +594,13 @@ impl WorkerService for WorkerRpc {
                     Err(e) => Err(Status::from(e)),
                 };
                 let failed = msg.is_err();
-                if tx.send(msg).await.is_err() || failed {
+                if tx.send((msg, room)).await.is_err() || failed {
                     break; // reader went away, or the error was delivered
                 }
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let taken = ReceiverStream::new(rx).map(|(msg, _room)| msg);
+        Ok(Response::new(Box::pin(taken)))
     }
 
     async fn load_blocks(
@@ -763,10 +773,13 @@ impl WorkerService for WorkerRpc {
         let mut out = answer(lease, id, max_pages)?;
         // The blocks the client expects to read next: leased now when cached, each its own
         // lease (no cached page: simply left out).
+        let mut seen = vec![id];
         for more in r.more.iter().take(MAX_MORE_LEASES) {
-            if granted(more).is_err() {
+            // Each block once: the same block named 64 times held 64 leases of it.
+            if seen.contains(more) || granted(more).is_err() {
                 continue;
             }
+            seen.push(*more);
             let until = std::time::Instant::now() + hold;
             let window = crate::store::LEASE_WINDOW_PAGES;
             let l = store.lease_pages(&block_key(more), 0, window, until, None);

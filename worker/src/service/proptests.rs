@@ -53,6 +53,8 @@ struct Rig {
     rpc: WorkerRpc,
     honest: pb::BlockDescriptor,
     grant: pb::ReadGrant,
+    /// Bob's grant for the same file (another user).
+    bob: pb::ReadGrant,
 }
 
 async fn rig() -> Rig {
@@ -125,12 +127,9 @@ async fn rig_with(signed: bool) -> Rig {
         ufs: Some(ufs.clone()),
         ..Default::default()
     };
-    let grant = key.sign(
-        "alice",
-        &status,
-        false,
-        granary_common::now_ms() as u64 + 600_000,
-    );
+    let until = granary_common::now_ms() as u64 + 600_000;
+    let grant = key.sign("alice", &status, false, until);
+    let bob = key.sign("bob", &status, false, until);
     let honest = pb::BlockDescriptor {
         id: Some(pb::BlockId {
             inode: INODE,
@@ -154,6 +153,7 @@ async fn rig_with(signed: bool) -> Rig {
         },
         honest,
         grant,
+        bob,
     }
 }
 
@@ -1080,5 +1080,67 @@ fn a_data_plane_closes_connections_past_its_limit_at_once() {
         assert!(matches!(read, Ok(0)) || read.is_err(), "{read:?}");
         assert_eq!(metrics.data_plane_refused.get(), 1);
         stop.cancel();
+    });
+}
+
+/// Readers that never take what they asked for hold at most their caller's share of the
+/// worker's read budget: another caller still reads, and all of it comes back once they
+/// go away.
+#[test]
+fn readers_that_never_read_hold_at_most_their_callers_share() {
+    use crate::ufs_fetch::{READ_BLOCK_PERMITS, READ_BLOCK_PERMITS_PER_CALLER};
+    runtime().block_on(async {
+        let r = rig().await;
+        let slots = r.rpc.fetcher.read_slots.clone();
+        let (total, share) = (
+            READ_BLOCK_PERMITS as usize,
+            READ_BLOCK_PERMITS_PER_CALLER as usize,
+        );
+        let ask = |bob: bool| {
+            let mut req = Request::new(pb::ReadBlockRequest {
+                block: Some(r.honest.clone()),
+                offset: 0,
+                length: BS,
+                cache: true,
+                grant: Some(if bob { &r.bob } else { &r.grant }.clone()),
+                ..Default::default()
+            });
+            let name = if bob { "bob" } else { "alice" };
+            let who = Principal::new(name, &[Role::User], None);
+            req.extensions_mut().insert(Arc::new(who));
+            r.rpc.read_block(req)
+        };
+        // 100 streams of alice's, 4 pages each (400 permits of 4 KiB pages), none read.
+        let mut idle = Vec::new();
+        for _ in 0..100 {
+            idle.push(ask(false).await.unwrap().into_inner());
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while slots.available_permits() > total - share {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the readers took no room"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(slots.available_permits(), total - share);
+        // Another caller reads the whole block meanwhile.
+        let mut other = ask(true).await.unwrap().into_inner();
+        let mut got = 0;
+        while let Some(m) = tokio::time::timeout(Duration::from_secs(20), other.next())
+            .await
+            .expect("another caller's read waited for alice's")
+        {
+            got += m.unwrap().data.len() as u64;
+        }
+        assert_eq!(got, BS);
+        drop(idle);
+        while slots.available_permits() < total {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "room held by readers that went away"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     });
 }

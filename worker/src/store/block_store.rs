@@ -79,6 +79,8 @@ pub trait BlockStore: Send + Sync {
     fn drop_stale(&self, inode: u64, keep: u64) -> u64 {
         self.drop_stale_many(&[(inode, keep)])
     }
+    /// Drops every cached page of version `version` of `inode`; bytes dropped.
+    fn drop_version(&self, inode: u64, version: u64) -> u64;
 
     /// Pins: pages of these inodes are never evicted.
     fn pin(&self, inode: u64);
@@ -192,6 +194,9 @@ impl BlockStore for Arc<PageStore> {
     }
     fn drop_stale_many(&self, files: &[(u64, u64)]) -> u64 {
         PageStore::drop_stale_many(self, files)
+    }
+    fn drop_version(&self, inode: u64, version: u64) -> u64 {
+        PageStore::drop_version(self, inode, version)
     }
     fn pin(&self, inode: u64) {
         PageStore::pin(self, inode);

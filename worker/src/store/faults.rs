@@ -133,6 +133,9 @@ impl BlockStore for FaultyStore {
     fn drop_stale_many(&self, files: &[(u64, u64)]) -> u64 {
         self.inner.drop_stale_many(files)
     }
+    fn drop_version(&self, inode: u64, version: u64) -> u64 {
+        self.inner.drop_version(inode, version)
+    }
     fn pin(&self, inode: u64) {
         self.inner.pin(inode)
     }

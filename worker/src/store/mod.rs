@@ -130,6 +130,8 @@ struct Inner {
     lease_expiry: BTreeSet<(Instant, u64)>,
     /// How many leases hold each page.
     leased: HashMap<PageKey, u32>,
+    /// Pages named by all leases together (a page counts once per lease holding it).
+    lease_refs: usize,
     leased_bytes: u64,
     /// The next [`PageMeta::gen`].
     next_gen: u64,
@@ -218,6 +220,7 @@ impl Inner {
             return;
         };
         self.lease_expiry.remove(&(until, id));
+        self.lease_refs -= keys.len();
         for k in keys {
             let last = match self.leased.get_mut(&k) {
                 Some(n) if *n > 1 => {
@@ -246,6 +249,11 @@ impl Inner {
 pub const LEASE_WINDOW_PAGES: u32 = 16;
 /// Most of the capacity held by short-circuit leases at once.
 pub const LEASED_SHARE: f64 = 0.25;
+
+/// Page references all leases together may hold: this many, plus four per page of the
+/// leased share (a lease request past it is answered as not cached; the client reads
+/// through the worker instead).
+pub const MAX_LEASE_REFS_BASE: usize = 65_536;
 
 /// A short-circuit lease: cached pages of one block that stay in the block file (never
 /// evicted) until `until` or until the lease is released.
@@ -402,6 +410,7 @@ impl PageStore {
                 leases: HashMap::new(),
                 lease_expiry: BTreeSet::new(),
                 leased: HashMap::new(),
+                lease_refs: 0,
                 leased_bytes: 0,
                 next_gen: 1,
                 reported: (0, 0),
@@ -845,6 +854,12 @@ impl PageStore {
         }
         inner.expire_leases(Instant::now());
         let cap = (self.capacity as f64 * LEASED_SHARE) as u64;
+        // Leases of pages already leased take no share of the bytes, but each holds its
+        // list of pages: without a bound on those, a caller leasing the same pages again
+        // and again held the worker's memory until it ran out.
+        if inner.lease_refs >= MAX_LEASE_REFS_BASE + 4 * (cap / self.page_size.max(1)) as usize {
+            return None;
+        }
         let mut keys = Vec::new();
         let mut pages = Vec::new();
         let mut offset = 0;
@@ -878,6 +893,7 @@ impl PageStore {
         while inner.leases.contains_key(&id) {
             id = fresh();
         }
+        inner.lease_refs += keys.len();
         inner.leases.insert(id, (keys, until));
         inner.lease_expiry.insert((until, id));
         drop(inner);
@@ -918,6 +934,16 @@ impl PageStore {
 
     /// [`drop_stale`](Self::drop_stale) for several files in one pass over the index.
     pub fn drop_stale_many(self: &Arc<Self>, files: &[(u64, u64)]) -> u64 {
+        self.drop_versions(files, false)
+    }
+
+    /// Drops the cached pages of version `version` of `inode` (a write of it failed).
+    pub fn drop_version(self: &Arc<Self>, inode: u64, version: u64) -> u64 {
+        self.drop_versions(&[(inode, version)], true)
+    }
+
+    /// Drops the pages of each `(inode, version)` (`exact`) or of the inode's other versions.
+    fn drop_versions(self: &Arc<Self>, files: &[(u64, u64)], exact: bool) -> u64 {
         if files.is_empty() {
             return 0;
         }
@@ -930,7 +956,7 @@ impl PageStore {
                     inner
                         .inode_pages(inode)
                         .into_iter()
-                        .filter(|k| k.0 .1 != version),
+                        .filter(|k| (k.0 .1 == version) == exact),
                 );
             }
             let mut victims = Vec::with_capacity(keys.len());
@@ -942,8 +968,10 @@ impl PageStore {
             victims
         };
         let freed = victims.iter().map(|v| u64::from(v.1.len)).sum();
-        self.metrics.stale_dropped_bytes.inc_by(freed);
-        self.remove_pages(victims, "stale");
+        if !exact {
+            self.metrics.stale_dropped_bytes.inc_by(freed);
+        }
+        self.remove_pages(victims, if exact { "its write failed" } else { "stale" });
         freed
     }
 

@@ -479,3 +479,31 @@ fn a_cache_of_the_older_layout_is_dropped_never_misread() {
     let s = open(d.path(), 8 * 4096);
     assert_eq!((s.used(), s.get(&key(1, 0)).unwrap()[0]), (4096, 6));
 }
+
+#[test]
+fn leases_of_the_same_pages_again_and_again_stop_at_the_reference_bound() {
+    use std::time::{Duration, Instant};
+    let d = tempfile::tempdir().unwrap();
+    // 8 pages: the leased share is 2 pages, so the bound is the base plus 8 references.
+    let s = open(d.path(), 8 * 4096);
+    let later = Instant::now() + Duration::from_secs(60);
+    assert!(fill(&s, key(0, 0), 1));
+    let bound = MAX_LEASE_REFS_BASE + 8;
+    let mut ids = Vec::new();
+    for _ in 0..bound {
+        ids.push(
+            s.lease(&key(0, 0).0, 0, later, None)
+                .expect("inside the bound")
+                .id,
+        );
+    }
+    // Leasing the page again takes no bytes of the share, but no more references.
+    assert!(s.lease(&key(0, 0).0, 0, later, None).is_none());
+    assert_eq!(s.lease_stats(), (bound, 4096));
+    // Ending one makes room for one.
+    s.release(ids.pop().unwrap());
+    assert!(s.lease(&key(0, 0).0, 0, later, None).is_some());
+    assert!(s.lease(&key(0, 0).0, 0, later, None).is_none());
+    s.release_many(&ids);
+    assert_eq!(s.lease_stats().0, 1);
+}

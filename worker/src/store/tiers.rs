@@ -359,6 +359,13 @@ impl BlockStore for TieredStore {
         self.tiers.iter().map(|t| t.drop_stale_many(files)).sum()
     }
 
+    fn drop_version(&self, inode: u64, version: u64) -> u64 {
+        self.tiers
+            .iter()
+            .map(|t| t.drop_version(inode, version))
+            .sum()
+    }
+
     fn pin(&self, inode: u64) {
         for t in &self.tiers {
             t.pin(inode);

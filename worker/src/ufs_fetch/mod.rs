@@ -31,6 +31,15 @@ pub const PREFETCH_IN_FLIGHT: usize = 32;
 /// asking for many blocks, on many streams, or going away and coming back can make the
 /// worker hold and fetch at a time. A client's folder warm keeps 64 small files in flight.
 pub const CACHE_BLOCK_PERMITS: u32 = 256;
+/// MiB of `ReadBlock` pages this worker holds for its readers at once (fetched or read,
+/// waiting for the reader to take them), all callers together; a page takes a permit per
+/// started MiB. A reader that never takes what it asked for holds its pages, so without
+/// this bound streams of readers that read nothing held the worker's memory until it ran
+/// out.
+pub const READ_BLOCK_PERMITS: u32 = 1024;
+/// The share of [`READ_BLOCK_PERMITS`] one caller (principal) may hold: readers that never
+/// read cannot take every reader's room.
+pub const READ_BLOCK_PERMITS_PER_CALLER: u32 = 256;
 
 /// How long a ranged GET may go without a byte (for its answer, then between body
 /// chunks) before it counts as stalled. A slow store that keeps sending is never cut off:
@@ -154,6 +163,10 @@ pub struct Fetcher {
     /// Bounds the bytes of clients' `CacheBlocks` blocks being cached at once, all callers
     /// together: a permit per started MiB ([`CACHE_BLOCK_PERMITS`]).
     pub(crate) cache_slots: Arc<Semaphore>,
+    /// Bounds the bytes of `ReadBlock` pages held for readers ([`READ_BLOCK_PERMITS`]).
+    pub(crate) read_slots: Arc<Semaphore>,
+    /// Each caller's share of them, by principal name.
+    read_slots_of: Mutex<HashMap<String, Arc<Semaphore>>>,
     master: MasterClient,
     pub(crate) stores: MountStores,
     inflight: Mutex<HashMap<PageKey, Pending>>,
@@ -396,6 +409,8 @@ impl Fetcher {
         Self {
             prefetch_slots: Arc::new(Semaphore::new(PREFETCH_IN_FLIGHT)),
             cache_slots: Arc::new(Semaphore::new(CACHE_BLOCK_PERMITS as usize)),
+            read_slots: Arc::new(Semaphore::new(READ_BLOCK_PERMITS as usize)),
+            read_slots_of: Mutex::new(HashMap::new()),
             master,
             stores: MountStores::default(),
             inflight: Mutex::new(HashMap::new()),
@@ -413,6 +428,24 @@ impl Fetcher {
             alone: AtomicBool::new(false),
             live: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// Room for one page of `ReadBlock` for caller `who`: its share first, then the
+    /// worker's. Held until the page leaves for the reader's connection.
+    pub async fn read_room(
+        &self,
+        who: &str,
+    ) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
+        let n = self.store.page_size().div_ceil(1 << 20).max(1) as u32;
+        let mine = {
+            lock(&self.read_slots_of)
+                .entry(who.to_string())
+                .or_insert_with(|| Arc::new(Semaphore::new(READ_BLOCK_PERMITS_PER_CALLER as usize)))
+                .clone()
+        };
+        let mine = mine.acquire_many_owned(n).await.ok()?;
+        let all = self.read_slots.clone().acquire_many_owned(n).await.ok()?;
+        Some((mine, all))
     }
 
     /// The placement owner of block `id` among the live workers (the worker every client

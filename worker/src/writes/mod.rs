@@ -35,6 +35,9 @@ use crate::ufs_fetch::Fetcher;
 
 /// How often a replica checks whether its file was persisted.
 const REPLICA_CHECK: Duration = Duration::from_secs(2);
+/// How often a stream whose writer the master vouches for only at open asks again whether
+/// its version is still being written.
+const RECHECK_EVERY: Duration = Duration::from_secs(5);
 /// How long the persisting worker may be missing before a replica uploads instead.
 const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
 /// How long a journal waits for its client to commit the file before it is dropped.
@@ -270,6 +273,43 @@ impl Writes {
         }
     }
 
+    /// [`being_written`](Self::being_written), except that a master that cannot answer now
+    /// refutes nothing (the writer was vouched for when its stream opened).
+    async fn not_completed(&self, inode: u64, version: u64) -> Result<(), RpcError> {
+        match self.being_written(inode, version).await {
+            Err(RpcError::Unavailable(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// The stream's next message. With `recheck` (when the master was last asked), the
+    /// master is asked again every [`RECHECK_EVERY`], whether messages arrive or not: a
+    /// stream kept open after its file was completed through another worker ends, and what
+    /// it cached goes, instead of serving as the completed version's bytes.
+    async fn next_checked<S>(
+        &self,
+        h: &pb::WriteFileHeader,
+        inbound: &mut S,
+        recheck: &mut Option<std::time::Instant>,
+    ) -> Result<Option<pb::WriteFileRequest>, RpcError>
+    where
+        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
+    {
+        loop {
+            let Some(at) = *recheck else {
+                return inbound.next().await.transpose().map_err(went_away);
+            };
+            let wait = RECHECK_EVERY.saturating_sub(at.elapsed());
+            if !wait.is_zero() {
+                if let Ok(next) = tokio::time::timeout(wait, inbound.next()).await {
+                    return next.transpose().map_err(went_away);
+                }
+            }
+            self.not_completed(h.inode, h.version).await?;
+            *recheck = Some(std::time::Instant::now());
+        }
+    }
+
     /// Room for `len` more bytes of journal on the tier in the cache folder (else the last
     /// tier), as journals live on its disk (`None`: it cannot be had).
     fn journal_room(&self, len: u64) -> Option<crate::store::Reservation> {
@@ -332,6 +372,21 @@ impl Writes {
     pub async fn receive<S>(
         self: Arc<Self>,
         header: pb::WriteFileHeader,
+        inbound: S,
+        tx: mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
+    ) where
+        S: futures::Stream<Item = Result<pb::WriteFileRequest, Status>> + Unpin + Send,
+    {
+        self.receive_as(header, false, inbound, tx).await
+    }
+
+    /// [`receive`](Self::receive); with `recheck` (a writer the master vouched for at open
+    /// only) the master is asked again, while the stream lasts and at its finish, whether
+    /// the version is still being written.
+    pub async fn receive_as<S>(
+        self: Arc<Self>,
+        header: pb::WriteFileHeader,
+        recheck: bool,
         mut inbound: S,
         tx: mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
     ) where
@@ -343,7 +398,11 @@ impl Writes {
             let _ = tx.send(Err(e.into())).await;
             return;
         }
-        let out = self.clone().receive_inner(header, &mut inbound, &tx).await;
+        let recheck = recheck.then(std::time::Instant::now);
+        let out = self
+            .clone()
+            .receive_inner(header, recheck, &mut inbound, &tx)
+            .await;
         lock(&self.receiving).remove(&(inode, version));
         if let Err(e) = out {
             tracing::warn!(inode, error = %e, "write failed");
@@ -351,6 +410,9 @@ impl Writes {
             let active = lock(&self.active).contains(&(inode, version));
             if !active {
                 self.remove(inode, version);
+                // What the stream cached is no file's: a writer that gave up (or that
+                // completed the file through another worker) leaves none of it readable.
+                self.fetcher.store.drop_version(inode, version);
                 if mode == pb::WriteMode::AsyncThrough as i32 {
                     self.fetcher.store.unpin(inode);
                 }
@@ -447,6 +509,7 @@ impl Writes {
     async fn receive_inner<S>(
         self: Arc<Self>,
         h: pb::WriteFileHeader,
+        mut recheck: Option<std::time::Instant>,
         inbound: &mut S,
         tx: &mpsc::Sender<Result<pb::WriteFileResponse, Status>>,
     ) -> Result<(), RpcError>
@@ -500,8 +563,7 @@ impl Writes {
         });
         let mut offset = 0u64;
         let mut finished = None;
-        while let Some(msg) = inbound.next().await {
-            let msg = msg.map_err(went_away)?;
+        while let Some(msg) = self.next_checked(&h, inbound, &mut recheck).await? {
             in_order(&msg, &mut finished)?;
             let (n, sync) = (msg.data.len() as u64, msg.sync);
             if offset.saturating_add(n) > max_length {
@@ -536,6 +598,10 @@ impl Writes {
             }
         }
         ended(h.finishes, finished, offset)?;
+        if recheck.is_some() {
+            // Completed meanwhile through another worker: these bytes are not the file's.
+            self.not_completed(h.inode, h.version).await?;
+        }
         blocking(&mut sink, |s| {
             s.finish();
             s.file.sync_all()
@@ -1106,6 +1172,30 @@ mod tests {
                 "inode {inode}: a journal was kept"
             );
         }
+    }
+
+    /// A write that fails part-way (here: a stream ending without the finish its client
+    /// promised) leaves none of its pages readable, only the cache's room it took back.
+    #[tokio::test]
+    async fn a_failed_write_leaves_none_of_its_pages_cached() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = writes(dir.path(), 64);
+        let data = pb::WriteFileRequest {
+            data: vec![7u8; 3 * PS as usize + 10].into(),
+            ..Default::default()
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        let header = header(9, pb::WriteMode::CacheThrough, true);
+        w.clone()
+            .receive(header, futures::stream::iter(vec![Ok(data)]), tx)
+            .await;
+        let mut last = Ok(pb::WriteFileResponse::default());
+        while let Some(a) = rx.recv().await {
+            last = a;
+        }
+        assert_eq!(last.unwrap_err().code(), tonic::Code::Aborted);
+        assert!(!w.fetcher.store.holds_version(9, 1));
+        assert_eq!(w.fetcher.store.used(), 0);
     }
 
     /// A tmpfs of `mib` MiB mounted on a new temp dir (root), unmounted when dropped.
