@@ -42,6 +42,8 @@ const RECHECK_EVERY: Duration = Duration::from_secs(5);
 const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
 /// How long a journal waits for its client to commit the file before it is dropped.
 const UNCOMMITTED_GIVE_UP: Duration = Duration::from_secs(600);
+/// The longest wait between two questions whether a finished file was committed.
+const UNCOMMITTED_MAX_WAIT: Duration = Duration::from_secs(10);
 /// A replica uploads a file still pending this long after it was committed even while its
 /// persisting worker is live: a writer may name a worker that holds no journal (the file
 /// would stay pending, and the replicas' pages pinned, for good), or the upload is stuck.
@@ -199,6 +201,16 @@ impl Writes {
         f.sync_all()?;
         std::fs::rename(&tmp, &meta)?;
         std::fs::File::open(&self.dir)?.sync_all()
+    }
+
+    /// [`save`](Self::save) off the async threads (it syncs twice): a burst of new write
+    /// streams stalled every request of the worker.
+    async fn save_blocking(self: &Arc<Self>, j: &Journal) -> Result<(), RpcError> {
+        let (me, j) = (self.clone(), j.clone());
+        tokio::task::spawn_blocking(move || me.save(&j))
+            .await
+            .map_err(|e| RpcError::Internal(format!("saving the write journal: {e}")))?
+            .map_err(|e| RpcError::io("saving the write journal", e))
     }
 
     fn remove(&self, inode: u64, version: u64) {
@@ -532,11 +544,7 @@ impl Writes {
             closed: false,
         };
         let (data_path, _) = self.paths(h.inode, h.version);
-        let save = |j: &Journal| {
-            self.save(j)
-                .map_err(|e| RpcError::io("saving the write journal", e))
-        };
-        save(&journal)?;
+        self.save_blocking(&journal).await?;
         let file =
             private_file(&data_path).map_err(|e| RpcError::io("creating the write journal", e))?;
         let caching = mode != pb::WriteMode::Through;
@@ -631,7 +639,7 @@ impl Writes {
             }
             pb::WriteMode::AsyncThrough if !((cache_full || uncounted) && journal.persist) => {
                 journal.closed = true;
-                save(&journal)?;
+                self.save_blocking(&journal).await?;
                 self.metrics.pending_uploads.inc();
                 self.spawn_background(journal, room.take());
                 let _ = tx.send(Ok(answer(None, false))).await;
@@ -753,6 +761,7 @@ impl Writes {
     /// through store and master outages).
     async fn persist(&self, j: Journal) {
         let mut backoff = Duration::from_millis(500);
+        let mut uncommitted_wait = Duration::from_millis(200);
         let started = tokio::time::Instant::now();
         loop {
             match self.persist_once(&j).await {
@@ -769,7 +778,11 @@ impl Writes {
                     return;
                 }
                 Err(Retry::Uncommitted) => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    // The client commits right after its workers answer: asked soon, then
+                    // less and less often (a writer that never commits made every such
+                    // file cost the master five requests a second for ten minutes).
+                    tokio::time::sleep(uncommitted_wait).await;
+                    uncommitted_wait = (uncommitted_wait * 2).min(UNCOMMITTED_MAX_WAIT);
                 }
                 Err(Retry::Failed(e)) => {
                     self.metrics.upload_failures.inc();
