@@ -204,6 +204,9 @@ pub struct WorkerRpc {
     pub node_copies: bool,
 }
 
+/// How long a write stream may take to send its header.
+const HEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// How long a peer's cached-only read waits for a page this worker is fetching.
 const ARRIVING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -492,7 +495,11 @@ impl WorkerService for WorkerRpc {
     ) -> Result<Response<WriteStream>, Status> {
         let who = principal(&req)?;
         let mut inbound = req.into_inner();
-        let header = match inbound.next().await {
+        // A caller that opens streams and never names their file holds nothing for long.
+        let first = tokio::time::timeout(HEADER_WAIT, inbound.next())
+            .await
+            .map_err(|_| RpcError::Invalid("no header within 30 s of the stream's start".into()))?;
+        let header = match first {
             Some(Ok(m)) => m
                 .header
                 .ok_or_else(|| RpcError::Invalid("the first message needs the header".into()))?,
@@ -515,6 +522,7 @@ impl WorkerService for WorkerRpc {
             },
             true,
         )?;
+        let slot = self.writes.stream_slot(&who.name)?;
         let recheck = !who.has(Role::Node) || header.grant.is_some();
         if recheck {
             // Only a file the master still has being written at this version (asked
@@ -525,7 +533,10 @@ impl WorkerService for WorkerRpc {
         }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let writes = self.writes.clone();
-        tokio::spawn(writes.receive_as(header, recheck, inbound, tx));
+        tokio::spawn(async move {
+            let _slot = slot;
+            writes.receive_as(header, recheck, inbound, tx).await
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

@@ -42,6 +42,28 @@ const RECHECK_EVERY: Duration = Duration::from_secs(5);
 const TAKEOVER_AFTER: Duration = Duration::from_secs(15);
 /// How long a journal waits for its client to commit the file before it is dropped.
 const UNCOMMITTED_GIVE_UP: Duration = Duration::from_secs(600);
+/// Write streams one caller may keep open on a worker at once.
+pub const MAX_STREAMS_PER_CALLER: usize = 4096;
+
+/// One open write stream of a caller (see [`Writes::stream_slot`]); its place is given
+/// back when dropped.
+pub struct StreamSlot {
+    writes: Arc<Writes>,
+    who: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut of = lock(&self.writes.streams_of);
+        if let Some(open) = of.get_mut(&self.who) {
+            *open -= 1;
+            if *open == 0 {
+                of.remove(&self.who);
+            }
+        }
+    }
+}
+
 /// The longest wait between two questions whether a finished file was committed.
 const UNCOMMITTED_MAX_WAIT: Duration = Duration::from_secs(10);
 /// A replica uploads a file still pending this long after it was committed even while its
@@ -78,6 +100,8 @@ pub struct Writes {
     receiving: Mutex<HashSet<(u64, u64)>>,
     /// File versions this worker took a write of, and when (see [`Writes::claim`]).
     taken: Mutex<std::collections::HashMap<(u64, u64), std::time::Instant>>,
+    /// Write streams open now, by caller (see [`Writes::stream_slot`]).
+    streams_of: Mutex<std::collections::HashMap<String, usize>>,
     /// The worker's cache folder: journals kept after their write (async-through, until
     /// uploaded) count against the capacity of the tier on its disk.
     cache_dir: std::path::PathBuf,
@@ -181,6 +205,7 @@ impl Writes {
             active: Mutex::new(HashSet::new()),
             receiving: Mutex::new(HashSet::new()),
             taken: Mutex::new(std::collections::HashMap::new()),
+            streams_of: Mutex::new(std::collections::HashMap::new()),
         }))
     }
 
@@ -201,6 +226,25 @@ impl Writes {
         f.sync_all()?;
         std::fs::rename(&tmp, &meta)?;
         std::fs::File::open(&self.dir)?.sync_all()
+    }
+
+    /// A place for one more write stream of caller `who`, held until the slot is dropped:
+    /// each stream holds a task, a journal's descriptor and two files for as long as its
+    /// caller keeps it open, so one caller keeps at most [`MAX_STREAMS_PER_CALLER`].
+    pub fn stream_slot(self: &Arc<Self>, who: &str) -> Result<StreamSlot, RpcError> {
+        let mut of = lock(&self.streams_of);
+        let open = of.entry(who.to_string()).or_default();
+        if *open >= MAX_STREAMS_PER_CALLER {
+            return Err(RpcError::TooMuch(format!(
+                "{who} has {MAX_STREAMS_PER_CALLER} write streams open on this worker already; \
+                 close some first"
+            )));
+        }
+        *open += 1;
+        Ok(StreamSlot {
+            writes: self.clone(),
+            who: who.to_string(),
+        })
     }
 
     /// [`save`](Self::save) off the async threads (it syncs twice): a burst of new write
@@ -1209,6 +1253,25 @@ mod tests {
         assert_eq!(last.unwrap_err().code(), tonic::Code::Aborted);
         assert!(!w.fetcher.store.holds_version(9, 1));
         assert_eq!(w.fetcher.store.used(), 0);
+    }
+
+    /// One caller keeps at most so many write streams open; a slot given back makes room,
+    /// and another caller is not held back by the first.
+    #[tokio::test]
+    async fn one_caller_keeps_at_most_its_write_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = writes(dir.path(), 64);
+        let held: Vec<_> = (0..MAX_STREAMS_PER_CALLER)
+            .map(|_| w.stream_slot("mallory").unwrap())
+            .collect();
+        let e = tonic::Status::from(w.stream_slot("mallory").err().unwrap());
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert!(e.message().contains("4096 write streams"), "{e:?}");
+        let other = w.stream_slot("alice").unwrap();
+        drop(held);
+        drop(other);
+        assert!(lock(&w.streams_of).is_empty());
+        w.stream_slot("mallory").unwrap();
     }
 
     /// A tmpfs of `mib` MiB mounted on a new temp dir (root), unmounted when dropped.
