@@ -516,6 +516,14 @@ impl Driver {
     }
 
     fn step(&mut self, mut m: Message) {
+        // A master that is not (or no longer) a member speaks for nobody: its certificate
+        // stays valid after its removal, and a vote or a higher term from it could take the
+        // group over. (A master still joining knows no members yet and hears everyone.)
+        let members = self.node.raft.prs();
+        if members.iter().next().is_some() && members.get(m.from).is_none() {
+            tracing::debug!(from = m.from, "raft message from a non-member ignored");
+            return;
+        }
         self.heard.insert(m.from, Instant::now());
         use raft::eraftpb::MessageType as T;
         let mut lost_log_at = None;

@@ -44,6 +44,48 @@ fn decode(bytes: &[u8]) -> Result<Message, Status> {
         .map_err(|e| Status::invalid_argument(format!("undecodable raft message: {e}")))
 }
 
+/// Terms and indexes past this are no real group's (and `+ 1` on them must not overflow).
+const MAX_SANE: u64 = 1 << 62;
+
+/// Refuses what no master sends another: kinds raft-rs keeps local or that Granary never
+/// forwards (a proposal — the leader proposes itself — would be appended unchecked, and
+/// an empty one or an empty read request panics raft-rs), a term of 0 on a kind that
+/// carries one (raft-rs takes it for a local message), and terms or indexes near 2^64.
+fn check_wire(m: &Message) -> Result<(), Status> {
+    use MessageType as T;
+    let kind = m.get_msg_type();
+    let refuse = |why: String| Err(Status::invalid_argument(format!("raft {kind:?}: {why}")));
+    let carries_term = matches!(
+        kind,
+        T::MsgAppend
+            | T::MsgAppendResponse
+            | T::MsgRequestVote
+            | T::MsgRequestVoteResponse
+            | T::MsgRequestPreVote
+            | T::MsgRequestPreVoteResponse
+            | T::MsgHeartbeat
+            | T::MsgHeartbeatResponse
+            | T::MsgReadIndexResp
+            | T::MsgTimeoutNow
+    );
+    if carries_term && m.term == 0 {
+        return refuse("term 0".into());
+    }
+    // A follower's read is forwarded with term 0 and exactly its one context entry.
+    if kind == T::MsgReadIndex && m.entries.len() != 1 {
+        return refuse(format!("{} entries, not 1", m.entries.len()));
+    }
+    if !carries_term && kind != T::MsgReadIndex {
+        return refuse("not a kind masters send each other".into());
+    }
+    let numbers = [m.term, m.index, m.log_term, m.commit, m.reject_hint];
+    let entries = m.entries.iter().flat_map(|e| [e.index, e.term]);
+    if numbers.into_iter().chain(entries).any(|n| n > MAX_SANE) {
+        return refuse("a term or index beyond 2^62".into());
+    }
+    Ok(())
+}
+
 impl RaftRpc {
     /// Checks a batch whole — the sender is the master its certificate names (the batch
     /// and each of its messages), it is for this master, and holds no snapshot — then
@@ -75,6 +117,7 @@ impl RaftRpc {
                     "snapshots travel through InstallSnapshot",
                 ));
             }
+            check_wire(&m)?;
             msgs.push(m);
         }
         // Checked whole before any is stepped: a batch is refused, never half-applied.
@@ -133,6 +176,22 @@ impl RaftService for RaftRpc {
             ));
         }
         let meta = m.get_snapshot().get_metadata().clone();
+        if [m.term, meta.index, meta.term]
+            .iter()
+            .any(|&n| n == 0 || n > MAX_SANE)
+        {
+            return Err(Status::invalid_argument(
+                "a snapshot's term and index must be between 1 and 2^62",
+            ));
+        }
+        // Only a member sends snapshots (a removed master's certificate stays valid).
+        let voters = self.raft.status.voters();
+        if !voters.is_empty() && !voters.contains(&m.from) {
+            return Err(Status::permission_denied(format!(
+                "master {} is not a member of this group",
+                m.from
+            )));
+        }
         let tmp = self.snapshots.temp_path(meta.index, meta.term);
         let fin = self.snapshots.path_for(meta.index, meta.term);
         let io = |e: std::io::Error| Status::internal(format!("writing the snapshot: {e}"));

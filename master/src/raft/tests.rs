@@ -824,6 +824,23 @@ async fn a_raft_batch_is_checked_whole_against_its_senders_certificate() {
             tonic::Code::InvalidArgument,
         ),
     ];
+    // Kinds no master sends another (a proposal would be appended unchecked; an empty
+    // one, or a read request without its entry, panicked raft-rs), a term of 0 (a local
+    // message to raft-rs) and a term near 2^64.
+    let mut cases = cases;
+    for forged in [
+        msg(2, 1, MessageType::MsgPropose, term),
+        msg(2, 1, MessageType::MsgReadIndex, 0),
+        msg(2, 1, MessageType::MsgHeartbeat, 0),
+        msg(2, 1, MessageType::MsgHeartbeat, u64::MAX),
+        msg(2, 1, MessageType::MsgTransferLeader, term),
+    ] {
+        cases.push((
+            &master2,
+            batch(2, 1, vec![valid.clone(), forged]),
+            tonic::Code::InvalidArgument,
+        ));
+    }
     for (i, (who, batch, code)) in cases.into_iter().enumerate() {
         let e = rpc.accept(who, batch).unwrap_err();
         assert_eq!(e.code(), code, "case {i}: {e:?}");
@@ -840,6 +857,19 @@ async fn a_raft_batch_is_checked_whole_against_its_senders_certificate() {
         )
         .unwrap();
     }
+    // A master that is no member (a removed master's certificate stays valid) passes the
+    // certificate checks, and its messages are ignored: a far higher term from it would
+    // have taken the group to that term.
+    let master4 = Principal::new("master-4", &[Role::Master], None).with_master_id(4);
+    rpc.accept(
+        &master4,
+        pb::RaftBatch {
+            from: 4,
+            to: 1,
+            messages: vec![msg(4, 1, MessageType::MsgHeartbeat, term + 2000)],
+        },
+    )
+    .unwrap();
     // No forged term reached any node: the group still writes in a sane term.
     assert!(g.mkdir("/after", Duration::from_secs(10)).await);
     for n in g.nodes.values() {
