@@ -342,7 +342,7 @@ impl GranaryFs {
                 limit: config.op_timeout,
                 metrics: metrics.clone(),
             },
-            dirs: Arc::new(Mutex::new(HashMap::new())),
+            dirs: Default::default(),
             walk: Arc::new(DirWalk::default()),
             writes,
             read_only: config.read_only,
@@ -782,6 +782,9 @@ impl Filesystem for GranaryFs {
         let dirs = self.dirs.clone();
         let walk = self.walk.clone();
         let fh = self.new_fh();
+        if let Err(e) = lock(&self.dirs).take(fh, req.uid()) {
+            return reply.error(e);
+        }
         let dl = self.deadline.clone();
         self.spawn(async move {
             let ahead = walk.opened(&client, ino.0);
@@ -819,6 +822,7 @@ impl Filesystem for GranaryFs {
                 }
                 Err(e) => {
                     tracing::warn!(inode = ino.0, error = %e, "listing failed");
+                    lock(&dirs).remove(&fh);
                     reply.error(errno(&e))
                 }
             }

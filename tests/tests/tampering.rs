@@ -298,6 +298,22 @@ fn write_header(status: &pb::FileStatus) -> pb::WriteFileHeader {
     }
 }
 
+/// The messages of a write of `data` as `status`'s file: the header, then the bytes, with
+/// the finish naming their length when `finish`.
+fn write_msgs(status: &pb::FileStatus, data: &[u8], finish: bool) -> Vec<pb::WriteFileRequest> {
+    let header = pb::WriteFileRequest {
+        header: Some(write_header(status)),
+        ..Default::default()
+    };
+    let bytes = pb::WriteFileRequest {
+        data: data.to_vec().into(),
+        finish,
+        length: if finish { data.len() as u64 } else { 0 },
+        ..Default::default()
+    };
+    vec![header, bytes]
+}
+
 /// Writes `data` as version `status.version` of `status`'s file to `worker` as `creds`
 /// (cache-through), answering the last message or the refusal.
 async fn write_file(
@@ -307,20 +323,8 @@ async fn write_file(
     data: &[u8],
 ) -> Result<pb::WriteFileResponse, tonic::Status> {
     let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
-    let msgs = vec![
-        pb::WriteFileRequest {
-            header: Some(write_header(status)),
-            ..Default::default()
-        },
-        pb::WriteFileRequest {
-            data: data.to_vec().into(),
-            finish: true,
-            length: data.len() as u64,
-            ..Default::default()
-        },
-    ];
     let mut answers = wc
-        .write_file(futures::stream::iter(msgs))
+        .write_file(futures::stream::iter(write_msgs(status, data, true)))
         .await?
         .into_inner();
     let mut last = None;
@@ -339,17 +343,8 @@ async fn open_write(
     data: &[u8],
 ) -> Result<tonic::Streaming<pb::WriteFileResponse>, tonic::Status> {
     let mut wc = WorkerServiceClient::new(channel(worker, Some(creds)));
-    let msgs = vec![
-        pb::WriteFileRequest {
-            header: Some(write_header(status)),
-            ..Default::default()
-        },
-        pb::WriteFileRequest {
-            data: data.to_vec().into(),
-            ..Default::default()
-        },
-    ];
-    let open = futures::stream::iter(msgs).chain(futures::stream::pending());
+    let open =
+        futures::stream::iter(write_msgs(status, data, false)).chain(futures::stream::pending());
     Ok(wc.write_file(open).await?.into_inner())
 }
 

@@ -58,7 +58,73 @@ impl Drop for Ahead {
     }
 }
 
-pub(super) type Dirs = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>>>;
+pub(super) type Dirs = Arc<Mutex<DirTable>>;
+
+/// Open directories at most, all users together (past it: `ENFILE`), and per uid (past
+/// it: `EMFILE`). Each holds up to a few pages of entries outside `--max-memory`: a local
+/// user opening a big folder again and again held the daemon's memory until it ran out.
+pub(super) const MAX_DIRS: usize = 4096;
+pub(super) const MAX_DIRS_PER_UID: usize = 1024;
+
+/// The open directories by handle, and how many each uid holds.
+#[derive(Default)]
+pub(super) struct DirTable {
+    open: HashMap<u64, Arc<tokio::sync::Mutex<DirHandle>>>,
+    /// Every handle with its place taken (opened or being opened), and whose it is.
+    places: HashMap<u64, u32>,
+    by_uid: HashMap<u32, usize>,
+}
+
+impl DirTable {
+    /// Takes a place for handle `fh` of `uid`, before its directory is listed.
+    pub(super) fn take(&mut self, fh: u64, uid: u32) -> Result<(), Errno> {
+        if self.places.len() >= MAX_DIRS {
+            return Err(Errno::ENFILE);
+        }
+        let held = self.by_uid.entry(uid).or_default();
+        if *held >= MAX_DIRS_PER_UID {
+            return Err(Errno::EMFILE);
+        }
+        *held += 1;
+        self.places.insert(fh, uid);
+        Ok(())
+    }
+
+    pub(super) fn insert(&mut self, fh: u64, h: Arc<tokio::sync::Mutex<DirHandle>>) {
+        self.open.insert(fh, h);
+    }
+
+    pub(super) fn get(&self, fh: &u64) -> Option<&Arc<tokio::sync::Mutex<DirHandle>>> {
+        self.open.get(fh)
+    }
+
+    /// A handle an earlier daemon gave, opened again (its place counted, never refused:
+    /// the earlier daemon's own places bounded them).
+    pub(super) fn get_or_insert(
+        &mut self,
+        fh: u64,
+        h: Arc<tokio::sync::Mutex<DirHandle>>,
+    ) -> Arc<tokio::sync::Mutex<DirHandle>> {
+        if let std::collections::hash_map::Entry::Vacant(place) = self.places.entry(fh) {
+            place.insert(u32::MAX);
+            *self.by_uid.entry(u32::MAX).or_default() += 1;
+        }
+        self.open.entry(fh).or_insert(h).clone()
+    }
+
+    /// Closes `fh` (or gives back the place of an open that failed).
+    pub(super) fn remove(&mut self, fh: &u64) {
+        self.open.remove(fh);
+        if let Some(uid) = self.places.remove(fh) {
+            if let Some(held) = self.by_uid.get_mut(&uid) {
+                *held -= 1;
+                if *held == 0 {
+                    self.by_uid.remove(&uid);
+                }
+            }
+        }
+    }
+}
 
 /// Folders remembered by [`DirWalk`] (everything is forgotten past this many).
 const WALK_FOLDERS: usize = 100_000;
@@ -272,5 +338,42 @@ impl DirHandle {
             .enumerate()
             .skip(skip)
             .map(move |(i, e)| (base + i as u64 + 1, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One uid opens at most `MAX_DIRS_PER_UID` directories (`EMFILE` past it, others
+    /// still open theirs), all users together `MAX_DIRS` (`ENFILE`); a closed one, or an
+    /// open that failed, gives its place back; handles an earlier daemon gave are counted.
+    #[test]
+    fn open_directories_are_capped_per_uid_and_in_all() {
+        let mut t = DirTable::default();
+        for fh in 0..MAX_DIRS_PER_UID as u64 {
+            t.take(fh, 1000).unwrap();
+        }
+        assert_eq!(t.take(1 << 40, 1000), Err(Errno::EMFILE));
+        t.take(1 << 41, 1001).unwrap();
+        t.remove(&0);
+        t.take(1 << 40, 1000).unwrap();
+        assert_eq!(t.take(1 << 39, 1000), Err(Errno::EMFILE));
+        // Other users fill what is left.
+        let mut fh = 1 << 42;
+        while t.places.len() < MAX_DIRS {
+            t.take(fh, 2000 + (fh % 4) as u32).unwrap();
+            fh += 1;
+        }
+        assert_eq!(t.take(fh, 3000), Err(Errno::ENFILE));
+        // A handle of an earlier daemon is taken in anyway, and counted.
+        let walk = Arc::new(DirWalk::default());
+        let h = DirHandle::new(pb::FileStatus::default(), walk);
+        let h = Arc::new(tokio::sync::Mutex::new(h));
+        t.get_or_insert(7 << 50, h);
+        assert_eq!(t.places.len(), MAX_DIRS + 1);
+        t.remove(&(7 << 50));
+        t.remove(&(1 << 41));
+        t.take(fh, 3000).unwrap();
     }
 }

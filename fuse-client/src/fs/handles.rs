@@ -178,7 +178,7 @@ impl GranaryFs {
             dir,
             self.walk.clone(),
         )));
-        Ok(lock(&self.dirs).entry(fh).or_insert(h).clone())
+        Ok(lock(&self.dirs).get_or_insert(fh, h))
     }
 
     /// Whether `fh`, not open for writing here, is a write handle an earlier daemon of the
