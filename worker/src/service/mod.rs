@@ -575,12 +575,12 @@ impl WorkerService for WorkerRpc {
         tokio::spawn(async move {
             let block = &block;
             let fetcher = &fetcher;
-            let who = &who.name;
+            let share = &fetcher.read_share(&who.name);
             // Each page holds room of the caller's and the worker's read budget from
             // before it is fetched until it leaves for the connection.
             let mut pages = futures::stream::iter(first..=last)
                 .map(|page| async move {
-                    let room = fetcher.read_room(who).await;
+                    let room = fetcher.read_room(share).await;
                     (page, fetcher.page(block, page, cache).await, room)
                 })
                 .buffered(PAGE_PARALLELISM);

@@ -430,20 +430,22 @@ impl Fetcher {
         }
     }
 
-    /// Room for one page of `ReadBlock` for caller `who`: its share first, then the
-    /// worker's. Held until the page leaves for the reader's connection.
+    /// Caller `who`'s share of the `ReadBlock` budget (looked up once per stream).
+    pub fn read_share(&self, who: &str) -> Arc<Semaphore> {
+        lock(&self.read_slots_of)
+            .entry(who.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(READ_BLOCK_PERMITS_PER_CALLER as usize)))
+            .clone()
+    }
+
+    /// Room for one page of `ReadBlock` in a caller's `share` first, then in the worker's
+    /// budget. Held until the page leaves for the reader's connection.
     pub async fn read_room(
         &self,
-        who: &str,
+        share: &Arc<Semaphore>,
     ) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
         let n = self.store.page_size().div_ceil(1 << 20).max(1) as u32;
-        let mine = {
-            lock(&self.read_slots_of)
-                .entry(who.to_string())
-                .or_insert_with(|| Arc::new(Semaphore::new(READ_BLOCK_PERMITS_PER_CALLER as usize)))
-                .clone()
-        };
-        let mine = mine.acquire_many_owned(n).await.ok()?;
+        let mine = share.clone().acquire_many_owned(n).await.ok()?;
         let all = self.read_slots.clone().acquire_many_owned(n).await.ok()?;
         Some((mine, all))
     }
