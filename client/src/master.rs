@@ -381,15 +381,21 @@ impl MasterClient {
     /// Lists mounted directories from their under-stores now. Waits up to
     /// [`SYNC_TIMEOUT`]: a folder of millions of objects lists for minutes, and a call cut
     /// short would cancel its listing (and a retry start it again).
+    /// This client, waiting up to [`SYNC_TIMEOUT`] per attempt when `long`.
+    fn long_if(&self, long: bool) -> MasterClient {
+        let mut c = self.clone();
+        if long {
+            c.rpc_timeout = self.rpc_timeout.max(SYNC_TIMEOUT);
+        }
+        c
+    }
+
     pub async fn sync_metadata(
         &self,
         path: &str,
         recursive: bool,
     ) -> Result<pb::SyncMetadataResponse, ClientError> {
-        let long = MasterClient {
-            rpc_timeout: self.rpc_timeout.max(SYNC_TIMEOUT),
-            ..self.clone()
-        };
+        let long = self.long_if(true);
         long.call(|mut c| {
             let req = long.request(pb::SyncMetadataRequest {
                 path: path.to_string(),
@@ -534,10 +540,14 @@ impl MasterClient {
         Ok(r.recorded)
     }
 
+    /// Deletes `path`. A recursive delete waits up to [`SYNC_TIMEOUT`]: the master removes a
+    /// big folder's objects one by one and its entries in bounded steps (minutes for
+    /// millions), and a call cut short would stop it part-way.
     pub async fn delete(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
         let request_id = Self::request_id();
-        self.call(|mut c| {
-            let req = self.request(pb::DeleteRequest {
+        let this = self.long_if(recursive);
+        this.call(|mut c| {
+            let req = this.request(pb::DeleteRequest {
                 path: path.to_string(),
                 recursive,
                 request_id,
@@ -590,10 +600,13 @@ impl MasterClient {
     }
 
     /// Removes the mount at `path` (`force`: even with files not in its store yet).
+    /// Removes the mount at `path`; waits as a recursive delete does (the entries cached
+    /// below it go in bounded steps).
     pub async fn remove_mount(&self, path: &str, force: bool) -> Result<(), ClientError> {
         let request_id = Self::request_id();
-        self.call(|mut c| {
-            let req = self.request(pb::RemoveMountRequest {
+        let this = self.long_if(true);
+        this.call(|mut c| {
+            let req = this.request(pb::RemoveMountRequest {
                 path: path.to_string(),
                 request_id,
                 force,

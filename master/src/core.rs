@@ -269,6 +269,19 @@ impl MasterCore {
         if !force {
             self.refuse_losing_writes(&path).await?;
         }
+        // The entries a store's listings cached below the mount point go in bounded steps
+        // (the store keeps its objects); the mount's own command then removes the rest.
+        if let Some(point) = self.ns.sm.resolve_loaded(&path)? {
+            let is_this_mount = self
+                .ns
+                .sm
+                .mounts()?
+                .iter()
+                .any(|m| m.path == path && m.inode == point.id);
+            if is_this_mount {
+                self.ns.purge_below(&point, &path).await?;
+            }
+        }
         match self
             .propose_request(Command::RemoveMount { path }, request_id)
             .await?

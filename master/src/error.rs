@@ -20,6 +20,10 @@ pub enum MasterError {
     NotEmpty { path: String },
     #[error("cannot move {src} to {dst}: they are in different mounts (copy, then delete)")]
     CrossMount { src: String, dst: String },
+    /// A folder move that would rewrite more entries than one apply may: refused before
+    /// the store is touched, never a command's recorded outcome.
+    #[error("cannot move {path}: it holds more than {limit} entries, and a move changes each of them at once (move what it holds a part at a time, or copy it, then delete it)")]
+    MoveTooBig { path: String, limit: u64 },
     #[error("is a directory: {path}")]
     IsADirectory { path: String },
     #[error("{path} is in the read-only mount {mount}")]
@@ -117,6 +121,7 @@ impl From<MasterError> for tonic::Status {
             | MasterError::NotADirectory { .. }
             | MasterError::NotEmpty { .. }
             | MasterError::CrossMount { .. }
+            | MasterError::MoveTooBig { .. }
             | MasterError::IsADirectory { .. }
             | MasterError::ReadOnly { .. }
             | MasterError::Busy { .. } => Code::FailedPrecondition,
@@ -133,7 +138,10 @@ impl From<MasterError> for tonic::Status {
         let errno = match &e {
             MasterError::NotADirectory { .. } => Some(libc_errno::ENOTDIR),
             MasterError::NotEmpty { .. } => Some(libc_errno::ENOTEMPTY),
-            MasterError::CrossMount { .. } => Some(libc_errno::EXDEV),
+            // `mv` then copies and deletes, a file at a time.
+            MasterError::CrossMount { .. } | MasterError::MoveTooBig { .. } => {
+                Some(libc_errno::EXDEV)
+            }
             MasterError::IsADirectory { .. } => Some(libc_errno::EISDIR),
             MasterError::ReadOnly { .. } => Some(libc_errno::EROFS),
             MasterError::Busy { .. } => Some(libc_errno::EBUSY),

@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod mounts;
 pub mod namespace;
 pub mod pins;
+pub mod purge;
 pub mod raft;
 pub mod secrets;
 pub mod service;

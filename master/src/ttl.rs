@@ -74,6 +74,11 @@ impl MasterCore {
     ) -> Result<(), MasterError> {
         self.ensure_leader()?;
         let inode = self.namespace().delete_in_store(path, recursive).await?;
+        if recursive && inode.kind == Kind::Directory {
+            self.namespace()
+                .purge_below(&inode, &granary_common::paths::normalize(path)?)
+                .await?;
+        }
         self.propose_request(
             Command::Delete {
                 path: path.to_string(),

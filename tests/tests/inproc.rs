@@ -1632,3 +1632,142 @@ async fn a_folder_listed_in_batches_in_flight_together_is_exact_on_every_member(
     on_every_member(want).await?;
     c.stop().await
 }
+
+/// The applied index of every running master, once they all agree (within 60 s).
+async fn agreed_applied(c: &Cluster, masters: usize) -> Result<u64> {
+    use std::sync::atomic::Ordering::Relaxed;
+    eventually(
+        "every master at the same index",
+        Duration::from_secs(60),
+        || async {
+            let applied: Vec<u64> = (0..masters)
+                .filter_map(|i| c.master(i))
+                .map(|m| m.core.raft().status.applied.load(Relaxed))
+                .collect();
+            (applied.len() == masters && applied.iter().all(|a| *a == applied[0]))
+                .then(|| applied[0])
+        },
+    )
+    .await
+}
+
+/// A recursive delete of a folder bigger than one apply may change goes in bounded steps
+/// on every master (a Raft entry per file of a flat folder, one per small subfolder)
+/// and leaves nothing below it on any; a move of a mounted folder holding more than a
+/// move may rewrite is refused (`EXDEV`, so `mv` copies) before the store is touched.
+/// Before, each was one apply in proportion to the folder on every master: seconds of
+/// stall and a gigabyte of memory per master for a million files anyone may create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_folder_is_deleted_in_bounded_steps_and_too_big_a_move_is_refused() -> Result<()> {
+    use granary_master::purge::{MAX_MOVE_ENTRIES, PURGE_PAGE};
+    let c = Cluster::start(Shape {
+        masters: 3,
+        workers: 0,
+        ..Shape::default()
+    })
+    .await?;
+    // A flat folder of more files than a step; a tree of more entries than a step in
+    // small subfolders; a wide tree of more entries than a move.
+    let flat = PURGE_PAGE as usize + 2_000;
+    let (subfolders, each) = (12usize, 1_000usize);
+    let wide = MAX_MOVE_ENTRIES as usize / each + 1;
+    let mut dirs = vec![("flat".to_string(), flat)];
+    dirs.extend((0..subfolders).map(|d| (format!("tree/d{d:03}"), each)));
+    dirs.extend((0..wide).map(|d| (format!("wide/d{d:03}"), each)));
+    // Empty files, a folder's as links to its first (an inode each made this test slow).
+    for (dir, files) in &dirs {
+        std::fs::create_dir_all(c.store.join(dir))?;
+        let first = c.store.join(format!("{dir}/f00000"));
+        std::fs::write(&first, b"")?;
+        for i in 1..*files {
+            std::fs::hard_link(&first, c.store.join(format!("{dir}/f{i:05}")))?;
+        }
+    }
+    // Listed when asked only: no re-listing of its own adds entries to those counted.
+    c.mount_store_with(&[("sync_interval", "1h")]).await?;
+    let fs = c.client()?;
+    let path = |p: &str| pb::path_or_id::Target::Path(format!("/data/{p}"));
+    assert_eq!(fs.list(path("tree")).await?.len(), subfolders);
+    assert_eq!(fs.list(path("wide")).await?.len(), wide);
+    for (dir, files) in &dirs {
+        assert_eq!(fs.list(path(dir)).await?.len(), *files, "{dir}");
+    }
+
+    let e = fs
+        .master
+        .rename("/data/wide", "/data/moved")
+        .await
+        .expect_err("a move of more entries than one apply may rewrite");
+    assert_eq!(
+        e.code(),
+        granary_client::ErrorCode::Posix(libc::EXDEV),
+        "{e}"
+    );
+    assert!(e.message().contains("more than 100000 entries"), "{e}");
+    assert!(c.store.join("wide/d100/f00999").exists() && !c.store.join("moved").exists());
+    assert_eq!(fs.stat("/data/wide/d100/f00999").await?.length, 0);
+    // A move of a smaller folder is one apply, as before.
+    fs.master.rename("/data/wide/d000", "/data/moved").await?;
+    assert_eq!(fs.list(path("moved")).await?.len(), each);
+
+    for (path, steps) in [
+        // A file a step (the folder holds no subfolder to take whole), then the folder.
+        ("/data/flat", flat as u64 + 1),
+        // A subfolder a step, then the folder.
+        ("/data/tree", subfolders as u64 + 1),
+    ] {
+        let before = agreed_applied(&c, 3).await?;
+        fs.master.delete(path, true).await?;
+        let applied = agreed_applied(&c, 3).await? - before;
+        // A new leader's first entry, should the test machine be slow enough for one.
+        assert!(
+            (steps..=steps + 6).contains(&applied),
+            "{path}: {applied} Raft entries applied for the delete, {steps} expected"
+        );
+        for i in 0..3 {
+            let sm = &c.master(i).context("a master")?.core.namespace().sm;
+            assert!(
+                sm.resolve_loaded(path)?.is_none(),
+                "master {i} keeps {path}"
+            );
+        }
+    }
+    assert!(!c.store.join("flat").exists() && !c.store.join("tree").exists());
+    // A big folder deleted in the store by other means: the re-listing that finds it gone
+    // removes what was cached below it in the same steps (a subfolder each; d000 moved).
+    std::fs::remove_dir_all(c.store.join("wide"))?;
+    let before = agreed_applied(&c, 3).await?;
+    // A listing cut short by a leader change (a loaded test machine) is asked for again:
+    // what was removed stays removed.
+    for attempt in 1.. {
+        let synced = fs.master.sync_metadata("/data", false).await?;
+        if synced.failures.is_empty() {
+            break;
+        }
+        assert!(attempt < 3, "{:?}", synced.failures);
+    }
+    let applied = agreed_applied(&c, 3).await? - before;
+    assert!(
+        (wide as u64 - 1..=wide as u64 + 6).contains(&applied),
+        "{applied} Raft entries applied for the re-listing, {} expected",
+        wide
+    );
+    for i in 0..3 {
+        let sm = &c.master(i).context("a master")?.core.namespace().sm;
+        if let Some(w) = sm.resolve_loaded("/data/wide")? {
+            let kids = sm.children(w.id, None, 5)?;
+            panic!(
+                "DEBUG master {i} applied {applied}: {w:?} kids {}",
+                kids.len()
+            );
+        }
+        let point = sm.resolve_loaded("/data")?.context("the mount point")?;
+        let kept: Vec<String> = sm
+            .children(point.id, None, 10)?
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+        assert_eq!(kept, ["moved"], "master {i}");
+    }
+    c.stop().await
+}

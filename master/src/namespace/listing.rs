@@ -199,6 +199,7 @@ impl Namespace {
             seen,
             files,
         } = changes;
+        self.purge_vanished(dir, &removed, &seen).await?;
         // In name order: inodes a listing makes get numbers in the order listings read
         // them back, so a page's records lie together.
         upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));

@@ -167,6 +167,21 @@ impl Namespace {
             )));
         }
         let inode = self.resolve(&src).await?;
+        // A mounted folder's move rewrites the store path of every entry below it in one
+        // apply on every master: bounded here, before the store is touched.
+        if inode.kind == Kind::Directory && inode.mount_id.is_some() {
+            let limit = crate::purge::MAX_MOVE_ENTRIES;
+            // Up to 100,000 reads: off the runtime's threads.
+            let (sm, id) = (self.sm.clone(), inode.id);
+            let below = tokio::task::spawn_blocking(move || sm.count_below(id, limit))
+                .await
+                .map_err(|e| MasterError::Unavailable {
+                    message: format!("counting the entries below {src}: {e}"),
+                })??;
+            if below > limit {
+                return Err(MasterError::MoveTooBig { path: src, limit });
+            }
+        }
         let (parent, existing) = self.parent_and_entry(&dst).await?;
         if parent.mount_id != inode.mount_id {
             return Err(MasterError::CrossMount { src, dst });

@@ -3,7 +3,7 @@
 //! most a page per level in memory whatever the folders' sizes. Pins, `free` and the
 //! recursive re-listing of `granary fs sync` walk with these.
 
-use super::{Inode, Kind, StateMachine};
+use super::{keys, Inode, Kind, StateMachine};
 use crate::error::MasterError;
 
 /// Names read from the state per page.
@@ -112,6 +112,37 @@ impl StateMachine {
         }
     }
 
+    /// How many entries are below `dir` (`dir` itself not counted), counting no further
+    /// than `limit + 1`: the check before work that grows with a subtree (a move that
+    /// rewrites every entry below, a delete in one apply), bounded whatever the subtree
+    /// (a namespace that loops only reaches the limit).
+    pub fn count_below(&self, dir: u64, limit: u64) -> Result<u64, MasterError> {
+        let cf = self.cf()?;
+        let mut stack = vec![dir];
+        let mut n = 0u64;
+        while let Some(id) = stack.pop() {
+            let prefix = keys::children(id);
+            let mut it = self.db.raw_iterator_cf(cf);
+            it.seek(&prefix);
+            while it.valid() {
+                let (Some(k), Some(v)) = (it.key(), it.value()) else {
+                    break;
+                };
+                if !k.starts_with(&prefix) {
+                    break;
+                }
+                n += 1;
+                if n > limit {
+                    return Ok(n);
+                }
+                stack.push(super::u64_of(v)?);
+                it.next();
+            }
+            it.status()?;
+        }
+        Ok(n)
+    }
+
     /// Every node at or below `root` (whose path is `path`).
     pub fn walk(&self, root: Inode, path: String) -> Walk<'_> {
         Walk {
@@ -174,6 +205,13 @@ mod tests {
         assert_eq!(sm.children_of(ROOT_INODE).count(), 1);
         let a = sm.resolve_loaded("/t/a").unwrap().unwrap();
         assert_eq!(sm.children_of(a.id).count(), many);
+        // Counts stop past their limit; a folder counts what is below it, not itself.
+        let t = sm.resolve_loaded("/t").unwrap().unwrap();
+        let below = many as u64 + 4; // a, b, b/deep, b/deep/z and the files
+        assert_eq!(sm.count_below(t.id, u64::MAX).unwrap(), below);
+        assert_eq!(sm.count_below(t.id, below).unwrap(), below);
+        assert_eq!(sm.count_below(t.id, 10).unwrap(), 11);
+        assert_eq!(sm.count_below(a.id, 0).unwrap(), 1);
         // A file is a walk of itself.
         let f = sm.resolve_loaded("/t/b/deep/z").unwrap().unwrap();
         assert_eq!(sm.walk(f, "/z".into()).count(), 1);
@@ -206,6 +244,7 @@ mod tests {
             .unwrap();
         let mut n = 0;
         let mut last = None;
+        let x_id = x.id;
         for entry in sm.walk(x, "/x".into()) {
             n += 1;
             last = Some(entry);
@@ -213,5 +252,7 @@ mod tests {
         }
         let err = last.unwrap().unwrap_err();
         assert!(err.to_string().contains("loops"), "{err}");
+        // A count of a namespace that loops ends at its limit.
+        assert_eq!(sm.count_below(x_id, 10_000).unwrap(), 10_001);
     }
 }

@@ -340,6 +340,8 @@ fn error_to(e: &MasterError) -> pb::Error {
         E::NotADirectory { path } => of(K::NotADirectory, path, ""),
         E::NotEmpty { path } => of(K::NotEmpty, path, ""),
         E::CrossMount { src, dst } => of(K::CrossMount, src, dst),
+        // Refused before any proposal: no entry records it; kept as its sentence.
+        E::MoveTooBig { .. } => of(K::FailedPrecondition, &e.to_string(), ""),
         E::IsADirectory { path } => of(K::IsADirectory, path, ""),
         E::ReadOnly { path, mount } => of(K::ReadOnly, path, mount),
         E::PermissionDenied { message } => of(K::PermissionDenied, message, ""),

@@ -317,6 +317,7 @@ fn errors() -> Vec<MasterError> {
             | E::NotADirectory { .. }
             | E::NotEmpty { .. }
             | E::CrossMount { .. }
+            | E::MoveTooBig { .. }
             | E::IsADirectory { .. }
             | E::ReadOnly { .. }
             | E::PermissionDenied { .. }
