@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use granary_client::{FileSystem, MasterClient};
 use granary_common::net::Net;
+use granary_common::paths::printable;
 use granary_common::size::format_size;
 use granary_proto as pb;
 use serde_json::json;
@@ -169,7 +170,12 @@ pub async fn mount(net: &Net, cmd: MountCommand) -> anyhow::Result<()> {
                         .collect(),
                 )
                 .await
-                .with_context(|| format!("cannot mount {uri} at {path}"))?;
+                .with_context(|| {
+                    format!(
+                        "cannot mount {} at {path}",
+                        granary_common::ufs::shown_uri(&uri)
+                    )
+                })?;
             println!("mounted {} at {}", m.uri, m.path);
         }
         MountCommand::List { json, master: addr } => {
@@ -223,7 +229,7 @@ pub async fn fs(net: &Net, cmd: FsCommand) -> anyhow::Result<()> {
                 .mkdir(&path, parents, 0o755)
                 .await
                 .with_context(|| format!("cannot create the directory {path}"))?;
-            println!("{}", s.path);
+            println!("{}", printable(&s.path));
         }
         FsCommand::Sync {
             path,
@@ -348,12 +354,12 @@ async fn fs_ls(
                     kind_name(e),
                     e.length,
                     mtime(e.mtime_ms),
-                    e.name
+                    printable(&e.name)
                 )?;
             } else if e.pinned_replicas > 0 {
-                writeln!(out, "{} (pinned)", e.name)?;
+                writeln!(out, "{} (pinned)", printable(&e.name))?;
             } else {
-                writeln!(out, "{}", e.name)?;
+                writeln!(out, "{}", printable(&e.name))?;
             }
         }
     }
@@ -407,7 +413,7 @@ async fn fs_stat(net: &Net, path: String, json: bool, addr: MasterAddr) -> anyho
                 s.ttl_action, s.ttl_expires_ms
             );
         }
-        println!("path:        {}", s.path);
+        println!("path:        {}", printable(&s.path));
         println!("kind:        {}", kind_name(&s));
         println!("inode:       {}", s.inode);
         println!("size:        {} ({})", s.length, format_size(s.length));
@@ -493,7 +499,11 @@ async fn fs_du(
     } else {
         if !summarize {
             for (p, b, f) in &rows {
-                println!("{:>10}  {b:>15}  {f:>9} files  {p}", format_size(*b));
+                println!(
+                    "{:>10}  {b:>15}  {f:>9} files  {}",
+                    format_size(*b),
+                    printable(p)
+                );
             }
         }
         println!(

@@ -546,6 +546,23 @@ fn publish(mount: &Path, volume: &Volume, target: &Path) -> Result<(), Status> {
     }
     // Refusals (missing, unreadable, not a folder) before anything is made.
     let folder = open_beneath(mount, &volume.path)?;
+    // The mount found above may have gone since (its daemon stopped): a folder opened on
+    // the host folder beneath it would bind what the host (or a pod with that hostPath)
+    // put there.
+    let st =
+        rustix::fs::fstat(&folder).map_err(|e| errno_status("checking the volume's folder", e))?;
+    let dev = format!(
+        "{}:{}",
+        rustix::fs::major(st.st_dev),
+        rustix::fs::minor(st.st_dev)
+    );
+    if dev != node.device {
+        return Err(Status::unavailable(format!(
+            "{} stopped being a Granary mount while the volume was published (is this \
+             node's granary fuse running?)",
+            mount.display()
+        )));
+    }
     match std::fs::create_dir(target) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use granary_client::MasterClient;
 use granary_common::net::Net;
+use granary_common::paths::printable;
 use granary_common::size::format_size;
 use granary_proto as pb;
 
@@ -85,7 +86,7 @@ fn print_job(j: &pb::JobInfo) {
         println!("error  {}", j.error);
     }
     for f in &j.failed {
-        println!("failed  {}  {}", f.path, f.reason);
+        println!("failed  {}  {}", printable(&f.path), printable(&f.reason));
     }
     if (j.failed.len() as u64) < j.failed_files {
         println!(

@@ -128,7 +128,8 @@ fn one_line(e: &anyhow::Error) -> String {
             parts.push(s);
         }
     }
-    parts.join(": ").replace('\n', " ")
+    // Messages carry names, which may hold control characters.
+    granary_common::paths::printable(&parts.join(": ").replace('\n', " ")).into_owned()
 }
 
 /// The network the command runs with, holding its identity (see [`security`]).

@@ -26,6 +26,26 @@ pub fn shown(path: &str) -> String {
     format!("{}… ({} bytes)", &path[..end], path.len())
 }
 
+/// A name or path as a terminal should print it: control characters (escape sequences,
+/// carriage returns, newlines — a name may hold any of them) as `\xNN` and backslashes
+/// doubled, as `ls -b` does; everything else as it is. A name cannot then rewrite what a
+/// terminal shows, nor forge lines for a script reading the output.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c.is_control() || c == '\\') {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            // Control characters are U+0000–U+001F and U+007F–U+009F: two digits each.
+            c if c.is_control() => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Splits an absolute Granary path into its components, rejecting what the namespace
 /// cannot hold. `/` yields no components.
 pub fn components(path: &str) -> Result<Vec<&str>, PathError> {
@@ -95,6 +115,15 @@ pub fn is_within(inner: &str, outer: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printable_names_cannot_drive_a_terminal() {
+        assert_eq!(printable("plain 名前.txt"), "plain 名前.txt");
+        assert_eq!(
+            printable("a\u{1b}]52;c;x\u{7}\r\nb\\c\u{9b}"),
+            "a\\x1b]52;c;x\\x07\\x0d\\x0ab\\\\c\\x9b"
+        );
+    }
 
     #[test]
     fn a_refused_path_is_shown_short() {

@@ -108,6 +108,27 @@ pub struct RunningMaster {
     pub done: tokio::task::JoinHandle<Result<(), MasterError>>,
 }
 
+/// Creates the data directory if missing and makes it this user's alone (0700): it holds
+/// the whole namespace (names, owners, mount URIs), and RocksDB writes its files readable
+/// by all. A directory this user may not change (a volume owned by another) is left as
+/// it is, with a warning.
+fn private_data_dir(dir: &std::path::Path) -> Result<(), MasterError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|e| MasterError::Storage {
+        message: format!("cannot create data directory {}: {e}", dir.display()),
+    })?;
+    let mode = std::fs::metadata(dir)
+        .map(|m| m.permissions().mode())
+        .unwrap_or(0);
+    if mode & 0o077 != 0 {
+        if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+            tracing::warn!(dir = %dir.display(), error = %e,
+                "the data directory stays readable by other users (it could not be made 0700)");
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn open_db(dir: &std::path::Path) -> Result<rocksdb::DB, MasterError> {
     std::fs::create_dir_all(dir).map_err(|e| MasterError::Storage {
         message: format!("cannot create data directory {}: {e}", dir.display()),
@@ -321,6 +342,7 @@ pub async fn start(
         .or_else(|| config.peers.get(&config.id).cloned())
         .unwrap_or_else(|| addr.to_string());
 
+    private_data_dir(&config.data_dir)?;
     let db = Arc::new(open_db(&config.data_dir.join("meta"))?);
     let log = raft::storage::RocksLogStorage::open(db.clone(), &initial_voters(&config))?;
     let snapshots = raft::snapshot::SnapshotDir::open(config.data_dir.join("snapshots"))?;
@@ -461,6 +483,23 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+
+    /// Found by a review: the data directory was made with the umask (0755) and RocksDB's
+    /// files are 0644, so any local user read the whole namespace.
+    #[test]
+    fn the_data_directory_is_this_users_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let fresh = d.path().join("new/data");
+        private_data_dir(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        let old = d.path().join("old");
+        std::fs::create_dir(&old).unwrap();
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+        private_data_dir(&old).unwrap();
+        assert_eq!(mode(&old), 0o700);
+    }
 
     #[test]
     fn a_broken_state_is_reported_from_a_thread_of_its_own() {

@@ -142,3 +142,11 @@ prometheus.io/path: /metrics
 {{- if $t.hdd.enabled -}}{{- $tiers = append $tiers (printf "\"hdd:/cache/hdd:%s\"" $t.hdd.size) -}}{{- end -}}
 {{- printf "[%s]" (join ", " $tiers) -}}
 {{- end -}}
+
+{{/*
+A value as one word of a POSIX shell command: in single quotes, each quote inside written
+as '\'' ("squote" leaves quotes inside as they are, so a value holding one ran as shell).
+*/}}
+{{- define "granary.shq" -}}
+'{{ replace "'" "'\\''" (toString .) }}'
+{{- end -}}

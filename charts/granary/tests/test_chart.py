@@ -346,6 +346,10 @@ def check_secrets(label, values, docs):
         check(not any(s in cm for cm in cms), f"{label}: a Secret value appears in a ConfigMap")
     job = find(docs, "Job", "-setup")
     for m in values.get("mounts", []):
+        # Each value is one word of the script, whatever quotes it holds.
+        words = shlex.split(container(job, "setup")["args"][0])
+        check(any(words[i:i + 5] == ["granary", "mount", "add", m["path"], m["uri"]] for i in range(len(words))),
+              f"{label}: the setup Job does not mount {m['uri']} at {m['path']} as given")
         for so in m.get("secretOptions", []):
             env = [e for e in container(job, "setup")["env"] if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == so["secretName"]]
             check(len(env) == 1 and env[0]["valueFrom"]["secretKeyRef"]["key"] == so["secretKey"],

@@ -124,6 +124,41 @@ pub struct TieredStore {
     pub page_size: u64,
 }
 
+/// Creates a tier's folder if missing, checks that it is a folder of this user's own (not
+/// a link, not another user's) and closes it to others (0700). Found by a review: the
+/// default memory tier is `/dev/shm/granary-<worker id>`, where anyone may make folders;
+/// one a local user made before the worker started let them swap the cache's `files/`
+/// for their own and read or rewrite what every tenant reads.
+fn own_tier_dir(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| super::io_err(dir, e))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| super::io_err(dir, e))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if !meta.is_dir() || meta.uid() != me {
+        let why =
+            format!(
+            "a cache tier's folder must be a folder of the worker's user (uid {me}): this is {} \
+             of uid {}, so another user could change what the cache holds; remove it, or name \
+             a folder of this user's",
+            if meta.is_dir() { "a folder" } else { "not a folder" },
+            meta.uid()
+        );
+        return Err(super::io_err(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| super::io_err(dir, e))?;
+    }
+    Ok(())
+}
+
 impl TieredStore {
     /// Opens the tiers (sorted fastest first); `mem_default` is the memory tier's directory
     /// when its spec names none.
@@ -139,6 +174,7 @@ impl TieredStore {
         let mut tiers: Vec<Arc<PageStore>> = Vec::with_capacity(specs.len());
         for t in &specs {
             let dir = t.dir.clone().unwrap_or_else(|| mem_default.to_path_buf());
+            own_tier_dir(&dir)?;
             let store = PageStore::open_tier(
                 t.kind.name(),
                 &dir,

@@ -360,3 +360,44 @@ fn concurrent_moves_of_one_blocks_pages_lose_nothing() {
         assert_eq!(check(&s, "after reopen"), before, "round {round}");
     }
 }
+
+/// Found by a review: a tier folder made by another local user before the worker started
+/// (the default memory tier is under /dev/shm, where anyone may make folders) was used as
+/// it was, and its owner could swap the cache's files. Such a folder, or a link in its
+/// place, is refused; a folder of this user's is closed to others.
+#[test]
+fn a_tier_folder_of_another_user_or_a_link_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let try_open = |mem: &Path| {
+        TieredStore::open(
+            &[TierSpec {
+                kind: TierKind::Mem,
+                dir: None,
+                size: 16 * PAGE,
+            }],
+            mem,
+            PAGE,
+            PolicyKind::Lru,
+            WorkerMetrics::default(),
+        )
+        .map(drop)
+    };
+    let real = d.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let e = try_open(&link).unwrap_err().to_string();
+    assert!(e.contains("not a folder"), "{e}");
+    try_open(&real).unwrap();
+    let mode = std::fs::metadata(&real).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+    if nix::unistd::geteuid().is_root() {
+        let theirs = d.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(12345), Some(12345)).unwrap();
+        let e = try_open(&theirs).unwrap_err().to_string();
+        assert!(e.contains("of uid 12345"), "{e}");
+    }
+}
