@@ -56,7 +56,13 @@ pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
 }
 
 fn print_job(j: &pb::JobInfo) {
-    println!("job {}  {}  {}  {}", j.id, j.kind, j.path, j.state);
+    println!(
+        "job {}  {}  {}  {}",
+        j.id,
+        j.kind,
+        printable(&j.path),
+        j.state
+    );
     if j.job_state() == pb::JobState::Planning {
         println!("listing the files to load…");
     } else {
@@ -83,7 +89,7 @@ fn print_job(j: &pb::JobInfo) {
     );
     println!("replicas  {}", j.replicas);
     if !j.error.is_empty() {
-        println!("error  {}", j.error);
+        println!("error  {}", printable(&j.error));
     }
     for f in &j.failed {
         println!("failed  {}  {}", printable(&f.path), printable(&f.reason));

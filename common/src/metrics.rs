@@ -86,8 +86,9 @@ pub async fn serve_with(
 }
 
 /// Connections served at once, all peers together: the port takes no certificate, so
-/// what anyone who reaches it may hold is bounded.
-const MAX_CONNECTIONS: usize = 64;
+/// what anyone who reaches it may hold is bounded (at most 16 MiB of heads), and far
+/// more than a few addresses' shares, so that probes and the scraper find room.
+const MAX_CONNECTIONS: usize = 1024;
 /// Connections served at once from one address: a peer that fills its share leaves
 /// room for the kubelet's probes and the scraper.
 const MAX_PER_PEER: usize = 8;

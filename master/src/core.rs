@@ -271,15 +271,20 @@ impl MasterCore {
         }
         // The entries a store's listings cached below the mount point go in bounded steps
         // (the store keeps its objects); the mount's own command then removes the rest.
+        // A retry of a removal that was done must not purge a mount made there since.
         if let Some(point) = self.ns.sm.resolve_loaded(&path)? {
-            let is_this_mount = self
-                .ns
-                .sm
-                .mounts()?
-                .iter()
-                .any(|m| m.path == path && m.inode == point.id);
-            if is_this_mount {
-                self.ns.purge_below(&point, &path).await?;
+            let mounts = self.ns.sm.mounts()?;
+            if mounts.iter().any(|m| m.path == path && m.inode == point.id) {
+                if let Some(first) = self.replayed(request_id).await? {
+                    return match first? {
+                        ApplyOutput::Mount(m) => Ok(m),
+                        _ => Err(MasterError::corrupt("unexpected result of RemoveMount")),
+                    };
+                }
+                if self.ns.purge_below(&point, &path).await? > 0 && !force {
+                    // Files begun while the purge ran.
+                    self.refuse_losing_writes(&path).await?;
+                }
             }
         }
         match self

@@ -59,6 +59,14 @@ impl Namespace {
         let mut flight = Vec::new();
         let mut proposed = 0u64;
         while let Some(top) = stack.last_mut() {
+            // Steps name paths: a folder moved meanwhile (and another made at its old
+            // path) must not lose what the new one holds.
+            if sm.resolve_loaded(&top.path)?.map(|i| i.id) != Some(top.id) {
+                return Err(MasterError::precondition(format!(
+                    "{} moved while the entries below it were being removed; ask again",
+                    granary_common::paths::shown(&top.path)
+                )));
+            }
             let page = sm.children(top.id, top.after.as_deref(), NAMES)?;
             let mut descend = None;
             for child in &page {
@@ -113,27 +121,30 @@ impl Namespace {
 }
 
 impl Namespace {
-    /// Before a re-listing's batches remove `removed` from folder `dir`: each of them that
-    /// is a folder holding more cached entries than one apply may remove loses them in
-    /// bounded steps first (a dataset folder deleted in the store by other means). Names
-    /// the batch will keep (changed since the listing began, or kept while unlisted) are
-    /// left alone, as the batch leaves them.
+    /// Before a re-listing's batches remove `removed` from folder `dir` (and replace the
+    /// folders `retyped` by files): each of them that is a folder holding more cached
+    /// entries than one apply may remove loses them in bounded steps first (a dataset
+    /// folder deleted in the store by other means). Names the batch will keep (changed
+    /// since the listing began; unlisted ones kept while unlisted) are left alone, as the
+    /// batch (`state::sync`) leaves them.
     pub(crate) async fn purge_vanished(
         &self,
         dir: &Inode,
         removed: &[String],
+        retyped: &[String],
         seen: &std::collections::BTreeMap<String, u64>,
     ) -> Result<(), MasterError> {
         let now_ms = granary_common::now_ms();
         let mut dir_path = None;
-        for name in removed {
+        let names = removed.iter().map(|n| (n, true));
+        for (name, unlisted) in names.chain(retyped.iter().map(|n| (n, false))) {
             let Some(child) = self.sm.child(dir.id, name)? else {
                 continue;
             };
             if child.kind != Kind::Directory
                 || child.is_mount_point
                 || seen.get(name) != Some(&child.version)
-                || child.kept_when_unlisted(now_ms)
+                || (unlisted && child.kept_when_unlisted(now_ms))
             {
                 continue;
             }

@@ -73,11 +73,43 @@ impl MasterCore {
         request_id: u64,
     ) -> Result<(), MasterError> {
         self.ensure_leader()?;
+        let normal = granary_common::paths::normalize(path)?;
+        // A folder holding a mount point is refused before anything changes (the store,
+        // or a purge of what is beside the mount).
+        if let Some(m) = self
+            .namespace()
+            .sm
+            .mounts()?
+            .into_iter()
+            .find(|m| m.path != normal && granary_common::paths::is_within(&m.path, &normal))
+        {
+            return Err(MasterError::Busy {
+                path: normal,
+                mount: m.path,
+            });
+        }
+        let sm = &self.namespace().sm;
+        let big = match sm.resolve_loaded(&normal)? {
+            Some(dir) if recursive && dir.kind == Kind::Directory => {
+                sm.count_below(dir.id, crate::purge::PURGE_PAGE)? > crate::purge::PURGE_PAGE
+            }
+            _ => false,
+        };
+        // A retried request that was done already must not purge what was made at its
+        // path since (the final command alone would be recognised).
+        if big {
+            if let Some(first) = self.replayed(request_id).await? {
+                return first.map(drop);
+            }
+        }
         let inode = self.namespace().delete_in_store(path, recursive).await?;
-        if recursive && inode.kind == Kind::Directory {
-            self.namespace()
-                .purge_below(&inode, &granary_common::paths::normalize(path)?)
-                .await?;
+        if big && inode.kind == Kind::Directory {
+            // Again while entries arrive faster than they go (a move into the folder).
+            for _ in 0..3 {
+                if self.namespace().purge_below(&inode, &normal).await? == 0 {
+                    break;
+                }
+            }
         }
         self.propose_request(
             Command::Delete {

@@ -196,10 +196,11 @@ impl Namespace {
         let Changes {
             mut upserts,
             removed,
+            retyped,
             seen,
             files,
         } = changes;
-        self.purge_vanished(dir, &removed, &seen).await?;
+        self.purge_vanished(dir, &removed, &retyped, &seen).await?;
         // In name order: inodes a listing makes get numbers in the order listings read
         // them back, so a page's records lie together.
         upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));

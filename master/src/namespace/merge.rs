@@ -105,6 +105,8 @@ impl Upto {
 pub(super) struct Changes {
     pub upserts: Vec<UfsEntry>,
     pub removed: Vec<String>,
+    /// Known folders the page lists as files now (their upserts replace them).
+    pub retyped: Vec<String>,
     pub seen: BTreeMap<String, u64>,
     pub files: Vec<(String, u64, u64)>,
 }
@@ -367,6 +369,8 @@ fn changes(listed: Vec<UfsEntry>, known: Vec<Known>) -> Changes {
         // Listed under the other kind: the upsert replaces it.
         if !upserted.contains(k.name.as_str()) {
             removed.push(k.name.clone());
+        } else if k.kind == Kind::Directory {
+            c.retyped.push(k.name.clone());
         }
         c.seen.insert(k.name.clone(), k.version);
         if k.kind == Kind::File {

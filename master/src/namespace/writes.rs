@@ -167,6 +167,19 @@ impl Namespace {
             )));
         }
         let inode = self.resolve(&src).await?;
+        let (parent, existing) = self.parent_and_entry(&dst).await?;
+        if parent.mount_id != inode.mount_id {
+            return Err(MasterError::CrossMount { src, dst });
+        }
+        let Some(mount) = self.writable_mount(&inode, &src)? else {
+            return Ok(());
+        };
+        if inode.is_mount_point {
+            return Err(MasterError::Busy {
+                path: src.clone(),
+                mount: src,
+            });
+        }
         // A mounted folder's move rewrites the store path of every entry below it in one
         // apply on every master: bounded here, before the store is touched.
         if inode.kind == Kind::Directory && inode.mount_id.is_some() {
@@ -181,19 +194,6 @@ impl Namespace {
             if below > limit {
                 return Err(MasterError::MoveTooBig { path: src, limit });
             }
-        }
-        let (parent, existing) = self.parent_and_entry(&dst).await?;
-        if parent.mount_id != inode.mount_id {
-            return Err(MasterError::CrossMount { src, dst });
-        }
-        let Some(mount) = self.writable_mount(&inode, &src)? else {
-            return Ok(());
-        };
-        if inode.is_mount_point {
-            return Err(MasterError::Busy {
-                path: src.clone(),
-                mount: src,
-            });
         }
         if let Some(e) = &existing {
             if e.kind == Kind::Directory && inode.kind == Kind::File {
