@@ -840,8 +840,45 @@ impl ShortCircuit {
         true
     }
 
+    /// Whether `path` has the shape of a worker's cache file:
+    /// `/…/<tier>/files/<xx>/<16 hex digits>-<16 hex digits>`, `xx` the name's 15th and 16th
+    /// digits, no `.` or `..`. A lease names its file, and the mount (often root) opens it:
+    /// a holder of a node certificate posing as this node's worker could otherwise have it
+    /// open any file of the node and learn its bytes from the checksum comparisons.
+    pub fn cache_file_shaped(path: &std::path::Path) -> bool {
+        use std::path::Component;
+        let mut parts = path.components();
+        let (Some(Component::RootDir), true) = (
+            parts.next(),
+            parts.clone().all(|c| matches!(c, Component::Normal(_))),
+        ) else {
+            return false;
+        };
+        let names: Vec<&str> = path
+            .iter()
+            .rev()
+            .take(3)
+            .filter_map(|n| n.to_str())
+            .collect();
+        let [name, shard, files] = names[..] else {
+            return false;
+        };
+        let hex =
+            |s: &str| s.len() == 16 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        files == "files"
+            && name.len() == 33
+            && name.as_bytes()[16] == b'-'
+            && hex(&name[..16])
+            && hex(&name[17..])
+            && shard == &name[14..16]
+    }
+
     /// Can this client open block files in `block_file`'s tier folder (as far as it knows)?
+    /// Never a path that is not shaped as a cache file ([`Self::cache_file_shaped`]).
     pub fn reachable(&self, block_file: &std::path::Path) -> bool {
+        if !Self::cache_file_shaped(block_file) {
+            return false;
+        }
         Self::tier_of(block_file).is_none_or(|tier| {
             lock(&self.unreachable)
                 .get(tier)
@@ -1249,13 +1286,43 @@ mod tests {
     #[test]
     fn an_unreachable_tier_leaves_the_other_tiers_of_the_worker_readable() {
         let sc = ShortCircuit::new("n".into());
-        let mem = std::path::Path::new("/cache/memory/files/ab/0001-0002");
-        let nvme = std::path::Path::new("/cache/nvme/files/ab/0003-0004");
+        let mem = std::path::Path::new("/cache/memory/files/01/0000000000000001-0000000000000002");
+        let nvme = std::path::Path::new("/cache/nvme/files/03/0000000000000003-0000000000000004");
         assert!(sc.reachable(mem) && sc.reachable(nvme));
         sc.mark_unreachable(mem);
         assert!(!sc.reachable(mem));
-        assert!(!sc.reachable(std::path::Path::new("/cache/memory/files/cd/0009-0002")));
+        assert!(!sc.reachable(std::path::Path::new(
+            "/cache/memory/files/09/0000000000000009-0000000000000002"
+        )));
         assert!(sc.reachable(nvme));
+    }
+
+    /// Found by a review: a lease could name any file of the node (`/etc/shadow`, the
+    /// mount's TLS key) and the mount opened it and compared its pages with the lease's
+    /// checksums. Only paths shaped as cache files are opened.
+    #[test]
+    fn only_paths_shaped_as_cache_files_are_opened() {
+        let sc = ShortCircuit::new("n".into());
+        let good = "/var/cache/granary/nvme/files/2a/00000000000000002a-000000000000000b";
+        for bad in [
+            "/etc/shadow",
+            "/etc/granary/tls/tls.key",
+            "relative/files/2a/000000000000002a-000000000000000b",
+            "/cache/files/2a/../2a/000000000000002a-000000000000000b",
+            "/cache/files/2b/000000000000002a-000000000000000b",
+            "/cache/other/2a/000000000000002a-000000000000000b",
+            "/cache/files/2A/000000000000002A-000000000000000b",
+            "/cache/files/2a/000000000000002a_000000000000000b",
+            "/cache/files/2a/000000000000002a-000000000000000b.tmp",
+        ] {
+            assert!(!sc.reachable(std::path::Path::new(bad)), "{bad}");
+        }
+        assert!(
+            !ShortCircuit::cache_file_shaped(std::path::Path::new(good)),
+            "17 digits"
+        );
+        let good = "/var/cache/granary/nvme/files/2a/000000000000002a-000000000000000b";
+        assert!(sc.reachable(std::path::Path::new(good)));
     }
 
     #[test]

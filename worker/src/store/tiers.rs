@@ -175,6 +175,9 @@ impl TieredStore {
         for t in &specs {
             let dir = t.dir.clone().unwrap_or_else(|| mem_default.to_path_buf());
             own_tier_dir(&dir)?;
+            // Absolute and plain: leases name block files by it, and mounts open only
+            // paths shaped as cache files (no `.`, no `..`, from the root).
+            let dir = std::fs::canonicalize(&dir).map_err(|e| super::io_err(&dir, e))?;
             let store = PageStore::open_tier(
                 t.kind.name(),
                 &dir,
