@@ -425,6 +425,10 @@ def check_refusals(granary_bin):
         ({"fuse": {"writeMode": "write-back"}}, "/fuse/writeMode"),
         ({"master": {"replicaz": 3}}, "replicaz"),
         ({"csi": {"driverName": "Granary CSI"}}, "/csi/driverName"),
+        # A line break would end the setup Job's script block (YAML in a value).
+        ({"mounts": [{"path": "/s3", "uri": "s3://b\n  x: y"}]}, "/mounts/0/uri"),
+        ({"mounts": [{"path": "/s3", "uri": "s3://b", "options": {"region": "a\n  x: y"}}]},
+         "/mounts/0/options/region"),
     ]
     for values, where in bad:
         try:
