@@ -1228,8 +1228,8 @@ async fn bench_tls(size: u64, json: bool) -> anyhow::Result<()> {
         let pems = issue(&ca, &LeafSpec::new(name, &[Role::Node], 1))?;
         Ok(TlsMaterial::from_pems(ca.cert.clone(), pems)?)
     };
-    let acceptor = leaf("bench-server")?.stream_acceptor()?;
-    let connector = leaf("bench-client")?.stream_connector()?;
+    let acceptor = leaf("bench-server")?.stream_acceptor();
+    let connector = leaf("bench-client")?.stream_connector();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let sender = tokio::spawn(async move {

@@ -66,6 +66,21 @@ pub struct TlsArgs {
         value_parser = clap::builder::FalseyValueParser::new()
     )]
     pub insecure: bool,
+    /// How often a server (master, worker, mount) reads its TLS files again: a renewed
+    /// certificate, key or CA written over them (cert-manager renewing a Secret) is used for
+    /// every connection made or accepted after that, without a restart [default: 1m].
+    #[arg(long, global = true, env = "GRANARY_TLS_RELOAD_EVERY", value_parser = reload_every, value_name = "DURATION")]
+    pub tls_reload_every: Option<Duration>,
+}
+
+fn reload_every(s: &str) -> Result<Duration, String> {
+    let d = duration(s)?;
+    if d < Duration::from_millis(100) {
+        return Err(format!(
+            "{s:?} is too short; read the TLS files again every 100ms or more"
+        ));
+    }
+    Ok(d)
 }
 
 #[derive(Debug, Subcommand)]

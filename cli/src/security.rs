@@ -1,8 +1,6 @@
 //! Transport security of a command (the network it reaches the cluster over: TLS material,
 //! or an explicit `--insecure`) and the `granary cert` commands that make a cluster's TLS material.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -77,14 +75,18 @@ pub fn net(args: &TlsArgs, needs: &[Need], daemon: bool) -> anyhow::Result<Net> 
     for need in needs {
         check_identity(&files.cert, &material.principal, *need)?;
     }
-    let left_days = (material.not_after - granary_common::now_ms() / 1000) / 86_400;
+    let left_days = (material.not_after() - granary_common::now_ms() / 1000) / 86_400;
     if left_days < EXPIRY_WARNING_DAYS {
-        tracing::warn!(cert = %files.cert.display(), days = left_days, "the certificate expires soon; issue a new one and restart");
+        tracing::warn!(cert = %files.cert.display(), days = left_days, "the certificate expires soon; write a renewed one over it (it is read again every minute)");
     }
+    let material = Arc::new(material);
     if daemon {
         tracing::info!(principal = %material.principal, "mutual TLS on");
+        // A server runs for months: renewed files (cert-manager's, or `granary cert issue`
+        // written over them) are taken up without a restart.
+        material.watch(args.tls_reload_every.unwrap_or(tls::RELOAD_EVERY));
     }
-    Ok(Tcp::net(Some(Arc::new(material))))
+    Ok(Tcp::net(Some(material)))
 }
 
 /// `granary local`: its own CA and one identity for the embedded master, worker and mount,
@@ -144,17 +146,11 @@ fn write_set(
             );
         }
     }
+    // Each file is written beside its place and renamed over it: a server reading the
+    // folder again (it does every minute) sees the old file or the new one, never part.
     for (name, data, mode) in files {
         let path = dir.join(name);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(*mode)
-            .open(&path)
-            .with_context(|| format!("creating {}", path.display()))?;
-        f.write_all(data.as_bytes())
-            .and_then(|_| f.sync_all())
+        tls::replace_file(&path, data.as_bytes(), *mode)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())

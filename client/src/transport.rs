@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use granary_common::net::{GrpcChannel as Channel, Net, ServerKind};
+use granary_common::tls::TlsMaterial;
 use granary_proto as pb;
 use granary_proto::prost::Message;
 use granary_proto::worker_service_client::WorkerServiceClient;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_rustls::TlsConnector;
 
 use crate::error::ClientError;
 
@@ -134,8 +134,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 /// (the caller reads over gRPC or from the next worker), it never delivers wrong bytes.
 #[derive(Default)]
 pub struct DataPlane {
-    /// The cluster's mutual TLS (None: plain TCP, a cluster without TLS).
-    tls: Option<TlsConnector>,
+    /// The process's identity for mutual TLS, each connection made with the material in
+    /// use then (None: plain TCP, a cluster without TLS).
+    tls: Option<Arc<TlsMaterial>>,
     idle: Mutex<HashMap<String, Vec<Box<dyn Stream>>>>,
     down: Mutex<HashMap<String, Instant>>,
     buffers: Arc<BufferPool>,
@@ -201,7 +202,7 @@ pub enum DataPlaneError {
 
 impl DataPlane {
     /// Data plane streams with `tls` (the process's identity), or plain TCP.
-    pub fn new(tls: Option<TlsConnector>) -> Self {
+    pub fn new(tls: Option<Arc<TlsMaterial>>) -> Self {
         Self {
             tls,
             ..Default::default()
@@ -245,6 +246,7 @@ impl DataPlane {
             };
             let name = granary_common::tls::node_server_name().map_err(|e| e.to_string())?;
             let s = tls
+                .stream_connector()
                 .connect(name, s)
                 .await
                 .map_err(|e| format!("TLS with {address}: {e}"))?;

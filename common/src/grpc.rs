@@ -27,44 +27,93 @@ pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
 /// 64 of the default 16 KiB (less framing work per byte on bulk streams).
 pub const MAX_FRAME: u32 = 1024 * 1024;
 
-/// Normalises `host:port` or a full URI into an endpoint URI: `https://` with TLS, else
-/// `http://`.
-fn endpoint_uri_for(addr: &str, tls: bool) -> String {
+/// Normalises `host:port` or a full URI into an endpoint URI. Always `http://`: with TLS
+/// the handshake is made by [`TlsConnect`], not by tonic, so the URI's scheme only names
+/// HTTP/2 over whatever the connector returns.
+fn endpoint_uri_for(addr: &str) -> String {
     let host_port = addr
         .strip_prefix("http://")
         .or_else(|| addr.strip_prefix("https://"))
         .unwrap_or(addr);
-    if tls {
-        format!("https://{host_port}")
-    } else {
-        format!("http://{host_port}")
-    }
+    format!("http://{host_port}")
 }
 
 /// A lazily connecting channel to `addr` with Granary's transport settings: mutual TLS
-/// with `tls` (the server must hold a certificate of the cluster CA for `server`), or
+/// with `tls` (the server must hold a certificate of the cluster CA for `server`; each new
+/// connection takes the material in use at that moment, see [`TlsMaterial::reload`]), or
 /// plaintext without.
 pub fn channel_with(
     addr: &str,
     server: ServerKind,
-    tls: Option<&TlsMaterial>,
+    tls: Option<&Arc<TlsMaterial>>,
 ) -> Result<Channel, tonic::transport::Error> {
-    let mut endpoint = Endpoint::from_shared(endpoint_uri_for(addr, tls.is_some()))?;
-    if let Some(m) = tls {
-        endpoint = endpoint.tls_config(match server {
-            ServerKind::Master => m.master_client_config(),
-            ServerKind::Node => m.client_config(),
-        })?;
-    }
-    Ok(endpoint
+    let endpoint = Endpoint::from_shared(endpoint_uri_for(addr))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_frame_size(MAX_FRAME)
-        .connect_lazy())
+        .max_frame_size(MAX_FRAME);
+    Ok(match tls {
+        Some(m) => endpoint.connect_with_connector_lazy(TlsConnect {
+            tls: m.clone(),
+            name: match server {
+                ServerKind::Master => crate::tls::MASTER_SERVER_NAME,
+                ServerKind::Node => crate::tls::NODE_SERVER_NAME,
+            },
+        }),
+        None => endpoint.connect_lazy(),
+    })
+}
+
+/// Connects a channel over TCP and mutual TLS with the material in use now, verifying
+/// the server by `name`.
+#[derive(Clone)]
+struct TlsConnect {
+    tls: Arc<TlsMaterial>,
+    name: &'static str,
+}
+
+impl tower::Service<http::Uri> for TlsConnect {
+    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+    type Error = std::io::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let config = self.tls.grpc_client();
+        let name = self.name;
+        Box::pin(async move {
+            let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+            let host = uri
+                .host()
+                .ok_or_else(|| invalid(format!("no host in {uri}")))?;
+            // An IPv6 literal keeps its brackets in a URI's host.
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            let port = uri
+                .port_u16()
+                .ok_or_else(|| invalid(format!("no port in {uri}")))?;
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            let server = crate::tls::server_name(name).map_err(|e| invalid(e.to_string()))?;
+            let tls = tokio::time::timeout(
+                crate::tls::handshake_timeout(),
+                tokio_rustls::TlsConnector::from(config).connect(server, tcp),
+            )
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")
+            })??;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        })
+    }
 }
 
 /// A server of Granary's services: the matching transport settings, TLS requiring a client
@@ -77,18 +126,15 @@ pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
 /// A client past it waits for a stream to end; it does not fail.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
-/// A server with mutual TLS as `tls` (a client certificate of its CA required), or
-/// plaintext without.
+/// A server of Granary's services; `tls` says whether its callers come over mutual TLS
+/// (served by [`serve`] with the same material) or plaintext.
 pub fn server_with(tls: Option<&TlsMaterial>) -> Result<Server, tonic::transport::Error> {
-    let mut builder = tonic::transport::Server::builder()
+    let builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
-    if let Some(m) = tls {
-        builder = builder.tls_config(m.server_config())?;
-    }
     Ok(builder.layer(AuthLayer::new(tls.is_none())))
 }
 
@@ -129,6 +175,85 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
     tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)))
+}
+
+/// Most TLS handshakes one server runs at once (each is given
+/// [`crate::tls::handshake_timeout`]); connections past it wait in the listen backlog.
+const MAX_HANDSHAKES: usize = 8192;
+
+/// Accepted connections of a bound listener over mutual TLS: each handshake runs on a
+/// task of its own with the material in use when the connection arrived (a renewed
+/// certificate serves the next connection, see [`TlsMaterial::reload`]), and connections
+/// whose handshake fails or times out are dropped. Ends when the server drops it.
+fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    tls: Arc<TlsMaterial>,
+) -> impl futures::Stream<
+    Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+> {
+    use futures::StreamExt;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let mut tcp = incoming(listener);
+    tokio::spawn(async move {
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        loop {
+            let slot = tokio::select! {
+                _ = tx.closed() => return,
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return,
+                },
+            };
+            let sock = tokio::select! {
+                _ = tx.closed() => return,
+                next = tcp.next() => match next {
+                    Some(Ok(sock)) => sock,
+                    Some(Err(e)) => {
+                        // Out of descriptors, say: try again shortly rather than spin.
+                        tracing::debug!(error = %e, "accepting a connection failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    None => return,
+                },
+            };
+            let (acceptor, tx) = (tls.grpc_acceptor(), tx.clone());
+            tokio::spawn(async move {
+                let _slot = slot;
+                let wait = crate::tls::handshake_timeout();
+                match tokio::time::timeout(wait, acceptor.accept(sock)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// Serves `router` on `listener` until `stop` (see [`serve_until_stopped`]): over mutual
+/// TLS with `tls` (the material [`server_with`] was given), else plaintext.
+pub async fn serve(
+    router: tonic::transport::server::Router<Stack<AuthLayer, Identity>>,
+    listener: tokio::net::TcpListener,
+    tls: Option<Arc<TlsMaterial>>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let sd = stop.clone();
+    let signal = async move { sd.cancelled().await };
+    match tls {
+        Some(m) => {
+            let incoming = tls_incoming(listener, m);
+            serve_until_stopped(router.serve_with_incoming_shutdown(incoming, signal), stop).await
+        }
+        None => {
+            let incoming = incoming(listener);
+            serve_until_stopped(router.serve_with_incoming_shutdown(incoming, signal), stop).await
+        }
+    }
 }
 
 /// One gRPC service with a request-size limit per method: an instance of the service per

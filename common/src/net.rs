@@ -97,7 +97,7 @@ impl Tcp {
 
 impl Network for Tcp {
     fn channel(&self, addr: &str, server: ServerKind) -> Result<GrpcChannel, String> {
-        let ch = crate::grpc::channel_with(addr, server, self.tls.as_deref())
+        let ch = crate::grpc::channel_with(addr, server, self.tls.as_ref())
             .map_err(|e| format!("invalid address {addr:?}: {e}"))?;
         Ok(GrpcChannel::new(ch.map_err(NetError::new)))
     }

@@ -1,4 +1,5 @@
-//! Transport security for every gRPC hop: mutual TLS with a cluster CA (rustls via tonic),
+//! Transport security for every gRPC hop: mutual TLS with a cluster CA (rustls, the
+//! handshakes made by [`crate::grpc`] so that renewed certificates take effect without a restart),
 //! and the principal each certificate names.
 //!
 //! A certificate says who is asking: its subject's common name is the principal's name, its
@@ -13,8 +14,9 @@
 //! carry [`NODE_SERVER_NAME`] too (a master is trusted at least as much as a worker, and
 //! tools that verify the generic name keep working).
 //!
-//! The process's choice is made once at start ([`install`]); until then (libraries, unit
-//! tests) every hop is plaintext and every caller is trusted.
+//! A process's identity is passed to what makes and serves connections ([`TlsMaterial`]);
+//! without one (libraries, unit tests, `--insecure`) every hop is plaintext and every
+//! caller is trusted. [`TlsMaterial::watch`] picks up renewed files.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -26,7 +28,6 @@ use rcgen::{
     Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use time::OffsetDateTime;
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// The DNS name every worker (and master) certificate carries: clients verify workers by it.
 pub const NODE_SERVER_NAME: &str = "granary-node";
@@ -450,22 +451,73 @@ impl TlsFiles {
             key: dir.join("tls.key"),
         }
     }
+
+    /// Writes a CA certificate and a certificate with its key (mode 0600) to these paths,
+    /// each file replaced whole ([`replace_file`]): a server reading them again sees
+    /// the old file or the new one, never part of one.
+    pub fn write(&self, ca: &str, own: &Pems) -> std::io::Result<()> {
+        replace_file(&self.key, own.key.as_bytes(), 0o600)?;
+        replace_file(&self.cert, own.cert.as_bytes(), 0o644)?;
+        replace_file(&self.ca, ca.as_bytes(), 0o644)
+    }
+}
+
+/// Writes `data` to `.NAME.part` beside `path` (created with `mode`, synced), then renames
+/// it over `path`: a reader sees the old file or the new one whole.
+pub fn replace_file(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "a file path needs a name")
+    })?;
+    let part = path.with_file_name(format!(".{}.part", name.to_string_lossy()));
+    let _ = std::fs::remove_file(&part);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&part)?;
+    f.write_all(data).and_then(|_| f.sync_all())?;
+    std::fs::rename(&part, path)
 }
 
 /// A process's verified TLS material and the principal its certificate names.
+///
+/// Material read from files is read again by [`TlsMaterial::reload`] (and every
+/// [`RELOAD_EVERY`] by [`TlsMaterial::watch`]): a renewed certificate, key or CA (what
+/// cert-manager writes into a Kubernetes Secret before the old certificate expires) is used
+/// by every connection made or accepted from then on, without a restart. Connections
+/// already open keep the session they have. The principal never changes: a replacement
+/// naming another principal is refused and the current material kept.
 pub struct TlsMaterial {
+    /// Where the material was read from (None: made in memory, never reloaded).
+    files: Option<TlsFiles>,
+    current: std::sync::RwLock<Arc<Loaded>>,
+    pub principal: Principal,
+}
+
+/// One verified set of PEMs and the rustls configurations made from them.
+struct Loaded {
     ca: String,
     own: Pems,
-    pub principal: Principal,
     /// End of the certificate's validity (seconds since the epoch).
-    pub not_after: i64,
+    not_after: i64,
+    /// gRPC (HTTP/2, ALPN `h2`), mutual TLS.
+    grpc_server: Arc<tokio_rustls::rustls::ServerConfig>,
+    grpc_client: Arc<tokio_rustls::rustls::ClientConfig>,
+    /// TLS streams outside gRPC (the block data plane).
+    stream_server: Arc<tokio_rustls::rustls::ServerConfig>,
+    stream_client: Arc<tokio_rustls::rustls::ClientConfig>,
 }
+
+/// How often [`TlsMaterial::watch`] reads the files again.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(60);
 
 impl fmt::Debug for TlsMaterial {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TlsMaterial")
             .field("principal", &self.principal)
-            .field("not_after", &self.not_after)
+            .field("not_after", &self.not_after())
             .finish_non_exhaustive()
     }
 }
@@ -477,21 +529,152 @@ fn read(path: &Path) -> Result<String, TlsError> {
     })
 }
 
+/// The three files' texts (CA, certificate, key).
+fn read_files(files: &TlsFiles) -> Result<(String, Pems), TlsError> {
+    Ok((
+        read(&files.ca)?,
+        Pems {
+            cert: read(&files.cert)?,
+            key: read(&files.key)?,
+        },
+    ))
+}
+
 impl TlsMaterial {
     pub fn load(files: &TlsFiles) -> Result<TlsMaterial, TlsError> {
-        let m = TlsMaterial::from_pems(
-            read(&files.ca)?,
-            Pems {
-                cert: read(&files.cert)?,
-                key: read(&files.key)?,
-            },
-        )
-        .map_err(|e| TlsError::Invalid(format!("{}: {e}", files.cert.display())))?;
+        let (ca, own) = read_files(files)?;
+        let mut m = TlsMaterial::from_pems(ca, own)
+            .map_err(|e| TlsError::Invalid(format!("{}: {e}", files.cert.display())))?;
+        m.files = Some(files.clone());
         Ok(m)
     }
 
     /// Checks that the certificate parses, is within its validity and matches the key.
     pub fn from_pems(ca: String, own: Pems) -> Result<TlsMaterial, TlsError> {
+        let (loaded, principal) = Loaded::verify(ca, own)?;
+        Ok(TlsMaterial {
+            files: None,
+            current: std::sync::RwLock::new(Arc::new(loaded)),
+            principal,
+        })
+    }
+
+    fn current(&self) -> Arc<Loaded> {
+        match self.current.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// End of the current certificate's validity (seconds since the epoch).
+    pub fn not_after(&self) -> i64 {
+        self.current().not_after
+    }
+
+    /// Reads the files again; true when they changed and the new material is in use. A
+    /// replacement that does not verify (unreadable, expired, a key of another
+    /// certificate, a CA that does not parse) or that names another principal is an
+    /// error, and the current material stays in use. Material made in memory: Ok(false).
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let Some(files) = &self.files else {
+            return Ok(false);
+        };
+        let (ca, own) = read_files(files)?;
+        let now = self.current();
+        if now.ca == ca && now.own.cert == own.cert && now.own.key == own.key {
+            return Ok(false);
+        }
+        let (loaded, principal) = Loaded::verify(ca, own)
+            .map_err(|e| TlsError::Invalid(format!("{}: {e}", files.cert.display())))?;
+        if principal != self.principal {
+            return Err(TlsError::Invalid(format!(
+                "{} now names {principal}, not {}: a process keeps its identity (restart it \
+                 to take another)",
+                files.cert.display(),
+                self.principal
+            )));
+        }
+        match self.current.write() {
+            Ok(mut g) => *g = Arc::new(loaded),
+            Err(p) => *p.into_inner() = Arc::new(loaded),
+        }
+        Ok(true)
+    }
+
+    /// Reloads the material every `every` on a thread of its own ([`reload`](Self::reload)),
+    /// logging each change and each refused replacement (once until it changes), for as
+    /// long as the material is in use. Material made in memory is not watched.
+    pub fn watch(self: &Arc<Self>, every: Duration) {
+        let Some(files) = self.files.clone() else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("tls-reload".into())
+            .spawn(move || {
+                let mut last_error: Option<String> = None;
+                loop {
+                    std::thread::sleep(every);
+                    let Some(m) = weak.upgrade() else { return };
+                    match m.reload() {
+                        Ok(true) => {
+                            last_error = None;
+                            tracing::info!(
+                                cert = %files.cert.display(),
+                                not_after = m.not_after(),
+                                "TLS material reloaded: new connections use the new certificate and CA"
+                            );
+                        }
+                        Ok(false) => last_error = None,
+                        Err(e) => {
+                            let e = e.to_string();
+                            if last_error.as_deref() != Some(&e) {
+                                tracing::warn!(error = %e, "the TLS files changed but cannot be used; keeping the current material");
+                                last_error = Some(e);
+                            }
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot watch the TLS files; certificates are read at start only");
+        }
+    }
+
+    /// The client side of a gRPC connection (HTTP/2): the cluster CA as the only root, this
+    /// identity. The server is verified by the name given at connect.
+    pub fn grpc_client(&self) -> Arc<tokio_rustls::rustls::ClientConfig> {
+        self.current().grpc_client.clone()
+    }
+
+    /// The server side of a gRPC connection: this identity, client certificates of the
+    /// cluster CA required.
+    pub fn grpc_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.current().grpc_server.clone())
+    }
+
+    /// The server side of a TLS stream outside gRPC (the block data plane): the same
+    /// identity, and client certificates of the cluster CA required, as gRPC servers.
+    pub fn stream_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.current().stream_server.clone())
+    }
+
+    /// The client side of a TLS stream to a worker outside gRPC, verifying it by
+    /// [`NODE_SERVER_NAME`] as gRPC clients do, presenting this identity.
+    pub fn stream_connector(&self) -> tokio_rustls::TlsConnector {
+        tokio_rustls::TlsConnector::from(self.current().stream_client.clone())
+    }
+
+    /// The certificate (PEM) in use now.
+    pub fn cert_pem(&self) -> String {
+        self.current().own.cert.clone()
+    }
+}
+
+impl Loaded {
+    /// Verifies `own` against the rules of [`TlsMaterial::from_pems`] and builds the
+    /// configurations; with the principal it names.
+    fn verify(ca: String, own: Pems) -> Result<(Loaded, Principal), TlsError> {
         let (_, pem) = x509_parser::pem::parse_x509_pem(own.cert.as_bytes())
             .map_err(|e| TlsError::Invalid(format!("no PEM certificate ({e})")))?;
         let cert = pem
@@ -515,108 +698,94 @@ impl TlsMaterial {
             .map_err(|e| TlsError::Invalid(format!("no PEM CA certificate ({e})")))?;
         let principal = Principal::from_certificate(&pem.contents)?;
         let not_after = validity.not_after.timestamp();
-        Ok(TlsMaterial {
-            ca,
-            own,
+        let (grpc_server, grpc_client) = configs(&ca, &own, &[b"h2"])?;
+        let (stream_server, stream_client) = configs(&ca, &own, &[])?;
+        Ok((
+            Loaded {
+                ca,
+                own,
+                not_after,
+                grpc_server,
+                grpc_client,
+                stream_server,
+                stream_client,
+            },
             principal,
-            not_after,
-        })
-    }
-
-    /// The client side of a connection to a worker (verified by [`NODE_SERVER_NAME`]).
-    pub fn client_config(&self) -> ClientTlsConfig {
-        self.client_config_for(NODE_SERVER_NAME)
-    }
-
-    /// The client side of a connection to a master (verified by [`MASTER_SERVER_NAME`],
-    /// which worker certificates do not carry).
-    pub fn master_client_config(&self) -> ClientTlsConfig {
-        self.client_config_for(MASTER_SERVER_NAME)
-    }
-
-    fn client_config_for(&self, server_name: &str) -> ClientTlsConfig {
-        ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.ca))
-            .identity(Identity::from_pem(&self.own.cert, &self.own.key))
-            .domain_name(server_name)
-            .timeout(HANDSHAKE_TIMEOUT)
-    }
-
-    pub fn server_config(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(&self.own.cert, &self.own.key))
-            .client_ca_root(Certificate::from_pem(&self.ca))
-            .timeout(HANDSHAKE_TIMEOUT)
-    }
-
-    /// The pieces of a rustls configuration: the provider gRPC uses (aws-lc-rs), the
-    /// cluster CA as the only root, this identity's chain and key.
-    fn rustls_parts(&self) -> Result<RustlsParts, TlsError> {
-        use tokio_rustls::rustls::pki_types::pem::PemObject;
-        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let bad = |what: &str, e: &dyn fmt::Display| TlsError::Invalid(format!("{what}: {e}"));
-        let provider = Arc::new(tokio_rustls::rustls::crypto::aws_lc_rs::default_provider());
-        let mut roots = tokio_rustls::rustls::RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(self.ca.as_bytes()) {
-            let c = c.map_err(|e| bad("the CA certificate", &e))?;
-            roots.add(c).map_err(|e| bad("the CA certificate", &e))?;
-        }
-        let chain = CertificateDer::pem_slice_iter(self.own.cert.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| bad("the certificate", &e))?;
-        let key = PrivateKeyDer::from_pem_slice(self.own.key.as_bytes())
-            .map_err(|e| bad("the private key", &e))?;
-        Ok((provider, Arc::new(roots), chain, key))
-    }
-
-    /// The server side of a TLS stream outside gRPC (the block data plane): the same
-    /// identity, and client certificates of the cluster CA required, as gRPC servers.
-    pub fn stream_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
-        use tokio_rustls::rustls;
-        let (provider, roots, chain, key) = self.rustls_parts()?;
-        let bad = |e: &dyn fmt::Display| TlsError::Invalid(format!("TLS server: {e}"));
-        let verifier =
-            rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
-                .build()
-                .map_err(|e| bad(&e))?;
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad(&e))?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(chain, key)
-            .map_err(|e| bad(&e))?;
-        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-    }
-
-    /// The client side of a TLS stream to a worker outside gRPC, verifying it by
-    /// [`NODE_SERVER_NAME`] as gRPC clients do, presenting this identity.
-    pub fn stream_connector(&self) -> Result<tokio_rustls::TlsConnector, TlsError> {
-        use tokio_rustls::rustls;
-        let (provider, roots, chain, key) = self.rustls_parts()?;
-        let bad = |e: &dyn fmt::Display| TlsError::Invalid(format!("TLS client: {e}"));
-        let config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad(&e))?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(chain, key)
-            .map_err(|e| bad(&e))?;
-        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+        ))
     }
 }
 
-/// See [`TlsMaterial::rustls_parts`].
-type RustlsParts = (
-    Arc<tokio_rustls::rustls::crypto::CryptoProvider>,
-    Arc<tokio_rustls::rustls::RootCertStore>,
-    Vec<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
-    tokio_rustls::rustls::pki_types::PrivateKeyDer<'static>,
-);
+/// The rustls server and client configurations of one identity: the provider gRPC uses
+/// (aws-lc-rs), the cluster CA as the only root (client certificates of it required by the
+/// server), this identity's chain and key, and the ALPN protocols `alpn`.
+#[allow(clippy::type_complexity)]
+fn configs(
+    ca: &str,
+    own: &Pems,
+    alpn: &[&[u8]],
+) -> Result<
+    (
+        Arc<tokio_rustls::rustls::ServerConfig>,
+        Arc<tokio_rustls::rustls::ClientConfig>,
+    ),
+    TlsError,
+> {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |what: &str, e: &dyn fmt::Display| TlsError::Invalid(format!("{what}: {e}"));
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca.as_bytes()) {
+        let c = c.map_err(|e| bad("the CA certificate", &e))?;
+        roots.add(c).map_err(|e| bad("the CA certificate", &e))?;
+    }
+    let roots = Arc::new(roots);
+    let chain = CertificateDer::pem_slice_iter(own.cert.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad("the certificate", &e))?;
+    let key = PrivateKeyDer::from_pem_slice(own.key.as_bytes())
+        .map_err(|e| bad("the private key", &e))?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| bad("TLS server", &e))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS server", &e))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(|e| bad("TLS server", &e))?;
+    server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS client", &e))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| bad("TLS client", &e))?;
+    client.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok((Arc::new(server), Arc::new(client)))
+}
+
+/// Time a TLS handshake may take before the connection is dropped.
+pub fn handshake_timeout() -> Duration {
+    HANDSHAKE_TIMEOUT
+}
+
+/// A server name clients verify a server by.
+pub fn server_name(
+    name: &'static str,
+) -> Result<tokio_rustls::rustls::pki_types::ServerName<'static>, TlsError> {
+    tokio_rustls::rustls::pki_types::ServerName::try_from(name)
+        .map_err(|e| TlsError::Invalid(format!("{name}: {e}")))
+}
 
 /// The name a worker's certificate is verified by, for TLS streams outside gRPC.
 pub fn node_server_name() -> Result<tokio_rustls::rustls::pki_types::ServerName<'static>, TlsError>
 {
-    tokio_rustls::rustls::pki_types::ServerName::try_from(NODE_SERVER_NAME)
-        .map_err(|e| TlsError::Invalid(format!("{NODE_SERVER_NAME}: {e}")))
+    server_name(NODE_SERVER_NAME)
 }
 
 #[cfg(test)]
@@ -739,5 +908,68 @@ mod tests {
         }
         assert!(percent_decode("%G1").is_err());
         assert!(percent_decode("%F").is_err());
+    }
+
+    fn write_dir(dir: &Path, ca: &str, own: &Pems) {
+        std::fs::create_dir_all(dir).unwrap();
+        TlsFiles::in_dir(dir).write(ca, own).unwrap();
+    }
+
+    #[test]
+    fn reloaded_files_take_effect_and_a_bad_replacement_keeps_the_current_material() {
+        let dir = std::env::temp_dir().join(format!("granary-tls-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = new_ca("test CA", 1).unwrap();
+        let spec = LeafSpec::new("w1", &[Role::Node], 1);
+        let first = issue(&ca, &spec).unwrap();
+        write_dir(&dir, &ca.cert, &first);
+        let m = TlsMaterial::load(&TlsFiles::in_dir(&dir)).unwrap();
+        assert!(!m.reload().unwrap(), "nothing changed");
+        assert_eq!(m.cert_pem(), first.cert);
+
+        // A renewed certificate of the same principal (a new key, a later end).
+        let mut later = spec.clone();
+        later.not_after = OffsetDateTime::now_utc() + time::Duration::days(3);
+        let renewed = issue(&ca, &later).unwrap();
+        write_dir(&dir, &ca.cert, &renewed);
+        assert!(m.reload().unwrap());
+        assert_eq!(m.cert_pem(), renewed.cert);
+        assert!(m.not_after() > OffsetDateTime::now_utc().unix_timestamp() + 2 * 86_400);
+
+        // Another principal, a key of another certificate, an expired certificate, a CA
+        // that is no PEM: each refused, and the renewed material stays in use.
+        let other = issue(
+            &ca,
+            &LeafSpec::new("intruder", &[Role::Node, Role::Admin], 1),
+        )
+        .unwrap();
+        let foreign_key = Pems {
+            cert: renewed.cert.clone(),
+            key: first.key.clone(),
+        };
+        let mut old = spec.clone();
+        old.not_before = OffsetDateTime::now_utc() - time::Duration::days(10);
+        old.not_after = OffsetDateTime::now_utc() - time::Duration::days(1);
+        let expired = issue(&ca, &old).unwrap();
+        for (what, ca_text, own) in [
+            ("another principal", ca.cert.as_str(), &other),
+            ("a foreign key", ca.cert.as_str(), &foreign_key),
+            ("an expired certificate", ca.cert.as_str(), &expired),
+            ("a CA that is no PEM", "garbage", &renewed),
+        ] {
+            write_dir(&dir, ca_text, own);
+            assert!(m.reload().is_err(), "{what} was taken");
+            assert_eq!(m.cert_pem(), renewed.cert, "{what} replaced the material");
+            assert_eq!(m.principal.name, "w1");
+        }
+        // Files gone for a moment (a Secret being rewritten): an error, nothing changes.
+        std::fs::remove_file(dir.join("tls.key")).unwrap();
+        assert!(m.reload().is_err());
+        assert_eq!(m.cert_pem(), renewed.cert);
+
+        // Material made in memory is never reloaded.
+        let mem = TlsMaterial::from_pems(ca.cert.clone(), first).unwrap();
+        assert!(!mem.reload().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -440,15 +440,10 @@ pub async fn start(
                 message: format!("TLS setup of the master server: {e}"),
             }
         })?;
-    let incoming = granary_common::grpc::incoming(listener);
-    let sd = shutdown.clone();
+    let (sd, tls) = (shutdown.clone(), config.net.tls().cloned());
     let done = tokio::spawn(async move {
-        let stop = sd.clone();
-        let serve = server
-            .add_service(svc)
-            .add_service(raft_svc)
-            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await });
-        let served = granary_common::grpc::serve_until_stopped(serve, stop).await;
+        let router = server.add_service(svc).add_service(raft_svc);
+        let served = granary_common::grpc::serve(router, listener, tls, sd).await;
         raft_handle.shutdown();
         let _ = tokio::task::spawn_blocking(move || raft_join.join()).await;
         drop(db);

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use granary_common::tls::{self, LeafSpec, Pems, Role};
+use granary_common::tls::{self, LeafSpec, Pems, Role, TlsFiles};
 use granary_proto as pb;
 use granary_proto::master_service_client::MasterServiceClient;
 use granary_proto::worker_service_client::WorkerServiceClient;
@@ -88,6 +88,107 @@ fn expect_refused<T: std::fmt::Debug>(what: &str, r: Result<T, tonic::Status>) {
             "{what}: unexpected status {s:?}"
         ),
     }
+}
+
+/// Writes a TLS folder (`ca.crt`, `tls.crt`, `tls.key`), each file renamed into place as a
+/// Kubernetes Secret's volume (or `granary cert issue --force`) replaces it.
+fn write_tls_dir(dir: &Path, ca: &str, own: &Pems) {
+    std::fs::create_dir_all(dir).unwrap();
+    TlsFiles::in_dir(dir).write(ca, own).unwrap();
+}
+
+/// A certificate renewed in a server's TLS folder is used without a restart, by both
+/// sides of its connections: a worker whose first certificate expires seconds after it
+/// starts stays reachable over new connections once a renewed one is written over it,
+/// and reaches a restarted master again with it (a new connection from the worker); a
+/// replacement naming another principal is refused and the renewed material kept.
+#[test]
+fn a_renewed_certificate_is_used_without_a_restart() {
+    if insecure_suite() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("tls-reload")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let ca_dir = TestTls::get().ca();
+    let ca = Pems {
+        cert: std::fs::read_to_string(ca_dir.join("ca.crt")).unwrap(),
+        key: std::fs::read_to_string(ca_dir.join("ca.key")).unwrap(),
+    };
+    let admin = creds_in(&TestTls::get().identity("admin"));
+    let node_dir = root.join("node-tls");
+    let mut spec = LeafSpec::new("reload-node", &[Role::Node], 1);
+    let expires = time::OffsetDateTime::now_utc() + time::Duration::seconds(12);
+    spec.not_after = expires;
+    write_tls_dir(&node_dir, &ca.cert, &tls::issue(&ca, &spec).unwrap());
+
+    let data_dir = root.join("master-data");
+    let port = free_port();
+    let master = Master::start_on(root, &data_dir, port).unwrap();
+    let nd = node_dir.to_string_lossy().to_string();
+    let cache = root.join("w1-cache");
+    let mut worker = Worker::start_opts(
+        root,
+        "w1",
+        &master.addr,
+        "64MiB",
+        &cache,
+        &["--tls-dir", &nd, "--tls-reload-every", "200ms"],
+    )
+    .unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+    worker_call(&worker.addr, Some(&admin)).expect("the worker answers with its first certificate");
+
+    // Renewed before it expires: a new key, valid for a day.
+    let mut renewed = LeafSpec::new("reload-node", &[Role::Node], 1);
+    renewed.hosts = spec.hosts.clone();
+    write_tls_dir(&node_dir, &ca.cert, &tls::issue(&ca, &renewed).unwrap());
+    worker
+        .proc
+        .wait_for_line("TLS material reloaded", Duration::from_secs(10))
+        .unwrap();
+
+    // Past the first certificate's end, new connections still verify: the worker serves
+    // with the renewed one.
+    poll(
+        "the first certificate to expire",
+        Duration::from_secs(30),
+        || (time::OffsetDateTime::now_utc() > expires + time::Duration::seconds(1)).then_some(()),
+    )
+    .unwrap();
+    worker_call(&worker.addr, Some(&admin))
+        .expect("a new connection to the worker after its first certificate expired");
+
+    // The worker's own new connections present the renewed certificate: a restarted master
+    // hears its heartbeats again.
+    drop(master);
+    let master = Master::start_on(root, &data_dir, port).unwrap();
+    wait_live_workers(&master.addr, 1)
+        .expect("the worker reached the restarted master with its renewed certificate");
+
+    // Another principal written over the files: refused, the renewed material kept.
+    let intruder = tls::issue(
+        &ca,
+        &LeafSpec::new("intruder", &[Role::Node, Role::Admin], 1),
+    )
+    .unwrap();
+    write_tls_dir(&node_dir, &ca.cert, &intruder);
+    worker
+        .proc
+        .wait_for_line(
+            "cannot be used; keeping the current material",
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    worker_call(&worker.addr, Some(&admin))
+        .expect("the worker still answers after a refused replacement");
+    assert!(
+        worker.proc.log_text().contains("now names"),
+        "the refusal names the principals:\n{}",
+        worker.proc.log_text()
+    );
 }
 
 /// A master, a live worker and a source folder of random files (relative path → size),

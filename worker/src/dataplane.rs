@@ -25,11 +25,10 @@ use granary_proto::prost::Message;
 use granary_proto::worker_service_server::WorkerService;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use granary_common::tls::Principal;
+use granary_common::tls::{Principal, TlsMaterial};
 
 use crate::error::RpcError;
 use crate::service::{Plan, WorkerRpc};
@@ -94,12 +93,13 @@ impl Wire for tokio_rustls::server::TlsStream<TcpStream> {
     }
 }
 
-/// Accepts data plane connections until `shutdown`: mutual TLS with `tls`, else plain TCP
-/// (a cluster without TLS).
+/// Accepts data plane connections until `shutdown`: mutual TLS with `tls` (each handshake
+/// with the material in use when the connection arrives), else plain TCP (a cluster
+/// without TLS).
 pub async fn serve(
     listener: TcpListener,
     rpc: Arc<WorkerRpc>,
-    tls: Option<TlsAcceptor>,
+    tls: Option<Arc<TlsMaterial>>,
     shutdown: CancellationToken,
 ) {
     serve_at_most(listener, rpc, tls, shutdown, MAX_CONNECTIONS).await;
@@ -109,7 +109,7 @@ pub async fn serve(
 pub(crate) async fn serve_at_most(
     listener: TcpListener,
     rpc: Arc<WorkerRpc>,
-    tls: Option<TlsAcceptor>,
+    tls: Option<Arc<TlsMaterial>>,
     shutdown: CancellationToken,
     max: usize,
 ) {
@@ -150,7 +150,8 @@ pub(crate) async fn serve_at_most(
                 match tls {
                     None => connection(sock, &rpc, Principal::unauthenticated()).await,
                     Some(tls) => {
-                        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(sock))
+                        let accept = tls.stream_acceptor().accept(sock);
+                        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
                             .await
                             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
                         let who = stream

@@ -178,13 +178,7 @@ fn serve_data_plane(
     rpc: Arc<service::WorkerRpc>,
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let tls =
-        match config.net.tls() {
-            Some(m) => Some(m.stream_acceptor().map_err(|e| {
-                WorkerError::Config(format!("TLS setup of the block data plane: {e}"))
-            })?),
-            None => None,
-        };
+    let tls = config.net.tls().cloned();
     let how = if tls.is_some() {
         "mutual TLS"
     } else {
@@ -319,14 +313,9 @@ pub async fn start(
     });
     let mut server = granary_common::grpc::server_with(config.net.tls().map(|m| &**m))
         .map_err(|e| WorkerError::Serve(format!("TLS setup of the worker server: {e}")))?;
-    let incoming = granary_common::grpc::incoming(listener);
-    let sd = shutdown.clone();
+    let (sd, tls) = (shutdown.clone(), config.net.tls().cloned());
     let done = tokio::spawn(async move {
-        let stop = sd.clone();
-        let serve = server
-            .add_service(svc)
-            .serve_with_incoming_shutdown(incoming, async move { sd.cancelled().await });
-        granary_common::grpc::serve_until_stopped(serve, stop)
+        granary_common::grpc::serve(server.add_service(svc), listener, tls, sd)
             .await
             .map_err(|e| WorkerError::Serve(e.to_string()))
     });

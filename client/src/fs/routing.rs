@@ -23,16 +23,7 @@ impl Routes {
         Self {
             view: Mutex::new(WorkerView::default()),
             grpc: crate::transport::GrpcTransport::new(net.clone()),
-            data_plane: match net.tls() {
-                None => Some(crate::transport::DataPlane::new(None)),
-                Some(m) => match m.stream_connector() {
-                    Ok(c) => Some(crate::transport::DataPlane::new(Some(c))),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no TLS for block data planes; reading over gRPC");
-                        None
-                    }
-                },
-            },
+            data_plane: Some(crate::transport::DataPlane::new(net.tls().cloned())),
             data_plane_on: AtomicBool::new(true),
             read_timeout_ms: std::sync::atomic::AtomicU64::new(
                 DEFAULT_READ_TIMEOUT.as_millis() as u64
