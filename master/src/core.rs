@@ -281,8 +281,10 @@ impl MasterCore {
                         _ => Err(MasterError::corrupt("unexpected result of RemoveMount")),
                     };
                 }
-                if self.ns.purge_below(&point, &path).await? > 0 && !force {
-                    // Files begun while the purge ran.
+                let mount = mounts.iter().find(|m| m.path == path).map(|m| m.id);
+                let keep = mount.filter(|_| !force);
+                if self.ns.purge_below(&point, &path, keep).await? > 0 && !force {
+                    // Files finished while the purge ran (the purge kept them).
                     self.refuse_losing_writes(&path).await?;
                 }
             }

@@ -14,7 +14,7 @@ use futures::future::join_all;
 
 use crate::error::MasterError;
 use crate::namespace::Namespace;
-use crate::state::{Command, Inode, Kind};
+use crate::state::{Command, Inode, Kind, Persist};
 
 /// The most entries below a folder that one `Delete` or `RemoveMount` removes in one
 /// apply, and the most removals in flight at once (about 50 ms of a master's Raft thread
@@ -38,6 +38,17 @@ struct Frame {
     path: String,
     /// The last name proposed or descended into.
     after: Option<String>,
+    /// Something below was kept (a file only workers hold): the folder stays.
+    kept: bool,
+}
+
+/// Whether `node` is a file of mount `mount` that only workers hold (written must-cache,
+/// or waiting for its upload): what a mount removal without `--force` must not lose.
+fn unsaved(node: &Inode, mount: u64) -> bool {
+    node.kind == Kind::File
+        && node.complete
+        && node.persist != Persist::Persisted
+        && node.mount_id == Some(mount)
 }
 
 impl Namespace {
@@ -45,8 +56,16 @@ impl Namespace {
     /// entries of at most [`PURGE_PAGE`] removals, children before their folders; the
     /// store is the caller's business. Mount points below stay (the caller's own command
     /// refuses them as before). Nothing is proposed when the subtree is small enough for
-    /// the caller's command alone. Returns how many entries were proposed.
-    pub async fn purge_below(&self, dir: &Inode, path: &str) -> Result<u64, MasterError> {
+    /// the caller's command alone. With `keep` (a mount's id), the files of that mount only
+    /// workers hold stay, with the folders above them: a mount removal's check, made again
+    /// after the purge, then finds those begun while it ran. Returns how many entries were
+    /// proposed.
+    pub async fn purge_below(
+        &self,
+        dir: &Inode,
+        path: &str,
+        keep: Option<u64>,
+    ) -> Result<u64, MasterError> {
         let sm = &self.sm;
         if sm.count_below(dir.id, PURGE_PAGE)? <= PURGE_PAGE {
             return Ok(0);
@@ -55,6 +74,7 @@ impl Namespace {
             id: dir.id,
             path: path.to_string(),
             after: None,
+            kept: false,
         }];
         let mut flight = Vec::new();
         let mut proposed = 0u64;
@@ -75,13 +95,19 @@ impl Namespace {
                 if child.is_mount_point {
                     continue;
                 }
+                if keep.is_some_and(|m| unsaved(child, m)) {
+                    top.kept = true;
+                    continue;
+                }
                 if child.kind == Kind::Directory
-                    && sm.count_below(child.id, PURGE_PAGE)? > PURGE_PAGE
+                    && (sm.count_below(child.id, PURGE_PAGE)? > PURGE_PAGE
+                        || keep.is_some_and(|m| self.holds_unsaved(child, &child_path, m)))
                 {
                     descend = Some(Frame {
                         id: child.id,
                         path: child_path,
                         after: None,
+                        kept: false,
                     });
                     break;
                 }
@@ -101,12 +127,17 @@ impl Namespace {
             if page.len() < NAMES {
                 // Everything below this folder is proposed; it goes after them (entries
                 // apply in the order they were proposed). The caller removes `dir`.
-                if let Some(done) = stack.pop().filter(|_| !stack.is_empty()) {
-                    flight.push(self.raft.start_proposal(&Command::Delete {
-                        path: done.path,
-                        recursive: true,
-                    })?);
-                    proposed += 1;
+                let done = stack.pop();
+                match (done, stack.last_mut()) {
+                    (Some(done), Some(parent)) if done.kept => parent.kept = true,
+                    (Some(done), Some(_)) => {
+                        flight.push(self.raft.start_proposal(&Command::Delete {
+                            path: done.path,
+                            recursive: true,
+                        })?);
+                        proposed += 1;
+                    }
+                    _ => {}
                 }
             }
         }
@@ -121,6 +152,14 @@ impl Namespace {
 }
 
 impl Namespace {
+    /// Whether a folder of at most [`PURGE_PAGE`] entries holds a file of `mount` that only
+    /// workers hold (a folder that cannot be walked is taken to hold one: it is kept).
+    fn holds_unsaved(&self, dir: &Inode, path: &str, mount: u64) -> bool {
+        self.sm
+            .walk(dir.clone(), path.to_string())
+            .any(|e| e.map_or(true, |(node, _)| unsaved(&node, mount)))
+    }
+
     /// Before a re-listing's batches remove `removed` from folder `dir` (and replace the
     /// folders `retyped` by files): each of them that is a folder holding more cached
     /// entries than one apply may remove loses them in bounded steps first (a dataset
@@ -152,7 +191,8 @@ impl Namespace {
                 Some(p) => p,
                 None => dir_path.insert(self.sm.path_of(dir)?),
             };
-            self.purge_below(&child, &join(dir_path, name)).await?;
+            self.purge_below(&child, &join(dir_path, name), None)
+                .await?;
         }
         Ok(())
     }

@@ -95,20 +95,32 @@ impl MasterCore {
             }
             _ => false,
         };
-        // A retried request that was done already must not purge what was made at its
-        // path since (the final command alone would be recognised).
-        if big {
-            if let Some(first) = self.replayed(request_id).await? {
-                return first.map(drop);
-            }
+        // A retried request that was done already must not delete what was made at its
+        // path since, in the store or by a purge (the final command alone would be
+        // recognised). What was made there since was applied after the request, so this
+        // master knows of it; a big folder's purge waits for everything committed first.
+        let replayed = if big {
+            self.replayed(request_id).await?
+        } else {
+            sm.request_outcome(request_id)?
+        };
+        if let Some(first) = replayed {
+            return first.map(drop);
         }
         let inode = self.namespace().delete_in_store(path, recursive).await?;
-        if big && inode.kind == Kind::Directory {
+        // A folder not listed before is listed by `delete_in_store`: it may be big only now.
+        if recursive && inode.kind == Kind::Directory {
             // Again while entries arrive faster than they go (a move into the folder).
             for _ in 0..3 {
-                if self.namespace().purge_below(&inode, &normal).await? == 0 {
+                if self.namespace().purge_below(&inode, &normal, None).await? == 0 {
                     break;
                 }
+            }
+            if sm.count_below(inode.id, crate::purge::PURGE_PAGE)? > crate::purge::PURGE_PAGE {
+                return Err(MasterError::precondition(format!(
+                    "entries keep arriving below {} faster than they are removed; ask again",
+                    granary_common::paths::shown(&normal)
+                )));
             }
         }
         self.propose_request(
