@@ -116,9 +116,9 @@ impl tower::Service<http::Uri> for TlsConnect {
     }
 }
 
-/// A server of Granary's services: the matching transport settings, TLS requiring a client
-/// certificate of the cluster CA when this process has TLS material, and the authorization
-/// layer ([`crate::authz`]) in front of every method.
+/// A server of Granary's services: the matching transport settings and the authorization
+/// layer ([`crate::authz`]) in front of every method. TLS (a client certificate of the
+/// cluster CA required) is [`serve`]'s, given the process's material.
 pub type Server = tonic::transport::Server<Stack<AuthLayer, Identity>>;
 
 /// Most concurrent streams one connection may open (a bound on what one peer can hold:
@@ -177,9 +177,47 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
         .with_keepalive(Some(Duration::from_secs(30)))
 }
 
-/// Most TLS handshakes one server runs at once (each is given
-/// [`crate::tls::handshake_timeout`]); connections past it wait in the listen backlog.
-const MAX_HANDSHAKES: usize = 8192;
+/// Most TLS handshakes one server runs at once, and from one address: a connection past
+/// either is closed at once (its client fails fast and tries again), so that peers that
+/// open connections and send nothing hold at most this many slots, each for at most
+/// [`SERVER_HANDSHAKE_TIMEOUT`].
+const MAX_HANDSHAKES: usize = 1024;
+const MAX_HANDSHAKES_PER_ADDRESS: usize = 128;
+
+/// How long a server waits for a connection's TLS handshake (clients give up connecting
+/// after [`CONNECT_TIMEOUT`]; what is longer serves only a peer that sends nothing).
+const SERVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Handshakes running per peer address.
+#[derive(Default)]
+struct PerAddress(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// A handshake slot of one address, given back when dropped.
+struct AddressSlot(Arc<PerAddress>, std::net::IpAddr);
+
+impl PerAddress {
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<AddressSlot> {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(ip).or_default();
+        if *n >= MAX_HANDSHAKES_PER_ADDRESS {
+            return None;
+        }
+        *n += 1;
+        Some(AddressSlot(self.clone(), ip))
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut map = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = map.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.1);
+            }
+        }
+    }
+}
 
 /// Accepted connections of a bound listener over mutual TLS: each handshake runs on a
 /// task of its own with the material in use when the connection arrived (a renewed
@@ -196,14 +234,9 @@ fn tls_incoming(
     let mut tcp = incoming(listener);
     tokio::spawn(async move {
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let per_address = Arc::new(PerAddress::default());
+        let mut refused_at: Option<std::time::Instant> = None;
         loop {
-            let slot = tokio::select! {
-                _ = tx.closed() => return,
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    Err(_) => return,
-                },
-            };
             let sock = tokio::select! {
                 _ = tx.closed() => return,
                 next = tcp.next() => match next {
@@ -217,12 +250,28 @@ fn tls_incoming(
                     None => return,
                 },
             };
+            let ip = sock.peer_addr().map(|a| a.ip()).ok();
+            let slot = slots.clone().try_acquire_owned().ok();
+            let by_address = ip.and_then(|ip| per_address.take(ip));
+            let (Some(slot), Some(by_address)) = (slot, by_address) else {
+                // Closed at once (dropped).
+                if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    tracing::warn!(
+                        peer = ?ip,
+                        "too many TLS handshakes at once (from this address or in all); \
+                         closing new connections until some finish"
+                    );
+                    refused_at = Some(std::time::Instant::now());
+                }
+                continue;
+            };
             let (acceptor, tx) = (tls.grpc_acceptor(), tx.clone());
             tokio::spawn(async move {
-                let _slot = slot;
-                let wait = crate::tls::handshake_timeout();
+                let held = (slot, by_address);
+                let wait = SERVER_HANDSHAKE_TIMEOUT;
                 match tokio::time::timeout(wait, acceptor.accept(sock)).await {
                     Ok(Ok(stream)) => {
+                        drop(held);
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),

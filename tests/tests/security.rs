@@ -120,7 +120,7 @@ fn a_renewed_certificate_is_used_without_a_restart() {
     let admin = creds_in(&TestTls::get().identity("admin"));
     let node_dir = root.join("node-tls");
     let mut spec = LeafSpec::new("reload-node", &[Role::Node], 1);
-    let expires = time::OffsetDateTime::now_utc() + time::Duration::seconds(12);
+    let expires = time::OffsetDateTime::now_utc() + time::Duration::seconds(25);
     spec.not_after = expires;
     write_tls_dir(&node_dir, &ca.cert, &tls::issue(&ca, &spec).unwrap());
 
@@ -189,6 +189,60 @@ fn a_renewed_certificate_is_used_without_a_restart() {
         "the refusal names the principals:\n{}",
         worker.proc.log_text()
     );
+}
+
+/// Connections that send nothing hold a server's TLS handshakes only for a while and only
+/// so many from one address: past 128 at once from one address a new connection is closed
+/// at once (its client fails fast), and each silent one is closed after 5 s, when new
+/// connections are served again. Before, any number of silent connections each held a
+/// task and buffers for as long as they stayed open.
+#[test]
+fn silent_connections_hold_a_servers_handshakes_briefly_and_boundedly() {
+    if insecure_suite() {
+        return;
+    }
+    use std::io::Read;
+    let tmp = tempfile::Builder::new().prefix("silent").tempdir().unwrap();
+    let master = Master::start(tmp.path()).unwrap();
+    let addr: std::net::SocketAddr = master.addr.parse().unwrap();
+    let silent: Vec<std::net::TcpStream> = (0..128)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    // Closed by the server without an answer (end of stream, or a reset).
+    let closed = |mut s: &std::net::TcpStream, within: Duration| {
+        s.set_read_timeout(Some(within)).unwrap();
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            Ok(_) => false,
+        }
+    };
+    // The 129th from this address is closed at once, while the others wait.
+    poll("the 128 to be accepted", Duration::from_secs(10), || {
+        let extra = std::net::TcpStream::connect(addr).unwrap();
+        closed(&extra, Duration::from_millis(500)).then_some(())
+    })
+    .unwrap();
+    assert!(
+        master
+            .proc
+            .log_text()
+            .contains("too many TLS handshakes at once"),
+        "{}",
+        master.proc.log_text()
+    );
+    // Each silent one is closed after its handshake's 5 s.
+    let started = std::time::Instant::now();
+    for s in &silent {
+        assert!(
+            closed(s, Duration::from_secs(15)),
+            "a silent connection stayed open"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(15));
+    // And a client is served again.
+    wait_live_workers(&master.addr, 0).expect("the master answers once the slots are free");
 }
 
 /// A master, a live worker and a source folder of random files (relative path → size),
