@@ -177,12 +177,13 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
         .with_keepalive(Some(Duration::from_secs(30)))
 }
 
-/// Most TLS handshakes one server runs at once, and from one address: a connection past
-/// either is closed at once (its client fails fast and tries again), so that peers that
-/// open connections and send nothing hold at most this many slots, each for at most
+/// Most TLS handshakes one server runs at once (connections past it wait in the listen
+/// backlog), and from one address (a connection past that is closed at once: its client
+/// fails fast and tries again, and other addresses keep being served): peers that open
+/// connections and send nothing hold at most this many, each for at most
 /// [`SERVER_HANDSHAKE_TIMEOUT`].
 const MAX_HANDSHAKES: usize = 1024;
-const MAX_HANDSHAKES_PER_ADDRESS: usize = 128;
+const MAX_HANDSHAKES_PER_ADDRESS: usize = 256;
 
 /// How long a server waits for a connection's TLS handshake (clients give up connecting
 /// after [`CONNECT_TIMEOUT`]; what is longer serves only a peer that sends nothing).
@@ -237,6 +238,13 @@ fn tls_incoming(
         let per_address = Arc::new(PerAddress::default());
         let mut refused_at: Option<std::time::Instant> = None;
         loop {
+            let slot = tokio::select! {
+                _ = tx.closed() => return,
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return,
+                },
+            };
             let sock = tokio::select! {
                 _ = tx.closed() => return,
                 next = tcp.next() => match next {
@@ -251,15 +259,13 @@ fn tls_incoming(
                 },
             };
             let ip = sock.peer_addr().map(|a| a.ip()).ok();
-            let slot = slots.clone().try_acquire_owned().ok();
-            let by_address = ip.and_then(|ip| per_address.take(ip));
-            let (Some(slot), Some(by_address)) = (slot, by_address) else {
+            let Some(by_address) = ip.and_then(|ip| per_address.take(ip)) else {
                 // Closed at once (dropped).
                 if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
                     tracing::warn!(
                         peer = ?ip,
-                        "too many TLS handshakes at once (from this address or in all); \
-                         closing new connections until some finish"
+                        "too many TLS handshakes at once from one address; closing its new \
+                         connections until some finish"
                     );
                     refused_at = Some(std::time::Instant::now());
                 }

@@ -478,12 +478,17 @@ pub fn replace_file(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> 
         .create_new(true)
         .mode(mode)
         .open(&part)?;
-    // A replaced file keeps its owner and mode (a root-run rotation of a daemon's folder
-    // must leave files the daemon can still read); the owner as far as this user may.
-    if let Ok(old) = std::fs::metadata(path) {
-        use std::os::unix::fs::MetadataExt;
-        let _ = std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid()));
-        f.set_permissions(old.permissions())?;
+    // A replaced file keeps its owner and group (a root-run rotation of a daemon's folder
+    // must leave files the daemon can still read), as far as this user may, and its mode
+    // without any bit for others that `mode` does not give (a key copied in world-readable
+    // becomes private). Only a regular file is copied from: a link is replaced, not read.
+    if let Ok(old) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        if old.file_type().is_file() {
+            let _ = std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid()));
+            let kept = old.mode() & 0o777 & (mode | 0o070);
+            f.set_permissions(std::fs::Permissions::from_mode(kept))?;
+        }
     }
     f.write_all(data).and_then(|_| f.sync_all())?;
     std::fs::rename(&part, path)?;
@@ -966,10 +971,13 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let group_readable = std::fs::Permissions::from_mode(0o640);
         std::fs::set_permissions(dir.join("tls.crt"), group_readable).unwrap();
+        let world_readable = std::fs::Permissions::from_mode(0o644);
+        std::fs::set_permissions(dir.join("tls.key"), world_readable).unwrap();
         write_dir(&dir, &ca.cert, &renewed);
         assert!(m.reload().unwrap());
         assert_eq!(m.cert_pem(), renewed.cert);
-        // Each file was replaced whole, keeping the mode of the file it replaced.
+        // Each file was replaced whole, keeping the mode of the file it replaced, less what
+        // it gave others beyond what was asked (a key is never world-readable).
         let mode = |name: &str| {
             std::fs::metadata(dir.join(name))
                 .unwrap()
@@ -978,7 +986,7 @@ mod tests {
         };
         assert_eq!(
             (mode("tls.key") & 0o777, mode("tls.crt") & 0o777),
-            (0o600, 0o640)
+            (0o640, 0o640)
         );
         assert!(m.not_after() > OffsetDateTime::now_utc().unix_timestamp() + 2 * 86_400);
 

@@ -167,6 +167,22 @@ impl MasterCore {
         self.ns.sm.request_outcome(request_id)
     }
 
+    /// As [`replayed`](Self::replayed), without its quorum round when this leader has
+    /// applied every entry of its log: a leader's log holds every committed entry, so a
+    /// request applied anywhere is then known here.
+    pub async fn replayed_cheaply(
+        &self,
+        request_id: u64,
+    ) -> Result<Option<Result<ApplyOutput, MasterError>>, MasterError> {
+        let s = &self.raft.status;
+        // `applied` first: `last_index` only grows, so this holds at the first read.
+        let applied = s.applied.load(std::sync::atomic::Ordering::Acquire);
+        if s.is_leader() && applied >= s.last_index.load(std::sync::atomic::Ordering::Acquire) {
+            return self.ns.sm.request_outcome(request_id);
+        }
+        self.replayed(request_id).await
+    }
+
     pub async fn propose(&self, cmd: Command) -> Result<ApplyOutput, MasterError> {
         self.raft.propose(&cmd).await
     }
@@ -283,7 +299,8 @@ impl MasterCore {
                 }
                 let mount = mounts.iter().find(|m| m.path == path).map(|m| m.id);
                 let keep = mount.filter(|_| !force);
-                if self.ns.purge_below(&point, &path, keep).await? > 0 && !force {
+                self.ns.purge_below(&point, &path, keep).await?;
+                if !force {
                     // Files finished while the purge ran (the purge kept them).
                     self.refuse_losing_writes(&path).await?;
                 }

@@ -89,21 +89,10 @@ impl MasterCore {
             });
         }
         let sm = &self.namespace().sm;
-        let big = match sm.resolve_loaded(&normal)? {
-            Some(dir) if recursive && dir.kind == Kind::Directory => {
-                sm.count_below(dir.id, crate::purge::PURGE_PAGE)? > crate::purge::PURGE_PAGE
-            }
-            _ => false,
-        };
         // A retried request that was done already must not delete what was made at its
         // path since, in the store or by a purge (the final command alone would be
-        // recognised). What was made there since was applied after the request, so this
-        // master knows of it; a big folder's purge waits for everything committed first.
-        let replayed = if big {
-            self.replayed(request_id).await?
-        } else {
-            sm.request_outcome(request_id)?
-        };
+        // recognised).
+        let replayed = self.replayed_cheaply(request_id).await?;
         if let Some(first) = replayed {
             return first.map(drop);
         }

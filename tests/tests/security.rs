@@ -192,7 +192,7 @@ fn a_renewed_certificate_is_used_without_a_restart() {
 }
 
 /// Connections that send nothing hold a server's TLS handshakes only for a while and only
-/// so many from one address: past 128 at once from one address a new connection is closed
+/// so many from one address: past 256 at once from one address a new connection is closed
 /// at once (its client fails fast), and each silent one is closed after 5 s, when new
 /// connections are served again. Before, any number of silent connections each held a
 /// task and buffers for as long as they stayed open.
@@ -205,7 +205,7 @@ fn silent_connections_hold_a_servers_handshakes_briefly_and_boundedly() {
     let tmp = tempfile::Builder::new().prefix("silent").tempdir().unwrap();
     let master = Master::start(tmp.path()).unwrap();
     let addr: std::net::SocketAddr = master.addr.parse().unwrap();
-    let silent: Vec<std::net::TcpStream> = (0..128)
+    let silent: Vec<std::net::TcpStream> = (0..256)
         .map(|_| std::net::TcpStream::connect(addr).unwrap())
         .collect();
     // Closed by the server without an answer (end of stream, or a reset).
@@ -218,8 +218,8 @@ fn silent_connections_hold_a_servers_handshakes_briefly_and_boundedly() {
             Ok(_) => false,
         }
     };
-    // The 129th from this address is closed at once, while the others wait.
-    poll("the 128 to be accepted", Duration::from_secs(10), || {
+    // The 257th from this address is closed at once, while the others wait.
+    poll("the 256 to be accepted", Duration::from_secs(10), || {
         let extra = std::net::TcpStream::connect(addr).unwrap();
         closed(&extra, Duration::from_millis(500)).then_some(())
     })
@@ -228,7 +228,7 @@ fn silent_connections_hold_a_servers_handshakes_briefly_and_boundedly() {
         master
             .proc
             .log_text()
-            .contains("too many TLS handshakes at once"),
+            .contains("too many TLS handshakes at once from one address"),
         "{}",
         master.proc.log_text()
     );
