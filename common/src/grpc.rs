@@ -223,12 +223,17 @@ impl Drop for AddressSlot {
 /// Accepted connections of a bound listener over mutual TLS: each handshake runs on a
 /// task of its own with the material in use when the connection arrived (a renewed
 /// certificate serves the next connection, see [`TlsMaterial::reload`]), and connections
-/// whose handshake fails or times out are dropped. Ends when the server drops it.
+/// whose handshake fails or times out are dropped. Each connection is tracked with its
+/// peer's chain ([`crate::tls_conns`]): a CA file that no longer verifies it ends it.
+/// Ends when the server drops it.
 fn tls_incoming(
     listener: tokio::net::TcpListener,
     tls: Arc<TlsMaterial>,
 ) -> impl futures::Stream<
-    Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+    Item = Result<
+        tokio_rustls::server::TlsStream<crate::tls_conns::Tracked<tokio::net::TcpStream>>,
+        std::io::Error,
+    >,
 > {
     use futures::StreamExt;
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
@@ -271,13 +276,15 @@ fn tls_incoming(
                 }
                 continue;
             };
-            let (acceptor, tx) = (tls.grpc_acceptor(), tx.clone());
+            let (acceptor, tx, tls) = (tls.grpc_acceptor(), tx.clone(), tls.clone());
             tokio::spawn(async move {
                 let held = (slot, by_address);
                 let wait = SERVER_HANDSHAKE_TIMEOUT;
+                let sock = crate::tls_conns::Tracked::new(sock);
                 match tokio::time::timeout(wait, acceptor.accept(sock)).await {
-                    Ok(Ok(stream)) => {
+                    Ok(Ok(mut stream)) => {
                         drop(held);
+                        tls.open_connections().track(&mut stream);
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),

@@ -18,6 +18,7 @@ pub mod paths;
 pub mod sequential;
 pub mod size;
 pub mod tls;
+pub mod tls_conns;
 pub mod ufs;
 
 /// Default size of a page: the unit a worker fetches, checksums, caches and evicts.

@@ -504,13 +504,17 @@ pub fn replace_file(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> 
 /// [`RELOAD_EVERY`] by [`TlsMaterial::watch`]): a renewed certificate, key or CA (what
 /// cert-manager writes into a Kubernetes Secret before the old certificate expires) is used
 /// by every connection made or accepted from then on, without a restart. Connections
-/// already open keep the session they have. The principal never changes: a replacement
-/// naming another principal is refused and the current material kept.
+/// already open keep the session they have, except accepted ones whose peer's chain a new
+/// CA file no longer verifies: those are ended ([`crate::tls_conns`]). The principal never
+/// changes: a replacement naming another principal is refused and the current material
+/// kept.
 pub struct TlsMaterial {
     /// Where the material was read from (None: made in memory, never reloaded).
     files: Option<TlsFiles>,
     current: std::sync::RwLock<Arc<Loaded>>,
     pub principal: Principal,
+    /// The connections servers of this identity accepted and still hold.
+    open: Arc<crate::tls_conns::OpenConnections>,
 }
 
 /// One verified set of PEMs and the rustls configurations made from them.
@@ -525,6 +529,8 @@ struct Loaded {
     /// TLS streams outside gRPC (the block data plane).
     stream_server: Arc<tokio_rustls::rustls::ServerConfig>,
     stream_client: Arc<tokio_rustls::rustls::ClientConfig>,
+    /// What the servers verify client certificates with.
+    verifier: Arc<dyn tokio_rustls::rustls::server::danger::ClientCertVerifier>,
 }
 
 /// How often [`TlsMaterial::watch`] reads the files again.
@@ -573,6 +579,7 @@ impl TlsMaterial {
             files: None,
             current: std::sync::RwLock::new(Arc::new(loaded)),
             principal,
+            open: Arc::default(),
         })
     }
 
@@ -588,7 +595,8 @@ impl TlsMaterial {
         self.current().not_after
     }
 
-    /// Reads the files again; true when they changed and the new material is in use. A
+    /// Reads the files again; true when they changed and the new material is in use (and
+    /// when the CA file changed, the open connections it does not verify are ended). A
     /// replacement that does not verify (unreadable, expired, a key of another
     /// certificate, a CA that does not parse) or that names another principal is an
     /// error, and the current material stays in use. Material made in memory: Ok(false).
@@ -611,11 +619,28 @@ impl TlsMaterial {
                 self.principal
             )));
         }
+        let loaded = Arc::new(loaded);
         match self.current.write() {
-            Ok(mut g) => *g = Arc::new(loaded),
-            Err(p) => *p.into_inner() = Arc::new(loaded),
+            Ok(mut g) => *g = loaded.clone(),
+            Err(p) => *p.into_inner() = loaded.clone(),
+        }
+        if loaded.ca != now.ca {
+            let ended = self.open.end_untrusted(loaded.verifier.as_ref());
+            if ended > 0 {
+                tracing::warn!(
+                    ended,
+                    ca = %files.ca.display(),
+                    "ended open connections whose certificates the new CA file does not verify"
+                );
+            }
         }
         Ok(true)
+    }
+
+    /// The connections servers of this identity accepted over TLS and still hold (see
+    /// [`crate::tls_conns`]): a server tracks each one once its handshake is done.
+    pub fn open_connections(&self) -> &Arc<crate::tls_conns::OpenConnections> {
+        &self.open
     }
 
     /// Reloads the material every `every` on a thread of its own ([`reload`](Self::reload)),
@@ -715,8 +740,8 @@ impl Loaded {
             .map_err(|e| TlsError::Invalid(format!("no PEM CA certificate ({e})")))?;
         let principal = Principal::from_certificate(&pem.contents)?;
         let not_after = validity.not_after.timestamp();
-        let (grpc_server, grpc_client) = configs(&ca, &own, &[b"h2"])?;
-        let (stream_server, stream_client) = configs(&ca, &own, &[])?;
+        let (grpc_server, grpc_client, verifier) = configs(&ca, &own, &[b"h2"])?;
+        let (stream_server, stream_client, _) = configs(&ca, &own, &[])?;
         Ok((
             Loaded {
                 ca,
@@ -726,6 +751,7 @@ impl Loaded {
                 grpc_client,
                 stream_server,
                 stream_client,
+                verifier,
             },
             principal,
         ))
@@ -734,7 +760,8 @@ impl Loaded {
 
 /// The rustls server and client configurations of one identity: the provider gRPC uses
 /// (aws-lc-rs), the cluster CA as the only root (client certificates of it required by the
-/// server), this identity's chain and key, and the ALPN protocols `alpn`.
+/// server), this identity's chain and key, and the ALPN protocols `alpn`; with the client
+/// certificate verifier of the server's.
 #[allow(clippy::type_complexity)]
 fn configs(
     ca: &str,
@@ -744,6 +771,7 @@ fn configs(
     (
         Arc<tokio_rustls::rustls::ServerConfig>,
         Arc<tokio_rustls::rustls::ClientConfig>,
+        Arc<dyn tokio_rustls::rustls::server::danger::ClientCertVerifier>,
     ),
     TlsError,
 > {
@@ -792,7 +820,7 @@ fn configs(
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| bad("TLS server", &e))?
-        .with_client_cert_verifier(verifier)
+        .with_client_cert_verifier(verifier.clone())
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(|e| bad("TLS server", &e))?;
     server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
@@ -803,7 +831,7 @@ fn configs(
         .with_client_auth_cert(chain, key)
         .map_err(|e| bad("TLS client", &e))?;
     client.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Ok((Arc::new(server), Arc::new(client)))
+    Ok((Arc::new(server), Arc::new(client), verifier))
 }
 
 /// Time a TLS handshake may take before the connection is dropped.

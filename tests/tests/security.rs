@@ -39,13 +39,18 @@ fn worker_call(
     })
 }
 
-/// A certificate of the test CA whose validity ended yesterday.
-fn expired_creds() -> Creds {
+/// The test CA's certificate and key.
+fn test_ca() -> Pems {
     let ca_dir = TestTls::get().ca();
-    let ca = Pems {
+    Pems {
         cert: std::fs::read_to_string(ca_dir.join("ca.crt")).unwrap(),
         key: std::fs::read_to_string(ca_dir.join("ca.key")).unwrap(),
-    };
+    }
+}
+
+/// A certificate of the test CA whose validity ended yesterday.
+fn expired_creds() -> Creds {
+    let ca = test_ca();
     let mut spec = LeafSpec::new("expired-admin", &[Role::Admin], 1);
     spec.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(30);
     spec.not_after = time::OffsetDateTime::now_utc() - time::Duration::days(1);
@@ -112,11 +117,7 @@ fn a_renewed_certificate_is_used_without_a_restart() {
         .tempdir()
         .unwrap();
     let root = tmp.path();
-    let ca_dir = TestTls::get().ca();
-    let ca = Pems {
-        cert: std::fs::read_to_string(ca_dir.join("ca.crt")).unwrap(),
-        key: std::fs::read_to_string(ca_dir.join("ca.key")).unwrap(),
-    };
+    let ca = test_ca();
     let admin = creds_in(&TestTls::get().identity("admin"));
     let node_dir = root.join("node-tls");
     let mut spec = LeafSpec::new("reload-node", &[Role::Node], 1);
@@ -189,6 +190,78 @@ fn a_renewed_certificate_is_used_without_a_restart() {
         "the refusal names the principals:\n{}",
         worker.proc.log_text()
     );
+}
+
+/// A CA dropped from a server's `ca.crt` ends the connections it signed that are already
+/// open, within one reload and without a restart: a client of the dropped CA whose
+/// connection to a worker was open before gets no more answers over it (and cannot make a
+/// new one), while clients of the CA kept are still served. Before, an open connection kept
+/// the trust it was verified with for as long as it stayed open.
+#[test]
+fn a_dropped_ca_ends_the_open_connections_it_signed() {
+    if insecure_suite() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("tls-drop-ca")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let ca = test_ca();
+    let other_ca = tls::new_ca("the CA to drop", 1).unwrap();
+    let node_dir = root.join("node-tls");
+    let node = tls::issue(&ca, &LeafSpec::new("drop-ca-node", &[Role::Node], 1)).unwrap();
+    write_tls_dir(&node_dir, &format!("{}{}", ca.cert, other_ca.cert), &node);
+
+    let master = Master::start(root).unwrap();
+    let nd = node_dir.to_string_lossy().to_string();
+    let mut worker = Worker::start_opts(
+        root,
+        "w1",
+        &master.addr,
+        "64MiB",
+        &root.join("w1-cache"),
+        &["--tls-dir", &nd, "--tls-reload-every", "200ms"],
+    )
+    .unwrap();
+    wait_live_workers(&master.addr, 1).unwrap();
+
+    // An admin of the other CA, verifying the worker by the cluster CA.
+    let outsider = tls::issue(&other_ca, &LeafSpec::new("outsider", &[Role::Admin], 1)).unwrap();
+    let outsider = Creds {
+        ca: ca.cert.clone(),
+        cert: outsider.cert,
+        key: outsider.key,
+    };
+    let rt = rt();
+    let open = rt.block_on(async { channel(&worker.addr, Some(&outsider)) });
+    let call = |ch: &tonic::transport::Channel| {
+        rt.block_on(async {
+            WorkerServiceClient::new(ch.clone())
+                .get_cache_info(pb::GetCacheInfoRequest {})
+                .await
+        })
+    };
+    call(&open).expect("the worker trusts both CAs at first");
+
+    write_tls_dir(&node_dir, &ca.cert, &node);
+    worker
+        .proc
+        .wait_for_line(
+            "ended open connections whose certificates the new CA file does not verify",
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    // Calls find the connection ended (a transport error), then a new connection whose
+    // handshake the worker refuses; none is answered.
+    poll("a refused handshake", Duration::from_secs(10), || {
+        let e = call(&open).expect_err("the open connection of the dropped CA was ended");
+        format!("{e:?}").contains("UnknownCA").then_some(())
+    })
+    .unwrap();
+    let admin = creds_in(&TestTls::get().identity("admin"));
+    worker_call(&worker.addr, Some(&admin)).expect("a client of the CA kept is served");
+    wait_live_workers(&master.addr, 1).expect("the worker still reaches its master");
 }
 
 /// Connections that send nothing hold a server's TLS handshakes only for a while and only

@@ -72,7 +72,7 @@ impl Wire for TcpStream {
     }
 }
 
-impl Wire for tokio_rustls::server::TlsStream<TcpStream> {
+impl Wire for tokio_rustls::server::TlsStream<granary_common::tls_conns::Tracked<TcpStream>> {
     /// Read (off the async threads) and written through the TLS stream: no `sendfile`
     /// into a stream the process encrypts.
     async fn send_file(
@@ -150,10 +150,14 @@ pub(crate) async fn serve_at_most(
                 match tls {
                     None => connection(sock, &rpc, Principal::unauthenticated()).await,
                     Some(tls) => {
+                        let sock = granary_common::tls_conns::Tracked::new(sock);
                         let accept = tls.stream_acceptor().accept(sock);
-                        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
+                        let mut stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
                             .await
-                            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+                            .map_err(|_| {
+                            std::io::Error::from(std::io::ErrorKind::TimedOut)
+                        })??;
+                        tls.open_connections().track(&mut stream);
                         let who = stream
                             .get_ref()
                             .1
