@@ -276,12 +276,11 @@ fn tls_incoming(
                 }
                 continue;
             };
-            let (acceptor, tx, tls) = (tls.grpc_acceptor(), tx.clone(), tls.clone());
+            let (tx, tls) = (tx.clone(), tls.clone());
             tokio::spawn(async move {
                 let held = (slot, by_address);
                 let wait = SERVER_HANDSHAKE_TIMEOUT;
-                let sock = crate::tls_conns::Tracked::new(sock);
-                match tokio::time::timeout(wait, acceptor.accept(sock)).await {
+                match tokio::time::timeout(wait, tls.grpc_accept(sock)).await {
                     Ok(Ok(mut stream)) => {
                         drop(held);
                         tls.open_connections().track(&mut stream);

@@ -625,7 +625,7 @@ impl TlsMaterial {
             Err(p) => *p.into_inner() = loaded.clone(),
         }
         if loaded.ca != now.ca {
-            let ended = self.open.end_untrusted(loaded.verifier.as_ref());
+            let ended = self.open.end_untrusted(loaded.verifier.clone());
             if ended > 0 {
                 tracing::warn!(
                     ended,
@@ -689,14 +689,31 @@ impl TlsMaterial {
         self.current().grpc_client.clone()
     }
 
-    /// The server side of a gRPC connection: this identity, client certificates of the
-    /// cluster CA required.
-    pub fn grpc_acceptor(&self) -> tokio_rustls::TlsAcceptor {
-        tokio_rustls::TlsAcceptor::from(self.current().grpc_server.clone())
+    /// Accepts a gRPC connection on `io` (HTTP/2): this identity, client certificates of
+    /// the cluster CA required; the socket can be ended by a CA change
+    /// ([`crate::tls_conns`]) once [`OpenConnections::track`](crate::tls_conns::OpenConnections::track)ed.
+    pub fn grpc_accept<T>(&self, io: T) -> tokio_rustls::Accept<crate::tls_conns::Tracked<T>>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        // The generation first, then the CAs: a change between the two is caught at track.
+        let io = self.open.wrap(io);
+        tokio_rustls::TlsAcceptor::from(self.current().grpc_server.clone()).accept(io)
+    }
+
+    /// Accepts a TLS stream outside gRPC (the block data plane) on `io`, as
+    /// [`grpc_accept`](Self::grpc_accept) does.
+    pub fn stream_accept<T>(&self, io: T) -> tokio_rustls::Accept<crate::tls_conns::Tracked<T>>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let io = self.open.wrap(io);
+        self.stream_acceptor().accept(io)
     }
 
     /// The server side of a TLS stream outside gRPC (the block data plane): the same
-    /// identity, and client certificates of the cluster CA required, as gRPC servers.
+    /// identity, and client certificates of the cluster CA required, as gRPC servers. Its
+    /// connections are not tracked: servers use [`stream_accept`](Self::stream_accept).
     pub fn stream_acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.current().stream_server.clone())
     }

@@ -150,8 +150,7 @@ pub(crate) async fn serve_at_most(
                 match tls {
                     None => connection(sock, &rpc, Principal::unauthenticated()).await,
                     Some(tls) => {
-                        let sock = granary_common::tls_conns::Tracked::new(sock);
-                        let accept = tls.stream_acceptor().accept(sock);
+                        let accept = tls.stream_accept(sock);
                         let mut stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
                             .await
                             .map_err(|_| {
